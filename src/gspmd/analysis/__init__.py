@@ -1,0 +1,4 @@
+"""Static analysis of SPMD programs: collectives and bytes, memory, FLOPs."""
+from gspmd.analysis.report import Collective, Report, analyse
+
+__all__ = ["Collective", "Report", "analyse"]

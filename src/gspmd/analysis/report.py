@@ -1,0 +1,88 @@
+"""What a partitioned program costs per device: its collectives (kind, bytes, groups and
+the instruction/rule that made each), peak live memory and FLOPs. Needs no execution."""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gspmd.ir import Program
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str
+    bytes: int            # per-device payload of the result
+    groups: tuple         # device groups (pairs for collective-permute)
+    origin: str           # the instruction and rule that created it
+
+    def __iter__(self):   # unpacks as (kind, bytes, groups)
+        return iter((self.kind, self.bytes, self.groups))
+
+
+@dataclass
+class Report:
+    collectives: list[Collective] = field(default_factory=list)
+    peak_memory_bytes: int = 0
+    flops: int = 0
+
+    @property
+    def collective_bytes(self) -> int:
+        return sum(c.bytes for c in self.collectives)
+
+    def counts(self) -> Counter:
+        return Counter(c.kind for c in self.collectives)
+
+    def __str__(self):
+        lines = [f"collectives: {len(self.collectives)} ({self.collective_bytes:,} bytes per device)"]
+        for c in self.collectives:
+            lines.append(f"  {c.kind:<18} {c.bytes:>12,} B  groups={_groups_str(c.groups)}  <- {c.origin}")
+        lines.append(f"peak memory per device: {self.peak_memory_bytes:,} bytes")
+        lines.append(f"flops per device: {self.flops:,}")
+        return "\n".join(lines)
+
+
+def _groups_str(groups) -> str:
+    text = str([list(g) for g in groups]).replace(" ", "")
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
+def _dot_flops(instr) -> int:
+    lhs = instr.operands[0]
+    contracted = math.prod(lhs.shape[d] for d in instr.attrs["lhs_contracting"])
+    return 2 * math.prod(instr.output.shape) * contracted
+
+
+def _peak_memory(program: Program) -> int:
+    last_use = {}
+    for i, instr in enumerate(program.instrs):
+        for v in instr.operands:
+            last_use[v] = i
+    for v in program.outputs:
+        last_use[v] = len(program.instrs)
+    live = sum(p.nbytes for p in program.params)
+    peak = live
+    for i, instr in enumerate(program.instrs):
+        live += sum(o.nbytes for o in instr.outputs)
+        peak = max(peak, live)
+        for v in set(instr.operands) | set(instr.outputs):
+            if last_use.get(v, -1) <= i and v not in program.params:
+                live -= v.nbytes
+    return peak
+
+
+def analyse(spmd: Program) -> Report:
+    report = Report(peak_memory_bytes=_peak_memory(spmd))
+    for instr in spmd.instrs:
+        if instr.opcode in COLLECTIVES:
+            groups = instr.attrs["pairs"] if instr.opcode == "collective-permute" else instr.attrs["groups"]
+            report.collectives.append(Collective(instr.opcode, instr.output.nbytes,
+                                                 tuple(tuple(int(d) for d in g) for g in np.asarray(groups)),
+                                                 instr.origin))
+        elif instr.opcode == "dot":
+            report.flops += _dot_flops(instr)
+    return report

@@ -1,0 +1,133 @@
+"""gspmd.jit: trace -> complete shardings -> partition -> execute; and Lowered."""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Union
+
+import jax
+import numpy as np
+
+from gspmd import propagation
+from gspmd.analysis import Report, analyse
+from gspmd.errors import ShardingError
+from gspmd.frontend import trace
+from gspmd.ir import Program, Value, format_program, verify
+from gspmd.mesh import Mesh
+from gspmd.partitioner import partition
+from gspmd.runtime import sim
+from gspmd.sharding import Sharding
+
+BACKENDS = ("sim",)
+
+
+def jit(fn: Callable, mesh: Optional[Mesh] = None, backend: str = "sim") -> "Partitioned":
+    """Partition `fn` for the devices of `mesh` (or of its annotations' meshes).
+    Calling the result runs one SPMD program on all devices and returns what `fn`
+    returns on one device."""
+    if backend not in BACKENDS:
+        raise ShardingError(f"Unknown backend {backend!r}; choose one of {BACKENDS}.")
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise ShardingError(f"jit(mesh=...) needs a gspmd.Mesh, got {type(mesh).__name__}.")
+    return Partitioned(fn, mesh, backend)
+
+
+def _abstract(x) -> jax.ShapeDtypeStruct:
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x
+    x = x if hasattr(x, "dtype") and hasattr(x, "shape") else np.asarray(x)
+    return jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(x.dtype))
+
+
+class Partitioned:
+    def __init__(self, fn: Callable, mesh: Optional[Mesh], backend: str):
+        self.fn, self.mesh, self.backend = fn, mesh, backend
+        self._cache: dict = {}
+
+    def lower(self, *args) -> "Lowered":
+        """Trace, complete and partition for these argument shapes; executes nothing.
+        Arguments may be arrays or jax.ShapeDtypeStruct."""
+        flat, in_tree = jax.tree_util.tree_flatten(args)
+        avals = [_abstract(a) for a in flat]
+        key = (in_tree, tuple((a.shape, a.dtype) for a in avals))
+        if key not in self._cache:
+            self._cache[key] = Lowered(self.fn, in_tree, avals, self.mesh)
+        return self._cache[key]
+
+    def __call__(self, *args):
+        return self.lower(*args)(*args)
+
+
+class Lowered:
+    def __init__(self, fn: Callable, in_tree, avals, mesh: Optional[Mesh]):
+        def flat_fn(*flat_args):
+            return fn(*jax.tree_util.tree_unflatten(in_tree, flat_args))
+        self.program, self.out_tree = trace(flat_fn, avals, getattr(fn, "__name__", "main"))
+        verify(self.program)
+        self.num_devices = _device_count(self.program, mesh)
+        self.completion = propagation.complete(self.program, self.num_devices)
+        self.spmd = partition(self.program, self.num_devices)
+        verify(self.spmd)
+
+    # -- execution ----------------------------------------------------------------
+    def __call__(self, *args):
+        flat, _ = jax.tree_util.tree_flatten(args)
+        if len(flat) != len(self.program.params):
+            raise ShardingError(f"Expected {len(self.program.params)} array arguments, got {len(flat)}.")
+        per_param = [sim.shard(np.asarray(x, p.dtype), p.sharding) for x, p in zip(flat, self.program.params)]
+        per_device = [[shards[d] for shards in per_param] for d in range(self.num_devices)]
+        results = sim.run(self.spmd, per_device, self.num_devices)
+        outs = [sim.unshard([results[d][i] for d in range(self.num_devices)], v.sharding, v.shape)
+                for i, v in enumerate(self.program.outputs)]
+        return jax.tree_util.tree_unflatten(self.out_tree, outs)
+
+    # -- inspection ---------------------------------------------------------------
+    def as_text(self) -> str:
+        return (f"// completed program: every value's sharding\n{format_program(self.program)}\n\n"
+                f"// SPMD program run by each of {self.num_devices} devices\n"
+                f"{format_program(self.spmd, with_sharding=False)}")
+
+    def report(self) -> Report:
+        return analyse(self.spmd)
+
+    def value(self, ref: Union[int, str, Value]) -> Value:
+        """A value of the completed program: by output index, by name, or itself."""
+        if isinstance(ref, Value):
+            return ref
+        if isinstance(ref, int):
+            return self.program.outputs[ref]
+        try:
+            return self.program.find(ref.lstrip("%"))
+        except KeyError:
+            raise ShardingError(f"No value named {ref!r}; names are the %names in as_text().") from None
+
+    def sharding_of(self, ref: Union[int, str, Value]) -> Sharding:
+        return self.value(ref).sharding
+
+    def explain(self, ref: Union[int, str, Value]) -> str:
+        """Which annotations a value's sharding came from, and through which ops."""
+        v = self.value(ref)
+        lines = [f"%{v.name} {v.type_str()} sharding={v.sharding}"]
+        seen = set()
+
+        def walk(value: Value, depth: int):
+            for instr, source in self.completion.provenance.get(value, []):
+                if source is None:
+                    lines.append(f"{'  ' * depth}<- annotation {instr.attrs['sharding']} ({instr.opcode})")
+                    continue
+                lines.append(f"{'  ' * depth}<- {instr.opcode} from %{source.name} {source.sharding}")
+                if source not in seen:
+                    seen.add(source)
+                    walk(source, depth + 1)
+        walk(v, 1)
+        if len(lines) == 1:
+            lines.append("  no annotation reaches it: replicated")
+        return "\n".join(lines)
+
+
+def _device_count(program: Program, mesh: Optional[Mesh]) -> int:
+    counts = {i.attrs["sharding"].num_devices for i in program.instrs if i.opcode == "sharding"}
+    if mesh is not None:
+        counts.add(mesh.size)
+    if len(counts) > 1:
+        raise ShardingError(f"Annotations and jit(mesh=...) use meshes of different sizes {sorted(counts)}; "
+                            "all meshes of one program must cover the same devices.")
+    return counts.pop() if counts else 1

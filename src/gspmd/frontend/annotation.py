@@ -1,0 +1,51 @@
+"""`mesh_split`: a JAX primitive that is the identity at run time and carries a Sharding.
+
+Its JVP and transpose put the same annotation on tangents and cotangents, so gradients
+get the layout of the value they belong to; under vmap the new dim is left UNSPECIFIED.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from gspmd.errors import ShardingError
+from gspmd.mesh import Mesh
+from gspmd.sharding import UNSPECIFIED, Sharding
+
+mesh_split_p = Primitive("mesh_split")
+
+
+def mesh_split(x, mesh: Mesh, dims_mapping: Sequence):
+    """Annotate `x` as split over `mesh`: dims_mapping[i] is the mesh dim(s) (index,
+    name, or tuple major-to-minor) that split tensor dim i, or -1/None for unsplit, or
+    UNSPECIFIED to let propagation decide."""
+    if not isinstance(mesh, Mesh):
+        raise ShardingError(f"mesh_split needs a gspmd.Mesh, got {type(mesh).__name__}.")
+    shape = np.shape(x)
+    dims_mapping = list(dims_mapping)
+    sharding = Sharding.from_mesh(mesh, dims_mapping, shape)
+    unspecified = tuple(i for i, e in enumerate(dims_mapping) if e is UNSPECIFIED)
+    return mesh_split_p.bind(x, sharding=sharding, unspecified=unspecified)
+
+
+def _transpose(ct, x, *, sharding, unspecified):
+    return [mesh_split_p.bind(ct, sharding=sharding, unspecified=unspecified)]
+
+
+def _batch(args, dims, *, sharding, unspecified):
+    (x,), (bd,) = args, dims
+    if bd is batching.not_mapped:
+        return mesh_split_p.bind(x, sharding=sharding, unspecified=unspecified), bd
+    shifted = tuple(d + (d >= bd) for d in unspecified)
+    return mesh_split_p.bind(x, sharding=sharding.insert_dim(bd),
+                             unspecified=tuple(sorted(shifted + (bd,)))), bd
+
+
+mesh_split_p.def_impl(lambda x, **_: x)
+mesh_split_p.def_abstract_eval(lambda x, **_: x)
+ad.deflinear2(mesh_split_p, _transpose)
+batching.primitive_batchers[mesh_split_p] = _batch
+mlir.register_lowering(mesh_split_p, mlir.lower_fun(lambda x, **_: x, multiple_results=False))

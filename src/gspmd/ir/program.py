@@ -1,0 +1,116 @@
+"""Program = SSA graph of instructions whose opcodes follow XLA HLO names."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from gspmd.sharding import Sharding
+
+
+class Value:
+    """One SSA value: a static shape, a dtype, the instruction that made it (None for
+    parameters) and, once completed, its sharding."""
+    __slots__ = ("name", "shape", "dtype", "producer", "sharding")
+
+    def __init__(self, name: str, shape: Sequence[int], dtype, producer: Optional["Instr"] = None):
+        self.name = name
+        self.shape = tuple(int(d) for d in shape)
+        self.dtype = np.dtype(dtype)
+        self.producer = producer
+        self.sharding: Optional[Sharding] = None
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def type_str(self) -> str:
+        return f"{self.dtype.name}[{','.join(map(str, self.shape))}]"
+
+    def __repr__(self):
+        return f"%{self.name}:{self.type_str()}"
+
+
+class Instr:
+    """One instruction. `origin` says where it came from (the JAX primitive or the
+    partition rule that emitted it), for reports and explain."""
+    __slots__ = ("opcode", "operands", "attrs", "outputs", "origin")
+
+    def __init__(self, opcode: str, operands: Sequence[Value], attrs: dict, origin: str = ""):
+        self.opcode = opcode
+        self.operands = list(operands)
+        self.attrs = dict(attrs)
+        self.outputs: list[Value] = []
+        self.origin = origin
+
+    @property
+    def output(self) -> Value:
+        assert len(self.outputs) == 1, f"{self.opcode} has {len(self.outputs)} outputs"
+        return self.outputs[0]
+
+    def __repr__(self):
+        return f"Instr({self.opcode}, {[o.name for o in self.outputs]})"
+
+
+class Program:
+    def __init__(self, name: str = "main"):
+        self.name = name
+        self.params: list[Value] = []
+        self.instrs: list[Instr] = []
+        self.outputs: list[Value] = []
+        self._names = itertools.count()
+
+    def fresh_name(self, hint: str = "v") -> str:
+        return f"{hint}.{next(self._names)}"
+
+    def values(self):
+        yield from self.params
+        for instr in self.instrs:
+            yield from instr.outputs
+
+    def find(self, name: str) -> Value:
+        for v in self.values():
+            if v.name == name:
+                return v
+        raise KeyError(name)
+
+    def users(self) -> dict[Value, list[Instr]]:
+        users: dict[Value, list[Instr]] = {v: [] for v in self.values()}
+        for instr in self.instrs:
+            for op in instr.operands:
+                users[op].append(instr)
+        return users
+
+
+class Builder:
+    """Appends instructions to a program. Shapes are given by the caller; ops.emit
+    adds shape inference on top of this."""
+
+    def __init__(self, program: Program, origin: str = ""):
+        self.program = program
+        self.origin = origin
+
+    def param(self, shape, dtype, hint: str = "p") -> Value:
+        v = Value(self.program.fresh_name(hint), shape, dtype)
+        self.program.params.append(v)
+        return v
+
+    def add(self, opcode: str, operands: Sequence[Value], out_types: Sequence[tuple[Sequence[int], Any]],
+            **attrs) -> list[Value]:
+        instr = Instr(opcode, operands, attrs, self.origin)
+        for shape, dtype in out_types:
+            instr.outputs.append(Value(self.program.fresh_name(_hint(opcode)), shape, dtype, instr))
+        self.program.instrs.append(instr)
+        return instr.outputs
+
+    def add1(self, opcode: str, operands: Sequence[Value], shape, dtype, **attrs) -> Value:
+        return self.add(opcode, operands, [(shape, dtype)], **attrs)[0]
+
+
+def _hint(opcode: str) -> str:
+    return opcode.replace("-", "_")

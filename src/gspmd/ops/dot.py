@@ -1,0 +1,56 @@
+"""dot_general: batch and free dims pass through, contracting dims are reduce factors.
+Result dims are ordered batch, lhs free, rhs free (as in XLA)."""
+from __future__ import annotations
+
+import string
+
+import numpy as np
+
+from gspmd.ops.registry import CONTRACTION, register
+from gspmd.spmd.factors import REDUCE, Factor
+
+
+def dot_dims(instr):
+    a = instr.attrs
+    lhs, rhs = instr.operands
+    lhs_free = [d for d in range(lhs.rank) if d not in a["lhs_batch"] and d not in a["lhs_contracting"]]
+    rhs_free = [d for d in range(rhs.rank) if d not in a["rhs_batch"] and d not in a["rhs_contracting"]]
+    return lhs_free, rhs_free
+
+
+def _dot_factors(instr):
+    a = instr.attrs
+    lhs, rhs = instr.operands
+    lhs_free, rhs_free = dot_dims(instr)
+    nb = len(a["lhs_batch"])
+    factors = [Factor(lhs.shape[l], (l, r, i)) for i, (l, r) in enumerate(zip(a["lhs_batch"], a["rhs_batch"]))]
+    factors += [Factor(lhs.shape[l], (l, r, None), REDUCE)
+                for l, r in zip(a["lhs_contracting"], a["rhs_contracting"])]
+    factors += [Factor(lhs.shape[l], (l, None, nb + i)) for i, l in enumerate(lhs_free)]
+    factors += [Factor(rhs.shape[r], (None, r, nb + len(lhs_free) + i)) for i, r in enumerate(rhs_free)]
+    return factors
+
+
+def _evaluate_dot(instr, args, device):
+    lhs, rhs = args
+    letters = iter(string.ascii_letters)
+    lhs_sub = [None] * lhs.ndim
+    rhs_sub = [None] * rhs.ndim
+    a = instr.attrs
+    out_sub = []
+    for l, r in zip(a["lhs_batch"], a["rhs_batch"]):
+        lhs_sub[l] = rhs_sub[r] = next(letters)
+        out_sub.append(lhs_sub[l])
+    for l, r in zip(a["lhs_contracting"], a["rhs_contracting"]):
+        lhs_sub[l] = rhs_sub[r] = next(letters)
+    for sub in (lhs_sub, rhs_sub):
+        for d, s in enumerate(sub):
+            if s is None:
+                sub[d] = next(letters)
+                out_sub.append(sub[d])
+    spec = f"{''.join(lhs_sub)},{''.join(rhs_sub)}->{''.join(out_sub)}"
+    out = instr.outputs[0]
+    return [np.einsum(spec, lhs.astype(out.dtype), rhs.astype(out.dtype)).astype(out.dtype, copy=False)]
+
+
+register("dot", evaluate=_evaluate_dot, factors=_dot_factors, priority=CONTRACTION)

@@ -1,0 +1,95 @@
+"""The op registry: per opcode, its reference semantics, its dimension factors (from
+which propagation and partitioning derive) and, where data moves between shards,
+hand-written propagation or partition rules."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from gspmd.errors import ShardingError
+from gspmd.ir import Instr
+from gspmd.sharding import Sharding
+from gspmd.spmd import factors as fx
+from gspmd.spmd import reshard as rs
+from gspmd.spmd.context import DeviceContext
+from gspmd.spmd.partitioned import PartitionedValue
+
+# evaluate(instr, operand arrays, device id) -> output arrays (one device)
+Evaluate = Callable[[Instr, list[np.ndarray], int], list[np.ndarray]]
+# evaluate_all(instr, per-device operand arrays) -> per-device outputs (collectives)
+EvaluateAll = Callable[[Instr, list[list[np.ndarray]]], list[list[np.ndarray]]]
+# propagate(instr, shardings of operands+outputs, target index) -> proposals for target
+Propagate = Callable[[Instr, list[Optional[Sharding]], int], list[Sharding]]
+Partition = Callable[[DeviceContext, Instr, list[PartitionedValue], list[Sharding]], list[PartitionedValue]]
+
+# Propagation priorities (paper 3.5): lower runs first.
+ELEMENTWISE, LAYOUT, CONTRACTION = 0, 1, 2
+
+
+@dataclass
+class OpDef:
+    opcode: str
+    evaluate: Optional[Evaluate] = None
+    evaluate_all: Optional[EvaluateAll] = None
+    factors: Optional[Callable[[Instr], list[fx.Factor]]] = None
+    propagate: Optional[Propagate] = None
+    partition: Optional[Partition] = None
+    priority: int = ELEMENTWISE
+
+
+OPS: dict[str, OpDef] = {}
+
+
+def register(opcode: str, **fields) -> OpDef:
+    op = OpDef(opcode, **fields)
+    OPS[opcode] = op
+    return op
+
+
+def lookup(opcode: str) -> OpDef:
+    try:
+        return OPS[opcode]
+    except KeyError:
+        raise ShardingError(f"Opcode {opcode!r} has no entry in the op registry.") from None
+
+
+def propagate(instr: Instr, shardings: Sequence[Optional[Sharding]], target: int) -> list[Sharding]:
+    """Layouts that the other operands/outputs of `instr` imply for tensor `target`."""
+    op = lookup(instr.opcode)
+    if op.propagate is not None:
+        return op.propagate(instr, list(shardings), target)
+    if op.factors is None:
+        return []
+    ranks = [v.rank for v in instr.operands] + [v.rank for v in instr.outputs]
+    return fx.propose(op.factors(instr), shardings, ranks, target)
+
+
+def partition(ctx: DeviceContext, instr: Instr, operands: list[PartitionedValue],
+              targets: list[Sharding]) -> list[PartitionedValue]:
+    op = lookup(instr.opcode)
+    if op.partition is not None:
+        return op.partition(ctx, instr, operands, targets)
+    if op.factors is None:
+        return replicate_fallback(ctx, instr, operands, targets)
+    return fx.partition(ctx, instr, op.factors(instr), operands, targets)
+
+
+def replicate_fallback(ctx: DeviceContext, instr: Instr, operands: list[PartitionedValue],
+                       targets: list[Sharding]) -> list[PartitionedValue]:
+    """Always valid: gather every operand, run the whole op on each device, slice."""
+    full = [rs.reshard(ctx, o, Sharding.replicated(o.rank, ctx.num_devices)).local for o in operands]
+    outs = fx.emit_same_op(ctx, instr, full, [o.shape for o in instr.outputs])
+    return [rs.reshard(ctx, PartitionedValue(v, Sharding.replicated(o.rank, ctx.num_devices), o.shape), t)
+            for v, o, t in zip(outs, instr.outputs, targets)]
+
+
+def elementwise_factors(instr: Instr) -> list[fx.Factor]:
+    """Every operand and output share every dim (scalars broadcast implicitly)."""
+    out = instr.outputs[0]
+    factors = []
+    for d, size in enumerate(out.shape):
+        dims = tuple(d if v.rank == out.rank else None for v in instr.operands) + (d,) * len(instr.outputs)
+        factors.append(fx.Factor(size, dims))
+    return factors

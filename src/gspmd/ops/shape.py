@@ -1,0 +1,143 @@
+"""Layout ops (broadcast, transpose, reshape) and value creation (constant, iota)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from gspmd.ops.registry import LAYOUT, register
+from gspmd.sharding import Sharding
+from gspmd.spmd import reshard as rs
+from gspmd.spmd.factors import Factor
+from gspmd.spmd.partitioned import PartitionedValue
+
+
+# -- broadcast: attrs dims[i] = result dim of operand dim i --------------------------
+def _broadcast_factors(instr):
+    x, out = instr.operands[0], instr.outputs[0]
+    src = {r: i for i, r in enumerate(instr.attrs["dims"]) if x.shape[i] == out.shape[r]}
+    return [Factor(size, (src.get(r), r)) for r, size in enumerate(out.shape)]
+
+
+def _evaluate_broadcast(instr, args, device):
+    x, out = args[0], instr.outputs[0]
+    shape = [1] * out.rank
+    for i, r in enumerate(instr.attrs["dims"]):
+        shape[r] = x.shape[i]
+    return [np.broadcast_to(x.reshape(shape), out.shape).copy()]
+
+
+# -- transpose: out dim i is operand dim permutation[i] -------------------------------
+def _transpose_factors(instr):
+    out = instr.outputs[0]
+    return [Factor(out.shape[i], (p, i)) for i, p in enumerate(instr.attrs["permutation"])]
+
+
+def _evaluate_transpose(instr, args, device):
+    return [np.transpose(args[0], instr.attrs["permutation"])]
+
+
+# -- reshape ----------------------------------------------------------------------------
+def reshape_dim_pairs(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """(src dim, dst dim, modulus): a split of src dim into t tiles carries over to dst dim
+    when modulus % t == 0. Dims are grouped into runs of equal element count; a split
+    carries through a run's major dims (size-1 dims never carry one)."""
+    a = [i for i, d in enumerate(src) if d != 1]
+    b = [j for j, d in enumerate(dst) if d != 1]
+    pairs, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        ga, gb = [a[i]], [b[j]]
+        pa, pb = src[a[i]], dst[b[j]]
+        i, j = i + 1, j + 1
+        while pa != pb:
+            if pa < pb:
+                ga.append(a[i]); pa *= src[a[i]]; i += 1
+            else:
+                gb.append(b[j]); pb *= dst[b[j]]; j += 1
+        if len(ga) == 1 and len(gb) == 1:
+            pairs.append((ga[0], gb[0], 0))           # same dim: any split carries
+        elif len(ga) == 1:
+            pairs.append((ga[0], gb[0], dst[gb[0]]))  # split dim: major part must divide
+        elif len(gb) == 1:
+            pairs.append((ga[0], gb[0], src[ga[0]]))  # merged dims: major dim must divide
+    return pairs
+
+
+def _carry(s: Sharding, pairs, forward: bool, rank: int) -> Sharding:
+    dim_map: list[Optional[int]] = [None] * s.rank
+    for a, b, modulus in pairs:
+        src, dst = (a, b) if forward else (b, a)
+        if s.tiles[src] > 1 and modulus % s.tiles[src] == 0:
+            dim_map[src] = dst
+    return s.remap(dim_map, rank)
+
+
+def _reshape_propagate(instr, shardings, target):
+    x, out = instr.operands[0], instr.outputs[0]
+    pairs = reshape_dim_pairs(x.shape, out.shape)
+    source = shardings[1 - target]
+    if source is None:
+        return []
+    return [_carry(source, pairs, forward=(target == 1), rank=(out.rank if target == 1 else x.rank))]
+
+
+def _reshape_partition(ctx, instr, operands, targets):
+    (x,), (out,), (target,) = operands, instr.outputs, targets
+    pairs = reshape_dim_pairs(x.shape, out.shape)
+
+    def plan(op_layout):
+        out_layout = _carry(op_layout, pairs, True, out.rank)
+        cost = rs.cost(x.sharding, op_layout, x.shape, x.dtype.itemsize) + \
+            rs.cost(out_layout, target, out.shape, out.dtype.itemsize)
+        return cost, str(op_layout), op_layout, out_layout
+
+    from_target = _carry(target, pairs, False, x.rank)
+    from_operand = _carry(_carry(x.sharding, pairs, True, out.rank), pairs, False, x.rank)
+    _, _, op_layout, out_layout = min(plan(from_target), plan(from_operand))
+    local_x = rs.reshard(ctx, x, op_layout).local
+    y = ctx.b.add1("reshape", [local_x], out_layout.shard_shape(out.shape), out.dtype)
+    return [rs.reshard(ctx, PartitionedValue(y, out_layout, out.shape), target)]
+
+
+def _evaluate_reshape(instr, args, device):
+    return [np.reshape(args[0], instr.outputs[0].shape)]
+
+
+# -- constant & iota ------------------------------------------------------------------
+def _evaluate_constant(instr, args, device):
+    return [np.asarray(instr.attrs["value"], instr.outputs[0].dtype)]
+
+
+def _constant_partition(ctx, instr, operands, targets):
+    out = instr.outputs[0]
+    full = ctx.b.add1("constant", [], out.shape, out.dtype, value=instr.attrs["value"])
+    return [rs.reshard(ctx, PartitionedValue(full, Sharding.replicated(out.rank, ctx.num_devices), out.shape),
+                       targets[0])]
+
+
+def _evaluate_iota(instr, args, device):
+    out, dim = instr.outputs[0], instr.attrs["dimension"]
+    shape = [1] * out.rank
+    shape[dim] = out.shape[dim]
+    return [np.broadcast_to(np.arange(out.shape[dim]).reshape(shape), out.shape).astype(out.dtype)]
+
+
+def _iota_partition(ctx, instr, operands, targets):
+    """Local iota plus this partition's offset along the iota dim."""
+    (out,), (target,), dim = instr.outputs, targets, instr.attrs["dimension"]
+    shape = target.shard_shape(out.shape)
+    y = ctx.b.add1("iota", [], shape, out.dtype, dimension=dim)
+    if target.tiles[dim] > 1:
+        start = ctx.table_lookup(target.coords()[:, dim] * shape[dim])
+        start = ctx.b.add1("convert", [start], (), out.dtype)
+        start = ctx.b.add1("broadcast", [start], shape, out.dtype, dims=())
+        y = ctx.b.add1("add", [y, start], shape, out.dtype)
+    return [PartitionedValue(y, target, out.shape)]
+
+
+register("broadcast", evaluate=_evaluate_broadcast, factors=_broadcast_factors, priority=LAYOUT)
+register("transpose", evaluate=_evaluate_transpose, factors=_transpose_factors, priority=LAYOUT)
+register("reshape", evaluate=_evaluate_reshape, propagate=_reshape_propagate, partition=_reshape_partition,
+         priority=LAYOUT)
+register("constant", evaluate=_evaluate_constant, partition=_constant_partition)
+register("iota", evaluate=_evaluate_iota, partition=_iota_partition)

@@ -1,0 +1,64 @@
+"""Data-formatting ops: pad, slice, dynamic-slice, dynamic-update-slice, concatenate.
+Their partition rules (halo exchange) come with windowed ops; until then the registry's
+replicate fallback partitions them."""
+from __future__ import annotations
+
+import numpy as np
+
+from gspmd.ops.registry import LAYOUT, register
+
+
+def _clamped_starts(x_shape, starts, sizes):
+    # HLO clamps start indices so the slice stays in bounds.
+    return [int(min(max(int(s), 0), d - k)) for s, d, k in zip(starts, x_shape, sizes)]
+
+
+def _evaluate_dynamic_slice(instr, args, device):
+    x, *starts = args
+    sizes = instr.attrs["sizes"]
+    starts = _clamped_starts(x.shape, starts, sizes)
+    return [x[tuple(slice(s, s + k) for s, k in zip(starts, sizes))]]
+
+
+def _evaluate_dynamic_update_slice(instr, args, device):
+    x, update, *starts = args
+    starts = _clamped_starts(x.shape, starts, update.shape)
+    y = x.copy()
+    y[tuple(slice(s, s + k) for s, k in zip(starts, update.shape))] = update
+    return [y]
+
+
+def _evaluate_slice(instr, args, device):
+    a = instr.attrs
+    return [args[0][tuple(slice(s, e, st) for s, e, st in zip(a["start"], a["limit"], a["strides"]))]]
+
+
+def _evaluate_pad(instr, args, device):
+    x, fill = args
+    a = instr.attrs
+    out = instr.outputs[0]
+    y = np.full(out.shape, fill, out.dtype)
+    # Interior padding spreads elements apart; negative low/high padding crops.
+    spread_shape = [d + (d - 1) * i if d else 0 for d, i in zip(x.shape, a["interior"])]
+    spread = np.full(spread_shape, fill, out.dtype)
+    spread[tuple(slice(None, None, i + 1) for i in a["interior"])] = x
+    src, dst = [], []
+    for n, lo, size in zip(spread_shape, a["low"], out.shape):
+        s0 = max(0, -lo)
+        d0 = max(0, lo)
+        length = min(n - s0, size - d0)
+        src.append(slice(s0, s0 + max(length, 0)))
+        dst.append(slice(d0, d0 + max(length, 0)))
+    y[tuple(dst)] = spread[tuple(src)]
+    return [y]
+
+
+def _evaluate_concatenate(instr, args, device):
+    return [np.concatenate(args, axis=instr.attrs["dimension"])]
+
+
+register("dynamic-slice", evaluate=_evaluate_dynamic_slice, priority=LAYOUT)
+register("dynamic-update-slice", evaluate=_evaluate_dynamic_update_slice, priority=LAYOUT)
+register("slice", evaluate=_evaluate_slice, priority=LAYOUT)
+register("pad", evaluate=_evaluate_pad, priority=LAYOUT)
+register("concatenate", evaluate=_evaluate_concatenate, priority=LAYOUT)

@@ -1,0 +1,1 @@
+"""Executing programs: the NumPy simulator of N devices (sim) and, later, real JAX devices."""

@@ -1,0 +1,209 @@
+"""Sharding: how a tensor's elements are laid out over devices.
+
+A sharding is a tile assignment: an int array of device ids of shape
+(*tiles_per_dim, replication). Device d holds tile `coords(d)`; shard size along a dim
+is ceil(D / tiles) and the last shards may hold padding. The trailing replication dim
+is always present (1 when fully tiled), so replicated, tiled and partially tiled
+shardings share one representation and one set of algorithms.
+
+Most algorithms work on the *coordinate view*: an (N, rank) array giving each device's
+tile index per dim. Merging, transfers between tensors and collective groups are all
+small numpy operations on it, so planning for 2048 devices costs little.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import numpy as np
+
+from gspmd.errors import ShardingError
+from gspmd.mesh import Mesh
+
+
+class _Unspecified:
+    """Marker for a dims_mapping entry left to propagation."""
+
+    def __repr__(self):
+        return "UNSPECIFIED"
+
+    def __reduce__(self):
+        return "UNSPECIFIED"
+
+
+UNSPECIFIED = _Unspecified()
+
+
+class Sharding:
+    __slots__ = ("tile_assignment", "_coords", "_hash")
+
+    def __init__(self, tile_assignment):
+        arr = np.asarray(tile_assignment, dtype=np.int64)
+        if arr.ndim < 1:
+            raise ShardingError("A tile assignment needs at least the replication dim.")
+        # Devices inside one replication group are interchangeable: keep them sorted so
+        # equal layouts compare equal.
+        arr = np.sort(arr, axis=-1)
+        arr.setflags(write=False)
+        self.tile_assignment = arr
+        self._coords = None
+        self._hash = None
+
+    # -- constructors -------------------------------------------------------------
+    @classmethod
+    def replicated(cls, rank: int, num_devices: int) -> "Sharding":
+        return cls(np.arange(num_devices).reshape((1,) * rank + (num_devices,)))
+
+    @classmethod
+    def tiled(cls, devices) -> "Sharding":
+        """Fully tiled: `devices` has one dim per tensor dim."""
+        devices = np.asarray(devices)
+        return cls(devices.reshape(devices.shape + (1,)))
+
+    @classmethod
+    def from_coords(cls, coords: np.ndarray, tiles: Sequence[int]) -> Optional["Sharding"]:
+        """Sharding in which device d holds tile coords[d]; None when tiles are not all
+        held by the same number of devices (no valid layout)."""
+        tiles = tuple(int(t) for t in tiles)
+        n = coords.shape[0]
+        ntiles = math.prod(tiles)
+        if n % ntiles:
+            return None
+        linear = np.ravel_multi_index(tuple(coords.T), tiles) if tiles else np.zeros(n, np.int64)
+        if not np.all(np.bincount(linear, minlength=ntiles) == n // ntiles):
+            return None
+        order = np.lexsort((np.arange(n), linear))
+        return cls(order.reshape(tiles + (n // ntiles,)))
+
+    @classmethod
+    def from_mesh(cls, mesh: Mesh, dims_mapping: Sequence, shape: Sequence[int]) -> "Sharding":
+        """The sharding `mesh_split(x, mesh, dims_mapping)` asks for (UNSPECIFIED dims
+        are left unsplit here; the annotation records them as open)."""
+        what = f"value of shape {tuple(shape)} on {mesh}"
+        if len(dims_mapping) != len(shape):
+            raise ShardingError(
+                f"dims_mapping {list(dims_mapping)} has {len(dims_mapping)} entries but the {what} "
+                f"has rank {len(shape)}: give one entry per tensor dim (-1 or None for unsplit).")
+        per_dim = [_mesh_dims(mesh, entry, what) for entry in dims_mapping]
+        used = [m for dims in per_dim for m in dims]
+        if len(set(used)) != len(used):
+            twice = sorted({mesh.axis_names[m] for m in used if used.count(m) > 1})
+            raise ShardingError(
+                f"dims_mapping {list(dims_mapping)} for the {what} uses mesh axis {twice} more than "
+                "once; each mesh dim may split at most one tensor dim.")
+        unused = [m for m in range(mesh.ndim) if m not in used]
+        arr = mesh.devices.transpose(used + unused)
+        tiles = [math.prod(mesh.shape[m] for m in dims) for dims in per_dim]
+        return cls(arr.reshape(tiles + [math.prod(mesh.shape[m] for m in unused)]))
+
+    # -- basic properties ---------------------------------------------------------
+    @property
+    def tiles(self) -> tuple[int, ...]:
+        return self.tile_assignment.shape[:-1]
+
+    @property
+    def rank(self) -> int:
+        return self.tile_assignment.ndim - 1
+
+    @property
+    def num_replicas(self) -> int:
+        return self.tile_assignment.shape[-1]
+
+    @property
+    def num_devices(self) -> int:
+        return self.tile_assignment.size
+
+    @property
+    def is_replicated(self) -> bool:
+        return all(t == 1 for t in self.tiles)
+
+    def coords(self) -> np.ndarray:
+        """(N, rank) array: tile index of device d along each dim."""
+        if self._coords is None:
+            idx = np.indices(self.tile_assignment.shape).reshape(self.rank + 1, -1)
+            coords = np.empty((self.num_devices, self.rank), np.int64)
+            coords[self.tile_assignment.ravel()] = idx[:-1].T
+            coords.setflags(write=False)
+            self._coords = coords
+        return self._coords
+
+    def shard_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        return tuple(-(-d // t) for d, t in zip(shape, self.tiles))
+
+    def offset(self, device: int, dim: int, shape: Sequence[int]) -> int:
+        """Paper's Offset(S, d, i): where device d's shard starts along dim i."""
+        return int(self.coords()[device, dim]) * -(-shape[dim] // self.tiles[dim])
+
+    # -- algebra ------------------------------------------------------------------
+    def merge(self, other: "Sharding") -> Optional["Sharding"]:
+        """The sharding that agrees with both on every dim either one splits
+        (paper Fig. 3, AyB + BCx -> AyCx), or None if they are incompatible."""
+        if other.rank != self.rank or other.num_devices != self.num_devices:
+            return None
+        mine, theirs = self.coords(), other.coords()
+        tiles, cols = [], []
+        for i, (a, b) in enumerate(zip(self.tiles, other.tiles)):
+            if a > 1 and b > 1 and (a != b or not np.array_equal(mine[:, i], theirs[:, i])):
+                return None
+            tiles.append(max(a, b))
+            cols.append(mine[:, i] if a > 1 else theirs[:, i])
+        coords = np.stack(cols, axis=1) if cols else np.zeros((self.num_devices, 0), np.int64)
+        return Sharding.from_coords(coords, tiles)
+
+    def refines(self, other: "Sharding") -> bool:
+        """True if self agrees with `other` and splits at least as much."""
+        return self.merge(other) == self
+
+    def remap(self, dim_map: Sequence[Optional[int]], new_rank: int) -> "Sharding":
+        """Carry this sharding to a tensor of rank new_rank whose dim dim_map[i] holds
+        this tensor's dim i (None: the dim has no counterpart and its split turns into
+        replication). Unmapped target dims are unsplit."""
+        coords = np.zeros((self.num_devices, new_rank), np.int64)
+        tiles = [1] * new_rank
+        for src, dst in enumerate(dim_map):
+            if dst is not None and self.tiles[src] > 1:
+                coords[:, dst] = self.coords()[:, src]
+                tiles[dst] = self.tiles[src]
+        return Sharding.from_coords(coords, tiles)
+
+    def keep_dims(self, dims) -> "Sharding":
+        """Same layout with every dim outside `dims` unsplit (turned into replication)."""
+        dims = set(dims)
+        return self.remap([i if i in dims else None for i in range(self.rank)], self.rank)
+
+    def insert_dim(self, dim: int) -> "Sharding":
+        """Add an unsplit dim at position `dim`."""
+        return Sharding(np.expand_dims(self.tile_assignment, dim))
+
+    # -- identity & printing ------------------------------------------------------
+    def __eq__(self, other):
+        return isinstance(other, Sharding) and self.tile_assignment.shape == other.tile_assignment.shape \
+            and np.array_equal(self.tile_assignment, other.tile_assignment)
+
+    def __hash__(self):
+        if self._hash is None:
+            self._hash = hash((self.tile_assignment.shape, self.tile_assignment.tobytes()))
+        return self._hash
+
+    def __repr__(self):
+        if self.is_replicated:
+            return "{replicated}"
+        dims = list(self.tiles) + ([self.num_replicas] if self.num_replicas > 1 else [])
+        flat = self.tile_assignment.ravel()
+        devices = f"<=[{flat.size}]" if np.array_equal(flat, np.arange(flat.size)) \
+            else ",".join(map(str, flat.tolist()))
+        suffix = " last_tile_dim_replicate" if self.num_replicas > 1 else ""
+        return f"{{devices=[{','.join(map(str, dims))}]{devices}{suffix}}}"
+
+
+def _mesh_dims(mesh: Mesh, entry, what: str) -> tuple[int, ...]:
+    """Mesh dims one dims_mapping entry splits a tensor dim over (major to minor)."""
+    if entry is None or entry is UNSPECIFIED:
+        return ()
+    if isinstance(entry, (int, np.integer)) and not isinstance(entry, bool) and entry == -1:
+        return ()
+    entries = entry if isinstance(entry, (tuple, list)) else (entry,)
+    try:
+        return tuple(mesh.axis_index(e) for e in entries)
+    except ShardingError as e:
+        raise ShardingError(f"Bad dims_mapping entry {entry!r} for the {what}: {e}") from None

@@ -1,0 +1,109 @@
+"""DeviceContext: emits the per-device program's partition-dependent values and
+collectives. Every collective records the instruction and the rule that made it."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from gspmd.ir import Builder, Value
+
+INDEX_DTYPE = np.int32
+
+
+class DeviceContext:
+    """The devices one partitioning step sees as partitions. Partition p runs on
+    device `devices[p]`; collectives name device ids."""
+
+    def __init__(self, builder: Builder, num_devices: int):
+        self.b = builder
+        self.num_devices = num_devices
+        self.devices = np.arange(num_devices)
+        self._pid: Value | None = None
+        self._tables: dict[bytes, Value] = {}
+
+    # -- partition-dependent scalars ---------------------------------------------
+    def partition_id(self) -> Value:
+        if self._pid is None:
+            self._pid = self.b.add1("partition-id", [], (), INDEX_DTYPE)
+        return self._pid
+
+    def table_lookup(self, table: Sequence[int]) -> Value:
+        """Scalar `table[partition_id]`, as XLA does it: constant + dynamic-slice."""
+        table = np.asarray(table, INDEX_DTYPE)
+        if np.all(table == table[0]):
+            return self.constant(table[0])
+        key = table.tobytes()
+        if key not in self._tables:
+            t = self.constant(table)
+            one = self.b.add1("dynamic-slice", [t, self.partition_id()], (1,), INDEX_DTYPE, sizes=(1,))
+            self._tables[key] = self.b.add1("reshape", [one], (), INDEX_DTYPE)
+        return self._tables[key]
+
+    def constant(self, value, dtype=None) -> Value:
+        value = np.asarray(value, dtype=dtype)
+        return self.b.add1("constant", [], value.shape, value.dtype, value=value)
+
+    # -- local data movement -----------------------------------------------------
+    def dynamic_slice(self, x: Value, starts: Sequence[Value], sizes: Sequence[int]) -> Value:
+        return self.b.add1("dynamic-slice", [x, *starts], tuple(sizes), x.dtype, sizes=tuple(sizes))
+
+    def pad_high(self, x: Value, dim: int, amount: int, fill=0) -> Value:
+        if amount == 0:
+            return x
+        high = [0] * x.rank
+        high[dim] = amount
+        shape = list(x.shape)
+        shape[dim] += amount
+        fill_v = self.constant(np.asarray(fill, x.dtype))
+        return self.b.add1("pad", [x, fill_v], shape, x.dtype, low=(0,) * x.rank, high=tuple(high),
+                           interior=(0,) * x.rank)
+
+    def slice_prefix(self, x: Value, dim: int, size: int) -> Value:
+        if x.shape[dim] == size:
+            return x
+        limit = list(x.shape)
+        limit[dim] = size
+        return self.b.add1("slice", [x], limit, x.dtype, start=(0,) * x.rank, limit=tuple(limit),
+                           strides=(1,) * x.rank)
+
+    # -- collectives -------------------------------------------------------------
+    def _collective(self, opcode: str, x: Value, shape, rule: str, **attrs) -> Value:
+        out = self.b.add1(opcode, [x], shape, x.dtype, **attrs)
+        out.producer.origin = f"{self.b.origin} [{rule}]" if self.b.origin else rule
+        return out
+
+    def all_reduce(self, x: Value, groups: np.ndarray, reducer: str, rule: str) -> Value:
+        return self._collective("all-reduce", x, x.shape, rule, groups=_groups(groups), reducer=reducer)
+
+    def all_gather(self, x: Value, dim: int, groups: np.ndarray, rule: str) -> Value:
+        groups = _groups(groups)
+        shape = list(x.shape)
+        shape[dim] *= groups.shape[1]
+        return self._collective("all-gather", x, shape, rule, dim=dim, groups=groups)
+
+    def reduce_scatter(self, x: Value, dim: int, groups: np.ndarray, reducer: str, rule: str) -> Value:
+        groups = _groups(groups)
+        shape = list(x.shape)
+        assert shape[dim] % groups.shape[1] == 0
+        shape[dim] //= groups.shape[1]
+        return self._collective("reduce-scatter", x, shape, rule, dim=dim, groups=groups, reducer=reducer)
+
+    def all_to_all(self, x: Value, split_dim: int, concat_dim: int, groups: np.ndarray, rule: str) -> Value:
+        groups = _groups(groups)
+        k = groups.shape[1]
+        shape = list(x.shape)
+        assert shape[split_dim] % k == 0
+        shape[split_dim] //= k
+        shape[concat_dim] *= k
+        return self._collective("all-to-all", x, shape, rule, split_dim=split_dim, concat_dim=concat_dim,
+                                groups=groups)
+
+    def collective_permute(self, x: Value, pairs: np.ndarray, rule: str) -> Value:
+        return self._collective("collective-permute", x, x.shape, rule,
+                                pairs=np.asarray(pairs, np.int64).reshape(-1, 2))
+
+
+def _groups(groups) -> np.ndarray:
+    g = np.asarray(groups, np.int64)
+    return g.reshape(-1, g.shape[-1])

@@ -1,0 +1,153 @@
+"""Dimension factors: one declarative description per op (as Shardy's OpShardingRule)
+from which forward/backward propagation and the common partitioning both derive.
+
+A factor is one loop dimension of the op: it names the dim it occupies in each tensor
+(operands first, then outputs; None where absent). `pass` factors can be split freely;
+`reduce` factors (contracting/reduced dims) leave partial results that a collective
+combines; `replicate` factors must stay whole.
+
+Partitioning chooses a layout of the *factor space* — itself a Sharding, of rank
+len(factors) — from which every tensor's layout follows by `Sharding.remap`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from gspmd.ir import Instr, Value
+from gspmd.sharding import Sharding
+from gspmd.spmd import reshard as rs
+from gspmd.spmd.context import DeviceContext
+from gspmd.spmd.padding import is_padded, mask_padding, reducer_identity
+from gspmd.spmd.partitioned import PartitionedValue
+
+PASS, REDUCE, REPLICATE = "pass", "reduce", "replicate"
+
+
+@dataclass(frozen=True)
+class Factor:
+    size: int
+    dims: tuple[Optional[int], ...]   # per tensor: operands, then outputs
+    kind: str = PASS
+    reducer: str = "add"
+
+
+def _factor_view(factors: Sequence[Factor], t: int, s: Sharding) -> Sharding:
+    """Tensor t's layout seen on the factor space."""
+    dim_to_factor: list[Optional[int]] = [None] * s.rank
+    for f, fac in enumerate(factors):
+        if fac.dims[t] is not None and fac.kind != REPLICATE:
+            dim_to_factor[fac.dims[t]] = f
+    return s.remap(dim_to_factor, len(factors))
+
+
+def _tensor_layout(factors: Sequence[Factor], t: int, space: Sharding, rank: int) -> Sharding:
+    return space.remap([fac.dims[t] for fac in factors], rank)
+
+
+def propose(factors: Sequence[Factor], shardings: Sequence[Optional[Sharding]], ranks: Sequence[int],
+            target: int) -> list[Sharding]:
+    """Layouts for tensor `target` implied by every other tensor that has one."""
+    return [_tensor_layout(factors, target, _factor_view(factors, t, s), ranks[target])
+            for t, s in enumerate(shardings) if t != target and s is not None]
+
+
+def _greedy_merge(views: Sequence[Sharding]) -> Sharding:
+    space = views[0]
+    for v in views[1:]:
+        space = space.merge(v) or space
+    return space
+
+
+def _reduce_factors(factors, space: Sharding) -> list[int]:
+    return [f for f, fac in enumerate(factors) if fac.kind == REDUCE and space.tiles[f] > 1]
+
+
+def _scatter_dim(space: Sharding, red: list[int], out: Sharding, target: Sharding, shape) -> Optional[int]:
+    """Output dim over which a reduce-scatter lands exactly on `target`, if any."""
+    groups = rs.groups_along(space, red)
+    k = groups.shape[1]
+    position = np.empty(space.num_devices, np.int64)
+    position[groups] = np.arange(k)
+    for d in range(out.rank):
+        if shape[d] % (out.tiles[d] * k):
+            continue
+        coords = out.coords().copy()
+        coords[:, d] = coords[:, d] * k + position
+        tiles = list(out.tiles)
+        tiles[d] *= k
+        if Sharding.from_coords(coords, tiles) == target:
+            return d
+    return None
+
+
+LocalEmitter = Callable[[DeviceContext, Instr, list[Value], list[tuple[int, ...]]], list[Value]]
+
+
+def emit_same_op(ctx: DeviceContext, instr: Instr, operands: list[Value],
+                 shapes: list[tuple[int, ...]]) -> list[Value]:
+    """The op itself on local shards (valid for ops whose attrs do not name sizes)."""
+    return ctx.b.add(instr.opcode, operands, [(s, o.dtype) for s, o in zip(shapes, instr.outputs)],
+                     **instr.attrs)
+
+
+def partition(ctx: DeviceContext, instr: Instr, factors: Sequence[Factor],
+              operands: Sequence[PartitionedValue], targets: Sequence[Sharding],
+              emit_local: LocalEmitter = emit_same_op) -> list[PartitionedValue]:
+    """Choose the cheapest factor-space layout, reshard operands to it, run the op
+    locally, combine partial results, reshard to the targets."""
+    n_in = len(operands)
+    shardings = [o.sharding for o in operands] + list(targets)
+    views = [_factor_view(factors, t, s) for t, s in enumerate(shardings)]
+    candidates = {_greedy_merge([views[lead]] + views[:lead] + views[lead + 1:]) for lead in range(len(views))}
+    candidates.add(_greedy_merge(views[n_in:] + views[:n_in]))
+    space = min(candidates, key=lambda c: (_cost(factors, c, operands, instr, targets), str(c)))
+    return _run(ctx, instr, factors, space, operands, targets, emit_local)
+
+
+def _cost(factors, space, operands, instr: Instr, targets) -> int:
+    total = sum(rs.cost(o.sharding, _tensor_layout(factors, t, space, o.rank), o.shape, o.dtype.itemsize)
+                for t, o in enumerate(operands))
+    reduced = bool(_reduce_factors(factors, space))
+    for j, (out, target) in enumerate(zip(instr.outputs, targets)):
+        local = _tensor_layout(factors, len(operands) + j, space, out.rank)
+        local_bytes = math.prod(local.shard_shape(out.shape)) * out.dtype.itemsize
+        total += 2 * local_bytes if reduced else 0
+        total += rs.cost(local, target, out.shape, out.dtype.itemsize)
+    return total
+
+
+def _run(ctx, instr, factors, space, operands, targets, emit_local) -> list[PartitionedValue]:
+    n_in = len(operands)
+    red = _reduce_factors(factors, space)
+    locals_ = []
+    for t, o in enumerate(operands):
+        pv = rs.reshard(ctx, o, _tensor_layout(factors, t, space, o.rank))
+        for f in red:
+            dim = factors[f].dims[t]
+            if dim is not None and is_padded(pv, dim):
+                pv = mask_padding(ctx, pv, dim, reducer_identity(factors[f].reducer, pv.dtype))
+        locals_.append(pv.local)
+    out_layouts = [_tensor_layout(factors, n_in + j, space, out.rank) for j, out in enumerate(instr.outputs)]
+    shapes = [lay.shard_shape(out.shape) for lay, out in zip(out_layouts, instr.outputs)]
+    results = emit_local(ctx, instr, locals_, shapes)
+    outs = []
+    for value, layout, out, target in zip(results, out_layouts, instr.outputs, targets):
+        pv = PartitionedValue(value, layout, out.shape)
+        if red:
+            pv = _combine_partials(ctx, pv, space, red, factors[red[0]].reducer, target)
+        outs.append(rs.reshard(ctx, pv, target))
+    return outs
+
+
+def _combine_partials(ctx, pv: PartitionedValue, space, red, reducer, target) -> PartitionedValue:
+    groups = rs.groups_along(space, red)
+    d = _scatter_dim(space, red, pv.sharding, target, pv.shape)
+    if d is not None:
+        y = ctx.reduce_scatter(pv.local, d, groups, reducer, "partial results: reduce-scatter")
+        return PartitionedValue(y, target, pv.shape)
+    y = ctx.all_reduce(pv.local, groups, reducer, "partial results: all-reduce")
+    return PartitionedValue(y, pv.sharding, pv.shape)

@@ -1,0 +1,44 @@
+"""Uneven partitions: shards are ceil(D/P) long and the last ones hold padding. Before
+anything reads across the padding (a reduction), it is masked with the identity."""
+from __future__ import annotations
+
+import numpy as np
+
+from gspmd.spmd.context import INDEX_DTYPE, DeviceContext
+from gspmd.spmd.partitioned import PartitionedValue
+
+_IDENTITY = {"add": 0, "or": False, "mul": 1, "and": True}
+
+
+def reducer_identity(reducer: str, dtype) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    if reducer in _IDENTITY:
+        return np.asarray(_IDENTITY[reducer], dtype)
+    big = np.inf if dtype.kind == "f" else (True if dtype == bool else np.iinfo(dtype).max)
+    if reducer == "min":
+        return np.asarray(big, dtype)
+    if reducer == "max":
+        small = -np.inf if dtype.kind == "f" else (False if dtype == bool else np.iinfo(dtype).min)
+        return np.asarray(small, dtype)
+    raise KeyError(f"no identity for reducer {reducer!r}")
+
+
+def is_padded(pv: PartitionedValue, dim: int) -> bool:
+    return pv.shape[dim] % pv.sharding.tiles[dim] != 0
+
+
+def mask_padding(ctx: DeviceContext, pv: PartitionedValue, dim: int, fill) -> PartitionedValue:
+    """Replace the padding along `dim` by `fill` (positions >= the global size)."""
+    if not is_padded(pv, dim):
+        return pv
+    b, x = ctx.b, pv.local
+    shard = x.shape[dim]
+    start = ctx.table_lookup(pv.sharding.coords()[:, dim] * shard)
+    iota = b.add1("iota", [], x.shape, INDEX_DTYPE, dimension=dim)
+    start_b = b.add1("broadcast", [start], x.shape, INDEX_DTYPE, dims=())
+    pos = b.add1("add", [iota, start_b], x.shape, INDEX_DTYPE)
+    limit = b.add1("broadcast", [ctx.constant(pv.shape[dim], INDEX_DTYPE)], x.shape, INDEX_DTYPE, dims=())
+    inside = b.add1("compare", [pos, limit], x.shape, np.bool_, direction="LT")
+    fill_b = b.add1("broadcast", [ctx.constant(np.asarray(fill, x.dtype))], x.shape, x.dtype, dims=())
+    masked = b.add1("select", [inside, x, fill_b], x.shape, x.dtype)
+    return PartitionedValue(masked, pv.sharding, pv.shape)
