@@ -87,8 +87,8 @@ def _reshape_partition(ctx, instr, operands, targets):
 
     def plan(op_layout):
         out_layout = _carry(op_layout, pairs, True, out.rank)
-        cost = rs.cost(x.sharding, op_layout, x.shape, x.dtype.itemsize) + \
-            rs.cost(out_layout, target, out.shape, out.dtype.itemsize)
+        cost = rs.add_costs(rs.cost(x.sharding, op_layout, x.shape, x.dtype.itemsize),
+                            rs.cost(out_layout, target, out.shape, out.dtype.itemsize))
         return cost, str(op_layout), op_layout, out_layout
 
     from_target = _carry(target, pairs, False, x.rank)

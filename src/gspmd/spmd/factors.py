@@ -108,16 +108,21 @@ def partition(ctx: DeviceContext, instr: Instr, factors: Sequence[Factor],
     return _run(ctx, instr, factors, space, operands, targets, emit_local)
 
 
-def _cost(factors, space, operands, instr: Instr, targets) -> int:
-    total = sum(rs.cost(o.sharding, _tensor_layout(factors, t, space, o.rank), o.shape, o.dtype.itemsize)
-                for t, o in enumerate(operands))
-    reduced = bool(_reduce_factors(factors, space))
+def _cost(factors, space, operands, instr: Instr, targets) -> rs.Cost:
+    costs = [rs.cost(o.sharding, _tensor_layout(factors, t, space, o.rank), o.shape, o.dtype.itemsize)
+             for t, o in enumerate(operands)]
+    red = _reduce_factors(factors, space)
+    k = math.prod(space.tiles[f] for f in red)
     for j, (out, target) in enumerate(zip(instr.outputs, targets)):
         local = _tensor_layout(factors, len(operands) + j, space, out.rank)
         local_bytes = math.prod(local.shard_shape(out.shape)) * out.dtype.itemsize
-        total += 2 * local_bytes if reduced else 0
-        total += rs.cost(local, target, out.shape, out.dtype.itemsize)
-    return total
+        if red and _scatter_dim(space, red, local, target, out.shape) is not None:
+            costs.append((rs.moved(local_bytes, k), 1))
+            continue
+        if red:
+            costs.append((2 * rs.moved(local_bytes, k), 1))
+        costs.append(rs.cost(local, target, out.shape, out.dtype.itemsize))
+    return rs.add_costs(*costs)
 
 
 def _run(ctx, instr, factors, space, operands, targets, emit_local) -> list[PartitionedValue]:

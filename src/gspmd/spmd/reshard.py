@@ -33,13 +33,32 @@ def _local_nbytes(shape, s: Sharding, itemsize: int) -> int:
     return math.prod(s.shard_shape(shape)) * itemsize
 
 
+def moved(nbytes: int, group_size: int) -> float:
+    """Bytes a device sends when a collective over `group_size` devices exchanges
+    `nbytes` (ring algorithms move (k-1)/k of it)."""
+    return nbytes * (group_size - 1) / group_size
+
+
+Cost = tuple  # (bytes moved per device, number of collectives): compared lexicographically
+
+
+def add_costs(*costs: Cost) -> Cost:
+    return (sum(c[0] for c in costs), sum(c[1] for c in costs))
+
+
+FREE: Cost = (0.0, 0)
+
+
 @dataclass(frozen=True)
 class SliceStep:
     """Target refines the source: each device cuts its tile out of what it holds."""
     target: Sharding
 
-    def cost(self, shape, itemsize) -> int:
-        return 0
+    def cost(self, shape, itemsize, s: Sharding) -> Cost:
+        return FREE
+
+    def result(self, s: Sharding) -> Sharding:
+        return self.target
 
     def apply(self, ctx: DeviceContext, pv: PartitionedValue) -> PartitionedValue:
         x, tgt = pv.local, self.target
@@ -64,8 +83,8 @@ class GatherStep:
     def result(self, s: Sharding) -> Sharding:
         return s.keep_dims([i for i in range(s.rank) if i != self.dim])
 
-    def cost(self, shape, itemsize, s: Sharding) -> int:
-        return _local_nbytes(shape, self.result(s), itemsize)
+    def cost(self, shape, itemsize, s: Sharding) -> Cost:
+        return (moved(_local_nbytes(shape, self.result(s), itemsize), s.tiles[self.dim]), 1)
 
     def apply(self, ctx: DeviceContext, pv: PartitionedValue) -> PartitionedValue:
         s = pv.sharding
@@ -81,8 +100,11 @@ class AllToAllStep:
     dst: int
     target: Sharding
 
-    def cost(self, shape, itemsize) -> int:
-        return _local_nbytes(shape, self.target, itemsize)
+    def cost(self, shape, itemsize, s: Sharding) -> Cost:
+        return (moved(_local_nbytes(shape, self.target, itemsize), s.tiles[self.src]), 1)
+
+    def result(self, s: Sharding) -> Sharding:
+        return self.target
 
     def apply(self, ctx: DeviceContext, pv: PartitionedValue) -> PartitionedValue:
         groups = groups_along(pv.sharding, [self.src])
@@ -95,8 +117,11 @@ class PermuteStep:
     """Same tiling, other devices: each device fetches its tile from a holder."""
     target: Sharding
 
-    def cost(self, shape, itemsize) -> int:
-        return _local_nbytes(shape, self.target, itemsize)
+    def cost(self, shape, itemsize, s: Sharding) -> Cost:
+        return (_local_nbytes(shape, self.target, itemsize), 1)
+
+    def result(self, s: Sharding) -> Sharding:
+        return self.target
 
     def apply(self, ctx: DeviceContext, pv: PartitionedValue) -> PartitionedValue:
         y = ctx.collective_permute(pv.local, _permute_pairs(pv.sharding, self.target),
@@ -157,16 +182,12 @@ def plan(src: Sharding, dst: Sharding, shape: Sequence[int]) -> list:
     return steps
 
 
-def cost(src: Sharding, dst: Sharding, shape: Sequence[int], itemsize: int) -> int:
-    """Bytes per device that resharding moves (the estimate planning compares)."""
-    total, s = 0, src
+def cost(src: Sharding, dst: Sharding, shape: Sequence[int], itemsize: int) -> Cost:
+    """What resharding costs per device (the estimate planning compares)."""
+    total, s = FREE, src
     for step in plan(src, dst, shape):
-        if isinstance(step, GatherStep):
-            total += step.cost(shape, itemsize, s)
-            s = step.result(s)
-        else:
-            total += step.cost(shape, itemsize)
-            s = step.target
+        total = add_costs(total, step.cost(shape, itemsize, s))
+        s = step.result(s)
     return total
 
 
