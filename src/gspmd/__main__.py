@@ -1,0 +1,5 @@
+import sys
+
+from gspmd.cli import main
+
+sys.exit(main())

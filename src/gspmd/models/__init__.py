@@ -1,0 +1,1 @@
+"""Case studies from the paper as runnable, annotated JAX programs."""
