@@ -1,0 +1,78 @@
+"""The public surface: jit, lower, as_text, sharding_of, explain, report, the CLI."""
+import jax
+import numpy as np
+import pytest
+
+import gspmd
+from gspmd import cli
+
+MESH = gspmd.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
+
+
+def mlp(x, w1, w2):
+    x = gspmd.mesh_split(x, MESH, ["x", -1])
+    w1 = gspmd.mesh_split(w1, MESH, [-1, "y"])
+    return jax.nn.relu(x @ w1) @ w2
+
+
+ARGS = (np.ones((8, 16), np.float32), np.ones((16, 32), np.float32), np.ones((32, 4), np.float32))
+
+
+def test_lower_accepts_abstract_inputs_and_is_cached():
+    step = gspmd.jit(mlp, mesh=MESH)
+    abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in ARGS]
+    assert step.lower(*abstract) is step.lower(*ARGS)
+
+
+def test_as_text_shows_every_sharding_and_the_spmd_program():
+    text = gspmd.jit(mlp, mesh=MESH).lower(*ARGS).as_text()
+    assert "{devices=[2,4]<=[8]}" in text            # the hidden activation, completed
+    assert "all-reduce(" in text and "partition" not in text.split("SPMD")[0]
+    assert "float32[4,8]" in text                    # per-device shapes
+
+
+def test_sharding_of_by_index_and_name_and_explain():
+    low = gspmd.jit(mlp, mesh=MESH).lower(*ARGS)
+    out = low.sharding_of(0)
+    assert out == gspmd.Sharding.from_mesh(MESH, ["x", -1], (8, 4))
+    assert low.sharding_of(low.program.outputs[0].name) == out
+    explanation = low.explain(0)
+    assert "annotation" in explanation and "dot" in explanation
+    with pytest.raises(gspmd.ShardingError, match="No value named"):
+        low.sharding_of("nope")
+
+
+def test_report_lists_collectives_with_origin():
+    report = gspmd.jit(mlp, mesh=MESH).lower(*ARGS).report()
+    (kind, nbytes, groups), = report.collectives
+    assert (kind, nbytes) == ("all-reduce", 4 * 4 * 4)
+    assert set(groups) == {(0, 1, 2, 3), (4, 5, 6, 7)}
+    assert "dot" in report.collectives[0].origin
+    assert report.peak_memory_bytes > 0 and report.flops == 2 * 4 * 16 * 8 + 2 * 4 * 4 * 8
+
+
+def test_unannotated_program_runs_on_one_device_and_needs_no_collectives():
+    f = gspmd.jit(lambda a: a * 2)
+    np.testing.assert_array_equal(f(np.ones(3, np.float32)), np.full(3, 2, np.float32))
+    assert f.lower(np.ones(3, np.float32)).report().collectives == []
+
+
+def test_bad_backend_and_mismatched_meshes_raise():
+    with pytest.raises(gspmd.ShardingError, match="backend"):
+        gspmd.jit(mlp, mesh=MESH, backend="tpu")
+    small = gspmd.Mesh(np.arange(4), ("a",))
+    with pytest.raises(gspmd.ShardingError, match="different sizes"):
+        gspmd.jit(mlp, mesh=small).lower(*ARGS)
+
+
+def test_wrong_argument_count_raises():
+    f = gspmd.jit(mlp, mesh=MESH)
+    low = f.lower(*ARGS)
+    with pytest.raises(gspmd.ShardingError, match="Expected 3"):
+        low(*ARGS[:2])
+
+
+def test_demo_matches_one_device(capsys):
+    assert cli.main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert "all-reduce" in out and "max abs difference" in out and "Mesh(data=2, model=4)" in out

@@ -1,0 +1,109 @@
+"""Every primitive the frontend knows, traced, partitioned and run on 8 devices."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gspmd
+from util import check, rand
+
+MESH = gspmd.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
+
+
+def split(x, *dims):
+    return gspmd.mesh_split(x, MESH, list(dims))
+
+
+UNARY = [jnp.negative, jnp.exp, jnp.tanh, jax.nn.sigmoid, jnp.abs, jnp.sign, jnp.floor, jnp.ceil,
+         jnp.cos, jnp.sin, jnp.expm1, jnp.log1p, jax.nn.relu, jax.nn.gelu, lambda v: v ** 3,
+         lambda v: jnp.sqrt(jnp.abs(v) + 1), lambda v: jax.lax.rsqrt(jnp.abs(v) + 1),
+         lambda v: jnp.log(jnp.abs(v) + 1), lambda v: jnp.isfinite(v).astype(jnp.float32),
+         lambda v: jnp.round(v), lambda v: jax.lax.stop_gradient(v) * 2]
+
+
+@pytest.mark.parametrize("fn", UNARY)
+def test_unary(fn):
+    rng = np.random.RandomState(0)
+    check(lambda a: fn(split(a, "x", "y")), rand(rng, 6, 10), mesh=MESH)
+
+
+BINARY = [jnp.add, jnp.subtract, jnp.multiply, jnp.divide, jnp.maximum, jnp.minimum, jnp.arctan2,
+          lambda a, b: jnp.power(jnp.abs(a) + 1, b), lambda a, b: jnp.where(a > b, a, b),
+          lambda a, b: (a == b) | (a < b), lambda a, b: (a != b) & (a >= b), lambda a, b: a <= 2 * b,
+          lambda a, b: jnp.fmod(a, jnp.abs(b) + 1), lambda a, b: a + 1.5]
+
+
+@pytest.mark.parametrize("fn", BINARY)
+def test_binary(fn):
+    rng = np.random.RandomState(1)
+    check(lambda a, b: fn(split(a, "y", "x"), b), rand(rng, 6, 10), rand(rng, 6, 10), mesh=MESH)
+
+
+def test_integer_ops_and_conversions():
+    def f(a, b):
+        a = split(a, "x", -1)
+        q = a // (jnp.abs(b) + 1)
+        return q, a.astype(jnp.float32) * 0.5, a % 3, -a, jnp.maximum(a, b)
+
+    rng = np.random.RandomState(2)
+    check(f, rng.randint(-50, 50, (6, 4)).astype(np.int32), rng.randint(-5, 5, (6, 4)).astype(np.int32),
+          mesh=MESH)
+
+
+def test_softmax_einsum_mean_and_layout_ops():
+    def f(x, w):
+        x = split(x, "x", -1, "y")
+        h = jnp.einsum("bsd,df->bsf", x, w)
+        p = jax.nn.softmax(h, axis=-1)
+        t = jnp.transpose(p, (2, 0, 1)).reshape(-1, p.shape[1])
+        return p, jnp.mean(t, axis=0), jnp.broadcast_to(t[:, :1], t.shape) + t, jnp.expand_dims(h.sum(-1), 0)
+
+    rng = np.random.RandomState(3)
+    check(f, rand(rng, 4, 6, 8), rand(rng, 8, 12), mesh=MESH)
+
+
+def test_iota_and_select_with_partition_offsets():
+    def f(x):
+        x = split(x, "y", "x")
+        i = jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
+        j = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+        return jnp.where(i >= j, x, 0.0), split(i * 10 + j, "y", "x")
+
+    rng = np.random.RandomState(4)
+    check(f, rand(rng, 9, 6), mesh=MESH)
+
+
+def test_custom_jvp_and_jit_are_inlined():
+    @jax.jit
+    def inner(v):
+        return jax.nn.softplus(v) + jax.nn.relu(v)
+
+    def f(x):
+        return jax.grad(lambda v: inner(split(v, "x", "y")).sum())(x)
+
+    rng = np.random.RandomState(5)
+    check(f, rand(rng, 4, 8), mesh=MESH)
+
+
+def test_pytree_inputs_and_outputs():
+    def f(params, x):
+        h = split(x, "x", -1) @ params["w"]
+        return {"out": h + params["b"], "aux": (h.sum(), [h.max()])}
+
+    rng = np.random.RandomState(6)
+    check(f, {"w": rand(rng, 8, 4), "b": rand(rng, 4)}, rand(rng, 6, 8), mesh=MESH)
+
+
+def test_unknown_primitive_raises_sharding_error():
+    with pytest.raises(gspmd.ShardingError, match="sort"):
+        gspmd.jit(lambda x: jnp.sort(split(x, "x", -1), axis=0), mesh=MESH)(np.ones((4, 4), np.float32))
+
+
+def test_data_formatting_ops_run_through_the_replicate_fallback():
+    def f(x):
+        x = split(x, "x", "y")
+        y = jnp.pad(x, ((1, 2), (0, 1)))[1:6:2]
+        return jnp.concatenate([y, y * 2], axis=1), jax.lax.dynamic_slice(x, (1, 2), (2, 3))
+
+    rng = np.random.RandomState(7)
+    check(f, rand(rng, 8, 8), mesh=MESH)
