@@ -30,7 +30,7 @@ def meshes(draw, max_devices=MAX_DEVICES):
     ndim = draw(st.integers(1, 3))
     shape, budget = [], max_devices
     for _ in range(ndim):
-        size = draw(st.integers(1, budget))
+        size = draw(st.sampled_from([n for n in (2, 1, 3, 4, 8, 16, 5) if n <= budget]))
         shape.append(size)
         budget //= size
     n = math.prod(shape)
@@ -181,7 +181,19 @@ def merge_cases(draw):
     mesh = draw(meshes())
     rank = draw(st.integers(0, 3))
     ma, sa = draw(dims_mappings(mesh, rank))
-    mb, sb = draw(dims_mappings(mesh, rank))
+    if draw(st.booleans()):
+        mb, sb = draw(dims_mappings(mesh, rank))
+    else:
+        # Split a common layout between the two (compatible, so the merge is often finer
+        # than both, as in Fig. 3), then maybe perturb one dim of b.
+        keep_a = draw(st.lists(st.booleans(), min_size=rank, max_size=rank))
+        sb = tuple(() if k else dims for k, dims in zip(keep_a, sa))
+        sa = tuple(dims if k else () for k, dims in zip(keep_a, sa))
+        if rank and draw(st.booleans()):
+            i = draw(st.integers(0, rank - 1))
+            free = [m for m in range(mesh.ndim) if all(m not in d for d in sa + sb)]
+            sb = sb[:i] + (tuple(draw(st.permutations(free))[:draw(st.integers(0, len(free)))]),) + sb[i + 1:]
+        ma, mb = list(sa), list(sb)
     shape = tuple(draw(st.lists(st.integers(1, 20), min_size=rank, max_size=rank)))
     return mesh, shape, (ma, sa), (mb, sb)
 
@@ -221,6 +233,21 @@ def test_merge_commutes_refines_and_matches_mesh_oracle(case):
         assert hash(ab) == hash(ba)
     assert a.merge(a) == a
     assert a.refines(a)
+
+
+@settings(max_examples=150, deadline=None)
+@given(cases(), st.data())
+def test_merge_of_complementary_parts_rebuilds_whole(case, data):
+    """Fig. 3 generalized: split a mapping's dims between two annotations; merging
+    them gives back the full sharding."""
+    mesh, mapping, slots, shape = case
+    whole = Sharding.from_mesh(mesh, mapping, shape)
+    to_a = data.draw(st.lists(st.booleans(), min_size=len(shape), max_size=len(shape)))
+    a = Sharding.from_mesh(mesh, [d if k else -1 for d, k in zip(slots, to_a)], shape)
+    b = Sharding.from_mesh(mesh, [-1 if k else d for d, k in zip(slots, to_a)], shape)
+    assert a.merge(b) == whole
+    assert b.merge(a) == whole
+    assert whole.refines(a) and whole.refines(b)
 
 
 @settings(max_examples=150, deadline=None)
