@@ -51,7 +51,7 @@ class Mesh:
         return self.devices.ndim
 
     def axis_index(self, axis) -> int:
-        """Mesh dim of an axis given by name or int (negative ints count from the end)."""
+        """Mesh dim of an axis given by name or by a non-negative int."""
         if isinstance(axis, str):
             if axis not in self.axis_names:
                 raise ShardingError(f"Unknown mesh axis {axis!r}; {self} has axes {self.axis_names}.")

@@ -79,6 +79,11 @@ class Sharding:
     def from_mesh(cls, mesh: Mesh, dims_mapping: Sequence, shape: Sequence[int]) -> "Sharding":
         """The sharding `mesh_split(x, mesh, dims_mapping)` asks for (UNSPECIFIED dims
         are left unsplit here; the annotation records them as open)."""
+        if not isinstance(mesh, Mesh):
+            raise ShardingError(
+                f"mesh_split of the value of shape {tuple(shape)} needs a gspmd.Mesh, got "
+                f"{type(mesh).__module__}.{type(mesh).__name__}; build one with "
+                "gspmd.Mesh(np.arange(n).reshape(...), axis_names).")
         what = f"value of shape {tuple(shape)} on {mesh}"
         if len(dims_mapping) != len(shape):
             raise ShardingError(

@@ -22,8 +22,6 @@ def mesh_split(x, mesh: Mesh, dims_mapping: Sequence):
     """Annotate `x` as split over `mesh`: dims_mapping[i] is the mesh dim(s) (index,
     name, or tuple major-to-minor) that split tensor dim i, or -1/None for unsplit, or
     UNSPECIFIED to let propagation decide."""
-    if not isinstance(mesh, Mesh):
-        raise ShardingError(f"mesh_split needs a gspmd.Mesh, got {type(mesh).__name__}.")
     shape = np.shape(x)
     dims_mapping = list(dims_mapping)
     sharding = Sharding.from_mesh(mesh, dims_mapping, shape)
@@ -37,7 +35,7 @@ def _transpose(ct, x, *, sharding, unspecified):
 
 def _batch(args, dims, *, sharding, unspecified):
     (x,), (bd,) = args, dims
-    if bd is batching.not_mapped:
+    if bd is None:   # operand not batched
         return mesh_split_p.bind(x, sharding=sharding, unspecified=unspecified), bd
     shifted = tuple(d + (d >= bd) for d in unspecified)
     return mesh_split_p.bind(x, sharding=sharding.insert_dim(bd),
