@@ -1,8 +1,14 @@
 """Resharding between any two shardings of a value, as an ordered list of small
-strategies: dynamic-slice (no communication), all-to-all, collective-permute, then
-all-gather of the dims the target does not keep followed by a slice. The last one is
-always correct; when it has to gather a dim that the target splits too, the step is
-labelled a fallback so that reports show it."""
+strategies: dynamic-slice (target subdivides the source: no communication),
+all-to-all (move a split factor to another dim), collective-permute (same tiling, other
+devices), then all-gather down to the layout both share followed by a slice. The last
+one is always correct; when it gathers a dim that the target splits again, its
+collective is labelled a fallback so that reports show it.
+
+A dim split into t tiles can be coarsened by a factor k (tile c -> c // k): the k
+devices that differ only in c % k hold the pieces, so a k-way all-gather among them
+coarsens and a slice refines. Shards of uneven dims only nest when
+ceil(D/(t/k)) == k * ceil(D/t) (or the coarse layout is the whole dim)."""
 from __future__ import annotations
 
 import math
@@ -15,7 +21,21 @@ from gspmd.sharding import Sharding
 from gspmd.spmd.context import DeviceContext
 from gspmd.spmd.partitioned import PartitionedValue
 
+Cost = tuple  # (bytes moved per device, number of collectives): compared lexicographically
+FREE: Cost = (0.0, 0)
 
+
+def add_costs(*costs: Cost) -> Cost:
+    return (sum(c[0] for c in costs), sum(c[1] for c in costs))
+
+
+def moved(nbytes: int, group_size: int) -> float:
+    """Bytes a device sends when a collective over `group_size` devices exchanges
+    `nbytes` (ring algorithms move (k-1)/k of it)."""
+    return nbytes * (group_size - 1) / group_size
+
+
+# -- layout arithmetic -------------------------------------------------------------------
 def groups_along(s: Sharding, dims: Sequence[int]) -> np.ndarray:
     """Device groups [G, k] whose members differ only in their tile index along
     `dims` (major to minor), ordered by that index; one group per other tile & replica."""
@@ -23,6 +43,33 @@ def groups_along(s: Sharding, dims: Sequence[int]) -> np.ndarray:
     rest = [i for i in range(s.rank + 1) if i not in dims]
     k = math.prod(s.tile_assignment.shape[d] for d in dims)
     return s.tile_assignment.transpose(rest + dims).reshape(-1, k)
+
+
+def minor_groups(s: Sharding, dim: int, k: int) -> np.ndarray:
+    """Groups [G, k] of devices that differ only in (tile index along dim) % k."""
+    shape = s.tile_assignment.shape
+    split = s.tile_assignment.reshape(shape[:dim] + (shape[dim] // k, k) + shape[dim + 1:])
+    order = [i for i in range(split.ndim) if i != dim + 1] + [dim + 1]
+    return split.transpose(order).reshape(-1, k)
+
+
+def coarsen(s: Sharding, dim: int, k: int) -> Sharding:
+    coords = s.coords().copy()
+    coords[:, dim] //= k
+    tiles = list(s.tiles)
+    tiles[dim] //= k
+    return Sharding.from_coords(coords, tiles)
+
+
+def _coarsen_to(s: Sharding, tiles: Sequence[int]) -> Sharding:
+    return Sharding.from_coords(s.coords() // (np.asarray(s.tiles) // np.asarray(tiles)), tiles)
+
+
+def _nests(size: int, fine_tiles: int, k: int) -> bool:
+    """Do the shards of a (fine_tiles/k)-way split hold exactly k shards of a
+    fine_tiles-way split each?"""
+    coarse = fine_tiles // k
+    return coarse == 1 or -(-size // coarse) == k * -(-size // fine_tiles)
 
 
 def _shard_len(shape, s: Sharding, dim: int) -> int:
@@ -33,25 +80,10 @@ def _local_nbytes(shape, s: Sharding, itemsize: int) -> int:
     return math.prod(s.shard_shape(shape)) * itemsize
 
 
-def moved(nbytes: int, group_size: int) -> float:
-    """Bytes a device sends when a collective over `group_size` devices exchanges
-    `nbytes` (ring algorithms move (k-1)/k of it)."""
-    return nbytes * (group_size - 1) / group_size
-
-
-Cost = tuple  # (bytes moved per device, number of collectives): compared lexicographically
-
-
-def add_costs(*costs: Cost) -> Cost:
-    return (sum(c[0] for c in costs), sum(c[1] for c in costs))
-
-
-FREE: Cost = (0.0, 0)
-
-
+# -- steps -----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class SliceStep:
-    """Target refines the source: each device cuts its tile out of what it holds."""
+    """Target subdivides the source: each device cuts its tile out of what it holds."""
     target: Sharding
 
     def cost(self, shape, itemsize, s: Sharding) -> Cost:
@@ -65,49 +97,56 @@ class SliceStep:
         starts, sizes = [], []
         for dim in range(pv.rank):
             size = _shard_len(pv.shape, tgt, dim)
+            k = tgt.tiles[dim] // pv.sharding.tiles[dim]
             sizes.append(size)
-            if tgt.tiles[dim] == pv.sharding.tiles[dim]:
+            if k == 1:
                 starts.append(ctx.constant(0, np.int32))
                 continue
-            # Source holds the whole dim here: pad so the last tile is in bounds.
-            x = ctx.pad_high(x, dim, size * tgt.tiles[dim] - x.shape[dim])
-            starts.append(ctx.table_lookup(tgt.coords()[:, dim] * size))
+            # Pad so that the last sub-tile is in bounds (dynamic-slice would clamp).
+            x = ctx.pad_high(x, dim, size * k - x.shape[dim])
+            starts.append(ctx.table_lookup(tgt.coords()[:, dim] % k * size))
         return PartitionedValue(ctx.dynamic_slice(x, starts, sizes), tgt, pv.shape)
 
 
 @dataclass(frozen=True)
 class GatherStep:
+    """All-gather the minor factor k of dim's split."""
     dim: int
+    k: int
     rule: str = "reshard: all-gather"
 
     def result(self, s: Sharding) -> Sharding:
-        return s.keep_dims([i for i in range(s.rank) if i != self.dim])
+        return coarsen(s, self.dim, self.k)
 
     def cost(self, shape, itemsize, s: Sharding) -> Cost:
-        return (moved(_local_nbytes(shape, self.result(s), itemsize), s.tiles[self.dim]), 1)
+        return (moved(_local_nbytes(shape, self.result(s), itemsize), self.k), 1)
 
     def apply(self, ctx: DeviceContext, pv: PartitionedValue) -> PartitionedValue:
         s = pv.sharding
-        y = ctx.all_gather(pv.local, self.dim, groups_along(s, [self.dim]), self.rule)
-        y = ctx.slice_prefix(y, self.dim, pv.shape[self.dim])
-        return PartitionedValue(y, self.result(s), pv.shape)
+        y = ctx.all_gather(pv.local, self.dim, minor_groups(s, self.dim, self.k), self.rule)
+        result = self.result(s)
+        if result.tiles[self.dim] == 1:
+            y = ctx.slice_prefix(y, self.dim, pv.shape[self.dim])
+        return PartitionedValue(y, result, pv.shape)
 
 
 @dataclass(frozen=True)
 class AllToAllStep:
-    """Move a split from dim `src` to dim `dst` within the same device groups."""
+    """Move the minor factor k of dim `src`'s split to become the minor factor of dim
+    `dst`'s split, within the k-device groups that hold it."""
     src: int
     dst: int
+    k: int
     target: Sharding
-
-    def cost(self, shape, itemsize, s: Sharding) -> Cost:
-        return (moved(_local_nbytes(shape, self.target, itemsize), s.tiles[self.src]), 1)
 
     def result(self, s: Sharding) -> Sharding:
         return self.target
 
+    def cost(self, shape, itemsize, s: Sharding) -> Cost:
+        return (moved(_local_nbytes(shape, self.target, itemsize), self.k), 1)
+
     def apply(self, ctx: DeviceContext, pv: PartitionedValue) -> PartitionedValue:
-        groups = groups_along(pv.sharding, [self.src])
+        groups = minor_groups(pv.sharding, self.src, self.k)
         y = ctx.all_to_all(pv.local, self.dst, self.src, groups, "reshard: all-to-all")
         return PartitionedValue(y, self.target, pv.shape)
 
@@ -117,11 +156,11 @@ class PermuteStep:
     """Same tiling, other devices: each device fetches its tile from a holder."""
     target: Sharding
 
-    def cost(self, shape, itemsize, s: Sharding) -> Cost:
-        return (_local_nbytes(shape, self.target, itemsize), 1)
-
     def result(self, s: Sharding) -> Sharding:
         return self.target
+
+    def cost(self, shape, itemsize, s: Sharding) -> Cost:
+        return (_local_nbytes(shape, self.target, itemsize), 1)
 
     def apply(self, ctx: DeviceContext, pv: PartitionedValue) -> PartitionedValue:
         y = ctx.collective_permute(pv.local, _permute_pairs(pv.sharding, self.target),
@@ -142,42 +181,64 @@ def _permute_pairs(src: Sharding, dst: Sharding) -> np.ndarray:
     return np.asarray(pairs, np.int64)
 
 
+# -- planning --------------------------------------------------------------------------
+def _subdivides(dst: Sharding, src: Sharding, shape) -> bool:
+    if any(d % s for d, s in zip(dst.tiles, src.tiles)):
+        return False
+    if not all(_nests(n, d, d // s) for n, d, s in zip(shape, dst.tiles, src.tiles)):
+        return False
+    return _coarsen_to(dst, src.tiles) == src
+
+
 def _all_to_all(src: Sharding, dst: Sharding, shape) -> Optional[AllToAllStep]:
     for a in range(src.rank):
-        k = src.tiles[a]
-        if k == 1 or dst.tiles[a] != 1:
+        if shape[a] % src.tiles[a]:
             continue
-        for b in range(src.rank):
-            if b == a or src.tiles[b] != 1 or dst.tiles[b] != k or shape[a] % k or shape[b] % k:
-                continue
-            dim_map = list(range(src.rank))
-            dim_map[a], dim_map[b] = b, a
-            if src.remap(dim_map, src.rank) == dst:
-                return AllToAllStep(a, b, dst)
+        for k in (k for k in range(2, src.tiles[a] + 1) if src.tiles[a] % k == 0):
+            for b in range(src.rank):
+                if b == a or shape[b] % (src.tiles[b] * k):
+                    continue
+                coords = src.coords().copy()
+                coords[:, b] = coords[:, b] * k + coords[:, a] % k
+                coords[:, a] //= k
+                tiles = list(src.tiles)
+                tiles[a] //= k
+                tiles[b] *= k
+                if Sharding.from_coords(coords, tiles) == dst:
+                    return AllToAllStep(a, b, k, dst)
     return None
+
+
+def _common_tiles(src: Sharding, dst: Sharding, dim: int, size: int) -> int:
+    """The finest split of `dim` that both layouts refine, device by device."""
+    ts, td = src.tiles[dim], dst.tiles[dim]
+    for m in range(math.gcd(ts, td), 0, -1):
+        if ts % m or td % m or not (_nests(size, ts, ts // m) and _nests(size, td, td // m)):
+            continue
+        if np.array_equal(src.coords()[:, dim] // (ts // m), dst.coords()[:, dim] // (td // m)):
+            return m
+    return 1
 
 
 def plan(src: Sharding, dst: Sharding, shape: Sequence[int]) -> list:
     """Steps that turn a value laid out as `src` into `dst`."""
     if src == dst:
         return []
-    if dst.refines(src):
+    if _subdivides(dst, src, shape):
         return [SliceStep(dst)]
     step = _all_to_all(src, dst, shape)
     if step is not None:
         return [step]
     if src.tiles == dst.tiles and src.num_replicas == dst.num_replicas:
         return [PermuteStep(dst)]
-    same = [i for i in range(src.rank) if src.tiles[i] == dst.tiles[i]
-            and np.array_equal(src.coords()[:, i], dst.coords()[:, i])]
-    steps = []
+    steps, cur = [], src
     for dim in range(src.rank):
-        if src.tiles[dim] > 1 and dim not in same:
-            fallback = dst.tiles[dim] > 1
-            steps.append(GatherStep(dim, "reshard fallback: all-gather then slice" if fallback
-                                    else "reshard: all-gather"))
-    mid = src.keep_dims(same)
-    if mid != dst:
+        m = _common_tiles(src, dst, dim, shape[dim])
+        if src.tiles[dim] > m:
+            rule = "reshard fallback: all-gather then slice" if dst.tiles[dim] > m else "reshard: all-gather"
+            steps.append(GatherStep(dim, src.tiles[dim] // m, rule))
+            cur = steps[-1].result(cur)
+    if cur != dst:
         steps.append(SliceStep(dst))
     return steps
 

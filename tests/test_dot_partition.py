@@ -1,0 +1,65 @@
+"""dot_general under any combination of operand and result shardings, vs one device."""
+import string
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import gspmd
+from strategies import dims_mappings, meshes
+
+SIZES = st.sampled_from([1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 16])
+
+
+@st.composite
+def einsum_cases(draw):
+    nb, nc = draw(st.integers(0, 3)), draw(st.integers(0, 2))
+    nl, nr = draw(st.integers(0, 2)), draw(st.integers(0, 2))
+    letters = iter(string.ascii_lowercase)
+    batch = [next(letters) for _ in range(nb)]
+    contract = [next(letters) for _ in range(nc)]
+    lfree = [next(letters) for _ in range(nl)]
+    rfree = [next(letters) for _ in range(nr)]
+    lhs = draw(st.permutations(batch + contract + lfree))
+    rhs = draw(st.permutations(batch + contract + rfree))
+    out = draw(st.permutations(batch + lfree + rfree))
+    sizes = {c: draw(SIZES) for c in batch + contract + lfree + rfree}
+    spec = f"{''.join(lhs)},{''.join(rhs)}->{''.join(out)}"
+    mesh = draw(meshes())
+    maps = [draw(dims_mappings(mesh, len(t))) for t in (lhs, rhs, out)]
+    return spec, sizes, mesh, maps
+
+
+def run_case(spec, sizes, mesh, maps, seed=0):
+    lhs_s, rest = spec.split(",")
+    rhs_s, out_s = rest.split("->")
+    rng = np.random.RandomState(seed)
+    lhs = rng.standard_normal([sizes[c] for c in lhs_s]).astype(np.float32)
+    rhs = rng.standard_normal([sizes[c] for c in rhs_s]).astype(np.float32)
+
+    def f(a, b):
+        a = gspmd.mesh_split(a, mesh, maps[0])
+        b = gspmd.mesh_split(b, mesh, maps[1])
+        return gspmd.mesh_split(jnp.einsum(spec, a, b), mesh, maps[2])
+
+    partitioned = gspmd.jit(f, mesh=mesh)
+    got = partitioned(lhs, rhs)
+    want = np.einsum(spec, lhs.astype(np.float64), rhs.astype(np.float64))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    return partitioned.lower(lhs, rhs)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(einsum_cases())
+def test_random_einsum_shardings(case):
+    run_case(*case)
+
+
+@pytest.mark.slow
+@settings(max_examples=5000, deadline=None, suppress_health_check=list(HealthCheck))
+@given(einsum_cases())
+def test_random_einsum_shardings_slow(case):
+    run_case(*case)
