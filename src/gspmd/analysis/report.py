@@ -34,6 +34,12 @@ class Report:
     def collective_bytes(self) -> int:
         return sum(c.bytes for c in self.collectives)
 
+    @property
+    def fallbacks(self) -> list[Collective]:
+        """Collectives of the replicate-then-slice fallback: data gathered only to be
+        split again. Each names the op and both layouts; annotate to avoid them."""
+        return [c for c in self.collectives if "fallback" in c.origin]
+
     def counts(self) -> Counter:
         return Counter(c.kind for c in self.collectives)
 
@@ -41,6 +47,8 @@ class Report:
         lines = [f"collectives: {len(self.collectives)} ({self.collective_bytes:,} bytes per device)"]
         for c in self.collectives:
             lines.append(f"  {c.kind:<18} {c.bytes:>12,} B  groups={_groups_str(c.groups)}  <- {c.origin}")
+        if self.fallbacks:
+            lines.append(f"warning: {len(self.fallbacks)} reshard fallback(s) gather data only to split it again")
         lines.append(f"peak memory per device: {self.peak_memory_bytes:,} bytes")
         lines.append(f"flops per device: {self.flops:,}")
         return "\n".join(lines)

@@ -139,6 +139,26 @@ def _reduce(reducer: str) -> Converter:
     return convert
 
 
+def _arg_reduce(reducer: str) -> Converter:
+    """argmax/argmin as XLA lowers them to ordinary ops: the extreme value, then the
+    smallest index holding it (NaN counts as the extreme, as in JAX). Each piece
+    partitions and masks padding like any reduce."""
+    def convert(b, eqn, args):
+        (x,), (axis,) = args, eqn.params["axes"]
+        shape, index_dtype = _out_aval(eqn)
+        kept = tuple(d for d in range(x.rank) if d != axis)
+        best = b.add1("reduce", [x], shape, x.dtype, dims=(axis,), reducer=reducer)
+        best = b.add1("broadcast", [best], x.shape, x.dtype, dims=kept)
+        hit = b.add1("compare", [x, best], x.shape, np.bool_, direction="EQ")
+        nan = b.add1("compare", [x, x], x.shape, np.bool_, direction="NE")
+        hit = b.add1("or", [hit, nan], x.shape, np.bool_)
+        index = b.add1("iota", [], x.shape, index_dtype, dimension=axis)
+        beyond = _broadcast_to(b, _constant(b, np.asarray(x.shape[axis], index_dtype)), x.shape)
+        index = b.add1("select", [hit, index, beyond], x.shape, index_dtype)
+        return [b.add1("reduce", [index], shape, index_dtype, dims=(axis,), reducer="min")]
+    return convert
+
+
 def _dot_general(b, eqn, args):
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     shape, dtype = _out_aval(eqn)
@@ -218,6 +238,8 @@ for _name, _dir in _COMPARE.items():
     CONVERTERS[_name] = _elementwise("compare", direction=_dir)
 for _name, _red in _REDUCE.items():
     CONVERTERS[_name] = _reduce(_red)
+CONVERTERS["argmax"] = _arg_reduce("max")
+CONVERTERS["argmin"] = _arg_reduce("min")
 for _name in ("jit", "pjit", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "remat",
               "checkpoint", "closed_call", "core_call"):
     CONVERTERS[_name] = _call

@@ -235,7 +235,8 @@ def plan(src: Sharding, dst: Sharding, shape: Sequence[int]) -> list:
     for dim in range(src.rank):
         m = _common_tiles(src, dst, dim, shape[dim])
         if src.tiles[dim] > m:
-            rule = "reshard fallback: all-gather then slice" if dst.tiles[dim] > m else "reshard: all-gather"
+            rule = f"reshard fallback: all-gather then slice, {src} -> {dst}" if dst.tiles[dim] > m \
+                else "reshard: all-gather"
             steps.append(GatherStep(dim, src.tiles[dim] // m, rule))
             cur = steps[-1].result(cur)
     if cur != dst:

@@ -1,0 +1,117 @@
+"""Resharding between any two layouts of a value, and the collective each classic
+transition must produce."""
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import gspmd
+from strategies import dims_mappings, meshes
+
+MESH = gspmd.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
+
+
+def reshard_program(src_mesh, src_map, dst_mesh, dst_map):
+    def f(a):
+        a = gspmd.mesh_split(a, src_mesh, src_map)
+        return gspmd.mesh_split(a * 1.0, dst_mesh, dst_map)
+    return f
+
+
+def lower_and_check(f, x, mesh=MESH):
+    partitioned = gspmd.jit(f, mesh=mesh)
+    np.testing.assert_array_equal(partitioned(x), np.asarray(x) * 1.0)
+    return partitioned.lower(x)
+
+
+def kinds(lowered):
+    return [c.kind for c in lowered.report().collectives]
+
+
+X = np.arange(8 * 12 * 4, dtype=np.float32).reshape(8, 12, 4)
+
+
+def test_move_split_to_other_dim_is_one_all_to_all():
+    low = lower_and_check(reshard_program(MESH, ["y", -1, -1], MESH, [-1, "y", -1]), X)
+    assert kinds(low) == ["all-to-all"]
+
+
+def test_device_order_change_is_one_collective_permute():
+    other = gspmd.Mesh(np.arange(8)[::-1].reshape(2, 4), ("x", "y"))
+    low = lower_and_check(reshard_program(MESH, ["x", "y", -1], other, ["x", "y", -1]), X)
+    assert kinds(low) == ["collective-permute"]
+
+
+def test_replicated_to_tiled_is_a_local_slice():
+    low = lower_and_check(reshard_program(MESH, [-1, -1, -1], MESH, ["y", "x", -1]), X)
+    assert kinds(low) == []
+
+
+def test_partial_gather_of_a_minor_factor():
+    # dim 0 over (x, y) -> over x only: gather among the 4 devices of each x row.
+    low = lower_and_check(reshard_program(MESH, [("x", "y"), -1, -1], MESH, ["x", -1, -1]), X)
+    (c,) = low.report().collectives
+    assert c.kind == "all-gather" and len(c.groups[0]) == 4 and c.bytes == 4 * 12 * 4 * 4
+
+
+def test_minor_factor_moves_to_another_dim_by_all_to_all():
+    low = lower_and_check(reshard_program(MESH, [("x", "y"), -1, -1], MESH, ["x", "y", -1]), X)
+    assert kinds(low) == ["all-to-all"]
+
+
+def test_uneven_transitions_stay_exact():
+    x = np.arange(7 * 5, dtype=np.float32).reshape(7, 5)
+    for src, dst in [(["x", "y"], ["y", "x"]), ([("x", "y"), -1], [-1, ("y", "x")]), (["y", -1], [-1, -1]),
+                     ([-1, -1], [("x", "y"), -1])]:
+        lower_and_check(reshard_program(MESH, src, MESH, dst), x)
+
+
+def test_gathering_a_dim_the_target_splits_again_is_reported_as_fallback():
+    low = lower_and_check(reshard_program(MESH, ["x", -1, -1], MESH, ["y", -1, -1]), X)
+    assert any("fallback" in c.origin for c in low.report().collectives)
+    assert low.report().fallbacks
+
+
+@st.composite
+def reshard_cases(draw):
+    src_mesh = draw(meshes())
+    n = src_mesh.size
+    dst_mesh = draw(meshes(shapes=[s for s in [(n,), (2, n // 2), (n // 2, 2), (2, 2, n // 4)]
+                                   if all(d >= 1 for d in s) and int(np.prod(s)) == n]))
+    rank = draw(st.integers(1, 3))
+    shape = tuple(draw(st.sampled_from([1, 2, 3, 4, 5, 7, 8, 12, 16])) for _ in range(rank))
+    return src_mesh, draw(dims_mappings(src_mesh, rank)), dst_mesh, draw(dims_mappings(dst_mesh, rank)), shape
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(reshard_cases())
+def test_random_reshards(case):
+    src_mesh, src_map, dst_mesh, dst_map, shape = case
+    x = np.random.RandomState(0).standard_normal(shape).astype(np.float32)
+    low = lower_and_check(reshard_program(src_mesh, src_map, dst_mesh, dst_map), x, mesh=src_mesh)
+    src = gspmd.Sharding.from_mesh(src_mesh, src_map, shape)
+    dst = gspmd.Sharding.from_mesh(dst_mesh, dst_map, shape)
+    if dst.refines(src):
+        assert kinds(low) == []   # replicated/partial -> tiled needs no communication
+
+
+def test_sum_max_min_prod_argmax_over_uneven_sharded_dims():
+    def f(a):
+        a = gspmd.mesh_split(a, MESH, ["y", "x"])
+        return (a.sum(0), a.max(0), a.min(1), jnp.prod(a * 0.1 + 1, axis=0), jnp.argmax(a, axis=0),
+                jnp.argmin(a, axis=1), jnp.argmax(a.reshape(-1)))
+
+    x = np.random.RandomState(1).standard_normal((7, 5)).astype(np.float32)
+    from util import check
+    check(f, x, mesh=MESH)
+
+
+def test_argmax_prefers_the_first_nan_like_jax():
+    def f(a):
+        a = gspmd.mesh_split(a, MESH, ["y", "x"])
+        return jnp.argmax(a, axis=0), jnp.argmin(a, axis=1)
+
+    x = np.random.RandomState(2).standard_normal((7, 5)).astype(np.float32)
+    x[5, 1] = x[6, 1] = x[3, 4] = np.nan
+    from util import check
+    check(f, x, mesh=MESH)
