@@ -63,3 +63,44 @@ def test_random_einsum_shardings(case):
 @given(einsum_cases())
 def test_random_einsum_shardings_slow(case):
     run_case(*case)
+
+
+MESH = gspmd.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
+
+
+def collectives_of(spec, lhs_map, rhs_map, out_map, shapes=((8, 16), (16, 12))):
+    rng = np.random.RandomState(0)
+    sizes = {}
+    lhs_s, rest = spec.split(",")
+    rhs_s, _ = rest.split("->")
+    for letters, shape in zip((lhs_s, rhs_s), shapes):
+        sizes.update(zip(letters, shape))
+    low = run_case(spec, sizes, MESH, [lhs_map, rhs_map, out_map])
+    return [(c.kind, c.bytes) for c in low.report().collectives]
+
+
+def test_contracting_split_gives_one_all_reduce():
+    assert collectives_of("bk,kn->bn", [-1, "y"], ["y", -1], [-1, -1]) == [("all-reduce", 8 * 12 * 4)]
+
+
+def test_contracting_split_with_split_result_gives_one_reduce_scatter():
+    assert collectives_of("bk,kn->bn", [-1, "y"], ["y", -1], [-1, "y"]) == [("reduce-scatter", 8 * 3 * 4)]
+
+
+def test_batch_split_needs_no_communication():
+    assert collectives_of("bmk,bkn->bmn", ["x", -1, "y"], ["x", "y", -1], ["x", -1, -1],
+                          shapes=((4, 6, 8), (4, 8, 5))) == [("all-reduce", 2 * 6 * 5 * 4)]
+    assert collectives_of("bmk,bkn->bmn", [("x", "y"), -1, -1], [("x", "y"), -1, -1], [("x", "y"), -1, -1],
+                          shapes=((8, 6, 8), (8, 8, 5))) == []
+
+
+def test_moe_einsum_with_expert_split():
+    # MoE: experts on x, batch on y, model dim unsplit -> purely local.
+    assert collectives_of("ebd,edf->ebf", ["x", "y", -1], ["x", -1, -1], ["x", "y", -1],
+                          shapes=((4, 8, 6), (4, 6, 10))) == []
+
+
+def test_conflicting_operands_reshard_the_cheaper_one():
+    # lhs is small (2 x 16), rhs large (16 x 64): move lhs, never gather rhs.
+    out = collectives_of("bk,kn->bn", ["x", "y"], [-1, "x"], [-1, "x"], shapes=((2, 16), (16, 64)))
+    assert all(nbytes <= 2 * 16 * 4 for _, nbytes in out), out
