@@ -12,6 +12,7 @@ small numpy operations on it, so planning for 2048 devices costs little.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Sequence
 
@@ -72,7 +73,7 @@ class Sharding:
         linear = np.ravel_multi_index(tuple(coords.T), tiles) if tiles else np.zeros(n, np.int64)
         if not np.all(np.bincount(linear, minlength=ntiles) == n // ntiles):
             return None
-        order = np.lexsort((np.arange(n), linear))
+        order = np.argsort(linear, kind="stable")   # by tile, then by device id
         return cls(order.reshape(tiles + (n // ntiles,)))
 
     @classmethod
@@ -143,6 +144,9 @@ class Sharding:
     def merge(self, other: "Sharding") -> Optional["Sharding"]:
         """The sharding that agrees with both on every dim either one splits
         (paper Fig. 3, AyB + BCx -> AyCx), or None if they are incompatible."""
+        return _merge(self, other)
+
+    def _merge(self, other: "Sharding") -> Optional["Sharding"]:
         if other.rank != self.rank or other.num_devices != self.num_devices:
             return None
         mine, theirs = self.coords(), other.coords()
@@ -163,6 +167,9 @@ class Sharding:
         """Carry this sharding to a tensor of rank new_rank whose dim dim_map[i] holds
         this tensor's dim i (None: the dim has no counterpart and its split turns into
         replication). Unmapped target dims are unsplit."""
+        return _remap(self, tuple(dim_map), new_rank)
+
+    def _remap(self, dim_map: tuple, new_rank: int) -> "Sharding":
         coords = np.zeros((self.num_devices, new_rank), np.int64)
         tiles = [1] * new_rank
         for src, dst in enumerate(dim_map):
@@ -199,6 +206,12 @@ class Sharding:
             else ",".join(map(str, flat.tolist()))
         suffix = " last_tile_dim_replicate" if self.num_replicas > 1 else ""
         return f"{{devices=[{','.join(map(str, dims))}]{devices}{suffix}}}"
+
+
+# Propagation and partitioning ask the same questions many times over; layouts are
+# immutable and hashable, so the answers are memoized (this keeps 2048 devices cheap).
+_merge = functools.lru_cache(maxsize=65536)(Sharding._merge)
+_remap = functools.lru_cache(maxsize=65536)(Sharding._remap)
 
 
 def _mesh_dims(mesh: Mesh, entry, what: str) -> tuple[int, ...]:
