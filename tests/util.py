@@ -1,6 +1,8 @@
 """Differential testing: a partitioned program must equal the single-device program."""
 from __future__ import annotations
 
+import os
+
 import jax
 import numpy as np
 
@@ -17,10 +19,16 @@ def assert_close(actual, expected, rtol=1e-4, atol=1e-4):
         np.testing.assert_allclose(a, e, rtol=rtol, atol=atol)
 
 
-def check(fn, *args, mesh=None, rtol=1e-4, atol=1e-4) -> gspmd.Lowered:
-    """Run fn partitioned and on one device; assert equal; return the Lowered."""
-    partitioned = gspmd.jit(fn, mesh=mesh)
-    assert_close(partitioned(*args), jax.jit(fn)(*args), rtol, atol)
+# Every differential check runs on each of these backends (e.g. GSPMD_TEST_BACKENDS=sim).
+BACKENDS = tuple(os.environ.get("GSPMD_TEST_BACKENDS", "sim,jax").split(","))
+
+
+def check(fn, *args, mesh=None, rtol=1e-4, atol=1e-4, backends=BACKENDS) -> gspmd.Lowered:
+    """Run fn partitioned on each backend and on one device; assert equal; return the Lowered."""
+    expected = jax.jit(fn)(*args)
+    for backend in backends:
+        partitioned = gspmd.jit(fn, mesh=mesh, backend=backend)
+        assert_close(partitioned(*args), expected, rtol, atol)
     return partitioned.lower(*args)
 
 

@@ -13,10 +13,10 @@ from gspmd.frontend import trace
 from gspmd.ir import Program, Value, format_program, verify
 from gspmd.mesh import Mesh
 from gspmd.partitioner import partition
-from gspmd.runtime import sim
+from gspmd.runtime import jax_backend, sim
 from gspmd.sharding import Sharding
 
-BACKENDS = ("sim",)
+BACKENDS = ("sim", "jax")
 
 
 def jit(fn: Callable, mesh: Optional[Mesh] = None, backend: str = "sim") -> "Partitioned":
@@ -49,7 +49,7 @@ class Partitioned:
         avals = [_abstract(a) for a in flat]
         key = (in_tree, tuple((a.shape, a.dtype) for a in avals))
         if key not in self._cache:
-            self._cache[key] = Lowered(self.fn, in_tree, avals, self.mesh)
+            self._cache[key] = Lowered(self.fn, in_tree, avals, self.mesh, self.backend)
         return self._cache[key]
 
     def __call__(self, *args):
@@ -57,7 +57,7 @@ class Partitioned:
 
 
 class Lowered:
-    def __init__(self, fn: Callable, in_tree, avals, mesh: Optional[Mesh]):
+    def __init__(self, fn: Callable, in_tree, avals, mesh: Optional[Mesh], backend: str = "sim"):
         def flat_fn(*flat_args):
             return fn(*jax.tree_util.tree_unflatten(in_tree, flat_args))
         self.program, self.out_tree = trace(flat_fn, avals, getattr(fn, "__name__", "main"))
@@ -66,18 +66,30 @@ class Lowered:
         self.completion = propagation.complete(self.program, self.num_devices)
         self.spmd = partition(self.program, self.num_devices)
         verify(self.spmd)
+        self.backend = backend
+        self._jax: Optional[jax_backend.Executable] = None
 
     # -- execution ----------------------------------------------------------------
     def __call__(self, *args):
         flat, _ = jax.tree_util.tree_flatten(args)
         if len(flat) != len(self.program.params):
             raise ShardingError(f"Expected {len(self.program.params)} array arguments, got {len(flat)}.")
+        outs = self.jax_executable()(flat) if self.backend == "jax" else self._run_sim(flat)
+        return jax.tree_util.tree_unflatten(self.out_tree, outs)
+
+    def jax_executable(self) -> jax_backend.Executable:
+        """The SPMD program as one shard_map on jax devices (compiled on first use)."""
+        if self._jax is None:
+            self._jax = jax_backend.Executable(self.spmd, self.program.params, self.program.outputs,
+                                               self.num_devices)
+        return self._jax
+
+    def _run_sim(self, flat) -> list[np.ndarray]:
         per_param = [sim.shard(np.asarray(x, p.dtype), p.sharding) for x, p in zip(flat, self.program.params)]
         per_device = [[shards[d] for shards in per_param] for d in range(self.num_devices)]
         results = sim.run(self.spmd, per_device, self.num_devices)
-        outs = [sim.unshard([results[d][i] for d in range(self.num_devices)], v.sharding, v.shape)
+        return [sim.unshard([results[d][i] for d in range(self.num_devices)], v.sharding, v.shape)
                 for i, v in enumerate(self.program.outputs)]
-        return jax.tree_util.tree_unflatten(self.out_tree, outs)
 
     # -- inspection ---------------------------------------------------------------
     def as_text(self) -> str:
@@ -93,6 +105,9 @@ class Lowered:
         if isinstance(ref, Value):
             return ref
         if isinstance(ref, int):
+            if not -len(self.program.outputs) <= ref < len(self.program.outputs):
+                raise ShardingError(f"Output index {ref} is out of range: the program has "
+                                    f"{len(self.program.outputs)} outputs; name a value instead.")
             return self.program.outputs[ref]
         try:
             return self.program.find(ref.lstrip("%"))
@@ -103,23 +118,20 @@ class Lowered:
         return self.value(ref).sharding
 
     def explain(self, ref: Union[int, str, Value]) -> str:
-        """Which annotations a value's sharding came from, and through which ops."""
+        """Which annotations a value's sharding came from, and through which ops: one
+        shortest chain per annotation, each step with the layout it left behind."""
         v = self.value(ref)
-        lines = [f"%{v.name} {v.type_str()} sharding={v.sharding}"]
-        seen = set()
-
-        def walk(value: Value, depth: int):
-            for instr, source in self.completion.provenance.get(value, []):
-                if source is None:
-                    lines.append(f"{'  ' * depth}<- annotation {instr.attrs['sharding']} ({instr.opcode})")
-                    continue
-                lines.append(f"{'  ' * depth}<- {instr.opcode} from %{source.name} {source.sharding}")
-                if source not in seen:
-                    seen.add(source)
-                    walk(source, depth + 1)
-        walk(v, 1)
-        if len(lines) == 1:
+        lines = [f"%{v.name}: {v.type_str()} sharding={v.sharding}"]
+        chains = self.completion.origins(v)
+        if not chains:
             lines.append("  no annotation reaches it: replicated")
+        for (annotated, first), *rest in chains:
+            lines.append(f"  from annotation %{annotated.name} = sharding(%{first.instr.operands[0].name}) "
+                         f"{first.sharding}")
+            for u, step in rest:
+                way = "forward" if u in step.instr.outputs else "backward"
+                lines.append(f"    -> {step.instr.opcode} ({way} from %{step.source.name}): "
+                             f"%{u.name} {step.sharding}")
         return "\n".join(lines)
 
 

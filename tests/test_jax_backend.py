@@ -1,0 +1,147 @@
+"""The jax backend: each collective lowering equals the sim's semantics device by device,
+outputs carry our sharding as a NamedSharding, inputs in our layout are used in place,
+one compile per signature, and a clear error for an opcode it cannot lower."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gspmd
+from gspmd.ir import Builder, Program, Value
+from gspmd.runtime import jax_backend, sim
+from gspmd.sharding import Sharding
+from gspmd.spmd.context import DeviceContext
+from util import assert_close, rand
+
+N = 8
+MESH = gspmd.Mesh(np.arange(N).reshape(2, 4), ("x", "y"))
+PAIRED = [[4, 0], [5, 1], [6, 2], [7, 3]]          # non-contiguous, members out of order
+QUADS = [[3, 1, 0, 2], [7, 6, 4, 5]]
+
+
+def _run_both(emit, local_shape=(4, 6), dtype=np.float32, poke_nan=False):
+    """Build a one-output SPMD program with emit(ctx, param), run it on the sim and on
+    jax devices, and compare every device's result."""
+    spmd = Program("case")
+    b = Builder(spmd)
+    ctx = DeviceContext(b, N)
+    out = emit(ctx, b.param(local_shape, dtype))
+    spmd.outputs = [out]
+    tiled = Sharding.tiled(np.arange(N).reshape((N,) + (1,) * (len(local_shape) - 1)))
+    param = Value("x", (N * local_shape[0],) + local_shape[1:], dtype)
+    param.sharding = tiled
+    result = Value("y", (N * out.shape[0],) + out.shape[1:], out.dtype)
+    result.sharding = tiled
+    per_device = [rand(np.random.RandomState(d), *local_shape).astype(dtype) for d in range(N)]
+    if poke_nan:
+        per_device[5][1, 2] = np.nan
+    expected = [r[0] for r in sim.run(spmd, [[x] for x in per_device], N)]
+    exe = jax_backend.Executable(spmd, [param], [result], N)
+    (raw,) = exe.run_sharded(exe.shard_inputs([np.concatenate(per_device)]))
+    for d, (got, want) in enumerate(zip(np.split(np.asarray(raw), N), expected)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"device {d}")
+
+
+@pytest.mark.parametrize("reducer", ["add", "max", "min", "mul"])
+@pytest.mark.parametrize("groups", [PAIRED, QUADS, [list(range(N))]])
+def test_all_reduce(reducer, groups):
+    _run_both(lambda ctx, x: ctx.all_reduce(x, groups, reducer, "test"), poke_nan=reducer == "max")
+
+
+@pytest.mark.parametrize("reducer", ["and", "or"])
+def test_all_reduce_booleans(reducer):
+    def emit(ctx, x):
+        positive = ctx.b.add1("compare", [x, ctx.b.add1("broadcast", [ctx.constant(np.float32(0))], x.shape,
+                                                       x.dtype, dims=())], x.shape, np.bool_, direction="GT")
+        return ctx.all_reduce(positive, QUADS, reducer, "test")
+    _run_both(emit)
+
+
+@pytest.mark.parametrize("groups", [PAIRED, QUADS])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_all_gather(groups, dim):
+    _run_both(lambda ctx, x: ctx.all_gather(x, dim, groups, "test"))
+
+
+@pytest.mark.parametrize("reducer", ["add", "max"])
+def test_reduce_scatter(reducer):
+    _run_both(lambda ctx, x: ctx.reduce_scatter(x, 1, PAIRED, reducer, "test"), local_shape=(2, 8))
+
+
+def test_all_to_all():
+    _run_both(lambda ctx, x: ctx.all_to_all(x, 0, 1, QUADS, "test"))
+
+
+@pytest.mark.parametrize("pairs", [[(0, 1), (1, 2), (2, 0), (6, 7)],          # devices 3..6 get zeros
+                                   [(0, 1), (0, 2), (3, 0), (3, 5)]])         # sources send twice
+def test_collective_permute(pairs):
+    _run_both(lambda ctx, x: ctx.collective_permute(x, pairs, "test"))
+
+
+def test_partition_id_table_lookup():
+    def emit(ctx, x):
+        offset = ctx.table_lookup(np.arange(N)[::-1] * 3)
+        return ctx.dynamic_slice(x, [offset, ctx.constant(np.int32(1))], (2, 3))   # clamped like HLO
+    _run_both(emit)
+
+
+def _mlp(x, w1, w2):
+    x = gspmd.mesh_split(x, MESH, ["x", -1])
+    w1 = gspmd.mesh_split(w1, MESH, [-1, "y"])
+    return jax.nn.relu(x @ w1) @ w2
+
+
+def _mlp_args(batch=8):
+    rng = np.random.RandomState(0)
+    return rand(rng, batch, 16), rand(rng, 16, 32), rand(rng, 32, 4)
+
+
+def test_outputs_carry_our_sharding_and_inputs_in_place():
+    step = gspmd.jit(_mlp, mesh=MESH, backend="jax")
+    args = _mlp_args()
+    out = step(*args)
+    low = step.lower(*args)
+    assert isinstance(out, jax.Array)
+    for shard in out.addressable_shards:
+        want = sim.tile_slices(low.sharding_of(0), out.shape, jax.devices().index(shard.device))
+        assert [s.indices(n)[:2] for s, n in zip(shard.index, out.shape)] == [(s.start, s.stop) for s in want]
+    # A jax.Array already in our layout is used without a copy.
+    exe = low.jax_executable()
+    x = jax.device_put(args[0], exe.input_sharding(0))
+    pointers = {s.device: s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
+    (stacked, *_) = exe.shard_inputs([x, *args[1:]])
+    assert all(pointers[s.device] == s.data.unsafe_buffer_pointer() for s in stacked.addressable_shards)
+    assert_close(step(x, *args[1:]), jax.jit(_mlp)(*args))
+    # Any other layout is resharded.
+    assert_close(step(jax.device_put(args[0], jax.devices()[3]), *args[1:]), jax.jit(_mlp)(*args))
+
+
+def test_uneven_outputs_are_assembled():
+    args = _mlp_args(batch=5)
+    out = gspmd.jit(_mlp, mesh=MESH, backend="jax")(*args)
+    assert out.shape == (5, 4) and out.sharding.is_fully_replicated
+    assert_close(out, jax.jit(_mlp)(*args))
+
+
+def test_compiled_once_per_signature_with_native_collectives():
+    step = gspmd.jit(_mlp, mesh=MESH, backend="jax")
+    args = _mlp_args()
+    step(*args)
+    compiled = step.lower(*args).jax_executable().compiled
+    step(*(jnp.asarray(a) for a in args))
+    assert step.lower(*args).jax_executable().compiled is compiled
+    hlo = compiled.as_text()
+    assert hlo.count("all-reduce(") == 1 and "replica_groups={{0,1,2,3},{4,5,6,7}}" in hlo
+
+
+def test_missing_lowering_names_the_opcode(monkeypatch):
+    monkeypatch.delitem(jax_backend.LOWERINGS, "maximum")
+    with pytest.raises(gspmd.ShardingError, match="no lowering for opcode 'maximum'"):
+        gspmd.jit(_mlp, mesh=MESH, backend="jax")(*_mlp_args())
+
+
+def test_too_few_devices_is_a_clear_error():
+    mesh = gspmd.Mesh(np.arange(16).reshape(4, 4), ("x", "y"))
+    f = gspmd.jit(lambda a: gspmd.mesh_split(a, mesh, ["x", "y"]) * 2, backend="jax")
+    with pytest.raises(gspmd.ShardingError, match="16 devices but jax has 8"):
+        f(np.ones((4, 4), np.float32))
