@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gspmd.ops.registry import LAYOUT, register
+from gspmd.ops.registry import EXPAND, LAYOUT, register
 from gspmd.spmd.factors import REDUCE, Factor
 
 REDUCERS = {"add": np.sum, "mul": np.prod, "max": np.max, "min": np.min, "and": np.all, "or": np.any}
@@ -22,4 +22,5 @@ def _evaluate_reduce(instr, args, device):
     return [np.asarray(fn(args[0], axis=tuple(instr.attrs["dims"]))).astype(out.dtype, copy=False)]
 
 
-register("reduce", evaluate=_evaluate_reduce, factors=_reduce_factors, priority=LAYOUT)
+register("reduce", evaluate=_evaluate_reduce, factors=_reduce_factors, priority=LAYOUT,
+         backward_priority=EXPAND)

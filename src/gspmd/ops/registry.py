@@ -24,8 +24,11 @@ EvaluateAll = Callable[[Instr, list[list[np.ndarray]]], list[list[np.ndarray]]]
 Propagate = Callable[[Instr, list[Optional[Sharding]], int], list[Sharding]]
 Partition = Callable[[DeviceContext, Instr, list[PartitionedValue], list[Sharding]], list[PartitionedValue]]
 
-# Propagation priorities (paper 3.5): lower runs first.
-ELEMENTWISE, LAYOUT, CONTRACTION = 0, 1, 2
+# Propagation priorities (paper 3.5): lower runs first. EXPAND is for the direction of a
+# layout op in which a smaller tensor would dictate the layout of a larger one (forward
+# through broadcast, backward through reduce): the larger tensor should rather take its
+# layout from its other neighbours.
+ELEMENTWISE, LAYOUT, EXPAND, CONTRACTION = 0, 1, 2, 3
 
 
 @dataclass
@@ -37,6 +40,8 @@ class OpDef:
     propagate: Optional[Propagate] = None
     partition: Optional[Partition] = None
     priority: int = ELEMENTWISE
+    forward_priority: Optional[int] = None    # towards the outputs, when not `priority`
+    backward_priority: Optional[int] = None   # towards the operands, when not `priority`
 
 
 OPS: dict[str, OpDef] = {}
@@ -53,6 +58,14 @@ def lookup(opcode: str) -> OpDef:
         return OPS[opcode]
     except KeyError:
         raise ShardingError(f"Opcode {opcode!r} has no entry in the op registry.") from None
+
+
+def priority(opcode: str, forward: bool) -> int:
+    """When propagation through `opcode` towards its outputs (forward) or its operands
+    runs, relative to other ops."""
+    op = lookup(opcode)
+    directed = op.forward_priority if forward else op.backward_priority
+    return op.priority if directed is None else directed
 
 
 def propagate(instr: Instr, shardings: Sequence[Optional[Sharding]], target: int) -> list[Sharding]:

@@ -5,7 +5,7 @@ from typing import Optional
 
 import numpy as np
 
-from gspmd.ops.registry import LAYOUT, register
+from gspmd.ops.registry import EXPAND, LAYOUT, register
 from gspmd.sharding import Sharding
 from gspmd.spmd import reshard as rs
 from gspmd.spmd.factors import Factor
@@ -135,7 +135,8 @@ def _iota_partition(ctx, instr, operands, targets):
     return [PartitionedValue(y, target, out.shape)]
 
 
-register("broadcast", evaluate=_evaluate_broadcast, factors=_broadcast_factors, priority=LAYOUT)
+register("broadcast", evaluate=_evaluate_broadcast, factors=_broadcast_factors, priority=LAYOUT,
+         forward_priority=EXPAND)
 register("transpose", evaluate=_evaluate_transpose, factors=_transpose_factors, priority=LAYOUT)
 register("reshape", evaluate=_evaluate_reshape, propagate=_reshape_propagate, partition=_reshape_partition,
          priority=LAYOUT)
