@@ -213,7 +213,7 @@ def _concatenate(b, eqn, args):
 
 def _dynamic_slice(b, eqn, args):
     shape, dtype = _out_aval(eqn)
-    return [b.add1("dynamic-slice", args, shape, dtype, sizes=tuple(eqn.params["slice_sizes"]))]
+    return [b.add1("dynamic-slice", args, shape, dtype)]   # sizes: the output shape
 
 
 def _dynamic_update_slice(b, eqn, args):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from gspmd.ops.registry import LAYOUT, register
+from gspmd.spmd.factors import REPLICATE, Factor
 
 
 def _clamped_starts(x_shape, starts, sizes):
@@ -15,7 +16,7 @@ def _clamped_starts(x_shape, starts, sizes):
 
 def _evaluate_dynamic_slice(instr, args, device):
     x, *starts = args
-    sizes = instr.attrs["sizes"]
+    sizes = instr.outputs[0].shape   # local sizes once partitioned
     starts = _clamped_starts(x.shape, starts, sizes)
     return [x[tuple(slice(s, s + k) for s, k in zip(starts, sizes))]]
 
@@ -57,8 +58,35 @@ def _evaluate_concatenate(instr, args, device):
     return [np.concatenate(args, axis=instr.attrs["dimension"])]
 
 
-register("dynamic-slice", evaluate=_evaluate_dynamic_slice, priority=LAYOUT)
-register("dynamic-update-slice", evaluate=_evaluate_dynamic_update_slice, priority=LAYOUT)
+def _dynamic_slice_factors(instr):
+    """Dims taken whole pass through (their start clamps to 0 on every shard); dims
+    cut at a runtime offset must stay whole here (halo-free cases come later)."""
+    x, out = instr.operands[0], instr.outputs[0]
+    starts = (None,) * (len(instr.operands) - 1)
+    factors = []
+    for d, (n, k) in enumerate(zip(x.shape, out.shape)):
+        if n == k:
+            factors.append(Factor(n, (d, *starts, d)))
+        else:
+            factors += [Factor(n, (d, *starts, None), REPLICATE), Factor(k, (None, *starts, d), REPLICATE)]
+    return factors
+
+
+def _dynamic_update_slice_factors(instr):
+    x, update = instr.operands[:2]
+    starts = (None,) * (len(instr.operands) - 2)
+    factors = []
+    for d, (n, k) in enumerate(zip(x.shape, update.shape)):
+        if n == k:
+            factors.append(Factor(n, (d, d, *starts, d)))
+        else:
+            factors += [Factor(n, (d, None, *starts, d), REPLICATE), Factor(k, (None, d, *starts, None), REPLICATE)]
+    return factors
+
+
+register("dynamic-slice", evaluate=_evaluate_dynamic_slice, factors=_dynamic_slice_factors, priority=LAYOUT)
+register("dynamic-update-slice", evaluate=_evaluate_dynamic_update_slice, factors=_dynamic_update_slice_factors,
+         priority=LAYOUT)
 register("slice", evaluate=_evaluate_slice, priority=LAYOUT)
 register("pad", evaluate=_evaluate_pad, priority=LAYOUT)
 register("concatenate", evaluate=_evaluate_concatenate, priority=LAYOUT)

@@ -36,7 +36,7 @@ class DeviceContext:
         key = table.tobytes()
         if key not in self._tables:
             t = self.constant(table)
-            one = self.b.add1("dynamic-slice", [t, self.partition_id()], (1,), INDEX_DTYPE, sizes=(1,))
+            one = self.b.add1("dynamic-slice", [t, self.partition_id()], (1,), INDEX_DTYPE)
             self._tables[key] = self.b.add1("reshape", [one], (), INDEX_DTYPE)
         return self._tables[key]
 
@@ -46,7 +46,7 @@ class DeviceContext:
 
     # -- local data movement -----------------------------------------------------
     def dynamic_slice(self, x: Value, starts: Sequence[Value], sizes: Sequence[int]) -> Value:
-        return self.b.add1("dynamic-slice", [x, *starts], tuple(sizes), x.dtype, sizes=tuple(sizes))
+        return self.b.add1("dynamic-slice", [x, *starts], tuple(sizes), x.dtype)
 
     def pad_high(self, x: Value, dim: int, amount: int, fill=0) -> Value:
         if amount == 0:
