@@ -73,7 +73,7 @@ def complete(program: Program, num_devices: int) -> Completion:
     """Give every value of `program` a sharding, in place; returns the provenance."""
     completion = Completion()
     work = _Worklist(program)
-    for instr in program.instrs:
+    for instr in program.all_instrs():
         if is_annotation(instr):
             instr.output.sharding = instr.attrs["sharding"]
             completion.provenance[instr.output] = [Step(instr, None, instr.output.sharding)]
@@ -81,7 +81,7 @@ def complete(program: Program, num_devices: int) -> Completion:
     for instr, direction in work:
         for v in _refine(instr, direction, completion):
             work.touch(v)
-    for v in program.values():
+    for v in program.all_values():
         if v.sharding is None:
             v.sharding = Sharding.replicated(v.rank, num_devices)
     return completion
@@ -91,8 +91,15 @@ class _Worklist:
     """Pending (instruction, direction) items, most urgent first, each queued once."""
 
     def __init__(self, program: Program):
-        self.position = {instr: i for i, instr in enumerate(program.instrs)}
-        self.users = program.users()
+        self.position = {instr: i for i, instr in enumerate(program.all_instrs())}
+        # Who learns from a value: instructions reading it, and loops tying it to their carry.
+        self.users: dict[Value, list[Instr]] = {}
+        for p in (program, *program.subprograms()):
+            for v, readers in p.users().items():
+                self.users.setdefault(v, []).extend(readers)
+        for instr in self.position:
+            for v in ops.tensors(instr)[len(instr.operands) + len(instr.outputs):]:
+                self.users.setdefault(v, []).append(instr)
         self.heap: list[tuple[int, int, int, int]] = []
         self.queued: set[tuple[int, int]] = set()
 
@@ -130,7 +137,7 @@ def _open_dims(v: Value) -> Optional[tuple[int, ...]]:
 def _refine(instr: Instr, direction: int, completion: Completion) -> list[Value]:
     """Merge into each target tensor what every other tensor of `instr` implies for it,
     one source at a time (so each refinement names its source); returns the changed."""
-    tensors = instr.operands + instr.outputs
+    tensors = ops.tensors(instr)
     first = len(instr.operands) if direction == FORWARD else 0
     last = len(tensors) if direction == FORWARD else len(instr.operands)
     changed = []

@@ -19,6 +19,7 @@ class Collective:
     bytes: int            # per-device payload of the result
     groups: tuple         # device groups (pairs for collective-permute)
     origin: str           # the instruction and rule that created it
+    executions: int = 1   # how often it runs (inside loops: the trip count)
 
     def __iter__(self):   # unpacks as (kind, bytes, groups)
         return iter((self.kind, self.bytes, self.groups))
@@ -32,7 +33,7 @@ class Report:
 
     @property
     def collective_bytes(self) -> int:
-        return sum(c.bytes for c in self.collectives)
+        return sum(c.bytes * c.executions for c in self.collectives)
 
     @property
     def fallbacks(self) -> list[Collective]:
@@ -46,7 +47,8 @@ class Report:
     def __str__(self):
         lines = [f"collectives: {len(self.collectives)} ({self.collective_bytes:,} bytes per device)"]
         for c in self.collectives:
-            lines.append(f"  {c.kind:<18} {c.bytes:>12,} B  groups={_groups_str(c.groups)}  <- {c.origin}")
+            times = f" x{c.executions}" if c.executions > 1 else ""
+            lines.append(f"  {c.kind:<18} {c.bytes:>12,} B{times}  groups={_groups_str(c.groups)}  <- {c.origin}")
         if self.fallbacks:
             lines.append(f"warning: {len(self.fallbacks)} reshard fallback(s) gather data only to split it again")
         lines.append(f"peak memory per device: {self.peak_memory_bytes:,} bytes")
@@ -85,12 +87,22 @@ def _peak_memory(program: Program) -> int:
 
 def analyse(spmd: Program) -> Report:
     report = Report(peak_memory_bytes=_peak_memory(spmd))
-    for instr in spmd.instrs:
+    _walk(spmd, 1, report)
+    return report
+
+
+def _walk(program: Program, executions: int, report: Report) -> None:
+    """Count each instruction as often as it runs: a loop body's trip count times (once
+    when the trip count is not known statically, as for while_loop)."""
+    for instr in program.instrs:
         if instr.opcode in COLLECTIVES:
             groups = instr.attrs["pairs"] if instr.opcode == "collective-permute" else instr.attrs["groups"]
             report.collectives.append(Collective(instr.opcode, instr.output.nbytes,
                                                  tuple(tuple(int(d) for d in g) for g in np.asarray(groups)),
-                                                 instr.origin))
+                                                 instr.origin, executions))
         elif instr.opcode == "dot":
-            report.flops += _dot_flops(instr)
-    return report
+            report.flops += _dot_flops(instr) * executions
+        elif instr.opcode == "while":
+            trips = instr.attrs.get("trip_count") or 1
+            _walk(instr.attrs["cond"], executions * trips, report)
+            _walk(instr.attrs["body"], executions * trips, report)

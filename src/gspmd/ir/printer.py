@@ -32,6 +32,12 @@ def format_instr(instr: Instr, with_sharding: bool = True) -> str:
 
 
 def format_program(program: Program, with_sharding: bool = True) -> str:
+    """The program, preceded by the programs nested in it (loop bodies/conditions)."""
+    nested = [_format_one(sub, with_sharding) for sub in reversed(list(program.subprograms()))]
+    return "\n\n".join(nested + [_format_one(program, with_sharding)])
+
+
+def _format_one(program: Program, with_sharding: bool) -> str:
     params = ", ".join(_value(p, with_sharding) for p in program.params)
     lines = [f"{program.name}({params}) {{"]
     lines += [format_instr(i, with_sharding) for i in program.instrs]

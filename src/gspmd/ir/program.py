@@ -58,12 +58,14 @@ class Instr:
 
 
 class Program:
-    def __init__(self, name: str = "main"):
+    def __init__(self, name: str = "main", parent: Optional["Program"] = None):
+        """A sub-program (a loop body) shares its parent's value names, so that names
+        stay unique across the whole nest."""
         self.name = name
         self.params: list[Value] = []
         self.instrs: list[Instr] = []
         self.outputs: list[Value] = []
-        self._names = itertools.count()
+        self._names = parent._names if parent is not None else itertools.count()
 
     def fresh_name(self, hint: str = "v") -> str:
         return f"{hint}.{next(self._names)}"
@@ -72,6 +74,25 @@ class Program:
         yield from self.params
         for instr in self.instrs:
             yield from instr.outputs
+
+    def subprograms(self):
+        """Programs nested in this one's instructions (loop bodies), depth first."""
+        for instr in self.instrs:
+            for attr in instr.attrs.values():
+                if isinstance(attr, Program):
+                    yield attr
+                    yield from attr.subprograms()
+
+    def all_instrs(self):
+        """Every instruction of this program and of the programs nested in it."""
+        yield from self.instrs
+        for sub in self.subprograms():
+            yield from sub.instrs
+
+    def all_values(self):
+        yield from self.values()
+        for sub in self.subprograms():
+            yield from sub.values()
 
     def find(self, name: str) -> Value:
         for v in self.values():

@@ -9,7 +9,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from gspmd.errors import ShardingError
-from gspmd.ir import Instr
+from gspmd.ir import Instr, Value
 from gspmd.sharding import Sharding
 from gspmd.spmd import factors as fx
 from gspmd.spmd import reshard as rs
@@ -20,7 +20,10 @@ from gspmd.spmd.partitioned import PartitionedValue
 Evaluate = Callable[[Instr, list[np.ndarray], int], list[np.ndarray]]
 # evaluate_all(instr, per-device operand arrays) -> per-device outputs (collectives)
 EvaluateAll = Callable[[Instr, list[list[np.ndarray]]], list[list[np.ndarray]]]
-# propagate(instr, shardings of operands+outputs, target index) -> proposals for target
+# evaluate_programs(instr, per-device operands, run(program, per-device args)) -> per-device
+# outputs (ops with sub-programs, which the interpreter runs for them)
+EvaluatePrograms = Callable[[Instr, list[list[np.ndarray]], Callable], list[list[np.ndarray]]]
+# propagate(instr, shardings of tensors(instr), target index) -> proposals for target
 Propagate = Callable[[Instr, list[Optional[Sharding]], int], list[Sharding]]
 Partition = Callable[[DeviceContext, Instr, list[PartitionedValue], list[Sharding]], list[PartitionedValue]]
 
@@ -36,6 +39,9 @@ class OpDef:
     opcode: str
     evaluate: Optional[Evaluate] = None
     evaluate_all: Optional[EvaluateAll] = None
+    evaluate_programs: Optional[EvaluatePrograms] = None
+    # values of sub-programs that must share a layout with the op's own (loop carries)
+    tied: Optional[Callable[[Instr], list[Value]]] = None
     factors: Optional[Callable[[Instr], list[fx.Factor]]] = None
     propagate: Optional[Propagate] = None
     partition: Optional[Partition] = None
@@ -68,15 +74,20 @@ def priority(opcode: str, forward: bool) -> int:
     return op.priority if directed is None else directed
 
 
+def tensors(instr: Instr) -> list[Value]:
+    """The values whose layouts `instr` relates: operands, outputs, then tied values."""
+    tied = lookup(instr.opcode).tied
+    return instr.operands + instr.outputs + (tied(instr) if tied else [])
+
+
 def propagate(instr: Instr, shardings: Sequence[Optional[Sharding]], target: int) -> list[Sharding]:
-    """Layouts that the other operands/outputs of `instr` imply for tensor `target`."""
+    """Layouts that the other tensors(instr) imply for tensor `target`."""
     op = lookup(instr.opcode)
     if op.propagate is not None:
         return op.propagate(instr, list(shardings), target)
     if op.factors is None:
         return []
-    ranks = [v.rank for v in instr.operands] + [v.rank for v in instr.outputs]
-    return fx.propose(op.factors(instr), shardings, ranks, target)
+    return fx.propose(op.factors(instr), shardings, [v.rank for v in tensors(instr)], target)
 
 
 def partition(ctx: DeviceContext, instr: Instr, operands: list[PartitionedValue],

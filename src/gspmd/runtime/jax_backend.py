@@ -138,7 +138,7 @@ def _slice(instr, args):
 @register("dynamic-slice")
 def _dynamic_slice(instr, args):
     x, *starts = args   # lax clamps starts like HLO
-    return [lax.dynamic_slice(x, starts, instr.attrs["sizes"])]
+    return [lax.dynamic_slice(x, starts, instr.outputs[0].shape)]
 
 
 @register("dynamic-update-slice")
@@ -252,6 +252,13 @@ def _collective_permute(instr, args):
         received[[d for _, d in r]] = True
         out = jnp.where(jnp.asarray(received)[lax.axis_index(AXIS)], lax.ppermute(args[0], AXIS, r), out)
     return [out]
+
+
+@register("while")
+def _while(instr, args):
+    body, cond = instr.attrs["body"], instr.attrs["cond"]
+    return list(lax.while_loop(lambda carry: _run_body(cond, carry)[0],
+                               lambda carry: tuple(_run_body(body, carry)), tuple(args)))
 
 
 # -- the executable --------------------------------------------------------------------------

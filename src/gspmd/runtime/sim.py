@@ -25,7 +25,10 @@ def run(program: Program, per_device_args: Sequence[Sequence[np.ndarray]], num_d
     for instr in program.instrs:
         op = ops.lookup(instr.opcode)
         args = [env[o] for o in instr.operands]
-        if op.evaluate_all is not None:
+        if op.evaluate_programs is not None:
+            results = op.evaluate_programs(instr, [[a[d] for a in args] for d in range(num_devices)],
+                                           lambda sub, carry: run(sub, carry, num_devices))
+        elif op.evaluate_all is not None:
             results = op.evaluate_all(instr, [[a[d] for a in args] for d in range(num_devices)])
         else:
             results = [op.evaluate(instr, [a[d] for a in args], d) for d in range(num_devices)]

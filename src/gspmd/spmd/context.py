@@ -21,6 +21,9 @@ class DeviceContext:
         self.devices = np.arange(num_devices)
         self._pid: Value | None = None
         self._tables: dict[bytes, Value] = {}
+        # Set by the partitioner driver: partition_subprogram(program, in_layouts,
+        # out_layouts) -> per-device program (loop bodies and conditions).
+        self.partition_subprogram = None
 
     # -- partition-dependent scalars ---------------------------------------------
     def partition_id(self) -> Value:
