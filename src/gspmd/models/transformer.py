@@ -32,23 +32,22 @@ FINALIZED_2D = {
     "x": ["x", -1, "y"],                                                # B S M
 }
 
-# What completion should infer for the unannotated tensors under FINALIZED_2D (by the
-# dims named in the key): the layouts the paper's Table 1 lists for them.
-INTENDED_2D = {
-    "bsm": ["x", -1, "y"], "bsh": ["x", -1, "y"], "bsnd": ["x", -1, "y", -1],
-    "bnst": ["x", "y", -1, -1], "bns": ["x", "y", -1],
-}
+# Optional annotation points beyond the seven above (for robustness experiments): the
+# einsum outputs and the layer's output, with the layouts completion infers for them.
+ACTIVATIONS_2D = {"q": ["x", -1, "y", -1], "k": ["x", -1, "y", -1], "v": ["x", -1, "y", -1],
+                  "hidden": ["x", -1, "y"], "attention_out": ["x", -1, "y"], "ffn_out": ["x", -1, "y"],
+                  "out": ["x", -1, "y"]}
 
 Annotate = Callable[[jax.Array, list], jax.Array]
 
 
 @dataclass(frozen=True)
 class Config:
-    batch: int = 4
+    batch: int = 2
     seq: int = 8
     model: int = 16
     heads: int = 4
-    head_dim: int = 8
+    head_dim: int = 4
     hidden: int = 32
     layers: int = 1
     layer_norm: bool = True
@@ -76,20 +75,37 @@ def _layer_norm(x):
 
 
 def layer(params: dict, x, annotate: Annotate, strategy: dict, cfg: Config):
-    """One pre-norm Transformer layer; annotates its weights and its input."""
-    w = {name: annotate(params[name], strategy[name]) for name in WEIGHTS}
-    x = annotate(x, strategy["x"])
+    """One pre-norm Transformer layer. Annotates each tensor that `strategy` names
+    (the weights, "x" its input, and optionally the ACTIVATIONS_2D points)."""
+    def at(name, value):
+        return annotate(value, strategy[name]) if name in strategy else value
+
+    w = {name: at(name, params[name]) for name in WEIGHTS}
+    x = at("x", x)
     h = _layer_norm(x) if cfg.layer_norm else x
-    q = jnp.einsum("bsm,mnd->bsnd", h, w["wq"])
-    k = jnp.einsum("bsm,mnd->bsnd", h, w["wk"])
-    v = jnp.einsum("bsm,mnd->bsnd", h, w["wv"])
+    q, k, v = (at(n, jnp.einsum("bsm,mnd->bsnd", h, w["w" + n])) for n in "qkv")
     logits = jnp.einsum("bsnd,btnd->bnst", q, k) / np.sqrt(cfg.head_dim).astype(np.float32)
     probs = jax.nn.softmax(logits, axis=-1)
     attention = jnp.einsum("bnst,btnd->bsnd", probs, v)
-    x = x + jnp.einsum("bsnd,ndm->bsm", attention, w["wo"])
+    x = x + at("attention_out", jnp.einsum("bsnd,ndm->bsm", attention, w["wo"]))
     h = _layer_norm(x) if cfg.layer_norm else x
-    h = jax.nn.relu(jnp.einsum("bsm,mh->bsh", h, w["w_in"]))
-    return x + jnp.einsum("bsh,hm->bsm", h, w["w_out"])
+    h = at("hidden", jax.nn.relu(jnp.einsum("bsm,mh->bsh", h, w["w_in"])))
+    return at("out", x + at("ffn_out", jnp.einsum("bsh,hm->bsm", h, w["w_out"])))
+
+
+def intended_2d(cfg: "Config") -> dict[tuple[int, ...], list]:
+    """The layout Table 1's 2D-finalized strategy means for every tensor, by shape (the
+    default Config keeps all these shapes distinct): activations split on batch over X
+    and on M/H/N over Y, weights and their gradients as annotated, reduced statistics
+    (layer norm, softmax) split like the activation they summarize."""
+    b, s, m, n, d, h = cfg.batch, cfg.seq, cfg.model, cfg.heads, cfg.head_dim, cfg.hidden
+    return {(b, s, m): ["x", -1, "y"], (b, s, h): ["x", -1, "y"], (b, s, n, d): ["x", -1, "y", -1],
+            (b, n, s, s): ["x", "y", -1, -1], (b, n, d, s): ["x", "y", -1, -1],
+            (b, n, s, d): ["x", "y", -1, -1], (b, n, s): ["x", "y", -1],
+            (b, n, s, 1): ["x", "y", -1, -1],
+            (b, s): ["x", -1], (b, s, 1): ["x", -1, -1],
+            (m, n, d): FINALIZED_2D["wq"], (n, d, m): FINALIZED_2D["wo"],
+            (m, h): FINALIZED_2D["w_in"], (h, m): FINALIZED_2D["w_out"]}
 
 
 def make_train_step(annotate: Annotate, cfg: Config = Config(), strategy: dict = FINALIZED_2D):
