@@ -2,22 +2,36 @@
 partition rule for per-device code; the result is one program for all devices."""
 from __future__ import annotations
 
+from typing import Sequence
+
 from gspmd import ops
 from gspmd.ir import Builder, Program
 from gspmd.ir.cse import eliminate_common_subexpressions
+from gspmd.sharding import Sharding
+from gspmd.spmd import reshard as rs
 from gspmd.spmd.context import DeviceContext
 from gspmd.spmd.partitioned import PartitionedValue
 
 
 def partition(program: Program, num_devices: int) -> Program:
+    return _partition(program, num_devices, [p.sharding for p in program.params],
+                      [o.sharding for o in program.outputs])
+
+
+def _partition(program: Program, num_devices: int, in_layouts: Sequence[Sharding],
+               out_layouts: Sequence[Sharding]) -> Program:
+    """Per-device code for `program` whose parameters arrive laid out as `in_layouts`
+    and whose results must leave as `out_layouts` (a loop body's carry, say)."""
     spmd = Program(f"{program.name}.spmd")
     b = Builder(spmd)
     ctx = DeviceContext(b, num_devices)
+    ctx.partition_subprogram = lambda sub, ins, outs: _partition(sub, num_devices, ins, outs)
     env: dict = {}
-    for p in program.params:
-        local = b.param(p.sharding.shard_shape(p.shape), p.dtype, hint=p.name)
-        local.sharding = p.sharding
-        env[p] = PartitionedValue(local, p.sharding, p.shape)
+    for p, layout in zip(program.params, in_layouts):
+        local = b.param(layout.shard_shape(p.shape), p.dtype, hint=p.name)
+        local.sharding = layout
+        b.origin = f"parameter %{p.name}"
+        env[p] = rs.reshard(ctx, PartitionedValue(local, layout, p.shape), p.sharding)
     for instr in program.instrs:
         b.origin = f"%{instr.outputs[0].name} = {instr.opcode}"
         results = ops.partition(ctx, instr, [env[o] for o in instr.operands],
@@ -25,8 +39,9 @@ def partition(program: Program, num_devices: int) -> Program:
         for out, pv in zip(instr.outputs, results):
             assert pv.sharding == out.sharding, (instr, pv.sharding, out.sharding)
             env[out] = pv
-    spmd.outputs = [env[o].local for o in program.outputs]
+    b.origin = f"{program.name} results"
+    spmd.outputs = [rs.reshard(ctx, env[o], layout).local for o, layout in zip(program.outputs, out_layouts)]
     eliminate_common_subexpressions(spmd)   # one reshard of a value serves all its users
-    for o, local in zip(program.outputs, spmd.outputs):
-        local.sharding = o.sharding
+    for local, layout in zip(spmd.outputs, out_layouts):
+        local.sharding = layout
     return spmd
