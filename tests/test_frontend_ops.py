@@ -107,3 +107,23 @@ def test_data_formatting_ops_run_through_the_replicate_fallback():
 
     rng = np.random.RandomState(7)
     check(f, rand(rng, 8, 8), mesh=MESH)
+
+
+def test_custom_vjp_is_inlined_forward_and_backward():
+    @jax.custom_vjp
+    def clip_grad(v):
+        return v
+
+    def fwd(v):
+        return v, None
+
+    def bwd(_, g):
+        return (jnp.clip(g, -0.1, 0.1),)
+
+    clip_grad.defvjp(fwd, bwd)
+
+    def f(x):
+        return jax.grad(lambda v: jnp.sum(clip_grad(split(v, "x", "y")) ** 3))(x)
+
+    rng = np.random.RandomState(8)
+    check(f, rand(rng, 4, 8), mesh=MESH)
