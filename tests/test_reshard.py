@@ -115,3 +115,8 @@ def test_argmax_prefers_the_first_nan_like_jax():
     x[5, 1] = x[6, 1] = x[3, 4] = np.nan
     from util import check
     check(f, x, mesh=MESH)
+
+
+def test_moving_two_splits_is_two_all_to_alls():
+    low = lower_and_check(reshard_program(MESH, ["x", "y", -1], MESH, [-1, "x", "y"]), X)
+    assert kinds(low) == ["all-to-all", "all-to-all"]

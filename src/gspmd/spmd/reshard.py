@@ -190,7 +190,9 @@ def _subdivides(dst: Sharding, src: Sharding, shape) -> bool:
     return _coarsen_to(dst, src.tiles) == src
 
 
-def _all_to_all(src: Sharding, dst: Sharding, shape) -> Optional[AllToAllStep]:
+def _all_to_alls(src: Sharding, shape):
+    """Every single all-to-all from `src`: the minor factor k of dim a's split moves to
+    become the minor factor of dim b's split (evenly dividing dims only)."""
     for a in range(src.rank):
         if shape[a] % src.tiles[a]:
             continue
@@ -204,9 +206,26 @@ def _all_to_all(src: Sharding, dst: Sharding, shape) -> Optional[AllToAllStep]:
                 tiles = list(src.tiles)
                 tiles[a] //= k
                 tiles[b] *= k
-                if Sharding.from_coords(coords, tiles) == dst:
-                    return AllToAllStep(a, b, k, dst)
-    return None
+                yield AllToAllStep(a, b, k, Sharding.from_coords(coords, tiles))
+
+
+def _agreement(s: Sharding, dst: Sharding) -> int:
+    """How many of the dims `dst` splits `s` already splits exactly that way."""
+    return sum(dst.tiles[d] > 1 and s.tiles[d] == dst.tiles[d]
+               and np.array_equal(s.coords()[:, d], dst.coords()[:, d]) for d in range(s.rank))
+
+
+def _all_to_all_toward(src: Sharding, dst: Sharding, shape) -> Optional[AllToAllStep]:
+    """An all-to-all that lands on dst, else one that moves a split to a dim dst splits
+    and so matches dst on more dims."""
+    best, score = None, _agreement(src, dst)
+    for step in _all_to_alls(src, shape):
+        if step.target == dst:
+            return step
+        gained = _agreement(step.target, dst)
+        if gained > score and dst.tiles[step.dst] > 1:
+            best, score = step, gained
+    return best
 
 
 def _common_tiles(src: Sharding, dst: Sharding, dim: int, size: int) -> int:
@@ -226,9 +245,9 @@ def plan(src: Sharding, dst: Sharding, shape: Sequence[int]) -> list:
         return []
     if _subdivides(dst, src, shape):
         return [SliceStep(dst)]
-    step = _all_to_all(src, dst, shape)
+    step = _all_to_all_toward(src, dst, shape)
     if step is not None:
-        return [step]
+        return [step] + plan(step.target, dst, shape)
     if src.tiles == dst.tiles and src.num_replicas == dst.num_replicas:
         return [PermuteStep(dst)]
     steps, cur = [], src
