@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 import gspmd
+from gspmd.frontend.annotation import mesh_split_as
 from gspmd.ir import Builder, Program, Value
+from gspmd.models import mlp
 from gspmd.runtime import jax_backend, sim
 from gspmd.sharding import Sharding
 from gspmd.spmd.context import DeviceContext
@@ -145,3 +147,24 @@ def test_too_few_devices_is_a_clear_error():
     f = gspmd.jit(lambda a: gspmd.mesh_split(a, mesh, ["x", "y"]) * 2, backend="jax")
     with pytest.raises(gspmd.ShardingError, match="16 devices but jax has 8"):
         f(np.ones((4, 4), np.float32))
+
+
+def test_outputs_share_the_users_mesh_and_meet_in_one_jax_jit():
+    mesh = gspmd.Mesh(np.random.RandomState(0).permutation(N).reshape(2, 4), ("x", "y"))
+    step = mlp.make_train_step(mesh, "x", "y")
+    args = mlp.example_inputs()
+    (w1, w2), loss = gspmd.jit(step, mesh=mesh, backend="jax")(*args)
+    assert w1.sharding.mesh.axis_names == ("x", "y") and w1.sharding.spec == jax.sharding.PartitionSpec(None, "y")
+    total = jax.jit(lambda a, b: a.sum() + b.sum())(w1, w2)     # same device order: no error
+    np.testing.assert_allclose(total, np.asarray(w1).sum() + np.asarray(w2).sum(), rtol=1e-5)
+
+
+def test_mesh_split_as_hands_the_annotations_to_xla():
+    mesh = gspmd.Mesh(np.arange(N)[::-1].reshape(2, 4), ("x", "y"))
+    with mesh_split_as(jax_backend.xla_constraint):
+        step = jax.jit(mlp.make_train_step(mesh, "x", "y"))
+        args = mlp.example_inputs()
+        compiled = step.lower(*args).compile()
+    (w1, _), _ = compiled.output_shardings
+    assert list(w1.mesh.devices.ravel()) == jax.devices()[::-1] and w1.spec == jax.sharding.PartitionSpec(None, "y")
+    assert_close(step(*args), jax.jit(mlp.make_train_step(mesh, "x", "y"))(*args))

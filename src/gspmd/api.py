@@ -66,7 +66,7 @@ class Lowered:
         self.completion = propagation.complete(self.program, self.num_devices)
         self.spmd = partition(self.program, self.num_devices)
         verify(self.spmd)
-        self.backend = backend
+        self.backend, self.mesh = backend, mesh
         self._jax: Optional[jax_backend.Executable] = None
 
     # -- execution ----------------------------------------------------------------
@@ -81,7 +81,7 @@ class Lowered:
         """The SPMD program as one shard_map on jax devices (compiled on first use)."""
         if self._jax is None:
             self._jax = jax_backend.Executable(self.spmd, self.program.params, self.program.outputs,
-                                               self.num_devices)
+                                               self.num_devices, self.mesh)
         return self._jax
 
     def _run_sim(self, flat) -> list[np.ndarray]:

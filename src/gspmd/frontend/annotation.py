@@ -5,7 +5,8 @@ get the layout of the value they belong to; under vmap the new dim is left UNSPE
 """
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 from jax.extend.core import Primitive
@@ -16,12 +17,27 @@ from gspmd.mesh import Mesh
 from gspmd.sharding import UNSPECIFIED, Sharding
 
 mesh_split_p = Primitive("mesh_split")
+_substitutes: list[Callable] = []
+
+
+@contextlib.contextmanager
+def mesh_split_as(fn: Callable) -> Iterator[None]:
+    """Within the block, mesh_split(x, mesh, dims_mapping) returns fn(x, mesh, dims_mapping)
+    instead: e.g. a with_sharding_constraint, to hand the same annotated model to XLA's
+    own partitioner."""
+    _substitutes.append(fn)
+    try:
+        yield
+    finally:
+        _substitutes.pop()
 
 
 def mesh_split(x, mesh: Mesh, dims_mapping: Sequence):
     """Annotate `x` as split over `mesh`: dims_mapping[i] is the mesh dim(s) (index,
     name, or tuple major-to-minor) that split tensor dim i, or -1/None for unsplit, or
     UNSPECIFIED to let propagation decide."""
+    if _substitutes:
+        return _substitutes[-1](x, mesh, list(dims_mapping))
     shape = np.shape(x)
     dims_mapping = list(dims_mapping)
     sharding = Sharding.from_mesh(mesh, dims_mapping, shape)

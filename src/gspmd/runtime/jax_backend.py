@@ -11,18 +11,21 @@ express), assembled on every device inside the same program.
 """
 from __future__ import annotations
 
+import itertools
+import math
 from typing import Callable, Sequence
 
 import jax
 import numpy as np
 from jax import lax
 from jax import numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh as JaxMesh, NamedSharding, PartitionSpec as P
 
 from gspmd.errors import ShardingError
 from gspmd.ir import Instr, Program, Value
+from gspmd.mesh import Mesh
 from gspmd.runtime import sim
-from gspmd.sharding import Sharding
+from gspmd.sharding import UNSPECIFIED, Sharding
 
 AXIS = "d"
 
@@ -158,6 +161,21 @@ def _concatenate(instr, args):
     return [lax.concatenate(args, instr.attrs["dimension"])]
 
 
+@register("reverse")
+def _reverse(instr, args):
+    return [lax.rev(args[0], instr.attrs["dims"])]
+
+
+@register("convolution")
+def _convolution(instr, args):
+    a, out = instr.attrs, instr.outputs[0]
+    dims = lax.ConvDimensionNumbers(a["lhs_spec"], a["rhs_spec"], a["out_spec"])
+    return [lax.conv_general_dilated(
+        *args, a["window_strides"], a["padding"], a["lhs_dilation"], a["rhs_dilation"], dims,
+        feature_group_count=a["feature_group_count"], batch_group_count=a["batch_group_count"],
+        preferred_element_type=out.dtype)]
+
+
 # -- partition-id and collectives --------------------------------------------------------
 @register("partition-id")
 def _partition_id(instr, args):
@@ -287,7 +305,8 @@ def _assemble(local, sharding: Sharding, shape: Sequence[int]):
 class Executable:
     """An SPMD program compiled for jax devices; call it with the global arrays."""
 
-    def __init__(self, spmd: Program, params: Sequence[Value], outputs: Sequence[Value], num_devices: int):
+    def __init__(self, spmd: Program, params: Sequence[Value], outputs: Sequence[Value], num_devices: int,
+                 user_mesh: Mesh | None = None):
         devices = jax.devices()
         if num_devices > len(devices):
             raise ShardingError(
@@ -296,7 +315,8 @@ class Executable:
                 f"{num_devices} (or jax_num_cpu_devices) before importing jax.")
         self.spmd, self.params, self.outputs = spmd, list(params), list(outputs)
         self.devices = devices[:num_devices]
-        self.mesh = Mesh(np.array(self.devices), (AXIS,))
+        self.mesh = JaxMesh(np.array(self.devices), (AXIS,))
+        self.user_mesh = user_mesh
         self._local = [i for i, d in enumerate(self.devices) if d.process_index == jax.process_index()]
         self._named: dict[Sharding, NamedSharding] = {}
         self._compiled = None
@@ -309,11 +329,17 @@ class Executable:
         return (len(self.devices) * local.shape[0],) + local.shape[1:], NamedSharding(self.mesh, P(AXIS))
 
     def named_sharding(self, sharding: Sharding) -> NamedSharding:
-        """Our sharding as a jax NamedSharding: a mesh shaped like the tile assignment."""
+        """Our sharding as a jax NamedSharding: over the user's mesh where some dims_mapping
+        gives it (so that arrays can meet in one jax.jit), else over a mesh shaped like
+        the tile assignment."""
         if sharding not in self._named:
+            mapping = dims_mapping_of(sharding, self.user_mesh) if self.user_mesh else None
+            if mapping is not None:
+                self._named[sharding] = mesh_split_sharding(self.user_mesh, mapping)
+                return self._named[sharding]
             names = tuple(f"t{i}" for i in range(sharding.rank)) + ("replica",)
             devices = np.array(self.devices, dtype=object)[sharding.tile_assignment]
-            self._named[sharding] = NamedSharding(Mesh(devices, names), P(*names[:-1]))
+            self._named[sharding] = NamedSharding(JaxMesh(devices, names), P(*names[:-1]))
         return self._named[sharding]
 
     def input_sharding(self, i: int) -> NamedSharding | None:
@@ -382,6 +408,39 @@ class Executable:
             return raw    # already the global array, replicated
         buffers = [s.data for s in raw.addressable_shards]   # each is exactly our shard
         return jax.make_array_from_single_device_arrays(value.shape, self.named_sharding(value.sharding), buffers)
+
+
+def dims_mapping_of(sharding: Sharding, mesh: Mesh) -> list | None:
+    """A dims_mapping with which mesh_split over `mesh` gives exactly `sharding`, or None.
+    Tries each way to hand the mesh axes to tensor dims (meshes have few axes)."""
+    for owner in itertools.product(range(sharding.rank + 1), repeat=mesh.ndim):   # rank: replicated
+        per_dim = [[a for a in range(mesh.ndim) if owner[a] == d] for d in range(sharding.rank)]
+        if any(math.prod(mesh.shape[a] for a in axes) != t for axes, t in zip(per_dim, sharding.tiles)):
+            continue
+        for orders in itertools.product(*(itertools.permutations(axes) for axes in per_dim)):
+            mapping = [tuple(order) or None for order in orders]
+            if Sharding.from_mesh(mesh, mapping, (1,) * sharding.rank) == sharding:
+                return mapping
+    return None
+
+
+def mesh_split_sharding(mesh: Mesh, dims_mapping: Sequence) -> NamedSharding:
+    """What mesh_split(x, mesh, dims_mapping) asks for, as a NamedSharding over jax devices
+    (device id d is jax.devices()[d]); UNSPECIFIED dims are left to XLA."""
+    def spec(entry):
+        if entry is UNSPECIFIED:
+            return P.UNCONSTRAINED
+        if entry is None or (isinstance(entry, int) and entry == -1):
+            return None
+        entries = entry if isinstance(entry, (tuple, list)) else (entry,)
+        return tuple(mesh.axis_names[mesh.axis_index(e)] for e in entries)
+    devices = np.array(jax.devices()[:mesh.size], dtype=object)[mesh.devices]
+    return NamedSharding(JaxMesh(devices, mesh.axis_names), P(*map(spec, dims_mapping)))
+
+
+def xla_constraint(x, mesh: Mesh, dims_mapping: Sequence):
+    """mesh_split for XLA's own partitioner: use as mesh_split_as(xla_constraint)."""
+    return jax.lax.with_sharding_constraint(x, mesh_split_sharding(mesh, dims_mapping))
 
 
 def _host_array(x, param: Value) -> np.ndarray:
