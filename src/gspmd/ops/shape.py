@@ -1,6 +1,7 @@
 """Layout ops (broadcast, transpose, reshape) and value creation (constant, iota)."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import numpy as np
@@ -72,13 +73,27 @@ def _carry(s: Sharding, pairs, forward: bool, rank: int) -> Sharding:
     return s.remap(dim_map, rank)
 
 
+def _major_part(s: Sharding, pairs, forward: bool, shape) -> Sharding:
+    """Keep, of each evenly split dim whose split cannot carry whole, the major tiles
+    that can (16 split 8 ways into [2, 8]: the 2-way major part), so that propagation
+    carries as much of a split as the reshape allows."""
+    for a, b, modulus in pairs:
+        src = a if forward else b
+        t = s.tiles[src]
+        if t > 1 and modulus % t and shape[src] % t == 0:
+            s = rs.coarsen(s, src, t // math.gcd(modulus, t))
+    return s
+
+
 def _reshape_propagate(instr, shardings, target):
     x, out = instr.operands[0], instr.outputs[0]
     pairs = reshape_dim_pairs(x.shape, out.shape)
     source = shardings[1 - target]
     if source is None:
         return []
-    return [_carry(source, pairs, forward=(target == 1), rank=(out.rank if target == 1 else x.rank))]
+    forward = target == 1
+    source = _major_part(source, pairs, forward, x.shape if forward else out.shape)
+    return [_carry(source, pairs, forward=forward, rank=(out.rank if forward else x.rank))]
 
 
 def _reshape_partition(ctx, instr, operands, targets):
