@@ -70,6 +70,8 @@ def test_wrong_argument_count_raises():
     low = f.lower(*ARGS)
     with pytest.raises(gspmd.ShardingError, match="Expected 3"):
         low(*ARGS[:2])
+    with pytest.raises(gspmd.ShardingError, match=r"shape \(4, 16\)"):
+        low(np.ones((4, 16), np.float32), *ARGS[1:])
 
 
 def test_demo_matches_one_device(capsys):

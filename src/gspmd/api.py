@@ -74,6 +74,10 @@ class Lowered:
         flat, _ = jax.tree_util.tree_flatten(args)
         if len(flat) != len(self.program.params):
             raise ShardingError(f"Expected {len(self.program.params)} array arguments, got {len(flat)}.")
+        for i, (x, p) in enumerate(zip(flat, self.program.params)):
+            if tuple(np.shape(x)) != p.shape:
+                raise ShardingError(f"Argument {i} has shape {tuple(np.shape(x))} but the program was lowered "
+                                    f"for {p.shape}; call the jitted function (it lowers again) or lower anew.")
         outs = self.jax_executable()(flat) if self.backend == "jax" else self._run_sim(flat)
         return jax.tree_util.tree_unflatten(self.out_tree, outs)
 
