@@ -7,10 +7,11 @@ import jax
 import numpy as np
 
 from gspmd import propagation
-from gspmd.analysis import Report, analyse
+from gspmd.analysis import Hardware, Report, analyse
 from gspmd.errors import ShardingError
 from gspmd.frontend import trace
 from gspmd.ir import Program, Value, format_program, verify
+from gspmd.ir.dce import eliminate_dead_code
 from gspmd.mesh import Mesh
 from gspmd.partitioner import partition
 from gspmd.runtime import jax_backend, sim
@@ -61,6 +62,7 @@ class Lowered:
         def flat_fn(*flat_args):
             return fn(*jax.tree_util.tree_unflatten(in_tree, flat_args))
         self.program, self.out_tree = trace(flat_fn, avals, getattr(fn, "__name__", "main"))
+        eliminate_dead_code(self.program)
         verify(self.program)
         self.num_devices = _device_count(self.program, mesh)
         self.completion = propagation.complete(self.program, self.num_devices)
@@ -101,8 +103,10 @@ class Lowered:
                 f"// SPMD program run by each of {self.num_devices} devices\n"
                 f"{format_program(self.spmd, with_sharding=False)}")
 
-    def report(self) -> Report:
-        return analyse(self.spmd)
+    def report(self, hardware: Union[None, str, "Hardware"] = None) -> Report:
+        """Collectives, peak memory and FLOPs per device; with a hardware profile
+        ("tpu-v3", "tpu-v4", "a100", "h100", "h200", "cpu") also the estimated step time."""
+        return analyse(self.spmd, hardware)
 
     def value(self, ref: Union[int, str, Value]) -> Value:
         """A value of the completed program: by output index, by name, or itself."""

@@ -7,6 +7,7 @@ from typing import Sequence
 from gspmd import ops
 from gspmd.ir import Builder, Program
 from gspmd.ir.cse import eliminate_common_subexpressions
+from gspmd.ir.dce import eliminate_dead_code
 from gspmd.sharding import Sharding
 from gspmd.spmd import reshard as rs
 from gspmd.spmd.context import DeviceContext
@@ -42,6 +43,7 @@ def _partition(program: Program, num_devices: int, in_layouts: Sequence[Sharding
     b.origin = f"{program.name} results"
     spmd.outputs = [rs.reshard(ctx, env[o], layout).local for o, layout in zip(program.outputs, out_layouts)]
     eliminate_common_subexpressions(spmd)   # one reshard of a value serves all its users
+    eliminate_dead_code(spmd)
     for local, layout in zip(spmd.outputs, out_layouts):
         local.sharding = layout
     return spmd

@@ -5,9 +5,12 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Optional, Union
 
 import numpy as np
 
+from gspmd.analysis.hardware import PROFILES, GiB, Hardware, collective_seconds, profile
+from gspmd.errors import ShardingError
 from gspmd.ir import Program
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -30,6 +33,32 @@ class Report:
     collectives: list[Collective] = field(default_factory=list)
     peak_memory_bytes: int = 0
     flops: int = 0
+    hardware: Optional[Hardware] = None   # set by report(hardware=...): enables the estimates
+
+    @property
+    def compute_seconds(self) -> float:
+        return self.flops / self._hw().flops_per_s
+
+    @property
+    def communication_seconds(self) -> float:
+        hw = self._hw()
+        return sum(c.executions * collective_seconds(c.kind, c.bytes, len(c.groups[0]) if c.groups else 1, hw)
+                   for c in self.collectives)
+
+    @property
+    def step_seconds(self) -> float:
+        """Estimated step time: compute plus communication, not overlapped."""
+        return self.compute_seconds + self.communication_seconds
+
+    @property
+    def fits_in_memory(self) -> bool:
+        return self.peak_memory_bytes <= self._hw().memory_bytes
+
+    def _hw(self) -> Hardware:
+        if self.hardware is None:
+            raise ShardingError("Estimates need a hardware profile: call report(hardware='tpu-v3') "
+                                f"(or one of {sorted(PROFILES)}).")
+        return self.hardware
 
     @property
     def collective_bytes(self) -> int:
@@ -53,6 +82,11 @@ class Report:
             lines.append(f"warning: {len(self.fallbacks)} reshard fallback(s) gather data only to split it again")
         lines.append(f"peak memory per device: {self.peak_memory_bytes:,} bytes")
         lines.append(f"flops per device: {self.flops:,}")
+        if self.hardware is not None:
+            lines.append(f"on {self.hardware.name}: compute {self.compute_seconds * 1e3:.3f} ms + communication "
+                         f"{self.communication_seconds * 1e3:.3f} ms = step {self.step_seconds * 1e3:.3f} ms; "
+                         f"memory {'fits' if self.fits_in_memory else 'DOES NOT FIT'} "
+                         f"({self.peak_memory_bytes / GiB:.2f} of {self.hardware.memory_bytes / GiB:.0f} GiB)")
         return "\n".join(lines)
 
 
@@ -85,8 +119,9 @@ def _peak_memory(program: Program) -> int:
     return peak
 
 
-def analyse(spmd: Program) -> Report:
-    report = Report(peak_memory_bytes=_peak_memory(spmd))
+def analyse(spmd: Program, hardware: Union[None, str, Hardware] = None) -> Report:
+    report = Report(peak_memory_bytes=_peak_memory(spmd),
+                    hardware=None if hardware is None else profile(hardware))
     _walk(spmd, 1, report)
     return report
 
