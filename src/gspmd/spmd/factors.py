@@ -96,14 +96,17 @@ def emit_same_op(ctx: DeviceContext, instr: Instr, operands: list[Value],
 
 def partition(ctx: DeviceContext, instr: Instr, factors: Sequence[Factor],
               operands: Sequence[PartitionedValue], targets: Sequence[Sharding],
-              emit_local: LocalEmitter = emit_same_op) -> list[PartitionedValue]:
+              emit_local: LocalEmitter = emit_same_op, pinned: Optional[Sharding] = None) -> list[PartitionedValue]:
     """Choose the cheapest factor-space layout, reshard operands to it, run the op
-    locally, combine partial results, reshard to the targets."""
+    locally, combine partial results, reshard to the targets. `pinned`, a factor-space
+    layout, is merged first into every candidate: the op's local code relies on those
+    splits (convolution spatial dims after halo exchange)."""
     n_in = len(operands)
     shardings = [o.sharding for o in operands] + list(targets)
     views = [_factor_view(factors, t, s) for t, s in enumerate(shardings)]
-    candidates = {_greedy_merge([views[lead]] + views[:lead] + views[lead + 1:]) for lead in range(len(views))}
-    candidates.add(_greedy_merge(views[n_in:] + views[:n_in]))
+    first = [pinned] if pinned is not None else []
+    candidates = {_greedy_merge(first + [views[lead]] + views[:lead] + views[lead + 1:]) for lead in range(len(views))}
+    candidates.add(_greedy_merge(first + views[n_in:] + views[:n_in]))
     space = min(candidates, key=lambda c: (_cost(factors, c, operands, instr, targets), str(c)))
     return _run(ctx, instr, factors, space, operands, targets, emit_local)
 
