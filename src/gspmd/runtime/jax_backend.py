@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from typing import Callable, Sequence
 
 import jax
@@ -451,3 +452,22 @@ def _host_array(x, param: Value) -> np.ndarray:
             "feeds its own devices' shards) or a jax.Array laid out as Executable.input_sharding(i).")
     return np.asarray(x, param.dtype)
 
+
+_HLO_COLLECTIVE = re.compile(r"=\s*(\([^=]*?\)|\w+\[[\d,]*\]\S*)\s+(all-reduce|all-gather|reduce-scatter|all-to-all|"
+                             r"collective-permute)(-start|-done)?\(")
+_HLO_ITEMSIZE = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2,
+                 "u16": 2, "pred": 1, "s8": 1, "u8": 1}
+
+
+def hlo_collective_bytes(hlo_text: str) -> dict[str, int]:
+    """Per-device result bytes of each collective kind in compiled HLO text (ours or
+    XLA's; an async pair counts once, at its -done)."""
+    total: dict[str, int] = {}
+    for line in hlo_text.splitlines():
+        m = _HLO_COLLECTIVE.search(line)
+        if m is None or m.group(3) == "-start":
+            continue
+        shapes = re.findall(r"(\w+)\[([\d,]*)\]", m.group(1))
+        nbytes = sum(_HLO_ITEMSIZE[t] * math.prod(int(d) for d in dims.split(",") if d) for t, dims in shapes)
+        total[m.group(2)] = total.get(m.group(2), 0) + nbytes
+    return total

@@ -1,0 +1,208 @@
+"""gspmd (jax backend) against XLA's own partitioner, on the same annotated programs.
+
+For each model available, both get the same annotations (ours: mesh_split; XLA's: the
+same calls as with_sharding_constraint via mesh_split_as) and the same input/output
+layouts, on 8 CPU devices. Printed per case: collective bytes per device (parsed from
+each compiled HLO text), step time (interleaved runs, medians), peak memory per device
+(compiled.memory_analysis(): arguments + outputs + temporaries - aliased). Then our
+propagate+partition time for the same program at 8, 64, 512 and 2048 devices (abstract
+inputs, nothing executed).
+
+    python benchmarks/vs_xla.py [--repeats 30] [--cases mlp transformer ...] [--no-scaling]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import gspmd  # noqa: E402
+import gspmd.api  # noqa: E402
+from gspmd import propagation  # noqa: E402
+from gspmd.frontend.annotation import mesh_split_as  # noqa: E402
+from gspmd.runtime import jax_backend  # noqa: E402
+
+SCALING_MESHES = {8: (2, 4), 64: (8, 8), 512: (16, 32), 2048: (32, 64)}
+
+
+@dataclass
+class Case:
+    name: str
+    axes: tuple[str, str]
+    make_step: Callable[[gspmd.Mesh], Callable]      # the annotated step for a mesh
+    inputs: Callable[[], tuple]                       # shapes that split evenly up to 32x64
+
+
+def _mlp() -> Case:
+    from gspmd.models import mlp
+    return Case("MLP train step", ("data", "model"), mlp.make_train_step,
+                lambda: mlp.example_inputs(batch=512, d_in=512, hidden=2048, d_out=256))
+
+
+def _transformer() -> Case:
+    from gspmd.models import transformer as T
+    cfg = T.Config(batch=32, seq=64, model=256, heads=64, head_dim=4, hidden=1024, layers=2)
+    return Case("Transformer train step (2 layers)", ("x", "y"),
+                lambda mesh: T.make_train_step(T.gspmd_annotate(mesh), cfg), lambda: T.example_inputs(cfg))
+
+
+def _unet() -> Case:
+    from gspmd.models import unet
+    return Case("conv net train step", unet.AXES, unet.make_train_step, unet.example_inputs)
+
+
+def available_cases() -> dict[str, Case]:
+    """Models that exist in this checkout (others are still being written)."""
+    cases = {}
+    for key, build in (("mlp", _mlp), ("transformer", _transformer), ("unet", _unet)):
+        try:
+            cases[key] = build()
+        except (ImportError, AttributeError) as e:
+            print(f"skipping {key}: {e}")
+    return cases
+
+
+def _mesh(case: Case, n: int) -> gspmd.Mesh:
+    return gspmd.Mesh(np.arange(n).reshape(SCALING_MESHES[n]), case.axes)
+
+
+# -- 8 devices: ours vs XLA --------------------------------------------------------------
+def _ours(case: Case, args):
+    mesh = _mesh(case, 8)
+    low = gspmd.jit(case.make_step(mesh), mesh=mesh, backend="jax").lower(*args)
+    exe = low.jax_executable()
+    stacked = exe.shard_inputs(jax.tree_util.tree_leaves(args))
+    return low, exe, (lambda: exe.run_sharded(stacked))
+
+
+def _xla(case: Case, args, low: gspmd.Lowered, exe: jax_backend.Executable):
+    """XLA gets our annotations as sharding constraints, and our input and output
+    layouts (so both start and end with the same data on each device)."""
+    mesh, in_tree = _mesh(case, 8), jax.tree_util.tree_structure(args)
+    ins = [exe.named_sharding(p.sharding) for p in low.program.params]
+    outs = [exe.named_sharding(v.sharding) for v in low.program.outputs]
+    with mesh_split_as(jax_backend.xla_constraint):
+        jitted = jax.jit(case.make_step(mesh), in_shardings=jax.tree_util.tree_unflatten(in_tree, ins),
+                         out_shardings=jax.tree_util.tree_unflatten(low.out_tree, outs))
+        compiled = jitted.lower(*args).compile()
+    placed = jax.tree_util.tree_unflatten(
+        in_tree, [jax.device_put(a, s) for a, s in zip(jax.tree_util.tree_leaves(args), ins)])
+    return compiled, (lambda: compiled(*placed))
+
+
+def _median_times(runs: dict[str, Callable], repeats: int) -> dict[str, float]:
+    for run in runs.values():
+        for _ in range(3):
+            jax.block_until_ready(run())
+    times = {name: [] for name in runs}
+    for _ in range(repeats):          # interleaved, so drift hits both alike
+        for name, run in runs.items():
+            start = time.perf_counter()
+            jax.block_until_ready(run())
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _peak(compiled) -> int:
+    m = compiled.memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+
+
+def _max_difference(a, b) -> float:
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)), initial=0))
+               for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+
+
+def compare(case: Case, repeats: int) -> None:
+    args = case.inputs()
+    low, exe, run_ours = _ours(case, args)
+    xla, run_xla = _xla(case, args, low, exe)
+    ours_bytes = jax_backend.hlo_collective_bytes(exe.compiled.as_text())
+    xla_bytes = jax_backend.hlo_collective_bytes(xla.as_text())
+    times = _median_times({"ours": run_ours, "xla": run_xla}, repeats)
+    diff = _max_difference(exe(jax.tree_util.tree_leaves(args)), jax.tree_util.tree_leaves(run_xla()))
+    print(f"\n## {case.name} (8 devices, mesh {SCALING_MESHES[8]}; max |ours - XLA| = {diff:.1e})")
+    print("| | gspmd | XLA | ratio |\n|---|---:|---:|---:|")
+    _row("collective bytes / device", sum(ours_bytes.values()), sum(xla_bytes.values()))
+    for kind in sorted(set(ours_bytes) | set(xla_bytes)):
+        _row(f"  {kind}", ours_bytes.get(kind, 0), xla_bytes.get(kind, 0))
+    _row("step time (ms, median)", times["ours"] * 1e3, times["xla"] * 1e3)
+    _row("peak memory / device (bytes)", _peak(exe.compiled), _peak(xla))
+
+
+def _row(label: str, ours: float, xla: float) -> None:
+    ratio = f"{ours / xla:.2f}" if xla else ("-" if not ours else "inf")
+    fmt = "{:,.2f}" if isinstance(ours, float) else "{:,}"
+    print(f"| {label} | {fmt.format(ours)} | {fmt.format(xla)} | {ratio} |")
+
+
+# -- propagate + partition time as the mesh grows -------------------------------------------
+@contextmanager
+def _timed(module, name: str, seconds: list):
+    """Add the time spent in module.name to `seconds` while inside the block."""
+    original = getattr(module, name)
+
+    def timed(*a, **k):
+        start = time.perf_counter()
+        try:
+            return original(*a, **k)
+        finally:
+            seconds.append(time.perf_counter() - start)
+    setattr(module, name, timed)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+def partition_seconds(case: Case, n: int, repeats: int = 3) -> tuple[float, float]:
+    """(median propagate+partition seconds, median whole lower() seconds)."""
+    abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), case.inputs())
+    core, total = [], []
+    for _ in range(repeats):
+        mesh = _mesh(case, n)
+        spent: list[float] = []
+        with _timed(propagation, "complete", spent), _timed(gspmd.api, "partition", spent):
+            start = time.perf_counter()
+            gspmd.jit(case.make_step(mesh), mesh=mesh).lower(*abstract)
+            total.append(time.perf_counter() - start)
+        core.append(sum(spent))
+    return statistics.median(core), statistics.median(total)
+
+
+def scaling(case: Case) -> None:
+    print(f"\n## {case.name}: propagate + partition time (abstract inputs, no execution)")
+    print("| devices | mesh | propagate+partition (s) | whole lower() (s) | vs 8 devices |\n|---:|---|---:|---:|---:|")
+    base = None
+    for n, shape in SCALING_MESHES.items():
+        core, total = partition_seconds(case, n)
+        base = base or core
+        print(f"| {n} | {shape[0]}x{shape[1]} | {core:.3f} | {total:.3f} | {core / base:.2f}x |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--cases", nargs="*", help="subset of: mlp transformer unet")
+    parser.add_argument("--no-scaling", action="store_true")
+    args = parser.parse_args()
+    cases = available_cases()
+    for key, case in cases.items():
+        if args.cases and key not in args.cases:
+            continue
+        compare(case, args.repeats)
+        if not args.no_scaling:
+            scaling(case)
+
+
+if __name__ == "__main__":
+    main()
