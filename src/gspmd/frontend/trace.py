@@ -252,3 +252,22 @@ CONVERTERS.update({
     "concatenate": _concatenate, "dynamic_slice": _dynamic_slice,
     "dynamic_update_slice": _dynamic_update_slice,
 })
+
+
+# -- windowed ops (convolution, reverse) ------------------------------------------------
+def _conv_general_dilated(b, eqn, args):
+    p, shape_dtype = eqn.params, _out_aval(eqn)
+    dn = p["dimension_numbers"]
+    return [b.add1("convolution", args, *shape_dtype, lhs_spec=tuple(dn.lhs_spec), rhs_spec=tuple(dn.rhs_spec),
+                   out_spec=tuple(dn.out_spec), window_strides=tuple(p["window_strides"]),
+                   padding=tuple((int(lo), int(hi)) for lo, hi in p["padding"]),
+                   lhs_dilation=tuple(p["lhs_dilation"]), rhs_dilation=tuple(p["rhs_dilation"]),
+                   feature_group_count=int(p["feature_group_count"]),
+                   batch_group_count=int(p["batch_group_count"]))]
+
+
+def _rev(b, eqn, args):
+    return [b.add1("reverse", args, *_out_aval(eqn), dims=tuple(int(d) for d in eqn.params["dimensions"]))]
+
+
+CONVERTERS.update({"conv_general_dilated": _conv_general_dilated, "rev": _rev})

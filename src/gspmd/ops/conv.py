@@ -1,0 +1,187 @@
+"""convolution (HLO Convolution; jax.lax.conv_general_dilated).
+
+Attrs: lhs_spec (batch, feature, spatial...), rhs_spec (out feature, in feature,
+spatial...), out_spec (batch, feature, spatial...), window_strides, padding, lhs_dilation,
+rhs_dilation, feature_group_count, batch_group_count.
+
+Batch, feature and contracted-feature dims are dimension factors. A split spatial dim is
+partitioned either by outputs (each partition computes its outputs from its input shard
+plus halos) or, when the window itself is split (weight gradients, whose window is the
+output gradient), by window (each partition convolves its part of the window with the
+input range it touches and the partial results are summed). The spatial dims are
+matched first and the halo exchange turns them into independent local windows; the
+factor partitioner then handles batch and feature dims around them (paper 4.4).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from gspmd.ops.registry import CONTRACTION, register
+from gspmd.ops.window import pad_array, window_attrs, windows_of
+from gspmd.sharding import Sharding
+from gspmd.spmd import factors as fx
+from gspmd.spmd import reshard as rs
+from gspmd.spmd.halo import DimPlan, gather_windows, local_base, plan_dim, slice_outputs
+from gspmd.spmd.partitioned import PartitionedValue
+
+OUT, WINDOW = "out", "window"   # how a split spatial dim is partitioned
+
+
+def _evaluate_conv(instr, args, device):
+    a, out = instr.attrs, instr.outputs[0]
+    acc = np.float64 if out.dtype.kind == "f" else out.dtype
+    x = np.transpose(args[0], a["lhs_spec"]).astype(acc)        # (B, F, *spatial)
+    k = np.transpose(args[1], a["rhs_spec"]).astype(acc)        # (O, I, *window)
+    nsp = x.ndim - 2
+    x = pad_array(x, 0, (0, 0) + tuple(p[0] for p in a["padding"]), (0, 0) + tuple(p[1] for p in a["padding"]),
+                  (0, 0) + tuple(d - 1 for d in a["lhs_dilation"]))
+    g, bg = a["feature_group_count"], a["batch_group_count"]
+    (b, f), (o, i) = x.shape[:2], k.shape[:2]
+    if bg > 1:   # batch group j convolves with output features of group j
+        xg = x.reshape((bg, b // bg, f) + x.shape[2:]).swapaxes(0, 1)
+    else:
+        xg = x.reshape((b, g, f // g) + x.shape[2:])
+    kg = k.reshape((g * bg, o // (g * bg), i) + k.shape[2:])
+    out_sp = tuple(out.shape[d] for d in a["out_spec"][2:])
+    res = np.zeros((xg.shape[0], g * bg, o // (g * bg)) + out_sp, acc)
+    if all(out_sp):
+        for pos in np.ndindex(*k.shape[2:]):
+            window = tuple(slice(p * r, p * r + (n - 1) * s + 1, s)
+                           for p, r, n, s in zip(pos, a["rhs_dilation"], out_sp, a["window_strides"]))
+            res += np.einsum("bgi...,goi->bgo...", xg[(slice(None),) * 3 + window], kg[(Ellipsis,) + pos])
+    res = res.reshape((res.shape[0], o) + out_sp)
+    assert res.ndim == nsp + 2
+    return [np.transpose(res, np.argsort(a["out_spec"])).astype(out.dtype)]
+
+
+def _dims(instr):
+    a = instr.attrs
+    return a["lhs_spec"], a["rhs_spec"], a["out_spec"]
+
+
+def _default_modes(instr) -> list[str]:
+    """For propagation: spatial dims carry between input and output, except when the
+    window is larger than the output (weight gradients), where they carry between input
+    and window."""
+    (_, _, *ls), (_, _, *rsp), (_, _, *osp) = _dims(instr)
+    rhs, out = instr.operands[1], instr.outputs[0]
+    return [OUT if out.shape[o] >= rhs.shape[r] else WINDOW for r, o in zip(rsp, osp)]
+
+
+def _depthwise(instr) -> bool:
+    (_, lf, *_), (ro, _, *_), _ = _dims(instr)
+    g = instr.attrs["feature_group_count"]
+    return g > 1 and instr.operands[0].shape[lf] == g == instr.operands[1].shape[ro]
+
+
+def conv_factors(instr, modes: Optional[list[Optional[str]]] = None) -> list[fx.Factor]:
+    """Factors of a convolution; `modes` says per spatial dim whether it is split by
+    outputs, by window, or kept whole (None)."""
+    lhs, rhs = instr.operands
+    (lb, lf, *ls), (ro, ri, *rsp), (ob, of, *osp) = _dims(instr)
+    g, bg = instr.attrs["feature_group_count"], instr.attrs["batch_group_count"]
+    b, f, o = lhs.shape[lb], lhs.shape[lf], rhs.shape[ro]
+    grouped = fx.REPLICATE if bg > 1 else fx.PASS
+    factors = [fx.Factor(b, (lb, None, ob), grouped)]
+    if g == 1:
+        factors += [fx.Factor(f, (lf, ri, None), fx.REDUCE), fx.Factor(o, (None, ro, of), grouped)]
+    elif _depthwise(instr):   # channels pass through, each its own group
+        factors += [fx.Factor(f, (lf, ro, of)), fx.Factor(1, (None, ri, None), fx.REPLICATE)]
+    else:
+        factors += [fx.Factor(f, (lf, ri, None), fx.REPLICATE), fx.Factor(o, (None, ro, of), fx.REPLICATE)]
+    for mode, l, r, q in zip(modes or _default_modes(instr), ls, rsp, osp):
+        size = lhs.shape[l]
+        if mode == OUT:
+            factors += [fx.Factor(size, (l, None, q)), fx.Factor(rhs.shape[r], (None, r, None), fx.REPLICATE)]
+        elif mode == WINDOW:
+            factors += [fx.Factor(size, (l, r, None), fx.REDUCE), fx.Factor(1, (None, None, q), fx.REPLICATE)]
+        else:
+            factors.append(fx.Factor(size, (l, r, q), fx.REPLICATE))
+    return factors
+
+
+def _spatial_layout(instr, lhs: PartitionedValue, rhs: PartitionedValue, target: Sharding):
+    """Per spatial dim its mode and, as one lhs-shaped Sharding that splits only spatial
+    dims, the partitions: taken from the input, else from the output, else (window mode)
+    from the window."""
+    (_, _, *ls), (_, _, *rsp), (_, _, *osp) = _dims(instr)
+    out = instr.outputs[0]
+    layout = Sharding.replicated(lhs.rank, lhs.sharding.num_devices)
+    modes: list[Optional[str]] = []
+    for l, r, q in zip(ls, rsp, osp):
+        t_lhs, t_rhs, t_out = lhs.sharding.tiles[l], rhs.sharding.tiles[r], target.tiles[q]
+        if t_rhs > 1 and (out.shape[q] < rhs.shape[r] or t_lhs == t_out == 1):
+            mode, piece = WINDOW, rhs.sharding.remap([l if d == r else None for d in range(rhs.rank)], lhs.rank)
+        elif t_lhs > 1:
+            mode, piece = OUT, lhs.sharding.keep_dims([l])
+        elif t_out > 1:
+            mode, piece = OUT, target.remap([l if d == q else None for d in range(out.rank)], lhs.rank)
+        else:
+            mode, piece = None, None
+        merged = layout.merge(piece) if piece is not None else None
+        if merged is None:
+            mode = None
+        else:
+            layout = merged
+        modes.append(mode)
+    return modes, layout
+
+
+def _partition_conv(ctx, instr, operands, targets):
+    lhs, rhs = operands
+    (target,), out = targets, instr.outputs[0]
+    (lb, lf, *ls), (_, _, *rsp), (ob, of, *osp) = _dims(instr)
+    modes, spatial = _spatial_layout(instr, lhs, rhs, target)
+    windows = windows_of(instr.attrs, [rhs.shape[r] for r in rsp])
+    plans = {j: plan_dim(lhs.shape[ls[j]], windows[j], spatial.tiles[ls[j]], window_parts=(m == WINDOW))
+             for j, m in enumerate(modes) if m is not None}
+    factors = conv_factors(instr, modes)
+    emit = _local_conv(instr, plans, spatial)
+    if not plans:
+        return fx.partition(ctx, instr, factors, operands, targets, emit_local=emit)
+    layout = lhs.sharding.keep_dims([lb, lf]).merge(spatial) or spatial
+    lhs1 = rs.reshard(ctx, lhs, layout)
+    local = gather_windows(ctx, lhs1, {ls[j]: p for j, p in plans.items()}, layout, 0)
+    shape = list(lhs.shape)
+    for j, p in plans.items():
+        shape[ls[j]] = p.parts * local_base(p)
+    windowed = PartitionedValue(local, layout, tuple(shape))
+    # The factor partitioner must keep the spatial splits the windows were cut for.
+    factor_of = {fac.dims[0]: k for k, fac in enumerate(factors) if fac.kind != fx.REPLICATE}
+    pinned = spatial.remap([factor_of.get(d) if d in ls else None for d in range(lhs.rank)], len(factors))
+    out_map: list[Optional[int]] = [None] * lhs.rank
+    for j, mode in enumerate(modes):
+        if mode == OUT:
+            out_map[ls[j]] = osp[j]
+    out_spatial = spatial.remap(out_map, out.rank)
+    inner_target = target.keep_dims([ob, of]).merge(out_spatial) or out_spatial
+    (res,) = fx.partition(ctx, instr, factors, [windowed, rhs], [inner_target], emit_local=emit, pinned=pinned)
+    return [rs.reshard(ctx, res, target)]
+
+
+def _local_conv(instr, plans: dict[int, DimPlan], spatial: Sharding):
+    """Emitter of the per-device convolution: planned spatial dims use their local
+    window; a depthwise group count follows the local channels."""
+    (_, lf, *ls), (_, _, *rsp), (_, _, *osp) = _dims(instr)
+    out, a = instr.outputs[0], instr.attrs
+
+    def emit(ctx, _instr, locals_, shapes):
+        lhs_l, rhs_l = locals_
+        windows = windows_of(a, [rhs_l.shape[r] for r in rsp])
+        windows = [plans[j].local if j in plans else w for j, w in enumerate(windows)]
+        shape = list(shapes[0])
+        for j, p in plans.items():
+            shape[osp[j]] = p.local.out_size(local_base(p))
+        attrs = dict(a, **window_attrs(windows))
+        if _depthwise(instr):   # channels are the groups, split like the features
+            attrs["feature_group_count"] = lhs_l.shape[lf]
+        y = ctx.b.add1("convolution", [lhs_l, rhs_l], shape, out.dtype, **attrs)
+        y = slice_outputs(ctx, y, {osp[j]: p for j, p in plans.items()}, spatial, {osp[j]: ls[j] for j in plans})
+        return [y]
+    return emit
+
+
+register("convolution", evaluate=_evaluate_conv, factors=conv_factors, partition=_partition_conv,
+         priority=CONTRACTION)

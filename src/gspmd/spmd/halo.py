@@ -1,0 +1,300 @@
+"""Halo exchange (paper 4.3, Figure 9b) and the window plans of windowed ops.
+
+A windowed op (convolution, reduce-window, pad, slice) reads, for the outputs partition i
+holds, a contiguous range of its input along each partitioned dim. `plan_dim` works
+that range out symbolically: partition i reads `count` base elements from
+`first(i)`, an affine function of i; halo sizes follow from it. `window` then builds
+that range on every device with one program: collective-permutes of the maximum halo
+from the neighbours (several hops when a halo is longer than a shard), concatenate,
+dynamic-slice by a partition-id table, and a mask of positions outside the tensor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional, Union
+
+import numpy as np
+
+from gspmd.ir import Value
+from gspmd.sharding import Sharding
+from gspmd.spmd import reshard as rs
+from gspmd.spmd.context import INDEX_DTYPE, DeviceContext
+from gspmd.spmd.partitioned import PartitionedValue
+
+
+@dataclass(frozen=True)
+class Affine:
+    """floor((scale * i + offset) / divisor) for partition index i: the symbolic form of
+    offsets and halo sizes."""
+    scale: int
+    offset: int
+    divisor: int = 1
+
+    def __call__(self, i):
+        return (self.scale * np.asarray(i) + self.offset) // self.divisor
+
+
+@dataclass(frozen=True)
+class Window:
+    """One dim of an HLO window: size, stride, low/high padding (negative crops), base
+    (lhs) dilation and window (rhs) dilation."""
+    size: int = 1
+    stride: int = 1
+    low: int = 0
+    high: int = 0
+    base_dilation: int = 1
+    window_dilation: int = 1
+
+    def out_size(self, base: int) -> int:
+        padded = self.low + self.high + ((base - 1) * self.base_dilation + 1 if base else 0)
+        span = (self.size - 1) * self.window_dilation + 1
+        return max(0, (padded - span) // self.stride + 1) if padded >= span else 0
+
+    @property
+    def trivial(self) -> bool:
+        return self == Window()
+
+
+@dataclass(frozen=True)
+class DimPlan:
+    """How partition i computes its outputs along one dim.
+
+    The local op reads base elements [first(i), first(i) + count), with the out-of-range
+    ones masked, and runs with window `local`. Base dilation stays in the local op when
+    every partition starts at the same phase of it (Appendix A.2 case 1); with stride 1
+    the local op starts at the earliest phase and `out_offset` slices each partition's
+    outputs (case 2); otherwise the gathered base is dilated locally and `predilate`
+    says where each partition's window starts in it (case 3, which XLA solves by padding
+    the window instead)."""
+    parts: int
+    shard: int                          # base elements per shard, ceil(size / parts)
+    first: Affine
+    count: int
+    local: Window
+    outs: int                           # outputs each partition ends up with
+    span: int                           # dilated base positions those outputs read
+    predilate: Optional[tuple[int, ...]] = None
+    out_offset: Optional[tuple[int, ...]] = None
+    mask: bool = True                   # whether live outputs read outside the tensor
+
+    @property
+    def left_halo(self) -> Affine:
+        """i*shard - first(i): elements partition i needs before its shard."""
+        f = self.first
+        return Affine(f.divisor * self.shard - f.scale, f.divisor - 1 - f.offset, f.divisor)
+
+    @property
+    def right_halo(self) -> Affine:
+        """first(i) + count - (i+1)*shard: elements partition i needs after its shard."""
+        f = self.first
+        return Affine(f.scale - f.divisor * self.shard, f.offset + f.divisor * (self.count - self.shard),
+                      f.divisor)
+
+
+def plan_dim(base: int, w: Window, parts: int, window_parts: bool = False) -> DimPlan:
+    """Plan one dim of a windowed op over `base` input elements split `parts` ways.
+    By default the outputs are split (each partition computes ceil(M/parts) of them);
+    with window_parts the window is split instead (weight gradients: every partition
+    computes all outputs from its part of the window, and partial results are summed)."""
+    s, r, b = w.stride, w.window_dilation, w.base_dilation
+    if window_parts:
+        local_size = -(-w.size // parts)
+        outs = w.out_size(base)
+        q0 = Affine(local_size * r, -w.low)            # dilated position of window element i*local_size
+    else:
+        local_size = w.size
+        outs = -(-w.out_size(base) // parts)
+        q0 = Affine(outs * s, -w.low)                  # dilated position of partition i's first window
+    span = max(outs - 1, 0) * s + (local_size - 1) * r + 1
+    i = np.arange(parts)
+    first = Affine(q0.scale, q0.offset, b)
+    phase = q0(i) - first(i) * b                       # where the windows start after base element first(i)
+    count = int(max(1, np.max((q0(i) + span - 1) // b - first(i) + 1)))
+    local = Window(local_size, s, 0, 0, b, r)
+    mask = window_parts or w.low > 0 or w.high > 0
+    shard = -(-base // parts)
+    if b == 1 or np.all(phase == phase[0]):
+        lo = -int(phase[0])
+        local = replace(local, low=lo, high=span - lo - ((count - 1) * b + 1))
+        return DimPlan(parts, shard, first, count, local, outs, span, mask=mask)
+    if s == 1:
+        lo, extra = -int(phase.min()), int(phase.max() - phase.min())
+        local = replace(local, low=lo, high=span + extra - lo - ((count - 1) * b + 1))
+        return DimPlan(parts, shard, first, count, local, outs, span,
+                       out_offset=tuple(int(p) for p in phase - phase.min()), mask=mask)
+    return DimPlan(parts, shard, first, count, replace(local, base_dilation=1), outs, span,
+                   predilate=tuple(int(p) for p in phase), mask=mask)
+
+
+def local_base(plan: DimPlan) -> int:
+    """Length along the dim of what the local op reads (after any local dilation)."""
+    return plan.count if plan.predilate is None else plan.span
+
+
+Fill = Union[np.ndarray, Value]
+
+
+def window(ctx: DeviceContext, pv: PartitionedValue, dim: int, parts_of: np.ndarray, first: np.ndarray,
+           count: int, fill: Fill, mask: bool = True) -> Value:
+    """Device d's local value along `dim` becomes global elements
+    [first[p], first[p] + count) of pv, p = parts_of[d] its partition index; elements
+    outside the tensor read `fill` when `mask` (else whatever is there)."""
+    size = pv.shape[dim]
+    if pv.sharding.tiles[dim] == 1:
+        buf, buf_start = _padded_whole(ctx, pv.local, dim, first, count, fill)
+    else:
+        assert np.array_equal(pv.sharding.coords()[:, dim], parts_of), "window partitions must match the shards"
+        buf, buf_start = _exchange(ctx, pv, dim, first, count, fill)
+    x = buf
+    if buf.shape[dim] != count:
+        starts = [ctx.constant(0, INDEX_DTYPE)] * buf.rank
+        starts[dim] = ctx.table_lookup((first - buf_start)[parts_of])
+        sizes = list(buf.shape)
+        sizes[dim] = count
+        x = ctx.dynamic_slice(buf, starts, sizes)
+    if mask and (first.min() < 0 or (first + count).max() > size):
+        x = mask_outside(ctx, x, dim, ctx.table_lookup(first[parts_of]), size, fill)
+    return x
+
+
+def _padded_whole(ctx, x: Value, dim: int, first: np.ndarray, count: int, fill):
+    """Source holds the whole dim: pad it so every window is in bounds; no communication."""
+    lo = max(0, -int(first.min()))
+    hi = max(0, int((first + count).max()) - x.shape[dim])
+    return pad_dim(ctx, x, dim, lo, hi, fill), np.full_like(first, -lo)
+
+
+def _exchange(ctx, pv: PartitionedValue, dim: int, first: np.ndarray, count: int, fill):
+    """A buffer holding every partition's window: pieces of the neighbours' shards
+    (several hops away when halos are long) around what it keeps of its own. Returns it
+    and, per partition, the global position it starts at. Only elements inside the
+    tensor travel; the rest of the buffer is static padding."""
+    n, size = pv.local.shape[dim], pv.shape[dim]
+    own = np.arange(len(first)) * n                        # where each shard starts
+    lo, hi = first - own, first + count - own              # windows, relative to the own shard
+    data_lo, data_hi = np.maximum(first, 0) - own, np.minimum(first + count, size) - own
+    touches = data_hi > data_lo
+    a, b = (int(data_lo[touches].min()), int(data_hi[touches].max())) if touches.any() else (0, 0)
+    start, end = min(int(lo.min()), a), max(int(hi.max()), b)
+    groups = rs.groups_along(pv.sharding, [dim])
+    pieces = [pad_piece(ctx, pv.local, dim, a - start, fill)] if a > start else []
+    for delta in range(a // n, -(-b // n)):                # shard of partition p + delta
+        piece = _slice(ctx, pv.local, dim, max(a, delta * n) - delta * n, min(b, (delta + 1) * n) - delta * n)
+        if delta:
+            side = "left" if delta < 0 else "right"
+            piece = _shift(ctx, piece, groups, -delta, f"halo exchange: {side} halo")
+        pieces.append(piece)
+    if end > b:
+        pieces.append(pad_piece(ctx, pv.local, dim, end - b, fill))
+    return concatenate(ctx, pieces, dim), own + start
+
+
+def _shift(ctx, x: Value, groups: np.ndarray, hop: int, rule: str) -> Value:
+    """Partition p receives x from partition p - hop of its group (zeros at the ends)."""
+    k = groups.shape[1]
+    pairs = [(g[p - hop], g[p]) for g in groups for p in range(k) if 0 <= p - hop < k]
+    return ctx.collective_permute(x, np.asarray(pairs, np.int64), rule)
+
+
+def _slice(ctx, x: Value, dim: int, start: int, limit: int) -> Value:
+    if start == 0 and limit == x.shape[dim]:
+        return x
+    lo, hi = [0] * x.rank, list(x.shape)
+    lo[dim], hi[dim] = start, limit
+    shape = list(x.shape)
+    shape[dim] = limit - start
+    return ctx.b.add1("slice", [x], shape, x.dtype, start=tuple(lo), limit=tuple(hi), strides=(1,) * x.rank)
+
+
+def _fill_value(ctx, fill: Fill, dtype) -> Value:
+    return fill if isinstance(fill, Value) else ctx.constant(np.asarray(fill, dtype))
+
+
+def pad_dim(ctx, x: Value, dim: int, low: int, high: int, fill: Fill, interior: int = 0) -> Value:
+    """Pad (or crop, when negative) one dim of a local value."""
+    if low == high == interior == 0:
+        return x
+    lows, highs, inner = [0] * x.rank, [0] * x.rank, [0] * x.rank
+    lows[dim], highs[dim], inner[dim] = low, high, interior
+    shape = list(x.shape)
+    shape[dim] = low + high + (x.shape[dim] - 1) * (interior + 1) + 1 if x.shape[dim] else low + high
+    return ctx.b.add1("pad", [x, _fill_value(ctx, fill, x.dtype)], shape, x.dtype, low=tuple(lows),
+                      high=tuple(highs), interior=tuple(inner))
+
+
+def pad_piece(ctx, x: Value, dim: int, length: int, fill: Fill) -> Value:
+    """A block of `fill`, shaped like x except `length` long along dim."""
+    shape = list(x.shape)
+    shape[dim] = length
+    return ctx.b.add1("broadcast", [_fill_value(ctx, fill, x.dtype)], shape, x.dtype, dims=())
+
+
+def concatenate(ctx, pieces: list[Value], dim: int) -> Value:
+    if len(pieces) == 1:
+        return pieces[0]
+    shape = list(pieces[0].shape)
+    shape[dim] = sum(p.shape[dim] for p in pieces)
+    return ctx.b.add1("concatenate", pieces, shape, pieces[0].dtype, dimension=dim)
+
+
+def positions(ctx, x: Value, dim: int, start: Value) -> Value:
+    """Global position along dim of every element of x, whose first element is at `start`."""
+    b = ctx.b
+    iota = b.add1("iota", [], x.shape, INDEX_DTYPE, dimension=dim)
+    return b.add1("add", [iota, b.add1("broadcast", [start], x.shape, INDEX_DTYPE, dims=())], x.shape, INDEX_DTYPE)
+
+
+def mask_outside(ctx, x: Value, dim: int, start: Value, size: int, fill: Fill) -> Value:
+    """Elements whose global position (from `start`) is outside [0, size) become fill."""
+    b = ctx.b
+    pos = positions(ctx, x, dim, start)
+
+    def compare(bound, direction):
+        limit = b.add1("broadcast", [ctx.constant(bound, INDEX_DTYPE)], x.shape, INDEX_DTYPE, dims=())
+        return b.add1("compare", [pos, limit], x.shape, np.bool_, direction=direction)
+    inside = b.add1("and", [compare(0, "GE"), compare(size, "LT")], x.shape, np.bool_)
+    fill_b = b.add1("broadcast", [_fill_value(ctx, fill, x.dtype)], x.shape, x.dtype, dims=())
+    return b.add1("select", [inside, x, fill_b], x.shape, x.dtype)
+
+
+def gather_windows(ctx, pv: PartitionedValue, plans: dict[int, DimPlan], layout: Sharding, fill: Fill) -> Value:
+    """The local input of a windowed op: for each planned dim, the base range its
+    partition reads (halo exchange), dilated locally where the plan says so. `layout`
+    gives each device's partition index per dim."""
+    x = pv
+    for dim, plan in plans.items():
+        parts_of = layout.coords()[:, dim]
+        y = window(ctx, x, dim, parts_of, plan.first(np.arange(plan.parts)), plan.count, fill, plan.mask)
+        if plan.predilate is not None:
+            bd = plan.first.divisor
+            y = pad_dim(ctx, y, dim, 0, bd - 1, fill, interior=bd - 1)
+            starts = [ctx.constant(0, INDEX_DTYPE)] * y.rank
+            starts[dim] = ctx.table_lookup(np.asarray(plan.predilate)[parts_of])
+            sizes = list(y.shape)
+            sizes[dim] = local_base(plan)
+            y = ctx.dynamic_slice(y, starts, sizes)
+        shape = list(x.shape)
+        shape[dim] = y.shape[dim] * plan.parts
+        x = PartitionedValue(y, x.sharding, tuple(shape))
+    return x.local
+
+
+def slice_outputs(ctx, y: Value, dims: dict[int, DimPlan], layout: Sharding, plan_dims: dict[int, int]) -> Value:
+    """Case 2 plans compute extra outputs; cut out each partition's. dims maps an output
+    dim of y to its plan, plan_dims maps it to the layout dim giving partition indices."""
+    for dim, plan in dims.items():
+        if plan.out_offset is None:
+            continue
+        starts = [ctx.constant(0, INDEX_DTYPE)] * y.rank
+        starts[dim] = ctx.table_lookup(np.asarray(plan.out_offset)[layout.coords()[:, plan_dims[dim]]])
+        sizes = list(y.shape)
+        sizes[dim] = plan.outs
+        y = ctx.dynamic_slice(y, starts, sizes)
+    return y
+
+
+def halo_bytes(plan: DimPlan) -> int:
+    """Largest halo (elements) any partition receives, for reports and tests."""
+    i = np.arange(plan.parts)
+    return int(max(0, plan.left_halo(i).max(), plan.right_halo(i).max()))
+
