@@ -1,5 +1,5 @@
 """jaxpr -> Program, and the mesh_split annotation primitive."""
-from gspmd.frontend import control  # noqa: F401  (registers loop converters)
+from gspmd.frontend import control, indexing  # noqa: F401  (register loop and indexing converters)
 from gspmd.frontend.annotation import mesh_split, mesh_split_p
 from gspmd.frontend.trace import trace
 

@@ -273,6 +273,31 @@ def _collective_permute(instr, args):
     return [out]
 
 
+_MODES = {"clip": lax.GatherScatterMode.CLIP, "fill": lax.GatherScatterMode.FILL_OR_DROP}
+
+
+@register("gather")
+def _gather(instr, args):
+    a = instr.attrs
+    dn = lax.GatherDimensionNumbers(offset_dims=a["offset_dims"], collapsed_slice_dims=a["collapsed_slice_dims"],
+                                    start_index_map=a["start_index_map"])
+    return [lax.gather(args[0], args[1], dn, a["slice_sizes"], mode=_MODES[a["mode"]],
+                       fill_value=a["fill_value"])]
+
+
+_SCATTERS = {None: lax.scatter, "add": lax.scatter_add, "mul": lax.scatter_mul, "min": lax.scatter_min,
+             "max": lax.scatter_max}
+
+
+@register("scatter")
+def _scatter(instr, args):
+    a = instr.attrs
+    dn = lax.ScatterDimensionNumbers(update_window_dims=a["update_window_dims"],
+                                     inserted_window_dims=a["inserted_window_dims"],
+                                     scatter_dims_to_operand_dims=a["scatter_dims_to_operand_dims"])
+    return [_SCATTERS[a["reducer"]](*args, dn, mode=_MODES[a["mode"]])]
+
+
 @register("while")
 def _while(instr, args):
     body, cond = instr.attrs["body"], instr.attrs["cond"]

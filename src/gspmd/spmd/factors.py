@@ -101,14 +101,25 @@ def partition(ctx: DeviceContext, instr: Instr, factors: Sequence[Factor],
     locally, combine partial results, reshard to the targets. `pinned`, a factor-space
     layout, is merged first into every candidate: the op's local code relies on those
     splits (convolution spatial dims after halo exchange)."""
+    space = choose_space(instr, factors, operands, targets, pinned)
+    return run(ctx, instr, factors, space, operands, targets, emit_local)
+
+
+def choose_space(instr: Instr, factors: Sequence[Factor], operands: Sequence[PartitionedValue],
+                 targets: Sequence[Sharding], pinned: Optional[Sharding] = None) -> Sharding:
+    """The cheapest factor-space layout among those each tensor's layout suggests."""
     n_in = len(operands)
     shardings = [o.sharding for o in operands] + list(targets)
     views = [_factor_view(factors, t, s) for t, s in enumerate(shardings)]
     first = [pinned] if pinned is not None else []
     candidates = {_greedy_merge(first + [views[lead]] + views[:lead] + views[lead + 1:]) for lead in range(len(views))}
     candidates.add(_greedy_merge(first + views[n_in:] + views[:n_in]))
-    space = min(candidates, key=lambda c: (_cost(factors, c, operands, instr, targets), str(c)))
-    return _run(ctx, instr, factors, space, operands, targets, emit_local)
+    return min(candidates, key=lambda c: (_cost(factors, c, operands, instr, targets), str(c)))
+
+
+def tensor_layout(factors: Sequence[Factor], t: int, space: Sharding, rank: int) -> Sharding:
+    """Tensor t's layout when the op runs with factor-space layout `space`."""
+    return _tensor_layout(factors, t, space, rank)
 
 
 def _cost(factors, space, operands, instr: Instr, targets) -> rs.Cost:
@@ -128,7 +139,10 @@ def _cost(factors, space, operands, instr: Instr, targets) -> rs.Cost:
     return rs.add_costs(*costs)
 
 
-def _run(ctx, instr, factors, space, operands, targets, emit_local) -> list[PartitionedValue]:
+def run(ctx: DeviceContext, instr: Instr, factors: Sequence[Factor], space: Sharding,
+        operands: Sequence[PartitionedValue], targets: Sequence[Sharding],
+        emit_local: LocalEmitter = emit_same_op) -> list[PartitionedValue]:
+    """Reshard operands to `space`, run the op locally, combine partials, reshard."""
     n_in = len(operands)
     red = _reduce_factors(factors, space)
     locals_ = []
