@@ -11,6 +11,7 @@ coarsens and a slice refines. Shards of uneven dims only nest when
 ceil(D/(t/k)) == k * ceil(D/t) (or the coarse layout is the whole dim)."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -239,15 +240,26 @@ def _common_tiles(src: Sharding, dst: Sharding, dim: int, size: int) -> int:
     return 1
 
 
-def plan(src: Sharding, dst: Sharding, shape: Sequence[int]) -> list:
+def plan(src: Sharding, dst: Sharding, shape: Sequence[int]) -> tuple:
     """Steps that turn a value laid out as `src` into `dst`."""
+    return _plan(src, dst, tuple(shape))
+
+
+@functools.lru_cache(maxsize=65536)
+def _plan(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> tuple:
+    # Partition rules price the same few transitions over and over (each candidate
+    # layout of every op): plans are immutable, so they are computed once.
+    return tuple(_plan_steps(src, dst, shape))
+
+
+def _plan_steps(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> list:
     if src == dst:
         return []
     if _subdivides(dst, src, shape):
         return [SliceStep(dst)]
     step = _all_to_all_toward(src, dst, shape)
     if step is not None:
-        return [step] + plan(step.target, dst, shape)
+        return [step, *_plan(step.target, dst, shape)]
     if src.tiles == dst.tiles and src.num_replicas == dst.num_replicas:
         return [PermuteStep(dst)]
     steps, cur = [], src
