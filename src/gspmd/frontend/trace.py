@@ -271,3 +271,23 @@ def _rev(b, eqn, args):
 
 
 CONVERTERS.update({"conv_general_dilated": _conv_general_dilated, "rev": _rev})
+
+
+# -- scans along one axis ---------------------------------------------------------------
+def _cumsum(b, eqn, args):
+    """cumsum as a dot with a triangular matrix of ones: it then partitions like any
+    contraction (a split scanned dim gives partial sums that an all-reduce combines)."""
+    (x,), axis = args, eqn.params["axis"]
+    shape, dtype = _out_aval(eqn)
+    n = x.shape[axis]
+    rows, cols = np.indices((n, n))
+    tri = _constant(b, ((rows >= cols) if eqn.params["reverse"] else (rows <= cols)).astype(dtype))
+    free = [d for d in range(x.rank) if d != axis]
+    summed = b.add1("dot", [x, tri], tuple(x.shape[d] for d in free) + (n,), dtype, lhs_batch=(), rhs_batch=(),
+                    lhs_contracting=(axis,), rhs_contracting=(0,))
+    perm = list(range(x.rank - 1))
+    perm.insert(axis, x.rank - 1)
+    return [b.add1("transpose", [summed], shape, dtype, permutation=tuple(perm))]
+
+
+CONVERTERS["cumsum"] = _cumsum

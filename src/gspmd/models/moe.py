@@ -1,0 +1,69 @@
+"""A GShard-style mixture-of-experts layer (paper Section 5.2) and its train step.
+
+Tokens come in G groups of S; a gate picks one expert per token (top-1) and each expert
+takes at most C tokens per group. Dispatch and combine are einsums with a one-hot
+[G, S, E, C] mask. With groups split over the mesh and experts split over the same axis,
+the dispatch einsum's result moves from a G split to an E split: one all-to-all there,
+one back after the experts — and nothing else moves.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gspmd.frontend import mesh_split
+from gspmd.mesh import Mesh
+
+
+@dataclass(frozen=True)
+class Config:
+    groups: int = 8
+    group_size: int = 8
+    model: int = 16
+    hidden: int = 32
+    experts: int = 8
+    capacity: int = 4
+    lr: float = 0.1
+
+
+def moe_layer(params: dict, x, mesh: Mesh, axis: str, cfg: Config):
+    """x [G, S, M] -> [G, S, M]; groups and experts split over mesh axis `axis`."""
+    x = mesh_split(x, mesh, [axis, -1, -1])
+    w_in = mesh_split(params["w_in"], mesh, [axis, -1, -1])      # E M H
+    w_out = mesh_split(params["w_out"], mesh, [axis, -1, -1])    # E H M
+    gates = jax.nn.softmax(jnp.einsum("gsm,me->gse", x, params["w_gate"]), axis=-1)
+    expert = jnp.argmax(gates, axis=-1)
+    mask = jax.nn.one_hot(expert, cfg.experts, dtype=x.dtype)                     # G S E
+    position = (jnp.cumsum(mask, axis=1) - 1) * mask                              # slot in its expert
+    kept = mask * (position < cfg.capacity)
+    slots = jax.nn.one_hot(position.astype(jnp.int32), cfg.capacity, dtype=x.dtype)   # G S E C
+    dispatch = kept[..., None] * slots
+    combine = dispatch * jnp.sum(gates * mask, axis=-1)[..., None, None]
+    expert_in = mesh_split(jnp.einsum("gsec,gsm->egcm", dispatch, x), mesh, [axis, -1, -1, -1])
+    hidden = jax.nn.relu(jnp.einsum("egcm,emh->egch", expert_in, w_in))
+    expert_out = mesh_split(jnp.einsum("egch,ehm->egcm", hidden, w_out), mesh, [axis, -1, -1, -1])
+    return x + jnp.einsum("gsec,egcm->gsm", combine, expert_out)
+
+
+def make_train_step(mesh: Mesh, axis: str = "x", cfg: Config = Config()):
+    def loss(params, x, target):
+        return jnp.mean((moe_layer(params, x, mesh, axis, cfg) - target) ** 2)
+
+    def train_step(params, x, target):
+        value, grads = jax.value_and_grad(loss)(params, x, target)
+        return jax.tree_util.tree_map(lambda p, g: p - cfg.lr * g, params, grads), value
+
+    return train_step
+
+
+def example_inputs(cfg: Config = Config(), seed: int = 0):
+    rng = np.random.RandomState(seed)
+    rand = lambda *shape: (rng.standard_normal(shape) / np.sqrt(shape[-2] if len(shape) > 1 else 1)  # noqa: E731
+                           ).astype(np.float32)
+    params = {"w_gate": rand(cfg.model, cfg.experts), "w_in": rand(cfg.experts, cfg.model, cfg.hidden),
+              "w_out": rand(cfg.experts, cfg.hidden, cfg.model)}
+    x = rng.standard_normal((cfg.groups, cfg.group_size, cfg.model)).astype(np.float32)
+    return params, x, rng.standard_normal(x.shape).astype(np.float32)
