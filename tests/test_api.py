@@ -78,3 +78,9 @@ def test_demo_matches_one_device(capsys):
     assert cli.main(["demo"]) == 0
     out = capsys.readouterr().out
     assert "all-reduce" in out and "max abs difference" in out and "Mesh(data=2, model=4)" in out
+
+
+def test_plan_command_estimates_a_large_run(capsys):
+    assert cli.main(["plan", "--devices", "64", "--layers", "1", "--hardware", "a100"]) == 0
+    out = capsys.readouterr().out
+    assert "Mesh(x=8, y=8)" in out and "estimated step on a100" in out and "all-gather" in out

@@ -41,12 +41,48 @@ def demo(mesh_shape: tuple[int, int] = (2, 4)) -> float:
     return diff
 
 
+def plan(devices: int = 2048, hardware: str = "tpu-v3", layers: int = 2) -> None:
+    """Plan a paper-scale dense Transformer train step (Table 1, 2D finalized) for
+    `devices` devices on abstract inputs: no execution, no accelerator needed."""
+    import gspmd
+    from gspmd.models import transformer
+
+    x = 2 ** (int(np.log2(devices)) // 2)
+    mesh = gspmd.Mesh(np.arange(devices).reshape(x, devices // x), ("x", "y"))
+    cfg = transformer.Config(batch=devices, seq=1024, model=8192, heads=128, head_dim=128, hidden=65536,
+                             layers=layers)
+    print(f"dense Transformer, {layers} layers, M={cfg.model} H={cfg.hidden} N={cfg.heads}x{cfg.head_dim}, "
+          f"batch {cfg.batch} x seq {cfg.seq}, on {mesh}")
+    start = time.perf_counter()
+    lowered = gspmd.jit(transformer.make_train_step(transformer.gspmd_annotate(mesh), cfg), mesh=mesh).lower(
+        *transformer.example_inputs(cfg, abstract=True))
+    print(f"planned in {time.perf_counter() - start:.2f} s: {len(lowered.program.instrs)} instructions\n")
+    report = lowered.report(hardware=hardware)
+    for kind, count in sorted(report.counts().items()):
+        nbytes = sum(c.bytes * c.executions for c in report.collectives if c.kind == kind)
+        print(f"  {kind:<18} x{count:<4} {nbytes / 2 ** 20:10.1f} MiB per device")
+    print(f"\npeak memory per device: {report.peak_memory_bytes / 2 ** 30:.2f} GiB; "
+          f"flops per device: {report.flops:.3e}")
+    print(f"estimated step on {hardware}: compute {report.compute_seconds * 1e3:.1f} ms + communication "
+          f"{report.communication_seconds * 1e3:.1f} ms = {report.step_seconds * 1e3:.1f} ms; memory "
+          f"{'fits' if report.fits_in_memory else 'does NOT fit'}")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="gspmd", description="GSPMD partitioner for JAX programs")
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="partition an MLP train step over simulated devices")
     d.add_argument("--mesh", default="2x4", help="data x model mesh shape, e.g. 2x4 (default) or 4x2")
+    p = sub.add_parser("plan", help="plan a paper-scale Transformer step for many devices (no execution)")
+    p.add_argument("--devices", type=int, default=2048, help="a power of two (default 2048)")
+    p.add_argument("--hardware", default="tpu-v3", help="tpu-v3, tpu-v4, a100, h100, h200 or cpu")
+    p.add_argument("--layers", type=int, default=2)
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        if args.devices < 4 or args.devices & (args.devices - 1):
+            parser.error("--devices must be a power of two, at least 4")
+        plan(args.devices, args.hardware, args.layers)
+        return 0
     if args.command == "demo":
         shape = tuple(int(s) for s in args.mesh.lower().split("x"))
         if len(shape) != 2:
