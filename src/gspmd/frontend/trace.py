@@ -273,6 +273,30 @@ def _rev(b, eqn, args):
 CONVERTERS.update({"conv_general_dilated": _conv_general_dilated, "rev": _rev})
 
 
+def _reduce_window(reducer: str) -> Converter:
+    def convert(b, eqn, args):
+        p = eqn.params
+        return [b.add1("reduce-window", args, *_out_aval(eqn), reducer=reducer,
+                       window_dimensions=tuple(p["window_dimensions"]), window_strides=tuple(p["window_strides"]),
+                       padding=tuple((int(lo), int(hi)) for lo, hi in p["padding"]),
+                       base_dilation=tuple(p["base_dilation"]), window_dilation=tuple(p["window_dilation"]))]
+    return convert
+
+
+def _select_and_scatter_add(b, eqn, args):
+    p = eqn.params
+    select = {"ge": "ge", "le": "le"}.get(p["select_prim"].name)
+    if select is None:
+        raise ShardingError(f"select_and_scatter_add with select_prim {p['select_prim']} is not supported (`{eqn}`).")
+    return [b.add1("select-and-scatter-add", args, *_out_aval(eqn), select=select,
+                   window_dimensions=tuple(p["window_dimensions"]), window_strides=tuple(p["window_strides"]),
+                   padding=tuple((int(lo), int(hi)) for lo, hi in p["padding"]))]
+
+
+CONVERTERS.update({"reduce_window_sum": _reduce_window("add"), "reduce_window_max": _reduce_window("max"),
+                   "reduce_window_min": _reduce_window("min"), "select_and_scatter_add": _select_and_scatter_add})
+
+
 # -- scans along one axis ---------------------------------------------------------------
 def _cumsum(b, eqn, args):
     """cumsum as a dot with a triangular matrix of ones: it then partitions like any

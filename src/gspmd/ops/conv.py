@@ -23,7 +23,7 @@ from gspmd.ops.window import pad_array, window_attrs, windows_of
 from gspmd.sharding import Sharding
 from gspmd.spmd import factors as fx
 from gspmd.spmd import reshard as rs
-from gspmd.spmd.halo import DimPlan, gather_windows, local_base, plan_dim, slice_outputs
+from gspmd.spmd.halo import DimPlan, local_base, partition_windowed, plan_dim, slice_outputs
 from gspmd.spmd.partitioned import PartitionedValue
 
 OUT, WINDOW = "out", "window"   # how a split spatial dim is partitioned
@@ -131,8 +131,8 @@ def _spatial_layout(instr, lhs: PartitionedValue, rhs: PartitionedValue, target:
 
 def _partition_conv(ctx, instr, operands, targets):
     lhs, rhs = operands
-    (target,), out = targets, instr.outputs[0]
-    (lb, lf, *ls), (_, _, *rsp), (ob, of, *osp) = _dims(instr)
+    (target,) = targets
+    (_, _, *ls), (_, _, *rsp), (ob, of, *osp) = _dims(instr)
     modes, spatial = _spatial_layout(instr, lhs, rhs, target)
     windows = windows_of(instr.attrs, [rhs.shape[r] for r in rsp])
     plans = {j: plan_dim(lhs.shape[ls[j]], windows[j], spatial.tiles[ls[j]], window_parts=(m == WINDOW))
@@ -141,24 +141,9 @@ def _partition_conv(ctx, instr, operands, targets):
     emit = _local_conv(instr, plans, spatial)
     if not plans:
         return fx.partition(ctx, instr, factors, operands, targets, emit_local=emit)
-    layout = lhs.sharding.keep_dims([lb, lf]).merge(spatial) or spatial
-    lhs1 = rs.reshard(ctx, lhs, layout)
-    local = gather_windows(ctx, lhs1, {ls[j]: p for j, p in plans.items()}, layout, 0)
-    shape = list(lhs.shape)
-    for j, p in plans.items():
-        shape[ls[j]] = p.parts * local_base(p)
-    windowed = PartitionedValue(local, layout, tuple(shape))
-    # The factor partitioner must keep the spatial splits the windows were cut for.
-    factor_of = {fac.dims[0]: k for k, fac in enumerate(factors) if fac.kind != fx.REPLICATE}
-    pinned = spatial.remap([factor_of.get(d) if d in ls else None for d in range(lhs.rank)], len(factors))
-    out_map: list[Optional[int]] = [None] * lhs.rank
-    for j, mode in enumerate(modes):
-        if mode == OUT:
-            out_map[ls[j]] = osp[j]
-    out_spatial = spatial.remap(out_map, out.rank)
-    inner_target = target.keep_dims([ob, of]).merge(out_spatial) or out_spatial
-    (res,) = fx.partition(ctx, instr, factors, [windowed, rhs], [inner_target], emit_local=emit, pinned=pinned)
-    return [rs.reshard(ctx, res, target)]
+    out_map = {ls[j]: osp[j] for j, mode in enumerate(modes) if mode == OUT}
+    return [partition_windowed(ctx, instr, operands, target, factors, 0, {ls[j]: p for j, p in plans.items()},
+                               spatial, out_map, [ob, of], 0, emit)]
 
 
 def _local_conv(instr, plans: dict[int, DimPlan], spatial: Sharding):

@@ -1,14 +1,26 @@
-"""Windowed ops besides convolution (reverse; reduce-window comes next) and the helpers
-they share with it: reference padding with base dilation, HLO window attrs as `Window`s."""
+"""Windowed ops besides convolution — reduce-window (pooling), select-and-scatter-add (its
+max/min gradient), reverse — and the helpers they share with it: reference padding with
+base dilation, HLO window attrs as `Window`s.
+
+reduce-window attrs: reducer, window_dimensions, window_strides, padding, base_dilation,
+window_dilation. select-and-scatter-add(source, operand) attrs: select ("ge": first max,
+"le": first min), window_dimensions, window_strides, padding; it adds each source element
+to the position its window selects in operand.
+"""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 import numpy as np
 
 from gspmd.ops.registry import LAYOUT, register
+from gspmd.sharding import Sharding
 from gspmd.spmd import factors as fx
-from gspmd.spmd.halo import Window
+from gspmd.spmd.halo import (DimPlan, Window, dynamic_slice_dim, local_base, pad_dim, partition_pinned, partition_windowed,
+                             plan_dim, slice_outputs, windowed_ranges)
+from gspmd.spmd.padding import reducer_identity
+from gspmd.spmd.partitioned import PartitionedValue
 
 
 def pad_array(x: np.ndarray, fill, low: Sequence[int], high: Sequence[int], interior: Sequence[int]) -> np.ndarray:
@@ -29,18 +41,158 @@ def pad_array(x: np.ndarray, fill, low: Sequence[int], high: Sequence[int], inte
     return y
 
 
-def windows_of(attrs: dict, sizes: Sequence[int]) -> list[Window]:
-    """Per-dim Windows from HLO-style attrs (window_strides, padding, lhs_dilation,
-    rhs_dilation) and window sizes."""
+CONV_DILATIONS = ("lhs_dilation", "rhs_dilation")        # convolution's names
+WINDOW_DILATIONS = ("base_dilation", "window_dilation")   # reduce-window's names
+
+
+def windows_of(attrs: dict, sizes: Sequence[int], dilations=CONV_DILATIONS) -> list[Window]:
+    """Per-dim Windows from HLO-style attrs and window sizes."""
+    rank = len(sizes)
+    base, win = (attrs.get(name, (1,) * rank) for name in dilations)
     return [Window(int(k), int(s), int(lo), int(hi), int(bd), int(wd)) for k, s, (lo, hi), bd, wd in
-            zip(sizes, attrs["window_strides"], attrs["padding"], attrs["lhs_dilation"], attrs["rhs_dilation"])]
+            zip(sizes, attrs["window_strides"], attrs["padding"], base, win)]
 
 
-def window_attrs(windows: Sequence[Window]) -> dict:
+def window_attrs(windows: Sequence[Window], dilations=CONV_DILATIONS) -> dict:
     """The inverse of windows_of (without the sizes)."""
-    return dict(window_strides=tuple(w.stride for w in windows), padding=tuple((w.low, w.high) for w in windows),
-                lhs_dilation=tuple(w.base_dilation for w in windows),
-                rhs_dilation=tuple(w.window_dilation for w in windows))
+    return {"window_strides": tuple(w.stride for w in windows), "padding": tuple((w.low, w.high) for w in windows),
+            dilations[0]: tuple(w.base_dilation for w in windows),
+            dilations[1]: tuple(w.window_dilation for w in windows)}
+
+
+def _window_slices(windows: Sequence[Window], out_shape: Sequence[int]):
+    """For each window position: the strided slice of the padded base it reads."""
+    for pos in np.ndindex(*(w.size for w in windows)):
+        yield pos, tuple(slice(p * w.window_dilation, p * w.window_dilation + (n - 1) * w.stride + 1, w.stride)
+                         for p, w, n in zip(pos, windows, out_shape))
+
+
+def _pad_base(x: np.ndarray, fill, windows: Sequence[Window]) -> np.ndarray:
+    return pad_array(x, fill, [w.low for w in windows], [w.high for w in windows],
+                     [w.base_dilation - 1 for w in windows])
+
+
+# -- reduce-window ----------------------------------------------------------------------
+_BINARY = {"add": np.add, "max": np.maximum, "min": np.minimum}
+
+
+def _rw_windows(instr) -> list[Window]:
+    return windows_of(instr.attrs, instr.attrs["window_dimensions"], WINDOW_DILATIONS)
+
+
+def _evaluate_reduce_window(instr, args, device):
+    out, reducer = instr.outputs[0], instr.attrs["reducer"]
+    windows = _rw_windows(instr)
+    init = reducer_identity(reducer, out.dtype)
+    base = _pad_base(args[0], init, windows)
+    acc = np.full(out.shape, init, out.dtype)
+    if all(out.shape):
+        for _, sl in _window_slices(windows, out.shape):
+            acc = _BINARY[reducer](acc, base[sl])
+    return [acc]
+
+
+def _dim_factors(instr, plans=None) -> list[fx.Factor]:
+    """Every tensor shares every dim. For propagation (plans None) all pass through; when
+    partitioning, trivial-window and planned dims do and other windowed dims stay whole."""
+    n_tensors = len(instr.operands) + 1
+    return [fx.Factor(n, (d,) * n_tensors, fx.PASS if plans is None or w.trivial or d in plans else fx.REPLICATE)
+            for d, (n, w) in enumerate(zip(instr.outputs[0].shape, _rw_windows(instr)))]
+
+
+def _spatial_plans(instr, x: PartitionedValue, target: Sharding, plan) -> tuple[dict, Sharding]:
+    """Windowed dims that the operand or the target splits, each with plan(dim, parts),
+    and one Sharding of their partitions (the operand's split preferred)."""
+    layout = Sharding.replicated(x.rank, x.sharding.num_devices)
+    plans = {}
+    for d, w in enumerate(_rw_windows(instr)):
+        source = x.sharding if x.sharding.tiles[d] > 1 else target
+        if w.trivial or source.tiles[d] == 1:
+            continue
+        merged = layout.merge(source.keep_dims([d]))
+        if merged is not None:
+            layout, plans[d] = merged, plan(d, source.tiles[d])
+    return plans, layout
+
+
+def _partition_reduce_window(ctx, instr, operands, targets):
+    (x,), (target,) = operands, targets
+    windows = _rw_windows(instr)
+    plans, layout = _spatial_plans(instr, x, target, lambda d, parts: plan_dim(x.shape[d], windows[d], parts))
+    factors = _dim_factors(instr, plans)
+    fill = reducer_identity(instr.attrs["reducer"], x.dtype)
+
+    def emit(ctx, _instr, locals_, shapes):
+        local = [plans[d].local if d in plans else w for d, w in enumerate(windows)]
+        shape = [plans[d].local.out_size(local_base(plans[d])) if d in plans else n for d, n in enumerate(shapes[0])]
+        y = ctx.b.add1("reduce-window", locals_, shape, instr.outputs[0].dtype,
+                       **dict(instr.attrs, **window_attrs(local, WINDOW_DILATIONS)))
+        return [slice_outputs(ctx, y, plans, layout, {d: d for d in plans})]
+    if not plans:
+        return fx.partition(ctx, instr, factors, operands, targets)
+    others = [d for d in range(x.rank) if d not in plans]
+    return [partition_windowed(ctx, instr, operands, target, factors, 0, plans, layout, {d: d for d in plans},
+                               others, fill, emit)]
+
+
+# -- select-and-scatter-add ---------------------------------------------------------------
+def _evaluate_select_and_scatter_add(instr, args, device):
+    source, operand = args
+    out = instr.outputs[0]
+    windows = _rw_windows(instr)
+    select_max = instr.attrs["select"] == "ge"
+    pad = reducer_identity("max" if select_max else "min", operand.dtype)
+    base = _pad_base(operand, pad, windows)
+    slices = list(_window_slices(windows, source.shape))
+    if not slices or not source.size:
+        return [np.zeros(out.shape, out.dtype)]
+    stacked = np.stack([base[sl] for _, sl in slices])
+    chosen = (np.argmax if select_max else np.argmin)(stacked, axis=0)   # first extreme wins, like XLA
+    acc = np.zeros(base.shape, out.dtype)
+    for k, (_, sl) in enumerate(slices):
+        acc[sl] += np.where(chosen == k, source, 0).astype(out.dtype)
+    crop = tuple(slice(w.low, w.low + n) for w, n in zip(windows, out.shape))
+    return [acc[crop]]
+
+
+def _partition_select_and_scatter_add(ctx, instr, operands, targets):
+    """Each partition runs the windows that touch its own operand elements (source and
+    operand ranges by halo exchange) and keeps what lands on its own elements."""
+    (source, operand), (target,) = operands, targets
+    windows = _rw_windows(instr)
+    spans, layout = _spatial_plans(instr, operand, target,
+                                   lambda d, parts: _scatter_span(operand.shape[d], windows[d], parts))
+    factors = _dim_factors(instr, spans)
+    if not spans:
+        return fx.partition(ctx, instr, factors, operands, targets)
+    fill = reducer_identity("max" if instr.attrs["select"] == "ge" else "min", operand.dtype)
+    src = windowed_ranges(ctx, source, {d: (o, k, True) for d, (o, k, _, _) in spans.items()}, layout, 0)
+    opd = windowed_ranges(ctx, operand, {d: (x, k, True) for d, (_, _, x, k) in spans.items()}, layout, fill)
+
+    def emit(ctx, _instr, locals_, shapes):
+        local = [replace(w, low=0, high=0) if d in spans else w for d, w in enumerate(windows)]
+        y = ctx.b.add1(instr.opcode, locals_, locals_[1].shape, instr.outputs[0].dtype,
+                       **dict(instr.attrs, **window_attrs(local, WINDOW_DILATIONS)))
+        for d, (_, _, first, _) in spans.items():   # keep what lands on the partition's own elements
+            n = shapes[0][d]
+            own = np.arange(len(first)) * n - first
+            lo, hi = max(0, -int(own.min())), max(0, int((own + n).max()) - y.shape[d])
+            y = pad_dim(ctx, y, d, lo, hi, np.zeros((), y.dtype))
+            y = dynamic_slice_dim(ctx, y, d, (own + lo)[layout.coords()[:, d]], n)
+        return [y]
+    others = [d for d in range(operand.rank) if d not in spans]
+    return [partition_pinned(ctx, instr, [src, opd], target, factors, 1, list(spans), layout,
+                             {d: d for d in spans}, others, emit)]
+
+
+def _scatter_span(size: int, w: Window, parts: int):
+    """Windows o touching elements [i*n, (i+1)*n) of the operand: the first one and their
+    count per partition, then the operand range they read (first element, count)."""
+    n, i = -(-size // parts), np.arange(parts)
+    first_o = (i * n + w.low - w.size + w.stride) // w.stride
+    last_o = ((i + 1) * n - 1 + w.low) // w.stride
+    count_o = int(max(1, (last_o - first_o + 1).max()))
+    return first_o, count_o, first_o * w.stride - w.low, (count_o - 1) * w.stride + w.size
 
 
 # -- reverse --------------------------------------------------------------------------
@@ -55,3 +207,8 @@ def _evaluate_reverse(instr, args, device):
 
 
 register("reverse", evaluate=_evaluate_reverse, factors=_reverse_factors, priority=LAYOUT)
+register("reduce-window", evaluate=_evaluate_reduce_window, factors=_dim_factors,
+         partition=_partition_reduce_window, priority=LAYOUT)
+register("select-and-scatter-add", evaluate=_evaluate_select_and_scatter_add,
+         factors=_dim_factors, partition=_partition_select_and_scatter_add,
+         priority=LAYOUT)

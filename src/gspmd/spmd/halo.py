@@ -15,8 +15,9 @@ from typing import Optional, Union
 
 import numpy as np
 
-from gspmd.ir import Value
+from gspmd.ir import Instr, Value
 from gspmd.sharding import Sharding
+from gspmd.spmd import factors as fx
 from gspmd.spmd import reshard as rs
 from gspmd.spmd.context import INDEX_DTYPE, DeviceContext
 from gspmd.spmd.partitioned import PartitionedValue
@@ -145,13 +146,7 @@ def window(ctx: DeviceContext, pv: PartitionedValue, dim: int, parts_of: np.ndar
     else:
         assert np.array_equal(pv.sharding.coords()[:, dim], parts_of), "window partitions must match the shards"
         buf, buf_start = _exchange(ctx, pv, dim, first, count, fill)
-    x = buf
-    if buf.shape[dim] != count:
-        starts = [ctx.constant(0, INDEX_DTYPE)] * buf.rank
-        starts[dim] = ctx.table_lookup((first - buf_start)[parts_of])
-        sizes = list(buf.shape)
-        sizes[dim] = count
-        x = ctx.dynamic_slice(buf, starts, sizes)
+    x = buf if buf.shape[dim] == count else dynamic_slice_dim(ctx, buf, dim, (first - buf_start)[parts_of], count)
     if mask and (first.min() < 0 or (first + count).max() > size):
         x = mask_outside(ctx, x, dim, ctx.table_lookup(first[parts_of]), size, fill)
     return x
@@ -257,44 +252,85 @@ def mask_outside(ctx, x: Value, dim: int, start: Value, size: int, fill: Fill) -
     return b.add1("select", [inside, x, fill_b], x.shape, x.dtype)
 
 
-def gather_windows(ctx, pv: PartitionedValue, plans: dict[int, DimPlan], layout: Sharding, fill: Fill) -> Value:
+def windowed(ctx, pv: PartitionedValue, plans: dict[int, DimPlan], layout: Sharding, fill: Fill) -> PartitionedValue:
     """The local input of a windowed op: for each planned dim, the base range its
     partition reads (halo exchange), dilated locally where the plan says so. `layout`
-    gives each device's partition index per dim."""
-    x = pv
-    for dim, plan in plans.items():
-        parts_of = layout.coords()[:, dim]
-        y = window(ctx, x, dim, parts_of, plan.first(np.arange(plan.parts)), plan.count, fill, plan.mask)
-        if plan.predilate is not None:
-            bd = plan.first.divisor
-            y = pad_dim(ctx, y, dim, 0, bd - 1, fill, interior=bd - 1)
-            starts = [ctx.constant(0, INDEX_DTYPE)] * y.rank
-            starts[dim] = ctx.table_lookup(np.asarray(plan.predilate)[parts_of])
-            sizes = list(y.shape)
-            sizes[dim] = local_base(plan)
-            y = ctx.dynamic_slice(y, starts, sizes)
+    gives each device's partition index per dim. The result is laid out as `layout`
+    over a virtual global value: the partitions' windows side by side."""
+    def dilate(d, y):
+        plan = plans[d]
+        if plan.predilate is None:
+            return y
+        bd = plan.first.divisor
+        y = pad_dim(ctx, y, d, 0, bd - 1, fill, interior=bd - 1)
+        return dynamic_slice_dim(ctx, y, d, np.asarray(plan.predilate)[layout.coords()[:, d]], local_base(plan))
+    ranges = {d: (p.first(np.arange(p.parts)), p.count, p.mask) for d, p in plans.items()}
+    return windowed_ranges(ctx, pv, ranges, layout, fill, dilate)
+
+
+def windowed_ranges(ctx, pv: PartitionedValue, ranges: dict[int, tuple[np.ndarray, int, bool]], layout: Sharding,
+                    fill: Fill, then=lambda d, y: y) -> PartitionedValue:
+    """pv resharded to split the `ranges` dims as `layout` does; then, along each such dim,
+    partition i's elements [first[i], first[i] + count) (masked outside the tensor when
+    asked), passed through then(dim, value)."""
+    x = rs.reshard(ctx, pv, split_like(pv, ranges, layout))
+    for d, (first, count, mask) in ranges.items():
+        y = then(d, window(ctx, x, d, layout.coords()[:, d], first, count, fill, mask))
         shape = list(x.shape)
-        shape[dim] = y.shape[dim] * plan.parts
+        shape[d] = y.shape[d] * len(first)
         x = PartitionedValue(y, x.sharding, tuple(shape))
-    return x.local
+    return x
+
+
+def split_like(pv: PartitionedValue, dims, layout: Sharding) -> Sharding:
+    """pv's layout with `dims` split as `layout` splits them (its other splits kept when
+    they are compatible)."""
+    return pv.sharding.keep_dims([d for d in range(pv.rank) if d not in dims]).merge(layout) or layout
+
+
+def dynamic_slice_dim(ctx, x: Value, dim: int, starts: np.ndarray, size: int) -> Value:
+    """x[..., starts[device] : +size, ...] along one dim."""
+    indices = [ctx.constant(0, INDEX_DTYPE)] * x.rank
+    indices[dim] = ctx.table_lookup(starts)
+    sizes = list(x.shape)
+    sizes[dim] = size
+    return ctx.dynamic_slice(x, indices, sizes)
 
 
 def slice_outputs(ctx, y: Value, dims: dict[int, DimPlan], layout: Sharding, plan_dims: dict[int, int]) -> Value:
     """Case 2 plans compute extra outputs; cut out each partition's. dims maps an output
     dim of y to its plan, plan_dims maps it to the layout dim giving partition indices."""
     for dim, plan in dims.items():
-        if plan.out_offset is None:
-            continue
-        starts = [ctx.constant(0, INDEX_DTYPE)] * y.rank
-        starts[dim] = ctx.table_lookup(np.asarray(plan.out_offset)[layout.coords()[:, plan_dims[dim]]])
-        sizes = list(y.shape)
-        sizes[dim] = plan.outs
-        y = ctx.dynamic_slice(y, starts, sizes)
+        if plan.out_offset is not None:
+            offsets = np.asarray(plan.out_offset)[layout.coords()[:, plan_dims[dim]]]
+            y = dynamic_slice_dim(ctx, y, dim, offsets, plan.outs)
     return y
 
 
-def halo_bytes(plan: DimPlan) -> int:
-    """Largest halo (elements) any partition receives, for reports and tests."""
-    i = np.arange(plan.parts)
-    return int(max(0, plan.left_halo(i).max(), plan.right_halo(i).max()))
+def partition_windowed(ctx, instr: Instr, operands: list[PartitionedValue], target: Sharding,
+                       factors: list[fx.Factor], index: int, plans: dict[int, DimPlan], layout: Sharding,
+                       out_map: dict[int, int], out_keep: list[int], fill: Fill,
+                       emit: fx.LocalEmitter) -> PartitionedValue:
+    """Partition a windowed op whose operand `index` is read through windows along the
+    planned dims (partitions given by `layout`, which splits only those dims): cut each
+    partition's window out by halo exchange, then partition the rest around it."""
+    operands = list(operands)
+    operands[index] = windowed(ctx, operands[index], plans, layout, fill)
+    return partition_pinned(ctx, instr, operands, target, factors, index, list(plans), layout, out_map,
+                            out_keep, emit)
 
+
+def partition_pinned(ctx, instr: Instr, operands: list[PartitionedValue], target: Sharding,
+                     factors: list[fx.Factor], index: int, dims: list[int], layout: Sharding,
+                     out_map: dict[int, int], out_keep: list[int], emit: fx.LocalEmitter) -> PartitionedValue:
+    """The factor partitioner on operands whose `dims` (of operand `index`) already hold
+    per-partition windows: those splits are pinned. `out_map` sends such a dim to the
+    output dim it splits; the target's splits of the `out_keep` dims are kept too."""
+    factor_of = {fac.dims[index]: f for f, fac in enumerate(factors) if fac.kind != fx.REPLICATE}
+    rank = operands[index].rank
+    pinned = layout.remap([factor_of.get(d) if d in dims else None for d in range(rank)], len(factors))
+    out = instr.outputs[0]
+    out_layout = layout.remap([out_map.get(d) for d in range(rank)], out.rank)
+    inner = target.keep_dims(out_keep).merge(out_layout) or out_layout
+    (res,) = fx.partition(ctx, instr, factors, operands, [inner], emit_local=emit, pinned=pinned)
+    return rs.reshard(ctx, res, target)

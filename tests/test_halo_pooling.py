@@ -1,0 +1,53 @@
+"""Pooling (reduce-window) and its gradients partitioned on spatial dims by halo exchange."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from util import check, rand
+
+import gspmd
+
+SIM = ("sim",)   # the jax backend has no reduce-window lowering yet
+MESH = gspmd.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
+
+
+def _pool(kind, window, strides, padding):
+    init, op = (-jnp.inf, lax.max) if kind == "max" else (0.0, lax.add)
+
+    def pool(x):
+        x = gspmd.mesh_split(x, MESH, [-1, -1, "x", "y"])
+        return lax.reduce_window(x, init, op, (1, 1) + window, (1, 1) + strides, ((0, 0), (0, 0)) + padding)
+    return pool
+
+
+@pytest.mark.parametrize("kind", ["max", "sum"])
+@pytest.mark.parametrize("window,strides,padding", [
+    ((2, 2), (2, 2), ((0, 0), (0, 0))),
+    ((3, 2), (2, 2), ((1, 1), (0, 1))),
+    ((3, 3), (1, 3), ((1, 1), (2, 0))),
+])
+def test_pool_forward_moves_only_halos(kind, window, strides, padding):
+    x = rand(np.random.RandomState(0), 2, 3, 13, 11)
+    report = check(_pool(kind, window, strides, padding), x, mesh=MESH, backends=SIM).report()
+    assert set(report.counts()) <= {"collective-permute"}, str(report)
+
+
+@pytest.mark.parametrize("window,strides,padding", [
+    ((2, 2), (2, 2), ((0, 0), (0, 0))),
+    ((3, 2), (2, 2), ((1, 1), (0, 1))),
+])
+def test_max_pool_gradient(window, strides, padding):
+    """jax emits select_and_scatter_add for the gradient of max pooling."""
+    pool = _pool("max", window, strides, padding)
+    x = rand(np.random.RandomState(1), 2, 3, 13, 11)
+    grad = jax.grad(lambda x: (pool(x) ** 2).sum())
+    report = check(grad, x, mesh=MESH, backends=SIM).report()
+    assert set(report.counts()) <= {"collective-permute", "all-reduce"}, str(report)
+
+
+def test_avg_pool_gradient():
+    """jax emits pad (interior) + reduce_window_sum for the gradient of sum pooling."""
+    pool = _pool("sum", (3, 3), (2, 1), ((1, 1), (1, 1)))
+    x = rand(np.random.RandomState(2), 2, 3, 13, 11)
+    check(jax.grad(lambda x: (pool(x) ** 2).sum()), x, mesh=MESH, backends=SIM)
