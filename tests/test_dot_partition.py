@@ -1,7 +1,6 @@
 """dot_general under any combination of operand and result shardings, vs one device."""
 import string
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -69,7 +68,6 @@ MESH = gspmd.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
 
 
 def collectives_of(spec, lhs_map, rhs_map, out_map, shapes=((8, 16), (16, 12))):
-    rng = np.random.RandomState(0)
     sizes = {}
     lhs_s, rest = spec.split(",")
     rhs_s, _ = rest.split("->")

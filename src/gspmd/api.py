@@ -1,7 +1,7 @@
 """gspmd.jit: trace -> complete shardings -> partition -> execute; and Lowered."""
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union
+from typing import Callable, Optional, Union
 
 import jax
 import numpy as np

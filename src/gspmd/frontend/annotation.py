@@ -12,7 +12,6 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from gspmd.errors import ShardingError
 from gspmd.mesh import Mesh
 from gspmd.sharding import UNSPECIFIED, Sharding
 
