@@ -3,6 +3,8 @@ from gspmd.api import Lowered, Partitioned, jit
 from gspmd.errors import ShardingError
 from gspmd.frontend import mesh_split
 from gspmd.mesh import Mesh
+from gspmd.pipeline import pipeline
 from gspmd.sharding import UNSPECIFIED, Sharding
 
-__all__ = ["Mesh", "Sharding", "ShardingError", "UNSPECIFIED", "mesh_split", "jit", "Partitioned", "Lowered"]
+__all__ = ["Mesh", "Sharding", "ShardingError", "UNSPECIFIED", "mesh_split", "jit", "pipeline", "Partitioned",
+           "Lowered"]

@@ -28,6 +28,7 @@ def _partition(program: Program, num_devices: int, in_layouts: Sequence[Sharding
     ctx = DeviceContext(b, num_devices)
     ctx.partition_subprogram = lambda sub, ins, outs: _partition(sub, num_devices, ins, outs)
     env: dict = {}
+    ctx.partitioned = env.__getitem__
     for p, layout in zip(program.params, in_layouts):
         local = b.param(layout.shard_shape(p.shape), p.dtype, hint=p.name)
         local.sharding = layout

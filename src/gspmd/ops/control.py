@@ -2,9 +2,8 @@
 (scan and fori_loop arrive as while loops, as in XLA).
 
 Every carried value is tied across five places: the loop operand, the loop result,
-the body's parameter and result, and the cond's parameter. One factor per carried dim
-ties them, so propagation drives all five to one layout, and the partitioner keeps the
-carry in that layout on every iteration.
+the body's parameter and result, and the cond's parameter. Propagation drives all five
+to one layout, and the partitioner keeps the carry in that layout on every iteration.
 """
 from __future__ import annotations
 
@@ -14,26 +13,21 @@ from gspmd.errors import ShardingError
 from gspmd.ir import Instr, Value
 from gspmd.ops.registry import ELEMENTWISE, register
 from gspmd.spmd import reshard as rs
-from gspmd.spmd.factors import Factor
 from gspmd.spmd.partitioned import PartitionedValue
 
 
 def tied_values(instr: Instr) -> list[Value]:
-    """The loop's values beyond its operands and results, in the order factors name them."""
+    """The loop's values beyond its operands and results: body params, body results, cond params."""
     body, cond = instr.attrs["body"], instr.attrs["cond"]
     return body.params + body.outputs + cond.params
 
 
-def _while_factors(instr: Instr) -> list[Factor]:
+def _while_propagate(instr: Instr, shardings, target: int) -> list:
+    """Carried value i appears in five places (operand, result, body parameter, body
+    result, cond parameter); each takes the layouts the other four have."""
     n = len(instr.operands)
-    factors = []
-    for i, v in enumerate(instr.operands):
-        for d, size in enumerate(v.shape):
-            dims = [None] * (5 * n)
-            for place in range(5):
-                dims[place * n + i] = d
-            factors.append(Factor(size, tuple(dims)))
-    return factors
+    return [shardings[place * n + target % n] for place in range(5)
+            if place * n + target % n != target and shardings[place * n + target % n] is not None]
 
 
 def _evaluate_while(instr: Instr, per_device: list[list[np.ndarray]], run) -> list[list[np.ndarray]]:
@@ -60,5 +54,5 @@ def _partition_while(ctx, instr: Instr, operands: list[PartitionedValue], target
     return [PartitionedValue(v, t, o.shape) for v, t, o in zip(outs, targets, instr.outputs)]
 
 
-register("while", evaluate_programs=_evaluate_while, factors=_while_factors, tied=tied_values,
+register("while", evaluate_programs=_evaluate_while, propagate=_while_propagate, tied=tied_values,
          partition=_partition_while, priority=ELEMENTWISE)

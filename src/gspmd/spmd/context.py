@@ -24,6 +24,9 @@ class DeviceContext:
         # Set by the partitioner driver: partition_subprogram(program, in_layouts,
         # out_layouts) -> per-device program (loop bodies and conditions).
         self.partition_subprogram = None
+        # Set by the driver too: partitioned(value) -> the PartitionedValue of any value
+        # already partitioned (rules that look through their operands' producers).
+        self.partitioned = None
 
     # -- partition-dependent scalars ---------------------------------------------
     def partition_id(self) -> Value:
