@@ -38,23 +38,28 @@ def pipeline(stage_fn: Callable, stacked_params, microbatches, *, mesh: Mesh, st
     run_stages = jax.vmap(stage_fn)
     stage = jnp.arange(stages)
 
+    def work(t, s):
+        """At step t, stage s runs microbatch `mb` on repeat `r` (if `valid`)."""
+        u = t - s                                       # how long ago that work entered
+        r = (u % (stages * repeats)) // stages
+        mb = (u // (stages * repeats)) * stages + u % stages
+        return (u >= 0) & (u < m * repeats), r, jnp.clip(mb, 0, m - 1)
+
     def step(carry, t):
         state, outputs = carry
-        u = t - stage                                   # how long ago each stage's work entered
-        valid = (u >= 0) & (u < m * repeats)
-        r = (u % (stages * repeats)) // stages          # which repeat each stage is on
-        mb = (u // (stages * repeats)) * stages + u % stages   # which microbatch
-        fresh = jnp.take(microbatches, jnp.clip(mb[0], 0, m - 1), axis=0)
+        _, r, _ = work(t, stage)
+        _, first_r, first_mb = work(t, 0)
+        fresh = jnp.take(microbatches, first_mb, axis=0)
         rotated = jnp.roll(state, 1, axis=0)            # stage s takes stage s-1's output
-        take_fresh = _expand((stage == 0) & (r == 0), state)
+        take_fresh = _expand((stage == 0) & (first_r == 0), state)
         state = mesh_split(jnp.where(take_fresh, fresh[None], rotated), mesh, state_spec)
         layer = jax.tree_util.tree_map(lambda p: _select_repeat(p, r), per_stage)
         state = mesh_split(run_stages(layer, state), mesh, state_spec)
-        done = valid[-1] & (r[-1] == repeats - 1)
+        last_valid, last_r, last_mb = work(t, stages - 1)
         last = jnp.sum(jnp.where(_expand(stage == stages - 1, state), state, 0), axis=0)
-        index = jnp.clip(mb[-1], 0, m - 1)
-        current = jnp.take(outputs, index, axis=0)
-        outputs = jax.lax.dynamic_update_index_in_dim(outputs, jnp.where(done, last, current), index, 0)
+        done = last_valid & (last_r == repeats - 1)
+        current = jnp.take(outputs, last_mb, axis=0)
+        outputs = jax.lax.dynamic_update_index_in_dim(outputs, jnp.where(done, last, current), last_mb, 0)
         return (state, outputs), None
 
     state = mesh_split(jnp.zeros((stages,) + np.shape(microbatches)[1:], microbatches.dtype), mesh, state_spec)
