@@ -315,3 +315,20 @@ def _cumsum(b, eqn, args):
 
 
 CONVERTERS["cumsum"] = _cumsum
+
+
+def _split(b, eqn, args):
+    """jax.lax.split (the transpose of concatenate): one slice per piece."""
+    (x,), axis, outs, start = args, eqn.params["axis"], [], 0
+    for var in eqn.outvars:
+        limit = list(x.shape)
+        limit[axis] = start + var.aval.shape[axis]
+        begin = [0] * x.rank
+        begin[axis] = start
+        outs.append(b.add1("slice", [x], var.aval.shape, var.aval.dtype, start=tuple(begin), limit=tuple(limit),
+                           strides=(1,) * x.rank))
+        start = limit[axis]
+    return outs
+
+
+CONVERTERS["split"] = _split

@@ -1,12 +1,12 @@
 """Data-formatting ops: pad, slice, dynamic-slice, dynamic-update-slice, concatenate.
-Their partition rules (halo exchange) come with windowed ops; until then the registry's
-replicate fallback partitions them."""
+Dims an op leaves untouched partition as factors; a split of a dim the op moves data
+along is still gathered (halo-exchange rules for those dims are not written yet)."""
 from __future__ import annotations
 
 import numpy as np
 
 from gspmd.ops.registry import LAYOUT, register
-from gspmd.spmd.factors import REPLICATE, Factor
+from gspmd.spmd.factors import PASS, REPLICATE, Factor
 
 
 def _clamped_starts(x_shape, starts, sizes):
@@ -87,6 +87,30 @@ def _dynamic_update_slice_factors(instr):
 register("dynamic-slice", evaluate=_evaluate_dynamic_slice, factors=_dynamic_slice_factors, priority=LAYOUT)
 register("dynamic-update-slice", evaluate=_evaluate_dynamic_update_slice, factors=_dynamic_update_slice_factors,
          priority=LAYOUT)
-register("slice", evaluate=_evaluate_slice, priority=LAYOUT)
-register("pad", evaluate=_evaluate_pad, priority=LAYOUT)
-register("concatenate", evaluate=_evaluate_concatenate, priority=LAYOUT)
+def _untouched_dims_factors(instr, untouched):
+    """Dims the op leaves as they are pass through (scalar operands aside); the others
+    stay whole here."""
+    ranks = [v.rank for v in instr.operands]
+    return [Factor(n, tuple(d if r else None for r in ranks) + (d,), PASS if untouched[d] else REPLICATE)
+            for d, n in enumerate(instr.outputs[0].shape)]
+
+
+def _slice_factors(instr):
+    a, x = instr.attrs, instr.operands[0]
+    return _untouched_dims_factors(instr, [s == 0 and e == n and st == 1 for s, e, st, n in
+                                           zip(a["start"], a["limit"], a["strides"], x.shape)])
+
+
+def _concatenate_factors(instr):
+    dim = instr.attrs["dimension"]
+    return _untouched_dims_factors(instr, [d != dim for d in range(instr.outputs[0].rank)])
+
+
+def _pad_factors(instr):
+    a = instr.attrs
+    return _untouched_dims_factors(instr, [lo == hi == i == 0 for lo, hi, i in zip(a["low"], a["high"], a["interior"])])
+
+
+register("slice", evaluate=_evaluate_slice, factors=_slice_factors, priority=LAYOUT)
+register("pad", evaluate=_evaluate_pad, factors=_pad_factors, priority=LAYOUT)
+register("concatenate", evaluate=_evaluate_concatenate, factors=_concatenate_factors, priority=LAYOUT)
