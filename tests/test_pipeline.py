@@ -58,3 +58,17 @@ def test_pipeline_rejects_bad_configurations():
         gspmd.pipeline(stage_fn, ws[:5], xs, mesh=MESH, stage_axis="p")
     with pytest.raises(gspmd.ShardingError, match="schedule"):
         gspmd.pipeline(stage_fn, ws[:4], xs, mesh=MESH, stage_axis="p", schedule="1f1b")
+
+
+def test_shift_is_one_collective_permute_per_step():
+    rng = np.random.RandomState(2)
+    ws, xs = rand(rng, 4, 8, 8) / 3, rand(rng, 6, 2, 8)
+    f = lambda ws, xs: gspmd.pipeline(stage_fn, ws, xs, mesh=MESH, stage_axis="p")   # noqa: E731
+    report = gspmd.jit(f, mesh=MESH).lower(ws, xs).report()
+    permutes = [c for c in report.collectives if c.kind == "collective-permute"]
+    assert len(permutes) == 1 and permutes[0].executions == 6 + 4 - 1, report
+    assert permutes[0].bytes == 2 * 8 * 4                      # one microbatch per device
+    assert "all-gather" not in report.counts(), report
+    # The ring: the device of stage s sends to the device of stage s+1 (same "d" column).
+    assert {(int(a), int(b)) for a, b in permutes[0].groups} == {(0, 2), (2, 4), (4, 6), (6, 0), (1, 3), (3, 5),
+                                                                 (5, 7), (7, 1)}

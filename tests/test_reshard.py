@@ -120,3 +120,14 @@ def test_argmax_prefers_the_first_nan_like_jax():
 def test_moving_two_splits_is_two_all_to_alls():
     low = lower_and_check(reshard_program(MESH, ["x", "y", -1], MESH, [-1, "x", "y"]), X)
     assert kinds(low) == ["all-to-all", "all-to-all"]
+
+
+def test_rotation_is_collective_permutes_only():
+    for shift, permutes in [(2, 1), (3, 2), (-4, 1)]:   # whole shards: one; part of a shard: two
+        def f(a):
+            return gspmd.mesh_split(jnp.roll(gspmd.mesh_split(a, MESH, ["y", "x", -1]), shift, axis=0), MESH,
+                                    ["y", "x", -1])
+        partitioned = gspmd.jit(f, mesh=MESH)
+        np.testing.assert_array_equal(partitioned(X), np.roll(X, shift, axis=0))
+        low = partitioned.lower(X)
+        assert kinds(low) == ["collective-permute"] * permutes, low.report()

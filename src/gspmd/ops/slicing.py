@@ -1,12 +1,19 @@
 """Data-formatting ops: pad, slice, dynamic-slice, dynamic-update-slice, concatenate.
-Dims an op leaves untouched partition as factors; a split of a dim the op moves data
-along is still gathered (halo-exchange rules for those dims are not written yet)."""
+Dims an op leaves untouched partition as factors; a rotation (concatenate(x[k:], x[:k]),
+as jnp.roll traces) along a split dim is collective-permutes between neighbours; other
+splits of a dim the op moves data along are still gathered."""
 from __future__ import annotations
+
+from typing import Optional
 
 import numpy as np
 
+from gspmd.ir import Value
 from gspmd.ops.registry import LAYOUT, register
+from gspmd.spmd import factors as fx
+from gspmd.spmd import reshard as rs
 from gspmd.spmd.factors import PASS, REPLICATE, Factor
+from gspmd.spmd.partitioned import PartitionedValue
 
 
 def _clamped_starts(x_shape, starts, sizes):
@@ -113,4 +120,57 @@ def _pad_factors(instr):
 
 register("slice", evaluate=_evaluate_slice, factors=_slice_factors, priority=LAYOUT)
 register("pad", evaluate=_evaluate_pad, factors=_pad_factors, priority=LAYOUT)
-register("concatenate", evaluate=_evaluate_concatenate, factors=_concatenate_factors, priority=LAYOUT)
+# -- rotation: concatenate(x[k:], x[:k]) -------------------------------------------------
+def _rotation(instr) -> Optional[tuple[Value, int]]:
+    """(x, k) when instr concatenates x[k:] and x[:k] along its dim (jnp.roll)."""
+    dim = instr.attrs["dimension"]
+    if len(instr.operands) != 2 or any(o.producer is None or o.producer.opcode != "slice" for o in instr.operands):
+        return None
+    (tail, head), x = [o.producer for o in instr.operands], instr.operands[0].producer.operands[0]
+    if head.operands[0] is not x or any(s.attrs["strides"] != (1,) * x.rank for s in (tail, head)):
+        return None
+    k = tail.attrs["start"][dim]
+    whole = [d for d in range(x.rank) if d != dim]
+    for s, (lo, hi) in ((tail, (k, x.shape[dim])), (head, (0, k))):
+        if (s.attrs["start"][dim], s.attrs["limit"][dim]) != (lo, hi) or \
+                any(s.attrs["start"][d] != 0 or s.attrs["limit"][d] != x.shape[d] for d in whole):
+            return None
+    return x, k
+
+
+def _fetch_tiles_ahead(ctx, pv: PartitionedValue, dim: int, ahead: int) -> Value:
+    """Each device receives the shard `ahead` tiles further along `dim` (cyclically)."""
+    if ahead % pv.sharding.tiles[dim] == 0:
+        return pv.local
+    layout = pv.sharding.tile_assignment
+    pairs = np.stack([np.roll(layout, -ahead, axis=dim).ravel(), layout.ravel()], axis=1)
+    return ctx.collective_permute(pv.local, pairs, "rotation: collective-permute")
+
+
+def _partition_concatenate(ctx, instr, operands, targets):
+    """A rotation along an evenly split dim moves whole shards between neighbours (paper
+    4.6): one collective-permute, or two and a static slice when k is not a multiple of
+    the shard length. Other concatenates partition by their factors."""
+    (target,), rotation, dim = targets, _rotation(instr), instr.attrs["dimension"]
+    out = instr.outputs[0]
+    if rotation is None or target.tiles[dim] == 1 or out.shape[dim] % target.tiles[dim]:
+        return fx.partition(ctx, instr, _concatenate_factors(instr), operands, targets)
+    x, k = rotation
+    pv = rs.reshard(ctx, ctx.partitioned(x), target)
+    size = out.shape[dim] // target.tiles[dim]
+    ahead, offset = divmod(k, size)
+    pieces = [_fetch_tiles_ahead(ctx, pv, dim, ahead)]
+    if offset:
+        pieces.append(_fetch_tiles_ahead(ctx, pv, dim, ahead + 1))
+        shape = list(pv.local.shape)
+        shape[dim] *= 2
+        joined = ctx.b.add1("concatenate", pieces, shape, out.dtype, dimension=dim)
+        start, limit = [0] * out.rank, list(pv.local.shape)
+        start[dim], limit[dim] = offset, offset + size
+        pieces = [ctx.b.add1("slice", [joined], pv.local.shape, out.dtype, start=tuple(start),
+                             limit=tuple(limit), strides=(1,) * out.rank)]
+    return [PartitionedValue(pieces[0], target, out.shape)]
+
+
+register("concatenate", evaluate=_evaluate_concatenate, factors=_concatenate_factors,
+         partition=_partition_concatenate, priority=LAYOUT)
