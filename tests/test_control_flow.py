@@ -64,3 +64,13 @@ def test_reverse_scan_with_uneven_carry():
 
     rng = np.random.RandomState(3)
     check(f, rand(rng, 4, 7, 3), rand(rng, 7, 3), mesh=MESH)
+
+
+def test_values_inside_loop_bodies_can_be_inspected():
+    rng = np.random.RandomState(4)
+    low = gspmd.jit(stacked_mlp, mesh=MESH).lower(rand(rng, 3, 8, 8), rand(rng, 4, 8))
+    body = next(p for p in low.program.subprograms() if p.name.endswith("body"))
+    dot = next(i for i in body.instrs if i.opcode == "dot").output
+    assert low.sharding_of(dot.name) == gspmd.Sharding.from_mesh(MESH, ["x", "y"], dot.shape)
+    assert "annotation" in low.explain(dot.name)
+    assert "main.body" in low.as_text() or "body(" in low.as_text()

@@ -95,7 +95,8 @@ class Program:
             yield from sub.values()
 
     def find(self, name: str) -> Value:
-        for v in self.values():
+        """A value by name, in this program or one nested in it."""
+        for v in self.all_values():
             if v.name == name:
                 return v
         raise KeyError(name)
