@@ -1,5 +1,7 @@
 """Per-op knowledge, one module per op family, all registered in ops.registry.OPS."""
-from gspmd.ops import collectives, control, conv, dot, elementwise, gather_scatter, reduce, shape, slicing, window  # noqa: F401  (registers)
+# Importing each op family registers its opcodes.
+from gspmd.ops import (collectives, control, conv, dot, elementwise, gather_scatter, manual, reduce,  # noqa: F401
+                       shape, slicing, window)
 from gspmd.ops.registry import OPS, OpDef, lookup, partition, propagate, tensors
 
 __all__ = ["OPS", "OpDef", "lookup", "partition", "propagate", "tensors"]

@@ -1,0 +1,255 @@
+"""`gspmd.manual`: a subgraph written per device, as with jax.shard_map (paper 3.4).
+
+Inside `fn` every value is one manual partition's piece: a dim mapped to manual mesh
+axes by its spec is divided by their sizes, and JAX's collectives over those axis names
+(psum, pmax, pmin, all_gather, psum_scatter, all_to_all, ppermute, axis_index) talk to
+the other partitions. Mesh axes that are not manual stay automatic: specs may not name
+them and the subgraph is replicated over them (each such subgroup runs it alike).
+
+Run by plain JAX, the subgraph is vmapped over the manual axes with those axis names; in
+gspmd its per-device code is placed into the SPMD program as it is.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive, jaxpr_as_fun
+from jax.interpreters import ad, mlir
+
+from gspmd.errors import ShardingError
+from gspmd.frontend.trace import CONVERTERS, _inline
+from gspmd.ir import Builder, Program, Value
+from gspmd.mesh import Mesh
+from gspmd.sharding import Sharding
+from gspmd.spmd.context import DeviceContext
+
+manual_p = Primitive("manual")
+manual_p.multiple_results = True
+
+
+def manual(fn: Callable, mesh: Mesh, in_specs: Sequence, out_specs: Sequence,
+           manual_axes: Optional[Sequence[str]] = None) -> Callable:
+    """Wrap `fn` (positional array arguments, a tuple or single array result) so that
+    it runs per manual partition. in_specs/out_specs: one dims_mapping per argument /
+    result (mesh axis names or -1/None per dim)."""
+    axes = tuple(manual_axes) if manual_axes is not None else mesh.axis_names
+    for a in axes:
+        mesh.axis_index(a)   # validates the name
+    single = not isinstance(out_specs, (list, tuple)) or (len(out_specs) > 0 and not isinstance(
+        out_specs[0], (list, tuple)))
+    out_specs = [out_specs] if single else list(out_specs)
+
+    def wrapped(*args):
+        if len(args) != len(in_specs):
+            raise ShardingError(f"gspmd.manual got {len(args)} arguments but {len(in_specs)} in_specs.")
+        in_norm = tuple(_spec(mesh, axes, s, np.shape(x), f"argument {i}") for i, (x, s) in
+                        enumerate(zip(args, in_specs)))
+        local = [jax.ShapeDtypeStruct(_local_shape(mesh, s, np.shape(x)), jnp.result_type(x))
+                 for x, s in zip(args, in_norm)]
+        closed = jax.make_jaxpr(lambda *a: _as_tuple(fn(*a)),
+                                axis_env=[(a, mesh.shape[mesh.axis_index(a)]) for a in axes])(*local)
+        if len(closed.out_avals) != len(out_specs):
+            raise ShardingError(f"gspmd.manual: fn returns {len(closed.out_avals)} values but "
+                                f"{len(out_specs)} out_specs were given.")
+        out_norm = tuple(_spec(mesh, axes, s, None, f"result {i}") for i, s in enumerate(out_specs))
+        out_shapes = tuple(_global_shape(mesh, s, a.shape) for s, a in zip(out_norm, closed.out_avals))
+        outs = manual_p.bind(*args, body=closed, mesh=mesh, axes=axes, in_specs=in_norm, out_specs=out_norm,
+                             out_shapes=out_shapes)
+        return outs[0] if single else tuple(outs)
+    return wrapped
+
+
+def _as_tuple(x):
+    return tuple(x) if isinstance(x, (list, tuple)) else (x,)
+
+
+def _spec(mesh: Mesh, axes, spec, shape, what: str) -> tuple:
+    """dims_mapping -> per dim, the tuple of manual axis names splitting it."""
+    if shape is not None and len(spec) != len(shape):
+        raise ShardingError(f"gspmd.manual: the spec {list(spec)} of {what} (shape {tuple(shape)}) needs one "
+                            f"entry per dim on {mesh}.")
+    out = []
+    for entry in spec:
+        names = () if entry is None or entry == -1 else tuple(entry) if isinstance(entry, (list, tuple)) \
+            else (entry,)
+        names = tuple(mesh.axis_names[mesh.axis_index(n)] for n in names)
+        if any(n not in axes for n in names):
+            raise ShardingError(f"gspmd.manual: the spec {list(spec)} of {what} names a mesh axis that is not "
+                                f"manual ({axes}) on {mesh}; add it to manual_axes or leave that dim unsplit.")
+        out.append(names)
+    return tuple(out)
+
+
+def _parts(mesh: Mesh, names) -> int:
+    return math.prod(mesh.shape[mesh.axis_index(n)] for n in names)
+
+
+def _local_shape(mesh: Mesh, spec, shape) -> tuple:
+    for d, (names, n) in enumerate(zip(spec, shape)):
+        if n % _parts(mesh, names):
+            raise ShardingError(f"gspmd.manual: dim {d} of size {n} (shape {tuple(shape)}) does not divide into "
+                                f"{_parts(mesh, names)} parts over axes {names} of {mesh}; pad it.")
+    return tuple(n // _parts(mesh, names) for names, n in zip(spec, shape))
+
+
+def _global_shape(mesh: Mesh, spec, shape) -> tuple:
+    return tuple(n * _parts(mesh, names) for names, n in zip(spec, shape))
+
+
+def spec_sharding(mesh: Mesh, spec, shape) -> Sharding:
+    return Sharding.from_mesh(mesh, [names if names else -1 for names in spec], shape)
+
+
+# -- plain JAX: vmap over the manual axes -------------------------------------------------
+def _size(mesh: Mesh, name: str) -> int:
+    return mesh.shape[mesh.axis_index(name)]
+
+
+def _split(x, mesh: Mesh, axes, spec):
+    """[*global] -> [*axis sizes, *local]: the manual axes lead, in `axes` order."""
+    shape, lead, local = [], {}, []
+    for names, n in zip(spec, x.shape):
+        for name in names:
+            lead[name] = len(shape)
+            shape.append(_size(mesh, name))
+        local.append(len(shape))
+        shape.append(n // _parts(mesh, names))
+    x = jnp.reshape(x, shape)
+    x = jnp.transpose(x, [lead[a] for a in axes if a in lead] + local)
+    for i, name in enumerate(axes):   # not split on this axis: every partition sees it whole
+        if name not in lead:
+            x = jnp.broadcast_to(jnp.expand_dims(x, i), x.shape[:i] + (_size(mesh, name),) + x.shape[i:])
+    return x
+
+
+def _merge(y, mesh: Mesh, axes, spec):
+    """Inverse of _split; over axes the result is not split on, partition 0's copy."""
+    used = {n for names in spec for n in names}
+    y = y[tuple(slice(None) if a in used else 0 for a in axes)]
+    kept = [a for a in axes if a in used]
+    order, shape = [], []
+    for d, names in enumerate(spec):
+        order += [kept.index(n) for n in names] + [len(kept) + d]
+        shape.append(y.shape[len(kept) + d] * _parts(mesh, names))
+    return jnp.reshape(jnp.transpose(y, order), shape)
+
+
+def _reference(*args, body, mesh, axes, in_specs, out_specs, out_shapes):
+    fn = jaxpr_as_fun(body)
+    for name in reversed(axes):
+        fn = jax.vmap(fn, axis_name=name)
+    outs = fn(*[_split(x, mesh, axes, s) for x, s in zip(args, in_specs)])
+    return [_merge(y, mesh, axes, s) for y, s in zip(outs, out_specs)]
+
+
+def _abstract(*args, body, out_shapes, **_):
+    return [jax.core.ShapedArray(shape, a.dtype) for shape, a in zip(out_shapes, body.out_avals)]
+
+
+def _no_differentiation(*args, **kwargs):
+    raise ShardingError("Gradients through gspmd.manual are not supported yet: differentiate inside the "
+                        "manual function, or write the region with mesh_split annotations.")
+
+
+manual_p.def_impl(_reference)
+manual_p.def_abstract_eval(_abstract)
+mlir.register_lowering(manual_p, mlir.lower_fun(_reference, multiple_results=True))
+ad.primitive_jvps[manual_p] = _no_differentiation
+
+
+# -- into the IR: the body is per-device code already -----------------------------------
+_MESHES: list[Mesh] = []   # the mesh of the manual body being converted (innermost last)
+
+
+def _convert_manual(b: Builder, eqn, args: list[Value]) -> list[Value]:
+    p = eqn.params
+    mesh, body = p["mesh"], Program(f"{b.program.name}.manual", parent=b.program)
+    sb = Builder(body, origin="manual")
+    params = [sb.param(v.aval.shape, v.aval.dtype, hint="local") for v in p["body"].jaxpr.invars]
+    _MESHES.append(mesh)
+    try:
+        body.outputs = _inline(sb, p["body"], params)
+    finally:
+        _MESHES.pop()
+    in_shardings = tuple(spec_sharding(mesh, s, a.shape) for s, a in zip(p["in_specs"], args))
+    out_shardings = tuple(spec_sharding(mesh, s, shape) for s, shape in zip(p["out_specs"], p["out_shapes"]))
+    return b.add("manual", args, [(shape, a.dtype) for shape, a in zip(p["out_shapes"], p["body"].out_avals)],
+                 body=body, in_shardings=in_shardings, out_shardings=out_shardings)
+
+
+def _mesh(eqn) -> Mesh:
+    if not _MESHES:
+        raise ShardingError(f"`{eqn.primitive.name}` over a named axis is only meaningful inside gspmd.manual "
+                            "(or jax.shard_map, which gspmd does not trace); move it into a manual function.")
+    return _MESHES[-1]
+
+
+def _axis_groups(mesh: Mesh, names) -> np.ndarray:
+    """[G, k]: devices differing only along the named axes, ordered by their index there."""
+    names = (names,) if isinstance(names, str) else tuple(names)
+    dims = [mesh.axis_index(n) for n in names]
+    rest = [d for d in range(mesh.ndim) if d not in dims]
+    return mesh.devices.transpose(rest + dims).reshape(-1, math.prod(mesh.shape[d] for d in dims))
+
+
+def _all_reduce(reducer: str):
+    def convert(b, eqn, args):
+        groups = _axis_groups(_mesh(eqn), eqn.params["axes"])
+        return [b.add1("all-reduce", [x], x.shape, x.dtype, groups=groups, reducer=reducer) for x in args]
+    return convert
+
+
+def _all_gather(b, eqn, args):
+    p, (x,) = eqn.params, args
+    dim, groups = p["all_gather_dimension"], _axis_groups(_mesh(eqn), p["axis_name"])
+    if not p["tiled"]:   # a new dim of size k: gather along an inserted unit dim
+        x = b.add1("reshape", [x], x.shape[:dim] + (1,) + x.shape[dim:], x.dtype)
+    shape = list(x.shape)
+    shape[dim] *= groups.shape[1]
+    return [b.add1("all-gather", [x], shape, x.dtype, dim=dim, groups=groups)]
+
+
+def _reduce_scatter(b, eqn, args):
+    p, (x,) = eqn.params, args
+    dim, groups = p["scatter_dimension"], _axis_groups(_mesh(eqn), p["axis_name"])
+    shape = list(x.shape)
+    shape[dim] //= groups.shape[1]
+    y = b.add1("reduce-scatter", [x], shape, x.dtype, dim=dim, groups=groups, reducer="add")
+    if not p["tiled"]:
+        y = b.add1("reshape", [y], tuple(n for d, n in enumerate(shape) if d != dim), x.dtype)
+    return [y]
+
+
+def _all_to_all(b, eqn, args):
+    p, (x,) = eqn.params, args
+    groups = _axis_groups(_mesh(eqn), p["axis_name"])
+    k, split, concat = groups.shape[1], p["split_axis"], p["concat_axis"]
+    shape = list(x.shape)
+    shape[split] //= k
+    shape[concat] *= k
+    return [b.add1("all-to-all", [x], shape, x.dtype, split_dim=split, concat_dim=concat, groups=groups)]
+
+
+def _ppermute(b, eqn, args):
+    p, (x,) = eqn.params, args
+    groups = _axis_groups(_mesh(eqn), p["axis_name"])
+    pairs = [(line[src], line[dst]) for line in groups for src, dst in p["perm"]]
+    return [b.add1("collective-permute", [x], x.shape, x.dtype, pairs=np.asarray(pairs, np.int64))]
+
+
+def _axis_index(b, eqn, args):
+    mesh = _mesh(eqn)
+    coords = np.empty(mesh.size, np.int32)
+    coords[mesh.devices] = np.indices(mesh.shape)[mesh.axis_index(eqn.params["axis_name"])]
+    return [DeviceContext(b, mesh.size).table_lookup(coords)]
+
+
+CONVERTERS.update({
+    "manual": _convert_manual, "psum": _all_reduce("add"), "pmax": _all_reduce("max"),
+    "pmin": _all_reduce("min"), "all_gather": _all_gather, "reduce_scatter": _reduce_scatter,
+    "all_to_all": _all_to_all, "ppermute": _ppermute, "axis_index": _axis_index,
+})
