@@ -137,6 +137,15 @@ def test_compiled_once_per_signature_with_native_collectives():
     assert jax_backend.hlo_collective_bytes(hlo) == {"all-reduce": 4 * 4 * 4}   # [8/2, 4] partial sums
 
 
+def test_hlo_collective_bytes_reads_tuples_and_async_pairs_once():
+    hlo = """
+  %a = (f32[2,4]{1,0}, f32[2,4]{1,0}, f32[2,4]{1,0}, f32[2,4]{1,0}, f32[2,4]{1,0}, /*index=5*/f32[2,4]{1,0}) all-to-all(%x)
+  %b = bf16[8]{0} all-gather-start(%y), dimensions={0}
+  %c = bf16[8]{0} all-gather-done(%b)
+  %d = f32[] all-reduce(%z), to_apply=%add"""
+    assert jax_backend.hlo_collective_bytes(hlo) == {"all-to-all": 6 * 8 * 4, "all-gather": 16, "all-reduce": 4}
+
+
 def test_missing_lowering_names_the_opcode(monkeypatch):
     monkeypatch.delitem(jax_backend.LOWERINGS, "maximum")
     with pytest.raises(gspmd.ShardingError, match="no lowering for opcode 'maximum'"):

@@ -489,7 +489,7 @@ def hlo_collective_bytes(hlo_text: str) -> dict[str, int]:
     XLA's; an async pair counts once, at its -done)."""
     total: dict[str, int] = {}
     for line in hlo_text.splitlines():
-        m = _HLO_COLLECTIVE.search(line)
+        m = _HLO_COLLECTIVE.search(re.sub(r"/\*.*?\*/", "", line))   # tuples carry /*index=5*/ marks
         if m is None or m.group(3) == "-start":
             continue
         shapes = re.findall(r"(\w+)\[([\d,]*)\]", m.group(1))
