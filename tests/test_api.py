@@ -84,3 +84,14 @@ def test_plan_command_estimates_a_large_run(capsys):
     assert cli.main(["plan", "--devices", "64", "--layers", "1", "--hardware", "a100"]) == 0
     out = capsys.readouterr().out
     assert "Mesh(x=8, y=8)" in out and "estimated step on a100" in out and "all-gather" in out
+
+
+def test_a_failing_partition_rule_names_the_instruction(monkeypatch):
+    from gspmd import ops
+
+    def broken(ctx, instr, operands, targets):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(ops.OPS["maximum"], "partition", broken)
+    with pytest.raises(gspmd.ShardingError, match=r"Internal error partitioning %maximum.*boom"):
+        gspmd.jit(mlp, mesh=MESH).lower(*ARGS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from gspmd import ops
+from gspmd.errors import ShardingError
 from gspmd.ir import Builder, Program
 from gspmd.ir.cse import eliminate_common_subexpressions
 from gspmd.ir.dce import eliminate_dead_code
@@ -36,8 +37,7 @@ def _partition(program: Program, num_devices: int, in_layouts: Sequence[Sharding
         env[p] = rs.reshard(ctx, PartitionedValue(local, layout, p.shape), p.sharding)
     for instr in program.instrs:
         b.origin = f"%{instr.outputs[0].name} = {instr.opcode}"
-        results = ops.partition(ctx, instr, [env[o] for o in instr.operands],
-                                [o.sharding for o in instr.outputs])
+        results = _partition_instr(ctx, instr, [env[o] for o in instr.operands])
         for out, pv in zip(instr.outputs, results):
             assert pv.sharding == out.sharding, (instr, pv.sharding, out.sharding)
             env[out] = pv
@@ -48,3 +48,17 @@ def _partition(program: Program, num_devices: int, in_layouts: Sequence[Sharding
     for local, layout in zip(spmd.outputs, out_layouts):
         local.sharding = layout
     return spmd
+
+
+def _partition_instr(ctx: DeviceContext, instr, operands: list[PartitionedValue]) -> list[PartitionedValue]:
+    """The op's partition rule; a failure inside it names the instruction and layouts."""
+    try:
+        return ops.partition(ctx, instr, operands, [o.sharding for o in instr.outputs])
+    except ShardingError:
+        raise
+    except Exception as e:
+        layouts = ", ".join(f"%{o.name}: {o.type_str()} {o.sharding}" for o in instr.operands)
+        raise ShardingError(
+            f"Internal error partitioning %{instr.outputs[0].name} = {instr.opcode} (from {instr.origin or '?'}) "
+            f"with operands {layouts} -> {instr.outputs[0].sharding}: {type(e).__name__}: {e}. Please report "
+            "this program; annotating the operands differently may avoid it.") from e
