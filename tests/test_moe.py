@@ -29,3 +29,17 @@ def test_cumsum_along_split_and_whole_dims():
     x = np.random.RandomState(2).standard_normal((6, 7)).astype(np.float32)
     check(lambda a: (jax.numpy.cumsum(gspmd.mesh_split(a, mesh, ["x", "y"]), axis=1),
                      jax.lax.cumsum(a, axis=0, reverse=True)), x, mesh=mesh)
+
+
+def test_hybrid_moe_splits_each_expert_over_the_second_axis():
+    mesh = gspmd.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
+    cfg = moe.Config(groups=4, experts=2, hidden=16)
+    params, x, target = moe.example_inputs(cfg)
+    low = check(lambda p, v: moe.moe_layer(p, v, mesh, "x", cfg, expert_axis="y"), params, x, mesh=mesh)
+    report = low.report()
+    assert report.counts()["all-to-all"] == 2, report
+    # The expert output's partial sums over the split hidden dim are combined over "y".
+    y_groups = {(0, 1, 2, 3), (4, 5, 6, 7)}
+    assert any(c.kind in ("all-reduce", "reduce-scatter") and set(c.groups) == y_groups for c in report.collectives)
+    assert low.program.params[1].sharding == gspmd.Sharding.from_mesh(mesh, ["x", -1, "y"], params["w_in"].shape)
+    check(moe.make_train_step(mesh, "x", cfg, expert_axis="y"), params, x, target, mesh=mesh)

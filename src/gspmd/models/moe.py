@@ -9,6 +9,7 @@ one back after the experts — and nothing else moves.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -29,11 +30,14 @@ class Config:
     lr: float = 0.1
 
 
-def moe_layer(params: dict, x, mesh: Mesh, axis: str, cfg: Config):
-    """x [G, S, M] -> [G, S, M]; groups and experts split over mesh axis `axis`."""
+def moe_layer(params: dict, x, mesh: Mesh, axis: str, cfg: Config, expert_axis: Optional[str] = None):
+    """x [G, S, M] -> [G, S, M]; groups and experts split over mesh axis `axis`. The
+    hybrid configuration (paper Table 7, Figure 8b) also splits each expert's hidden dim
+    H over `expert_axis`, for experts too large for one device."""
+    inner = expert_axis if expert_axis is not None else -1
     x = mesh_split(x, mesh, [axis, -1, -1])
-    w_in = mesh_split(params["w_in"], mesh, [axis, -1, -1])      # E M H
-    w_out = mesh_split(params["w_out"], mesh, [axis, -1, -1])    # E H M
+    w_in = mesh_split(params["w_in"], mesh, [axis, -1, inner])      # E M H
+    w_out = mesh_split(params["w_out"], mesh, [axis, inner, -1])    # E H M
     gates = jax.nn.softmax(jnp.einsum("gsm,me->gse", x, params["w_gate"]), axis=-1)
     expert = jnp.argmax(gates, axis=-1)
     mask = jax.nn.one_hot(expert, cfg.experts, dtype=x.dtype)                     # G S E
@@ -48,9 +52,9 @@ def moe_layer(params: dict, x, mesh: Mesh, axis: str, cfg: Config):
     return x + jnp.einsum("gsec,egcm->gsm", combine, expert_out)
 
 
-def make_train_step(mesh: Mesh, axis: str = "x", cfg: Config = Config()):
+def make_train_step(mesh: Mesh, axis: str = "x", cfg: Config = Config(), expert_axis: Optional[str] = None):
     def loss(params, x, target):
-        return jnp.mean((moe_layer(params, x, mesh, axis, cfg) - target) ** 2)
+        return jnp.mean((moe_layer(params, x, mesh, axis, cfg, expert_axis) - target) ** 2)
 
     def train_step(params, x, target):
         value, grads = jax.value_and_grad(loss)(params, x, target)
