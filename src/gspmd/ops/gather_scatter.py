@@ -84,7 +84,7 @@ def _evaluate_scatter(instr, args, device):
     if reducer is None:
         out[picked] = moved[inside]
     else:
-        getattr(_UFUNCS[reducer], "at")(out, picked, moved[inside])
+        _UFUNCS[reducer].at(out, picked, moved[inside])
     return [out]
 
 
