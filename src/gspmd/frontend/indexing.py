@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 from jax import lax
 
+from gspmd.dtypes import is_floating
 from gspmd.errors import ShardingError
 from gspmd.frontend.trace import CONVERTERS, _broadcast_to, _constant, _out_aval
 from gspmd.ir import Builder, Value
@@ -23,7 +24,7 @@ def _fill_value(value, dtype) -> float:
     if value is not None:
         return value
     dtype = np.dtype(dtype)
-    if dtype.kind == "f":
+    if is_floating(dtype):
         return np.nan
     if dtype == np.bool_:
         return True

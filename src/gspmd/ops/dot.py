@@ -6,6 +6,7 @@ import string
 
 import numpy as np
 
+from gspmd.dtypes import is_floating
 from gspmd.ops.registry import CONTRACTION, register
 from gspmd.spmd.factors import REDUCE, Factor
 
@@ -50,7 +51,9 @@ def _evaluate_dot(instr, args, device):
                 out_sub.append(sub[d])
     spec = f"{''.join(lhs_sub)},{''.join(rhs_sub)}->{''.join(out_sub)}"
     out = instr.outputs[0]
-    return [np.einsum(spec, lhs.astype(out.dtype), rhs.astype(out.dtype)).astype(out.dtype, copy=False)]
+    # Narrow floats (bfloat16) accumulate in float32, as XLA does; numpy's einsum has no bf16.
+    acc = np.float32 if is_floating(out.dtype) and out.dtype.itemsize < 4 else out.dtype
+    return [np.einsum(spec, lhs.astype(acc), rhs.astype(acc)).astype(out.dtype, copy=False)]
 
 
 register("dot", evaluate=_evaluate_dot, factors=_dot_factors, priority=CONTRACTION)

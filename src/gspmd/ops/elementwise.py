@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from gspmd.dtypes import is_floating
 from gspmd.ops.registry import ELEMENTWISE, elementwise_factors, register
 from gspmd.spmd import reshard as rs
 
@@ -38,11 +39,16 @@ NUMPY_FUNCS = {
 }
 
 
+def _widen(x: np.ndarray) -> np.ndarray:
+    """Narrow floats (bfloat16, float16) compute in float32 and round after, as XLA does."""
+    return x.astype(np.float32) if is_floating(x.dtype) and x.dtype.itemsize < 4 else x
+
+
 def _evaluate_with(fn):
     def evaluate(instr, args, device):
         out = instr.outputs[0]
         with np.errstate(all="ignore"):
-            return [np.asarray(fn(*args)).astype(out.dtype, copy=False).reshape(out.shape)]
+            return [np.asarray(fn(*map(_widen, args))).astype(out.dtype, copy=False).reshape(out.shape)]
     return evaluate
 
 

@@ -11,6 +11,7 @@ from typing import Sequence
 import numpy as np
 
 from gspmd import ops
+from gspmd.dtypes import is_floating
 from gspmd.errors import ShardingError
 from gspmd.ir import Program
 from gspmd.sharding import Sharding
@@ -44,7 +45,7 @@ def evaluate(program: Program, args: Sequence[np.ndarray]) -> list[np.ndarray]:
 
 def _garbage(dtype) -> np.ndarray:
     dtype = np.dtype(dtype)
-    if dtype.kind in "fc":
+    if is_floating(dtype):
         return np.asarray(np.nan, dtype)
     if dtype == np.bool_:
         return np.asarray(True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from gspmd.dtypes import is_floating
 from gspmd.spmd.context import INDEX_DTYPE, DeviceContext
 from gspmd.spmd.partitioned import PartitionedValue
 
@@ -14,11 +15,11 @@ def reducer_identity(reducer: str, dtype) -> np.ndarray:
     dtype = np.dtype(dtype)
     if reducer in _IDENTITY:
         return np.asarray(_IDENTITY[reducer], dtype)
-    big = np.inf if dtype.kind == "f" else (True if dtype == bool else np.iinfo(dtype).max)
+    big = np.inf if is_floating(dtype) else (True if dtype == bool else np.iinfo(dtype).max)
     if reducer == "min":
         return np.asarray(big, dtype)
     if reducer == "max":
-        small = -np.inf if dtype.kind == "f" else (False if dtype == bool else np.iinfo(dtype).min)
+        small = -np.inf if is_floating(dtype) else (False if dtype == bool else np.iinfo(dtype).min)
         return np.asarray(small, dtype)
     raise KeyError(f"no identity for reducer {reducer!r}")
 
