@@ -13,7 +13,7 @@ from gspmd.models import mlp
 from gspmd.runtime import jax_backend, sim
 from gspmd.sharding import Sharding
 from gspmd.spmd.context import DeviceContext
-from util import assert_close, rand
+from util import assert_close, check, rand
 
 N = 8
 MESH = gspmd.Mesh(np.arange(N).reshape(2, 4), ("x", "y"))
@@ -80,10 +80,15 @@ def test_collective_permute(pairs):
     _run_both(lambda ctx, x: ctx.collective_permute(x, pairs, "test"))
 
 
-def test_partition_id_table_lookup():
+@pytest.mark.parametrize("update", [False, True])
+def test_dynamic_slices_clamp_starts_like_hlo(update):
     def emit(ctx, x):
-        offset = ctx.table_lookup(np.arange(N)[::-1] * 3)
-        return ctx.dynamic_slice(x, [offset, ctx.constant(np.int32(1))], (2, 3))   # clamped like HLO
+        start = ctx.table_lookup(np.arange(N)[::-1] * 3 - 9)     # some negative, some past the end
+        starts = [start, ctx.constant(np.int32(1))]
+        if not update:
+            return ctx.dynamic_slice(x, starts, (2, 3))
+        piece = ctx.b.add1("slice", [x], (2, 3), x.dtype, start=(0, 0), limit=(2, 3), strides=(1, 1))
+        return ctx.b.add1("dynamic-update-slice", [x, piece, *starts], x.shape, x.dtype)
     _run_both(emit)
 
 
@@ -96,6 +101,18 @@ def _mlp(x, w1, w2):
 def _mlp_args(batch=8):
     rng = np.random.RandomState(0)
     return rand(rng, batch, 16), rand(rng, 16, 32), rand(rng, 32, 4)
+
+
+@pytest.mark.parametrize("pool", [jax.lax.max, jax.lax.min, jax.lax.add])
+def test_pooling_and_its_gradient_on_a_split_dim(pool):
+    init = {jax.lax.max: -np.inf, jax.lax.min: np.inf, jax.lax.add: 0.0}[pool]
+
+    def loss(x):
+        x = gspmd.mesh_split(x, MESH, [-1, "x", "y"])
+        y = jax.lax.reduce_window(x, init, pool, (1, 3, 2), (1, 2, 2), ((0, 0), (1, 1), (0, 1)))
+        return (y ** 2).sum()
+    x = rand(np.random.RandomState(4), 2, 9, 10)
+    check(jax.grad(loss), x, mesh=MESH, backends=("jax",))
 
 
 def test_outputs_carry_our_sharding_and_inputs_in_place():

@@ -27,6 +27,7 @@ from gspmd.ir import Instr, Program, Value
 from gspmd.mesh import Mesh
 from gspmd.runtime import sim
 from gspmd.sharding import UNSPECIFIED, Sharding
+from gspmd.spmd.padding import reducer_identity
 
 AXIS = "d"
 
@@ -139,16 +140,17 @@ def _slice(instr, args):
     return [lax.slice(args[0], a["start"], a["limit"], a["strides"])]
 
 
+# HLO clamps start indices into range; lax would first wrap negative ones from the end.
 @register("dynamic-slice")
 def _dynamic_slice(instr, args):
-    x, *starts = args   # lax clamps starts like HLO
-    return [lax.dynamic_slice(x, starts, instr.outputs[0].shape)]
+    x, *starts = args
+    return [lax.dynamic_slice(x, starts, instr.outputs[0].shape, allow_negative_indices=False)]
 
 
 @register("dynamic-update-slice")
 def _dynamic_update_slice(instr, args):
     x, update, *starts = args
-    return [lax.dynamic_update_slice(x, update, starts)]
+    return [lax.dynamic_update_slice(x, update, starts, allow_negative_indices=False)]
 
 
 @register("pad")
@@ -175,6 +177,31 @@ def _convolution(instr, args):
         *args, a["window_strides"], a["padding"], a["lhs_dilation"], a["rhs_dilation"], dims,
         feature_group_count=a["feature_group_count"], batch_group_count=a["batch_group_count"],
         preferred_element_type=out.dtype)]
+
+
+_WINDOW_REDUCERS = {"add": lax.add, "max": lax.max, "min": lax.min}
+
+
+def _reduce_window_of(x, reducer: str, a: dict):
+    # A concrete identity lets jax use its max/min/add pooling primitives (differentiable).
+    init, ones = np.asarray(reducer_identity(reducer, x.dtype), x.dtype), (1,) * x.ndim
+    return lax.reduce_window(x, init, _WINDOW_REDUCERS[reducer], a["window_dimensions"], a["window_strides"],
+                             a["padding"], a.get("base_dilation", ones), a.get("window_dilation", ones))
+
+
+@register("reduce-window")
+def _reduce_window(instr, args):
+    return [_reduce_window_of(args[0], instr.attrs["reducer"], instr.attrs)]
+
+
+@register("select-and-scatter-add")
+def _select_and_scatter_add(instr, args):
+    """The transpose of max (ge) / min (le) pooling: jax's own gradient of reduce-window,
+    which is HLO select-and-scatter (first extreme in each window wins)."""
+    source, operand = args
+    reducer = "max" if instr.attrs["select"] == "ge" else "min"
+    _, pullback = jax.vjp(lambda o: _reduce_window_of(o, reducer, instr.attrs), operand)
+    return [pullback(source.astype(operand.dtype))[0].astype(instr.outputs[0].dtype)]
 
 
 # -- partition-id and collectives --------------------------------------------------------
