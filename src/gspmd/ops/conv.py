@@ -22,7 +22,6 @@ from gspmd.ops.registry import CONTRACTION, register
 from gspmd.ops.window import pad_array, window_attrs, windows_of
 from gspmd.sharding import Sharding
 from gspmd.spmd import factors as fx
-from gspmd.spmd import reshard as rs
 from gspmd.spmd.halo import DimPlan, local_base, partition_windowed, plan_dim, slice_outputs
 from gspmd.spmd.partitioned import PartitionedValue
 

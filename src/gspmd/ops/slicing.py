@@ -4,15 +4,19 @@ as jnp.roll traces) along a split dim is collective-permutes between neighbours;
 splits of a dim the op moves data along are still gathered."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
 from gspmd.ir import Value
 from gspmd.ops.registry import LAYOUT, register
+from gspmd.ops.window import pad_array
+from gspmd.sharding import Sharding
 from gspmd.spmd import factors as fx
 from gspmd.spmd import reshard as rs
-from gspmd.spmd.factors import PASS, REPLICATE, Factor
+from gspmd.spmd.context import INDEX_DTYPE
+from gspmd.spmd.factors import PASS, REDUCE, REPLICATE, Factor
+from gspmd.spmd.halo import Window, keep_inside, pad_dim, partition_windowed, plan_dim, plan_layout, slice_outputs
 from gspmd.spmd.partitioned import PartitionedValue
 
 
@@ -42,32 +46,121 @@ def _evaluate_slice(instr, args, device):
 
 
 def _evaluate_pad(instr, args, device):
-    x, fill = args
     a = instr.attrs
-    out = instr.outputs[0]
-    y = np.full(out.shape, fill, out.dtype)
-    # Interior padding spreads elements apart; negative low/high padding crops.
-    spread_shape = [d + (d - 1) * i if d else 0 for d, i in zip(x.shape, a["interior"])]
-    spread = np.full(spread_shape, fill, out.dtype)
-    spread[tuple(slice(None, None, i + 1) for i in a["interior"])] = x
-    src, dst = [], []
-    for n, lo, size in zip(spread_shape, a["low"], out.shape):
-        s0 = max(0, -lo)
-        d0 = max(0, lo)
-        length = min(n - s0, size - d0)
-        src.append(slice(s0, s0 + max(length, 0)))
-        dst.append(slice(d0, d0 + max(length, 0)))
-    y[tuple(dst)] = spread[tuple(src)]
-    return [y]
+    return [pad_array(args[0], args[1], a["low"], a["high"], a["interior"])]
 
 
 def _evaluate_concatenate(instr, args, device):
     return [np.concatenate(args, axis=instr.attrs["dimension"])]
 
 
+def _dim_factors(operands: Sequence[Value], shape, passing: Sequence[bool]) -> list[Factor]:
+    """Dim d of every non-scalar operand and of the output is one factor: pass-through
+    where `passing[d]`, else kept whole."""
+    return [Factor(n, tuple(d if v.rank else None for v in operands) + (d,), PASS if passing[d] else REPLICATE)
+            for d, n in enumerate(shape)]
+
+
+# -- pad and slice: windows of size 1 -----------------------------------------------------
+def _pad_windows(instr) -> list[Window]:
+    a = instr.attrs
+    return [Window(low=lo, high=hi, base_dilation=i + 1) for lo, hi, i in zip(a["low"], a["high"], a["interior"])]
+
+
+def _slice_windows(shape, start, limit, strides) -> list[Window]:
+    return [Window(stride=st, low=-s, high=e - n) for n, s, e, st in zip(shape, start, limit, strides)]
+
+
+def _unit_chain(instr) -> tuple[Value, list[Window], Optional[Value]]:
+    """A pad or slice as (base, per-dim size-1 windows over it, pad value or None). A slice
+    looks through the slices below it and at most one pad, so that the whole chain is one
+    halo step (paper 4.6)."""
+    if instr.opcode == "pad":
+        return instr.operands[0], _pad_windows(instr), instr.operands[1]
+    x, a = instr.operands[0], instr.attrs
+    inner = x.producer
+    if inner is None or inner.opcode not in ("pad", "slice") or 0 in x.shape:
+        return x, _slice_windows(x.shape, a["start"], a["limit"], a["strides"]), None
+    base, windows, fill = _unit_chain(inner)
+    return base, [w.sliced(n, s, st, m) for w, n, s, st, m in
+                  zip(windows, base.shape, a["start"], a["strides"], instr.outputs[0].shape)], fill
+
+
+def _propagation_factors(instr):
+    """Splits carry through pad and slice on every dim (changed dims partition by halo
+    exchange)."""
+    return _dim_factors(instr.operands, instr.outputs[0].shape, [True] * instr.outputs[0].rank)
+
+
+def _local_unit(ctx, x: Value, windows: Sequence[Window], fill: Value) -> Value:
+    """Size-1 windows applied locally: pad (interior = base dilation - 1; negative low and
+    high crop), then a strided slice down to the outputs."""
+    rank = x.rank
+    if not all(w.low == w.high == 0 and w.base_dilation == 1 for w in windows):
+        shape = [w.low + w.high + ((n - 1) * w.base_dilation + 1 if n else 0) for w, n in zip(windows, x.shape)]
+        x = ctx.b.add1("pad", [x, fill], shape, x.dtype, low=tuple(w.low for w in windows),
+                       high=tuple(w.high for w in windows), interior=tuple(w.base_dilation - 1 for w in windows))
+    out = [max(0, (n - 1) // w.stride + 1) if n > 0 else 0 for w, n in zip(windows, x.shape)]
+    if list(x.shape) == out:
+        return x
+    limit = [(m - 1) * w.stride + 1 if m else 0 for w, m in zip(windows, out)]
+    return ctx.b.add1("slice", [x], out, x.dtype, start=(0,) * rank, limit=tuple(limit),
+                      strides=tuple(w.stride for w in windows))
+
+
+def _partition_unit(ctx, instr, x: PartitionedValue, windows: list[Window], fill: Optional[PartitionedValue],
+                    target: Sharding) -> PartitionedValue:
+    """Partition a pad/slice chain given as size-1 windows over x: split changed dims take
+    each partition's window of x from its neighbours (halo exchange), other changed dims
+    stay whole, untouched dims pass through."""
+    out = instr.outputs[0]
+    plans, layout = {}, None
+    if 0 not in x.shape and 0 not in out.shape:
+        plans, layout = plan_layout(windows, x, target, lambda d, parts: plan_dim(x.shape[d], windows[d], parts))
+    operands = [x] + ([fill] if fill is not None else [])
+    factors = _dim_factors(operands, out.shape, [w.trivial or d in plans for d, w in enumerate(windows)])
+    zero = ctx.constant(np.zeros((), x.dtype)) if fill is None else None
+
+    def emit(ctx, _instr, locals_, shapes):
+        local = [plans[d].local if d in plans else w for d, w in enumerate(windows)]
+        y = _local_unit(ctx, locals_[0], local, locals_[1] if fill is not None else zero)
+        return [slice_outputs(ctx, y, plans, layout, {d: d for d in plans})]
+    if not plans:
+        return fx.partition(ctx, instr, factors, operands, [target], emit_local=emit)[0]
+    return partition_windowed(ctx, instr, operands, target, factors, 0, plans, layout, {d: d for d in plans},
+                              [d for d in range(x.rank) if d not in plans],
+                              fill.local if fill is not None else zero, emit)
+
+
+def _partition_pad_or_slice(ctx, instr, operands, targets):
+    base, windows, fill = _unit_chain(instr)
+    fill_pv = None if fill is None else ctx.partitioned(fill)
+    return [_partition_unit(ctx, instr, ctx.partitioned(base), windows, fill_pv, targets[0])]
+
+
+register("slice", evaluate=_evaluate_slice, factors=_propagation_factors, partition=_partition_pad_or_slice,
+         priority=LAYOUT)
+register("pad", evaluate=_evaluate_pad, factors=_propagation_factors, partition=_partition_pad_or_slice,
+         priority=LAYOUT)
+
+
+# -- dynamic-slice and dynamic-update-slice -----------------------------------------------
+def _constant_starts(instr, first: int) -> Optional[list[int]]:
+    """The start indices (operands from `first` on) when all are constants."""
+    producers = [v.producer for v in instr.operands[first:]]
+    if any(p is None or p.opcode != "constant" for p in producers):
+        return None
+    return [int(p.attrs["value"]) for p in producers]
+
+
+def _reducer(dtype) -> str:
+    return "or" if np.dtype(dtype) == np.bool_ else "add"
+
+
 def _dynamic_slice_factors(instr):
-    """Dims taken whole pass through (their start clamps to 0 on every shard); dims
-    cut at a runtime offset must stay whole here (halo-free cases come later)."""
+    """Dims taken whole pass through (their start clamps to 0 on every shard). A dim cut at
+    a runtime offset is a reduction over the operand's split of it: each partition
+    contributes the part of the window it holds (zeros elsewhere)."""
     x, out = instr.operands[0], instr.outputs[0]
     starts = (None,) * (len(instr.operands) - 1)
     factors = []
@@ -75,11 +168,14 @@ def _dynamic_slice_factors(instr):
         if n == k:
             factors.append(Factor(n, (d, *starts, d)))
         else:
-            factors += [Factor(n, (d, *starts, None), REPLICATE), Factor(k, (None, *starts, d), REPLICATE)]
+            factors += [Factor(n, (d, *starts, None), REDUCE, _reducer(x.dtype)),
+                        Factor(k, (None, *starts, d), REPLICATE)]
     return factors
 
 
 def _dynamic_update_slice_factors(instr):
+    """The operand's dims pass through to the output; the update's cut dims stay whole
+    (each partition writes the part of the window it holds)."""
     x, update = instr.operands[:2]
     starts = (None,) * (len(instr.operands) - 2)
     factors = []
@@ -87,39 +183,94 @@ def _dynamic_update_slice_factors(instr):
         if n == k:
             factors.append(Factor(n, (d, d, *starts, d)))
         else:
-            factors += [Factor(n, (d, None, *starts, d), REPLICATE), Factor(k, (None, d, *starts, None), REPLICATE)]
+            factors += [Factor(n, (d, None, *starts, d)), Factor(k, (None, d, *starts, None), REPLICATE)]
     return factors
 
 
-register("dynamic-slice", evaluate=_evaluate_dynamic_slice, factors=_dynamic_slice_factors, priority=LAYOUT)
+def _relative_start(ctx, start: Value, limit: int, layout: Sharding, dim: int, shard: int) -> Value:
+    """Where a window starting at `start` (clamped to [0, limit], as HLO does) begins
+    relative to this partition's shard along dim."""
+    b = ctx.b
+    s = b.add1("convert", [start], (), INDEX_DTYPE)
+    s = b.add1("maximum", [b.add1("minimum", [s, ctx.constant(limit, INDEX_DTYPE)], (), INDEX_DTYPE),
+                           ctx.constant(0, INDEX_DTYPE)], (), INDEX_DTYPE)
+    return b.add1("subtract", [s, ctx.table_lookup(layout.coords()[:, dim] * shard)], (), INDEX_DTYPE)
+
+
+def _plus(ctx, x: Value, k: int) -> Value:
+    return ctx.b.add1("add", [x, ctx.constant(k, INDEX_DTYPE)], (), INDEX_DTYPE)
+
+
+def _split_cut_dims(layout: Sharding, whole: Sequence[int], window: Sequence[int]) -> list[int]:
+    return [d for d, (n, k) in enumerate(zip(whole, window)) if n != k and layout.tiles[d] > 1]
+
+
+def _partition_dynamic_slice(ctx, instr, operands, targets):
+    """Constant starts make a slice (halo exchange). Otherwise a split cut dim is a
+    reduction: each partition slices its shard padded with zeros (the clamped
+    dynamic-slice reads only zeros where the window misses the shard), and the partial
+    windows are summed."""
+    x, out = instr.operands[0], instr.outputs[0]
+    starts = _constant_starts(instr, 1)
+    if starts is not None:
+        starts = _clamped_starts(x.shape, starts, out.shape)
+        windows = _slice_windows(x.shape, starts, [s + k for s, k in zip(starts, out.shape)], [1] * x.rank)
+        return [_partition_unit(ctx, instr, operands[0], windows, None, targets[0])]
+    factors = _dynamic_slice_factors(instr)
+    space = fx.choose_space(instr, factors, operands, targets)
+    layout = fx.tensor_layout(factors, 0, space, x.rank)
+    split = _split_cut_dims(layout, x.shape, out.shape)
+
+    def emit(ctx, _instr, locals_, shapes):
+        local, *index = locals_
+        for d in split:
+            k, n = shapes[0][d], local.shape[d]
+            local = pad_dim(ctx, local, d, k, k, np.zeros((), local.dtype))
+            index[d] = _plus(ctx, _relative_start(ctx, index[d], x.shape[d] - k, layout, d, n), k)
+        return [ctx.dynamic_slice(local, index, shapes[0])]
+    return fx.run(ctx, instr, factors, space, operands, targets, emit)
+
+
+def _partition_dynamic_update_slice(ctx, instr, operands, targets):
+    """A split cut dim: each partition writes the part of the update window that falls on
+    its shard (the update aligned to the shard by a padded dynamic-slice, then selected
+    by position); no gather of the operand."""
+    x, update = instr.operands[:2]
+    factors = _dynamic_update_slice_factors(instr)
+    space = fx.choose_space(instr, factors, operands, targets)
+    layout = fx.tensor_layout(factors, 0, space, x.rank)
+    if not _split_cut_dims(layout, x.shape, update.shape):
+        return fx.run(ctx, instr, factors, space, operands, targets)
+    cut = [d for d, (n, k) in enumerate(zip(x.shape, update.shape)) if n != k]
+
+    def emit(ctx, _instr, locals_, shapes):
+        local, upd, *index = locals_
+        rel, zero = {}, np.zeros((), upd.dtype)
+        for d in cut:
+            n = local.shape[d]
+            rel[d] = ctx.b.add1("negate", [_relative_start(ctx, index[d], x.shape[d] - upd.shape[d], layout, d, n)],
+                                (), INDEX_DTYPE)
+            upd = pad_dim(ctx, upd, d, n, n, zero)
+            index[d] = _plus(ctx, rel[d], n)
+        aligned = ctx.dynamic_slice(upd, [index[d] if d in rel else ctx.constant(0, INDEX_DTYPE)
+                                          for d in range(x.rank)], local.shape)
+        for d in cut:
+            aligned = keep_inside(ctx, aligned, d, rel[d], update.shape[d], local)
+        return [aligned]
+    return fx.run(ctx, instr, factors, space, operands, targets, emit)
+
+
+register("dynamic-slice", evaluate=_evaluate_dynamic_slice, factors=_dynamic_slice_factors,
+         partition=_partition_dynamic_slice, priority=LAYOUT)
 register("dynamic-update-slice", evaluate=_evaluate_dynamic_update_slice, factors=_dynamic_update_slice_factors,
-         priority=LAYOUT)
-def _untouched_dims_factors(instr, untouched):
-    """Dims the op leaves as they are pass through (scalar operands aside); the others
-    stay whole here."""
-    ranks = [v.rank for v in instr.operands]
-    return [Factor(n, tuple(d if r else None for r in ranks) + (d,), PASS if untouched[d] else REPLICATE)
-            for d, n in enumerate(instr.outputs[0].shape)]
-
-
-def _slice_factors(instr):
-    a, x = instr.attrs, instr.operands[0]
-    return _untouched_dims_factors(instr, [s == 0 and e == n and st == 1 for s, e, st, n in
-                                           zip(a["start"], a["limit"], a["strides"], x.shape)])
+         partition=_partition_dynamic_update_slice, priority=LAYOUT)
 
 
 def _concatenate_factors(instr):
     dim = instr.attrs["dimension"]
-    return _untouched_dims_factors(instr, [d != dim for d in range(instr.outputs[0].rank)])
+    return _dim_factors(instr.operands, instr.outputs[0].shape, [d != dim for d in range(instr.outputs[0].rank)])
 
 
-def _pad_factors(instr):
-    a = instr.attrs
-    return _untouched_dims_factors(instr, [lo == hi == i == 0 for lo, hi, i in zip(a["low"], a["high"], a["interior"])])
-
-
-register("slice", evaluate=_evaluate_slice, factors=_slice_factors, priority=LAYOUT)
-register("pad", evaluate=_evaluate_pad, factors=_pad_factors, priority=LAYOUT)
 # -- rotation: concatenate(x[k:], x[:k]) -------------------------------------------------
 def _rotation(instr) -> Optional[tuple[Value, int]]:
     """(x, k) when instr concatenates x[k:] and x[:k] along its dim (jnp.roll)."""

@@ -15,10 +15,10 @@ from typing import Sequence
 import numpy as np
 
 from gspmd.ops.registry import LAYOUT, register
-from gspmd.sharding import Sharding
 from gspmd.spmd import factors as fx
-from gspmd.spmd.halo import (DimPlan, Window, dynamic_slice_dim, local_base, pad_dim, partition_pinned, partition_windowed,
-                             plan_dim, slice_outputs, windowed_ranges)
+from gspmd.spmd import reshard as rs
+from gspmd.spmd.halo import (Window, dynamic_slice_dim, local_base, pad_dim, partition_pinned, partition_windowed,
+                             plan_dim, plan_layout, slice_outputs, windowed, windowed_ranges)
 from gspmd.spmd.padding import reducer_identity
 from gspmd.spmd.partitioned import PartitionedValue
 
@@ -100,25 +100,10 @@ def _dim_factors(instr, plans=None) -> list[fx.Factor]:
             for d, (n, w) in enumerate(zip(instr.outputs[0].shape, _rw_windows(instr)))]
 
 
-def _spatial_plans(instr, x: PartitionedValue, target: Sharding, plan) -> tuple[dict, Sharding]:
-    """Windowed dims that the operand or the target splits, each with plan(dim, parts),
-    and one Sharding of their partitions (the operand's split preferred)."""
-    layout = Sharding.replicated(x.rank, x.sharding.num_devices)
-    plans = {}
-    for d, w in enumerate(_rw_windows(instr)):
-        source = x.sharding if x.sharding.tiles[d] > 1 else target
-        if w.trivial or source.tiles[d] == 1:
-            continue
-        merged = layout.merge(source.keep_dims([d]))
-        if merged is not None:
-            layout, plans[d] = merged, plan(d, source.tiles[d])
-    return plans, layout
-
-
 def _partition_reduce_window(ctx, instr, operands, targets):
     (x,), (target,) = operands, targets
     windows = _rw_windows(instr)
-    plans, layout = _spatial_plans(instr, x, target, lambda d, parts: plan_dim(x.shape[d], windows[d], parts))
+    plans, layout = plan_layout(_rw_windows(instr), x, target, lambda d, parts: plan_dim(x.shape[d], windows[d], parts))
     factors = _dim_factors(instr, plans)
     fill = reducer_identity(instr.attrs["reducer"], x.dtype)
 
@@ -160,7 +145,7 @@ def _partition_select_and_scatter_add(ctx, instr, operands, targets):
     operand ranges by halo exchange) and keeps what lands on its own elements."""
     (source, operand), (target,) = operands, targets
     windows = _rw_windows(instr)
-    spans, layout = _spatial_plans(instr, operand, target,
+    spans, layout = plan_layout(windows, operand, target,
                                    lambda d, parts: _scatter_span(operand.shape[d], windows[d], parts))
     factors = _dim_factors(instr, spans)
     if not spans:
@@ -206,7 +191,30 @@ def _evaluate_reverse(instr, args, device):
     return [np.flip(args[0], instr.attrs["dims"]).copy()]
 
 
-register("reverse", evaluate=_evaluate_reverse, factors=_reverse_factors, priority=LAYOUT)
+def _partition_reverse(ctx, instr, operands, targets):
+    """Along split dims: partition i takes the shard of its mirror t-1-i (one
+    collective-permute) and reverses it locally. On an uneven dim the data then sits
+    t*n - D elements early (the padding came first), which a halo shift realigns."""
+    (x,), (target,) = operands, targets
+    dims = instr.attrs["dims"]
+    split = [d for d in dims if x.sharding.tiles[d] > 1]
+    if not split:
+        return fx.partition(ctx, instr, _reverse_factors(instr), operands, targets)
+    tiles = x.sharding.tile_assignment
+    pairs = np.stack([np.flip(tiles, split).ravel(), tiles.ravel()], axis=1)
+    y = ctx.collective_permute(x.local, pairs, "reverse: mirrored shards")
+    y = ctx.b.add1("reverse", [y], y.shape, y.dtype, dims=dims)
+    padded = [n * t for n, t in zip(y.shape, x.sharding.tiles)]
+    plans = {d: plan_dim(padded[d], Window(low=x.shape[d] - padded[d]), x.sharding.tiles[d])
+             for d in split if padded[d] != x.shape[d]}
+    pv = PartitionedValue(y, x.sharding, tuple(padded))
+    if plans:
+        pv = windowed(ctx, pv, plans, x.sharding.keep_dims(list(plans)), np.zeros((), y.dtype))
+    return [rs.reshard(ctx, PartitionedValue(pv.local, x.sharding, x.shape), target)]
+
+
+register("reverse", evaluate=_evaluate_reverse, factors=_reverse_factors, partition=_partition_reverse,
+         priority=LAYOUT)
 register("reduce-window", evaluate=_evaluate_reduce_window, factors=_dim_factors,
          partition=_partition_reduce_window, priority=LAYOUT)
 register("select-and-scatter-add", evaluate=_evaluate_select_and_scatter_add,

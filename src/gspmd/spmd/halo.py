@@ -11,7 +11,7 @@ dynamic-slice by a partition-id table, and a mask of positions outside the tenso
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional, Union
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -54,6 +54,15 @@ class Window:
     @property
     def trivial(self) -> bool:
         return self == Window()
+
+    def sliced(self, base: int, start: int, stride: int, size: int) -> "Window":
+        """This size-1 window (a pad or slice) followed by a slice of `size` of its outputs
+        from `start` every `stride`, as one window over the same base (paper 4.6: a pad +
+        slice chain is one halo step). Valid because the slice reads only real outputs."""
+        assert self.size == 1
+        s, low = self.stride * stride, self.low - start * self.stride
+        span = (base - 1) * self.base_dilation + 1 if base else 0
+        return replace(self, stride=s, low=low, high=(size - 1) * s + 1 - low - span)
 
 
 @dataclass(frozen=True)
@@ -241,6 +250,13 @@ def positions(ctx, x: Value, dim: int, start: Value) -> Value:
 
 def mask_outside(ctx, x: Value, dim: int, start: Value, size: int, fill: Fill) -> Value:
     """Elements whose global position (from `start`) is outside [0, size) become fill."""
+    fill_b = ctx.b.add1("broadcast", [_fill_value(ctx, fill, x.dtype)], x.shape, x.dtype, dims=())
+    return keep_inside(ctx, x, dim, start, size, fill_b)
+
+
+def keep_inside(ctx, x: Value, dim: int, start: Value, size: int, other: Value) -> Value:
+    """x where its global position along dim (from `start`) is in [0, size), else `other`
+    (of x's shape)."""
     b = ctx.b
     pos = positions(ctx, x, dim, start)
 
@@ -248,8 +264,7 @@ def mask_outside(ctx, x: Value, dim: int, start: Value, size: int, fill: Fill) -
         limit = b.add1("broadcast", [ctx.constant(bound, INDEX_DTYPE)], x.shape, INDEX_DTYPE, dims=())
         return b.add1("compare", [pos, limit], x.shape, np.bool_, direction=direction)
     inside = b.add1("and", [compare(0, "GE"), compare(size, "LT")], x.shape, np.bool_)
-    fill_b = b.add1("broadcast", [_fill_value(ctx, fill, x.dtype)], x.shape, x.dtype, dims=())
-    return b.add1("select", [inside, x, fill_b], x.shape, x.dtype)
+    return b.add1("select", [inside, x, other], x.shape, x.dtype)
 
 
 def windowed(ctx, pv: PartitionedValue, plans: dict[int, DimPlan], layout: Sharding, fill: Fill) -> PartitionedValue:
@@ -272,14 +287,34 @@ def windowed_ranges(ctx, pv: PartitionedValue, ranges: dict[int, tuple[np.ndarra
                     fill: Fill, then=lambda d, y: y) -> PartitionedValue:
     """pv resharded to split the `ranges` dims as `layout` does; then, along each such dim,
     partition i's elements [first[i], first[i] + count) (masked outside the tensor when
-    asked), passed through then(dim, value)."""
-    x = rs.reshard(ctx, pv, split_like(pv, ranges, layout))
-    for d, (first, count, mask) in ranges.items():
+    asked), passed through then(dim, value). Dims pv holds whole are cut locally."""
+    want = split_like(pv, ranges, layout)
+    whole = [d for d in ranges if pv.sharding.tiles[d] == 1]
+    x = rs.reshard(ctx, pv, want.keep_dims([d for d in range(pv.rank) if d not in whole]))
+    # Exchanges first: their groups assume the whole dims' data is still the same everywhere.
+    for d in sorted(ranges, key=lambda d: d in whole):
+        first, count, mask = ranges[d]
         y = then(d, window(ctx, x, d, layout.coords()[:, d], first, count, fill, mask))
         shape = list(x.shape)
         shape[d] = y.shape[d] * len(first)
         x = PartitionedValue(y, x.sharding, tuple(shape))
-    return x
+    return PartitionedValue(x.local, want, x.shape)
+
+
+def plan_layout(windows: Sequence[Window], x: PartitionedValue, target: Sharding,
+                plan: Callable[[int, int], DimPlan]) -> tuple[dict, Sharding]:
+    """Windowed dims that the operand or the (same-rank) target splits, each with
+    plan(dim, parts), and one Sharding of their partitions (the operand's split preferred)."""
+    layout = Sharding.replicated(x.rank, x.sharding.num_devices)
+    plans = {}
+    for d, w in enumerate(windows):
+        source = x.sharding if x.sharding.tiles[d] > 1 else target
+        if w.trivial or source.tiles[d] == 1:
+            continue
+        merged = layout.merge(source.keep_dims([d]))
+        if merged is not None:
+            layout, plans[d] = merged, plan(d, source.tiles[d])
+    return plans, layout
 
 
 def split_like(pv: PartitionedValue, dims, layout: Sharding) -> Sharding:

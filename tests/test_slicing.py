@@ -1,0 +1,183 @@
+"""pad, slice, reverse, dynamic-slice and dynamic-update-slice along split dims: halo
+exchange and masking instead of gathering, differential against one device."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jax import lax
+from strategies import dims_mappings, meshes
+from util import check, rand
+
+import gspmd
+
+SMALL_MESHES = [(2,), (4,), (8,), (3,), (2, 2), (2, 4), (4, 2), (3, 2), (2, 2, 2)]   # jax has 8 devices
+SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck))
+
+
+@st.composite
+def layouts(draw, rank):
+    """A random mesh (any device order) and random splits of the input and the output."""
+    mesh = draw(meshes(SMALL_MESHES))
+    same = draw(st.booleans())
+    ins = draw(dims_mappings(mesh, rank))
+    return mesh, ins, ins if same else draw(dims_mappings(mesh, rank))
+
+
+def _shape(draw, rank):
+    return [draw(st.integers(1, 13)) for _ in range(rank)]
+
+
+def _no_gather_when_kept(lowered, ins, outs):
+    """Where the output keeps the input's layout, data moves only between neighbours."""
+    if ins == outs:
+        assert "all-gather" not in lowered.report().counts(), str(lowered.report())
+
+
+def _run(fn, args, mesh, ins, outs):
+    def annotated(x, *rest):
+        y = fn(gspmd.mesh_split(x, mesh, ins), *rest)
+        return gspmd.mesh_split(y, mesh, outs)
+    return check(annotated, *args, mesh=mesh)
+
+
+@st.composite
+def pad_cases(draw):
+    rank = draw(st.integers(1, 3))
+    shape = _shape(draw, rank)
+    config = []
+    for n in shape:
+        interior = draw(st.integers(0, 2))
+        spread = n + (n - 1) * interior
+        lo = draw(st.integers(-min(3, spread - 1), 4))
+        hi = draw(st.integers(-min(3, spread - 1 + lo), 4))
+        config.append((lo, hi, interior))
+    return shape, config, draw(layouts(rank))
+
+
+@settings(max_examples=20, **SETTINGS)
+@given(pad_cases(), st.integers(0, 2**31 - 1))
+def test_random_pad(case, seed):
+    shape, config, (mesh, ins, outs) = case
+    x = rand(np.random.RandomState(seed), *shape)
+    lowered = _run(lambda x: lax.pad(x, np.float32(-1.5), config), (x,), mesh, ins, outs)
+    _no_gather_when_kept(lowered, ins, outs)
+
+
+@st.composite
+def slice_cases(draw):
+    rank = draw(st.integers(1, 3))
+    shape = _shape(draw, rank)
+    start, limit, strides = [], [], []
+    for n in shape:
+        s = draw(st.integers(0, n - 1))
+        start.append(s)
+        limit.append(draw(st.integers(s + 1, n)))
+        strides.append(draw(st.integers(1, 3)))
+    return shape, (start, limit, strides), draw(layouts(rank))
+
+
+@settings(max_examples=20, **SETTINGS)
+@given(slice_cases(), st.integers(0, 2**31 - 1))
+def test_random_slice(case, seed):
+    shape, (start, limit, strides), (mesh, ins, outs) = case
+    x = rand(np.random.RandomState(seed), *shape)
+    lowered = _run(lambda x: lax.slice(x, start, limit, strides), (x,), mesh, ins, outs)
+    _no_gather_when_kept(lowered, ins, outs)
+
+
+@st.composite
+def reverse_cases(draw):
+    rank = draw(st.integers(1, 3))
+    dims = draw(st.lists(st.integers(0, rank - 1), min_size=1, unique=True))
+    return _shape(draw, rank), tuple(dims), draw(layouts(rank))
+
+
+@settings(max_examples=20, **SETTINGS)
+@given(reverse_cases(), st.integers(0, 2**31 - 1))
+def test_random_reverse(case, seed):
+    shape, dims, (mesh, ins, outs) = case
+    x = rand(np.random.RandomState(seed), *shape)
+    lowered = _run(lambda x: lax.rev(x, dims), (x,), mesh, ins, outs)
+    _no_gather_when_kept(lowered, ins, outs)
+
+
+@st.composite
+def dynamic_cases(draw):
+    rank = draw(st.integers(1, 3))
+    shape = _shape(draw, rank)
+    sizes = [draw(st.integers(1, n)) for n in shape]
+    starts = [draw(st.integers(-2, n + 2)) for n in shape]   # out of range clamps
+    return shape, sizes, starts, draw(st.booleans()), draw(layouts(rank))
+
+
+@settings(max_examples=20, **SETTINGS)
+@given(dynamic_cases(), st.integers(0, 2**31 - 1))
+def test_random_dynamic_slice(case, seed):
+    shape, sizes, starts, constant, (mesh, ins, outs) = case
+    x = rand(np.random.RandomState(seed), *shape)
+    if constant:
+        _run(lambda x: lax.dynamic_slice(x, starts, sizes), (x,), mesh, ins, outs)
+    else:
+        _run(lambda x, i: lax.dynamic_slice(x, list(i), sizes), (x, np.asarray(starts, np.int32)), mesh, ins, outs)
+
+
+@settings(max_examples=20, **SETTINGS)
+@given(dynamic_cases(), st.integers(0, 2**31 - 1))
+def test_random_dynamic_update_slice(case, seed):
+    shape, sizes, starts, constant, (mesh, ins, outs) = case
+    rng = np.random.RandomState(seed)
+    x, u = rand(rng, *shape), rand(rng, *sizes)
+    if constant:
+        lowered = _run(lambda x, u: lax.dynamic_update_slice(x, u, starts), (x, u), mesh, ins, outs)
+    else:
+        lowered = _run(lambda x, u, i: lax.dynamic_update_slice(x, u, list(i)),
+                       (x, u, np.asarray(starts, np.int32)), mesh, ins, outs)
+    _no_gather_when_kept(lowered, ins, outs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("test,cases", [(test_random_pad, pad_cases), (test_random_slice, slice_cases),
+                                        (test_random_reverse, reverse_cases),
+                                        (test_random_dynamic_slice, dynamic_cases),
+                                        (test_random_dynamic_update_slice, dynamic_cases)])
+def test_random_many(test, cases):
+    run = given(cases(), st.integers(0, 2**31 - 1))(test.hypothesis.inner_test)
+    settings(max_examples=300, **SETTINGS)(run)()
+
+
+MESH8 = gspmd.Mesh(np.arange(8), ("p",))
+
+
+def test_pad_slice_chain_is_one_halo_step():
+    """pad(x)[:-1] along a split dim (the pipeline's shift, paper 4.6) is merged into one
+    halo step: a single collective-permute of one row."""
+    def shift(x):
+        x = gspmd.mesh_split(x, MESH8, ["p", -1])
+        return gspmd.mesh_split(jnp.pad(x, ((1, 0), (0, 0)))[:-1], MESH8, ["p", -1])
+    report = check(shift, rand(np.random.RandomState(0), 8, 3), mesh=MESH8).report()
+    assert report.counts() == {"collective-permute": 1}, str(report)
+    assert report.collectives[0].bytes == 3 * 4, str(report)
+
+
+def test_runtime_dynamic_slice_sums_partial_windows():
+    """A few rows at a runtime offset of a row-split table: each device contributes the
+    rows it holds and one all-reduce of the window combines them; the table is not gathered."""
+    def take(x, i):
+        return lax.dynamic_slice(gspmd.mesh_split(x, MESH8, ["p", -1]), (i, 0), (5, 4))
+    x = rand(np.random.RandomState(1), 61, 4)
+    for i in (0, 6, 30, 58):
+        report = check(take, x, np.int32(i), mesh=MESH8).report()
+    assert set(report.counts()) == {"all-reduce"}, str(report)
+
+
+def test_runtime_dynamic_update_slice_moves_nothing():
+    """Each device writes the part of the update window that falls on its rows."""
+    def put(x, u, i):
+        x = gspmd.mesh_split(x, MESH8, ["p", -1])
+        return gspmd.mesh_split(lax.dynamic_update_slice(x, u, (i, 0)), MESH8, ["p", -1])
+    rng = np.random.RandomState(2)
+    x, u = rand(rng, 61, 4), rand(rng, 5, 4)
+    for i in (0, 6, 30, 58):
+        report = check(put, x, u, np.int32(i), mesh=MESH8).report()
+    assert not report.collectives, str(report)
