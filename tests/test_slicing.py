@@ -136,16 +136,6 @@ def test_random_dynamic_update_slice(case, seed):
     _no_gather_when_kept(lowered, ins, outs)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("test,cases", [(test_random_pad, pad_cases), (test_random_slice, slice_cases),
-                                        (test_random_reverse, reverse_cases),
-                                        (test_random_dynamic_slice, dynamic_cases),
-                                        (test_random_dynamic_update_slice, dynamic_cases)])
-def test_random_many(test, cases):
-    run = given(cases(), st.integers(0, 2**31 - 1))(test.hypothesis.inner_test)
-    settings(max_examples=300, **SETTINGS)(run)()
-
-
 MESH8 = gspmd.Mesh(np.arange(8), ("p",))
 
 
@@ -181,3 +171,40 @@ def test_runtime_dynamic_update_slice_moves_nothing():
     for i in (0, 6, 30, 58):
         report = check(put, x, u, np.int32(i), mesh=MESH8).report()
     assert not report.collectives, str(report)
+
+
+@st.composite
+def concat_cases(draw):
+    rank = draw(st.integers(1, 3))
+    dim = draw(st.integers(0, rank - 1))
+    shape = _shape(draw, rank)
+    sizes = draw(st.lists(st.integers(1, 9), min_size=1, max_size=4))
+    layouts_ = draw(layouts(rank))
+    return shape, dim, sizes, layouts_, draw(st.sampled_from(["split", "whole", "random"]))
+
+
+@settings(max_examples=20, **SETTINGS)
+@given(concat_cases(), st.integers(0, 2**31 - 1))
+def test_random_concatenate(case, seed):
+    """Operands split like the output, held whole, or split at random."""
+    shape, dim, sizes, (mesh, ins, outs), operand_layout = case
+    rng = np.random.RandomState(seed)
+    xs = [rand(rng, *(shape[:dim] + [n] + shape[dim + 1:])) for n in sizes]
+    mapping = {"split": outs, "whole": [-1] * len(shape), "random": ins}[operand_layout]
+
+    def concat(*xs):
+        return gspmd.mesh_split(jnp.concatenate([gspmd.mesh_split(x, mesh, mapping) for x in xs], dim), mesh, outs)
+    lowered = check(concat, *xs, mesh=mesh)
+    if operand_layout != "random":
+        assert "all-gather" not in lowered.report().counts(), str(lowered.report())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("test,cases", [(test_random_pad, pad_cases), (test_random_slice, slice_cases),
+                                        (test_random_reverse, reverse_cases),
+                                        (test_random_dynamic_slice, dynamic_cases),
+                                        (test_random_dynamic_update_slice, dynamic_cases),
+                                        (test_random_concatenate, concat_cases)])
+def test_random_many(test, cases):
+    run = given(cases(), st.integers(0, 2**31 - 1))(test.hypothesis.inner_test)
+    settings(max_examples=300, **SETTINGS)(run)()

@@ -16,7 +16,8 @@ from gspmd.spmd import factors as fx
 from gspmd.spmd import reshard as rs
 from gspmd.spmd.context import INDEX_DTYPE
 from gspmd.spmd.factors import PASS, REDUCE, REPLICATE, Factor
-from gspmd.spmd.halo import Window, keep_inside, pad_dim, partition_windowed, plan_dim, plan_layout, slice_outputs
+from gspmd.spmd.halo import (Window, keep_inside, pad_dim, partition_pinned, partition_windowed, plan_dim, plan_layout,
+                             slice_outputs, windowed_ranges)
 from gspmd.spmd.partitioned import PartitionedValue
 
 
@@ -304,8 +305,10 @@ def _partition_concatenate(ctx, instr, operands, targets):
     the shard length. Other concatenates partition by their factors."""
     (target,), rotation, dim = targets, _rotation(instr), instr.attrs["dimension"]
     out = instr.outputs[0]
-    if rotation is None or target.tiles[dim] == 1 or out.shape[dim] % target.tiles[dim]:
+    if target.tiles[dim] == 1 or 0 in out.shape:
         return fx.partition(ctx, instr, _concatenate_factors(instr), operands, targets)
+    if rotation is None or out.shape[dim] % target.tiles[dim]:
+        return [_realigned_concatenate(ctx, instr, operands, target)]
     x, k = rotation
     pv = rs.reshard(ctx, ctx.partitioned(x), target)
     size = out.shape[dim] // target.tiles[dim]
@@ -321,6 +324,29 @@ def _partition_concatenate(ctx, instr, operands, targets):
         pieces = [ctx.b.add1("slice", [joined], pv.local.shape, out.dtype, start=tuple(start),
                              limit=tuple(limit), strides=(1,) * out.rank)]
     return [PartitionedValue(pieces[0], target, out.shape)]
+
+
+def _realigned_concatenate(ctx, instr, operands: list[PartitionedValue], target: Sharding) -> PartitionedValue:
+    """Concatenation into a split dim: output partition i takes from every operand the
+    window [i*m - offset, +m) it overlaps (halo exchange from the neighbours holding it;
+    only real elements travel), and a select by position joins the windows."""
+    dim, out = instr.attrs["dimension"], instr.outputs[0]
+    parts = target.tiles[dim]
+    layout = target.keep_dims([dim])
+    m = -(-out.shape[dim] // parts)
+    offsets = np.cumsum([0] + [o.shape[dim] for o in operands])
+    windows = [windowed_ranges(ctx, o, {dim: (np.arange(parts) * m - off, m, False)}, layout, np.zeros((), o.dtype))
+               for o, off in zip(operands, offsets)]
+    starts = layout.coords()[:, dim] * m
+
+    def emit(ctx, _instr, locals_, shapes):
+        y = locals_[0]
+        for x, o, off in zip(locals_[1:], operands[1:], offsets[1:]):
+            y = keep_inside(ctx, x, dim, ctx.table_lookup(starts - off), o.shape[dim], y)
+        return [y]
+    factors = _dim_factors(instr.operands, out.shape, [True] * out.rank)
+    others = [d for d in range(out.rank) if d != dim]
+    return partition_pinned(ctx, instr, windows, target, factors, 0, [dim], layout, {dim: dim}, others, emit)
 
 
 register("concatenate", evaluate=_evaluate_concatenate, factors=_concatenate_factors,
