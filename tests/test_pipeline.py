@@ -72,3 +72,14 @@ def test_shift_is_one_collective_permute_per_step():
     # The ring: the device of stage s sends to the device of stage s+1 (same "d" column).
     assert {(int(a), int(b)) for a, b in permutes[0].groups} == {(0, 2), (2, 4), (4, 6), (6, 0), (1, 3), (3, 5),
                                                                  (5, 7), (7, 1)}
+
+
+def test_pipelined_transformer_train_step():
+    from gspmd.models import pipelined, transformer
+    mesh = gspmd.Mesh(np.arange(8).reshape(4, 2), ("p", "x"))
+    cfg = transformer.Config(layers=4)
+    low = check(pipelined.make_train_step(mesh, cfg), *pipelined.example_inputs(cfg, microbatches=4), mesh=mesh,
+                rtol=1e-3, atol=1e-4)
+    forward = [c for c in low.report().collectives if c.kind == "collective-permute"]
+    assert forward and all(c.executions == 4 + 4 - 1 for c in forward)
+    assert low.program.params[0].sharding.tiles[0] == 4    # each stage holds only its layer

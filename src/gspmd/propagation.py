@@ -145,7 +145,8 @@ def _refine(instr: Instr, direction: int, completion: Completion) -> list[Value]
         v, open_dims = tensors[t], _open_dims(tensors[t])
         if open_dims == ():
             continue
-        for s, source in enumerate(tensors):
+        for s in ops.informants(instr, t, len(tensors)):
+            source = tensors[s]
             if source is v or source.sharding is None or source.sharding.is_replicated:
                 continue
             visible: list[Optional[Sharding]] = [None] * len(tensors)

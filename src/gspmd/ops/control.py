@@ -22,12 +22,16 @@ def tied_values(instr: Instr) -> list[Value]:
     return body.params + body.outputs + cond.params
 
 
-def _while_propagate(instr: Instr, shardings, target: int) -> list:
+def _tied_places(instr: Instr, target: int) -> list[int]:
     """Carried value i appears in five places (operand, result, body parameter, body
-    result, cond parameter); each takes the layouts the other four have."""
+    result, cond parameter): the indices of target's four others."""
     n = len(instr.operands)
-    return [shardings[place * n + target % n] for place in range(5)
-            if place * n + target % n != target and shardings[place * n + target % n] is not None]
+    return [place * n + target % n for place in range(5) if place * n + target % n != target]
+
+
+def _while_propagate(instr: Instr, shardings, target: int) -> list:
+    """Each place of a carried value takes the layouts the other four have."""
+    return [shardings[i] for i in _tied_places(instr, target) if shardings[i] is not None]
 
 
 def _evaluate_while(instr: Instr, per_device: list[list[np.ndarray]], run) -> list[list[np.ndarray]]:
@@ -55,4 +59,4 @@ def _partition_while(ctx, instr: Instr, operands: list[PartitionedValue], target
 
 
 register("while", evaluate_programs=_evaluate_while, propagate=_while_propagate, tied=tied_values,
-         partition=_partition_while, priority=ELEMENTWISE)
+         informants=_tied_places, partition=_partition_while, priority=ELEMENTWISE)

@@ -42,6 +42,9 @@ class OpDef:
     evaluate_programs: Optional[EvaluatePrograms] = None
     # values of sub-programs that must share a layout with the op's own (loop carries)
     tied: Optional[Callable[[Instr], list[Value]]] = None
+    # informants(instr, target) -> indices into tensors(instr) whose layouts can say
+    # anything about the target's (default: all of them; a loop's carries are independent)
+    informants: Optional[Callable[[Instr, int], Sequence[int]]] = None
     factors: Optional[Callable[[Instr], list[fx.Factor]]] = None
     propagate: Optional[Propagate] = None
     partition: Optional[Partition] = None
@@ -78,6 +81,12 @@ def tensors(instr: Instr) -> list[Value]:
     """The values whose layouts `instr` relates: operands, outputs, then tied values."""
     tied = lookup(instr.opcode).tied
     return instr.operands + instr.outputs + (tied(instr) if tied else [])
+
+
+def informants(instr: Instr, target: int, count: int) -> Sequence[int]:
+    """Which of the `count` tensors(instr) propagation should consult for `target`."""
+    fn = lookup(instr.opcode).informants
+    return range(count) if fn is None else fn(instr, target)
 
 
 def propagate(instr: Instr, shardings: Sequence[Optional[Sharding]], target: int) -> list[Sharding]:
