@@ -80,6 +80,8 @@ def test_pipelined_transformer_train_step():
     cfg = transformer.Config(layers=4)
     low = check(pipelined.make_train_step(mesh, cfg), *pipelined.example_inputs(cfg, microbatches=4), mesh=mesh,
                 rtol=1e-3, atol=1e-4)
-    forward = [c for c in low.report().collectives if c.kind == "collective-permute"]
-    assert forward and all(c.executions == 4 + 4 - 1 for c in forward)
+    report = low.report()
+    shifts = [c for c in report.collectives if c.kind == "collective-permute"]
+    assert shifts and all(c.executions == 4 + 4 - 1 for c in shifts)   # forward and backward shifts
+    assert "all-gather" not in report.counts(), report                  # no stage ever gathers the buffer
     assert low.program.params[0].sharding.tiles[0] == 4    # each stage holds only its layer
