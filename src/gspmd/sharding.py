@@ -189,8 +189,15 @@ class Sharding:
 
     # -- identity & printing ------------------------------------------------------
     def __eq__(self, other):
-        return isinstance(other, Sharding) and self.tile_assignment.shape == other.tile_assignment.shape \
-            and np.array_equal(self.tile_assignment, other.tile_assignment)
+        if not isinstance(other, Sharding) or self.tile_assignment.shape != other.tile_assignment.shape:
+            return False
+        # Hashes are cached: unequal layouts mostly differ there, without an O(N) compare.
+        return self is other or (hash(self) == hash(other)
+                                 and np.array_equal(self.tile_assignment, other.tile_assignment))
+
+    def order_key(self) -> tuple:
+        """A deterministic sort key (ties between equally cheap layouts)."""
+        return self.tile_assignment.shape, self.tile_assignment.tobytes()
 
     def __hash__(self):
         if self._hash is None:

@@ -104,7 +104,7 @@ def _reshape_partition(ctx, instr, operands, targets):
         out_layout = _carry(op_layout, pairs, True, out.rank)
         cost = rs.add_costs(rs.cost(x.sharding, op_layout, x.shape, x.dtype.itemsize),
                             rs.cost(out_layout, target, out.shape, out.dtype.itemsize))
-        return cost, str(op_layout), op_layout, out_layout
+        return cost, op_layout.order_key(), op_layout, out_layout
 
     from_target = _carry(target, pairs, False, x.rank)
     from_operand = _carry(_carry(x.sharding, pairs, True, out.rank), pairs, False, x.rank)

@@ -114,7 +114,7 @@ def choose_space(instr: Instr, factors: Sequence[Factor], operands: Sequence[Par
     first = [pinned] if pinned is not None else []
     candidates = {_greedy_merge(first + [views[lead]] + views[:lead] + views[lead + 1:]) for lead in range(len(views))}
     candidates.add(_greedy_merge(first + views[n_in:] + views[:n_in]))
-    return min(candidates, key=lambda c: (_cost(factors, c, operands, instr, targets), str(c)))
+    return min(candidates, key=lambda c: (_cost(factors, c, operands, instr, targets), c.order_key()))
 
 
 def tensor_layout(factors: Sequence[Factor], t: int, space: Sharding, rank: int) -> Sharding:
