@@ -9,6 +9,7 @@ import numpy as np
 from gspmd.ops.registry import EXPAND, LAYOUT, register
 from gspmd.sharding import Sharding
 from gspmd.spmd import reshard as rs
+from gspmd.spmd.halo import windowed_ranges
 from gspmd.spmd.factors import Factor
 from gspmd.spmd.partitioned import PartitionedValue
 
@@ -39,13 +40,12 @@ def _evaluate_transpose(instr, args, device):
 
 
 # -- reshape ----------------------------------------------------------------------------
-def reshape_dim_pairs(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[int, int, int]]:
-    """(src dim, dst dim, modulus): a split of src dim into t tiles carries over to dst dim
-    when modulus % t == 0. Dims are grouped into runs of equal element count; a split
-    carries through a run's major dims (size-1 dims never carry one)."""
+def reshape_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    """The runs of src dims and dst dims with equal element counts, in order (size-1 dims
+    left out): the reshape maps each run's elements onto its counterpart's, row-major."""
     a = [i for i, d in enumerate(src) if d != 1]
     b = [j for j, d in enumerate(dst) if d != 1]
-    pairs, i, j = [], 0, 0
+    groups, i, j = [], 0, 0
     while i < len(a) and j < len(b):
         ga, gb = [a[i]], [b[j]]
         pa, pb = src[a[i]], dst[b[j]]
@@ -55,6 +55,16 @@ def reshape_dim_pairs(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[
                 ga.append(a[i]); pa *= src[a[i]]; i += 1
             else:
                 gb.append(b[j]); pb *= dst[b[j]]; j += 1
+        groups.append((ga, gb))
+    return groups
+
+
+def reshape_dim_pairs(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """(src dim, dst dim, modulus): a split of src dim into t tiles carries over to dst dim
+    when modulus % t == 0. A split carries through a run's major dims (size-1 dims never
+    carry one)."""
+    pairs = []
+    for ga, gb in reshape_groups(src, dst):
         if len(ga) == 1 and len(gb) == 1:
             pairs.append((ga[0], gb[0], 0))           # same dim: any split carries
         elif len(ga) == 1:
@@ -64,13 +74,31 @@ def reshape_dim_pairs(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[
     return pairs
 
 
-def _carry(s: Sharding, pairs, forward: bool, rank: int) -> Sharding:
+def _carry_map(s: Sharding, pairs, forward: bool) -> list[Optional[int]]:
     dim_map: list[Optional[int]] = [None] * s.rank
     for a, b, modulus in pairs:
         src, dst = (a, b) if forward else (b, a)
         if s.tiles[src] > 1 and modulus % s.tiles[src] == 0:
             dim_map[src] = dst
-    return s.remap(dim_map, rank)
+    return dim_map
+
+
+def _carry(s: Sharding, pairs, forward: bool, rank: int) -> Sharding:
+    return s.remap(_carry_map(s, pairs, forward), rank)
+
+
+def _uneven_runs(s: Sharding, groups, exact: list[Optional[int]], forward: bool, dst_shape) -> dict[int, int]:
+    """Splits that do not carry exactly because shards would not line up (uneven sizes,
+    or a run that both merges and splits dims): when only a run's major dim is split, t
+    ways, its split can go to the other side's major dim (at least t long), and the
+    partitioner realigns the elements by halo exchange (paper Figure 5). {src: dst}."""
+    runs = {}
+    for ga, gb in groups:
+        src, dst = (ga, gb) if forward else (gb, ga)
+        t = s.tiles[src[0]]
+        if t > 1 and exact[src[0]] is None and all(s.tiles[d] == 1 for d in src[1:]) and dst_shape[dst[0]] >= t:
+            runs[src[0]] = dst[0]
+    return runs
 
 
 def _major_part(s: Sharding, pairs, forward: bool, shape) -> Sharding:
@@ -93,11 +121,58 @@ def _reshape_propagate(instr, shardings, target):
         return []
     forward = target == 1
     source = _major_part(source, pairs, forward, x.shape if forward else out.shape)
-    return [_carry(source, pairs, forward=forward, rank=(out.rank if forward else x.rank))]
+    dim_map = _carry_map(source, pairs, forward)
+    runs = _uneven_runs(source, reshape_groups(x.shape, out.shape), dim_map, forward,
+                        out.shape if forward else x.shape)
+    for a, b in runs.items():
+        dim_map[a] = b
+    return [source.remap(dim_map, out.rank if forward else x.rank)]
+
+
+def _realigned_reshape(ctx, instr, x: PartitionedValue, target: Sharding) -> Optional[PartitionedValue]:
+    """Runs whose major dim x splits t ways and the target splits alike, but whose shards
+    do not line up: each partition flattens its rows of the run, takes the flat window
+    its output rows cover from its neighbours (halo exchange), and unflattens them."""
+    out = instr.outputs[0]
+    if 0 in x.shape or 0 in out.shape:
+        return None
+    groups = reshape_groups(x.shape, out.shape)
+    exact = _carry_map(x.sharding, reshape_dim_pairs(x.shape, out.shape), True)
+    runs = {a: b for a, b in _uneven_runs(x.sharding, groups, exact, True, out.shape).items()
+            if target.tiles[b] == x.sharding.tiles[a]
+            and np.array_equal(target.coords()[:, b], x.sharding.coords()[:, a])}
+    if not runs:
+        return None
+    dim_map = [runs.get(d, e) for d, e in enumerate(exact)]
+    op_layout = x.sharding.keep_dims([d for d, e in enumerate(dim_map) if e is not None])
+    out_layout = op_layout.remap(dim_map, out.rank)
+    local = op_layout.shard_shape(x.shape)
+    flat_map: list[Optional[int]] = [None] * x.rank   # x dim -> dim of the flattened value
+    flat_local, flat_shape, ranges = [], [], {}
+    for ga, gb in groups:
+        pieces = [ga] if ga[0] in runs else [[d] for d in ga]
+        for dims in pieces:
+            flat_map[dims[0]] = len(flat_shape)
+            flat_local.append(math.prod(local[d] for d in dims))
+            flat_shape.append(math.prod(x.shape[d] for d in dims))
+        if ga[0] in runs:
+            rows = math.prod(out_layout.shard_shape(out.shape)[d] for d in gb)   # per partition, flat
+            ranges[len(flat_shape) - 1] = (np.arange(x.sharding.tiles[ga[0]]) * rows, rows, False)
+    local_x = rs.reshard(ctx, x, op_layout).local
+    flat = ctx.b.add1("reshape", [local_x], tuple(flat_local), x.dtype)
+    layout = op_layout.remap(flat_map, len(flat_shape))
+    pv = PartitionedValue(flat, layout, tuple(flat_shape))
+    pv = windowed_ranges(ctx, pv, ranges, layout.keep_dims(list(ranges)), np.zeros((), x.dtype))
+    y, shape = pv.local, out_layout.shard_shape(out.shape)
+    y = y if y.shape == shape else ctx.b.add1("reshape", [y], shape, out.dtype)
+    return rs.reshard(ctx, PartitionedValue(y, out_layout, out.shape), target)
 
 
 def _reshape_partition(ctx, instr, operands, targets):
     (x,), (out,), (target,) = operands, instr.outputs, targets
+    realigned = _realigned_reshape(ctx, instr, x, target)
+    if realigned is not None:
+        return [realigned]
     pairs = reshape_dim_pairs(x.shape, out.shape)
 
     def plan(op_layout):
