@@ -78,16 +78,15 @@ def _problem(cfg, rng):
 def test_random_conv_forward_and_grads(cfg, seed):
     rng = np.random.RandomState(seed % 2**31)
     conv, mesh, x, w = _problem(cfg, rng)
-    check(conv, x, w, mesh=mesh, backends=SIM)
-    if cfg["groups"] == 1:   # grouped-conv gradients need reshape(dimensions=...) in the frontend
-        probe = rand(rng, *jax.eval_shape(conv, x, w).shape)
+    probe = rand(rng, *jax.eval_shape(conv, x, w).shape)
 
-        def grads(x, w):
-            return jax.grad(lambda x, w: (conv(x, w) * probe).sum(), (0, 1))(x, w)
+    def grads(x, w):
+        return jax.grad(lambda x, w: (conv(x, w) * probe).sum(), (0, 1))(x, w)
+    for fn, tol in ((conv, 1e-4), (grads, 1e-3)):
         if min(min(p) for p in cfg["padding"]) >= 0:
-            check(grads, x, w, mesh=mesh, backends=SIM, rtol=1e-3, atol=1e-3)
-        else:
-            assert_close(gspmd.jit(grads, mesh=mesh)(x, w), reference(grads, x, w), 1e-3, 1e-3)
+            check(fn, x, w, mesh=mesh, backends=SIM, rtol=tol, atol=tol)
+        else:   # XLA:CPU miscomputes some negatively padded convolutions, forward ones too
+            assert_close(gspmd.jit(fn, mesh=mesh)(x, w), reference(fn, x, w), tol, tol)
 
 
 def reference(fn, *args):
@@ -172,3 +171,23 @@ def test_conv_train_step_spatial_and_feature():
         g1, g2 = jax.grad(loss, (0, 1))(w1, w2)
         return w1 - 0.1 * g1, w2 - 0.1 * g2
     check(step, x, w1, w2, mesh=mesh, backends=SIM)
+
+
+@pytest.mark.parametrize("groups,cin,cout", [(2, 4, 6), (4, 4, 4), (3, 6, 3)])   # (4, 4, 4): depthwise
+def test_grouped_conv_gradients(groups, cin, cout):
+    """Grouped convolutions' weight gradients come through reshape(dimensions=...) (a
+    transpose, then the reshape); with batch and space split they move only halos and
+    partial sums."""
+    mesh = gspmd.Mesh(np.arange(8).reshape(2, 2, 2), ("b", "h", "w"))
+    rng = np.random.RandomState(groups)
+    x, w = rand(rng, 2, cin, 11, 9), rand(rng, cout, cin // groups, 3, 2)
+
+    def conv(x, w):
+        x = gspmd.mesh_split(x, mesh, ["b", -1, "h", "w"])
+        return lax.conv_general_dilated(x, w, (1, 2), ((1, 1), (0, 1)), feature_group_count=groups)
+    probe = rand(rng, *jax.eval_shape(conv, x, w).shape)
+
+    def grads(x, w):
+        return jax.grad(lambda x, w: (conv(x, w) * probe).sum(), (0, 1))(x, w)
+    report = check(grads, x, w, mesh=mesh, backends=SIM, rtol=1e-3, atol=1e-3).report()
+    assert "all-gather" not in report.counts(), str(report)

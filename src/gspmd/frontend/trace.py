@@ -115,10 +115,13 @@ def _broadcast_in_dim(b, eqn, args):
 
 
 def _reshape(b, eqn, args):
+    """reshape(x, dimensions=p) is XLA's transpose by p, then the reshape (grouped-conv
+    gradients emit it)."""
     shape, dtype = _out_aval(eqn)
-    if eqn.params.get("dimensions") not in (None, ()):
-        raise ShardingError(f"reshape with dimensions={eqn.params['dimensions']} is not supported (`{eqn}`).")
-    return [b.add1("reshape", args[:1], shape, dtype)]
+    x, perm = args[0], tuple(eqn.params.get("dimensions") or range(args[0].rank))
+    if perm != tuple(range(x.rank)):
+        x = b.add1("transpose", [x], tuple(x.shape[d] for d in perm), dtype, permutation=perm)
+    return [b.add1("reshape", [x], shape, dtype)]
 
 
 def _to_shape(b, eqn, args):
