@@ -1,7 +1,13 @@
 """Data-formatting ops: pad, slice, dynamic-slice, dynamic-update-slice, concatenate.
-Dims an op leaves untouched partition as factors; a rotation (concatenate(x[k:], x[:k]),
-as jnp.roll traces) along a split dim is collective-permutes between neighbours; other
-splits of a dim the op moves data along are still gathered."""
+
+Dims an op leaves untouched partition as factors. Along a split dim the op moves data
+along (paper 4.3, 4.6): pad and slice are windows of size 1 planned by spmd/halo.py (a
+slice looks through the pad and slices below it: one halo step per chain); a rotation
+(concatenate(x[k:], x[:k]), as jnp.roll traces) is collective-permutes of whole shards;
+other concatenates into a split result take each operand's window by halo exchange;
+dynamic-slice at a runtime offset sums the partial windows the partitions hold, and
+dynamic-update-slice writes the part of the window each partition holds. Only a
+concatenate whose result is not split there still gathers."""
 from __future__ import annotations
 
 from typing import Optional, Sequence
