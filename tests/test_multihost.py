@@ -32,11 +32,15 @@ def _worker(process_id: int, port: int, die_id: int) -> None:
     params, x, y = mlp.example_inputs(batch=16)
     partitioned = gspmd.jit(step, mesh=mesh, backend="jax")
     exe = partitioned.lower(params, x, y).jax_executable()
-    # x arrives as a jax.Array in our layout, built from this process's shards only.
+    # x arrives as a jax.Array in our layout, built from this process's shards only; y as
+    # a jax.Array replicated on all 8 devices, which each process re-slices locally.
     x_local = jax.make_array_from_callback(x.shape, exe.input_sharding(2), lambda index: x[index])
+    everywhere = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(jax.devices()), ("all",)),
+                                            jax.sharding.PartitionSpec())
+    y_global = jax.make_array_from_callback(y.shape, everywhere, lambda index: y[index])
     if process_id == die_id:
         os._exit(3)
-    cases = [(step, (params, x_local, y), (params, x, y)),
+    cases = [(step, (params, x_local, y_global), (params, x, y)),
              (step, mlp.example_inputs(batch=5), mlp.example_inputs(batch=5))]   # uneven: assembled outputs
     for fn, args, host_args in cases:
         out = gspmd.jit(fn, mesh=mesh, backend="jax")(*args)

@@ -497,7 +497,7 @@ def xla_constraint(x, mesh: Mesh, dims_mapping: Sequence):
 
 
 def _host_array(x, param: Value) -> np.ndarray:
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
         raise ShardingError(
             f"Argument %{param.name} {param.type_str()} is a jax.Array spread over several processes whose "
             f"layout differs from its sharding {param.sharding}; pass a NumPy array (each process then "
