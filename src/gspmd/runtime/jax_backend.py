@@ -5,9 +5,12 @@ partition-id == axis index == our device id, and our collectives' device groups 
 `axis_index_groups` as they stand. The body is the per-device program, translated
 instruction by instruction through LOWERINGS (one entry per opcode; add more with
 `register`). Each parameter travels as its per-device (padded) shards stacked along dim
-0; outputs come back as jax.Arrays with our sharding as a NamedSharding over a mesh built
-from its tile assignment, or, where shards are uneven (which a NamedSharding cannot
-express), assembled on every device inside the same program.
+0 (a jax.Array already laid out our way is used in place); outputs come back as
+jax.Arrays with our sharding as a NamedSharding (over the user's mesh where a
+dims_mapping expresses it, else over a mesh shaped like the tile assignment) or, where
+shards are uneven (which a NamedSharding cannot express), assembled on every device
+inside the same program. Multi-process runs need nothing else: each process feeds and
+reads its own devices' shards.
 """
 from __future__ import annotations
 
