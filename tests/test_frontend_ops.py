@@ -137,3 +137,12 @@ def test_bfloat16_values_partition_and_run():
     rng = np.random.RandomState(9)
     x, w = jnp.asarray(rand(rng, 8, 16), jnp.bfloat16), jnp.asarray(rand(rng, 16, 8), jnp.bfloat16)
     check(f, x, w, mesh=MESH, rtol=2e-2, atol=2e-2)   # XLA may keep excess precision in fusions
+
+
+def test_integer_bitwise_ops_follow_hlo():
+    def f(a, b):
+        a = split(a, "x", "y")
+        return a & b, a | b, a ^ b, ~a, (a > 0) & (b > 0), ~(a > b)
+
+    rng = np.random.RandomState(10)
+    check(f, rng.randint(-40, 40, (6, 8)).astype(np.int32), rng.randint(-40, 40, (6, 8)).astype(np.int32), mesh=MESH)

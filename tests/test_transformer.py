@@ -2,48 +2,27 @@
 weights and its input activation with Table 1's 2D-finalized strategy: completion must
 give every tensor, forward and backward, the layout the paper intends; the result must
 match one device and communicate no more than XLA's own partitioner does."""
-import re
-
 import jax
 import numpy as np
 from jax.sharding import Mesh as JaxMesh
 
 import gspmd
 from gspmd.models import transformer as T
+from gspmd.runtime.jax_backend import hlo_collective_bytes
 from util import check
 
 MESH = gspmd.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
 CFG = T.Config()
-COLLECTIVE = re.compile(r"=\s*(\([^=]*?\)|\w+\[[\d,]*\]\S*)\s+"
-                        r"(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(-start|-done)?\(")
-ITEMSIZE = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "pred": 1,
-            "s8": 1, "u8": 1}
-
-
 def _lower(strategy=T.FINALIZED_2D, cfg=CFG) -> gspmd.Lowered:
     step = T.make_train_step(T.gspmd_annotate(MESH), cfg, strategy)
     return gspmd.jit(step, mesh=MESH).lower(*T.example_inputs(cfg, abstract=True))
-
-
-def xla_collective_bytes(hlo_text: str) -> dict[str, int]:
-    """Per-device result bytes of each collective kind in compiled HLO text (async
-    pairs are counted once, at their -done)."""
-    total: dict[str, int] = {}
-    for line in hlo_text.splitlines():
-        m = COLLECTIVE.search(line)
-        if m is None or m.group(3) == "-start":
-            continue
-        shapes = re.findall(r"(\w+)\[([\d,]*)\]", m.group(1))
-        nbytes = sum(ITEMSIZE[t] * int(np.prod([int(d) for d in dims.split(",") if d])) for t, dims in shapes)
-        total[m.group(2)] = total.get(m.group(2), 0) + nbytes
-    return total
 
 
 def _xla_bytes(strategy=T.FINALIZED_2D) -> dict[str, int]:
     mesh = JaxMesh(np.array(jax.devices()[:8]).reshape(2, 4), ("x", "y"))
     step = T.make_train_step(T.xla_annotate(mesh), CFG, strategy)
     text = jax.jit(step).lower(*T.example_inputs(CFG)).compile().as_text()
-    return xla_collective_bytes(text)
+    return hlo_collective_bytes(text)
 
 
 def _live_values(program):

@@ -28,7 +28,8 @@ _COMPARE = {"EQ": np.equal, "NE": np.not_equal, "LT": np.less, "LE": np.less_equ
 NUMPY_FUNCS = {
     "add": np.add, "subtract": np.subtract, "multiply": np.multiply, "divide": _divide,
     "maximum": np.maximum, "minimum": np.minimum, "power": np.power, "remainder": np.fmod,
-    "and": np.logical_and, "or": np.logical_or, "xor": np.logical_xor, "not": np.logical_not,
+    # Bitwise on integers, logical on booleans (HLO semantics).
+    "and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor, "not": np.invert,
     "atan2": np.arctan2,
     "negate": np.negative, "exponential": np.exp, "log": np.log, "tanh": np.tanh,
     "logistic": _logistic, "rsqrt": lambda x: 1 / np.sqrt(x), "sqrt": np.sqrt, "abs": np.abs,
