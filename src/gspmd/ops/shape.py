@@ -87,16 +87,15 @@ def _carry(s: Sharding, pairs, forward: bool, rank: int) -> Sharding:
     return s.remap(_carry_map(s, pairs, forward), rank)
 
 
-def _uneven_runs(s: Sharding, groups, exact: list[Optional[int]], forward: bool, dst_shape) -> dict[int, int]:
+def _uneven_runs(s: Sharding, groups, exact: list[Optional[int]], forward: bool) -> dict[int, int]:
     """Splits that do not carry exactly because shards would not line up (uneven sizes,
-    or a run that both merges and splits dims): when only a run's major dim is split, t
-    ways, its split can go to the other side's major dim (at least t long), and the
-    partitioner realigns the elements by halo exchange (paper Figure 5). {src: dst}."""
+    or a run that both merges and splits dims): when only a run's major dim is split, its
+    split can go to the other side's major dim, and the partitioner realigns the elements
+    by halo exchange (paper Figure 5). {src: dst}."""
     runs = {}
     for ga, gb in groups:
         src, dst = (ga, gb) if forward else (gb, ga)
-        t = s.tiles[src[0]]
-        if t > 1 and exact[src[0]] is None and all(s.tiles[d] == 1 for d in src[1:]) and dst_shape[dst[0]] >= t:
+        if s.tiles[src[0]] > 1 and exact[src[0]] is None and all(s.tiles[d] == 1 for d in src[1:]):
             runs[src[0]] = dst[0]
     return runs
 
@@ -122,10 +121,11 @@ def _reshape_propagate(instr, shardings, target):
     forward = target == 1
     source = _major_part(source, pairs, forward, x.shape if forward else out.shape)
     dim_map = _carry_map(source, pairs, forward)
-    runs = _uneven_runs(source, reshape_groups(x.shape, out.shape), dim_map, forward,
-                        out.shape if forward else x.shape)
+    runs = _uneven_runs(source, reshape_groups(x.shape, out.shape), dim_map, forward)
+    dst_shape = out.shape if forward else x.shape
     for a, b in runs.items():
-        dim_map[a] = b
+        if dst_shape[b] >= source.tiles[a]:   # a shorter dim would leave partitions empty
+            dim_map[a] = b
     return [source.remap(dim_map, out.rank if forward else x.rank)]
 
 
@@ -138,7 +138,7 @@ def _realigned_reshape(ctx, instr, x: PartitionedValue, target: Sharding) -> Opt
         return None
     groups = reshape_groups(x.shape, out.shape)
     exact = _carry_map(x.sharding, reshape_dim_pairs(x.shape, out.shape), True)
-    runs = {a: b for a, b in _uneven_runs(x.sharding, groups, exact, True, out.shape).items()
+    runs = {a: b for a, b in _uneven_runs(x.sharding, groups, exact, True).items()
             if target.tiles[b] == x.sharding.tiles[a]
             and np.array_equal(target.coords()[:, b], x.sharding.coords()[:, a])}
     if not runs:
