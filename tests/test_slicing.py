@@ -1,5 +1,6 @@
 """pad, slice, reverse, dynamic-slice and dynamic-update-slice along split dims: halo
 exchange and masking instead of gathering, differential against one device."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -7,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax import lax
 from strategies import dims_mappings, meshes
-from util import check, rand
+from util import BACKENDS, check, rand
 
 import gspmd
 
@@ -34,11 +35,19 @@ def _no_gather_when_kept(lowered, ins, outs):
         assert "all-gather" not in lowered.report().counts(), str(lowered.report())
 
 
-def _run(fn, args, mesh, ins, outs):
+def _run(fn, args, mesh, ins, outs, backends=BACKENDS):
     def annotated(x, *rest):
         y = fn(gspmd.mesh_split(x, mesh, ins), *rest)
         return gspmd.mesh_split(y, mesh, outs)
-    return check(annotated, *args, mesh=mesh)
+    return check(annotated, *args, mesh=mesh, backends=backends)
+
+
+def _runtime_backends(shape, sizes, starts):
+    """XLA:CPU (jax 0.10.2) folds dynamic-slice(dynamic-slice(x, i), j) into one slice at
+    i + j without clamping i first (see test_xla_cpu_nested_dynamic_slice_bug), so
+    out-of-range runtime starts are checked on the sim backend only."""
+    inside = all(0 <= s <= n - k for s, n, k in zip(starts, shape, sizes))
+    return BACKENDS if inside else ("sim",)
 
 
 @st.composite
@@ -119,7 +128,8 @@ def test_random_dynamic_slice(case, seed):
     if constant:
         _run(lambda x: lax.dynamic_slice(x, starts, sizes), (x,), mesh, ins, outs)
     else:
-        _run(lambda x, i: lax.dynamic_slice(x, list(i), sizes), (x, np.asarray(starts, np.int32)), mesh, ins, outs)
+        _run(lambda x, i: lax.dynamic_slice(x, list(i), sizes), (x, np.asarray(starts, np.int32)), mesh, ins, outs,
+             _runtime_backends(shape, sizes, starts))
 
 
 @settings(max_examples=20, **SETTINGS)
@@ -132,7 +142,7 @@ def test_random_dynamic_update_slice(case, seed):
         lowered = _run(lambda x, u: lax.dynamic_update_slice(x, u, starts), (x, u), mesh, ins, outs)
     else:
         lowered = _run(lambda x, u, i: lax.dynamic_update_slice(x, u, list(i)),
-                       (x, u, np.asarray(starts, np.int32)), mesh, ins, outs)
+                       (x, u, np.asarray(starts, np.int32)), mesh, ins, outs, _runtime_backends(shape, sizes, starts))
     _no_gather_when_kept(lowered, ins, outs)
 
 
@@ -197,6 +207,16 @@ def test_random_concatenate(case, seed):
     lowered = check(concat, *xs, mesh=mesh)
     if operand_layout != "random":
         assert "all-gather" not in lowered.report().counts(), str(lowered.report())
+
+
+def test_xla_cpu_nested_dynamic_slice_bug():
+    """Documents why _runtime_backends exists: XLA:CPU drops the clamp of the inner start."""
+    x = np.array([1, 2, 3], np.float32)
+
+    def nested(x, i, j):
+        return lax.dynamic_slice(lax.dynamic_slice(x, (i,), (2,), allow_negative_indices=False), (j,), (1,),
+                                 allow_negative_indices=False)
+    assert jax.jit(nested)(x, np.int32(2), np.int32(0)).tolist() == [3.0]   # HLO semantics say [2.0]
 
 
 @pytest.mark.slow
