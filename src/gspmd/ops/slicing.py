@@ -94,8 +94,8 @@ def _unit_chain(instr) -> tuple[Value, list[Window], Optional[Value]]:
 
 
 def _propagation_factors(instr):
-    """Splits carry through pad and slice on every dim (changed dims partition by halo
-    exchange)."""
+    """Splits carry through pad, slice and concatenate on every dim (changed dims
+    partition by halo exchange)."""
     return _dim_factors(instr.operands, instr.outputs[0].shape, [True] * instr.outputs[0].rank)
 
 
@@ -355,5 +355,5 @@ def _realigned_concatenate(ctx, instr, operands: list[PartitionedValue], target:
     return partition_pinned(ctx, instr, windows, target, factors, 0, [dim], layout, {dim: dim}, others, emit)
 
 
-register("concatenate", evaluate=_evaluate_concatenate, factors=_concatenate_factors,
+register("concatenate", evaluate=_evaluate_concatenate, factors=_propagation_factors,
          partition=_partition_concatenate, priority=LAYOUT)
