@@ -144,16 +144,24 @@ def _slice(instr, args):
 
 
 # HLO clamps start indices into range; lax would first wrap negative ones from the end.
+def _clamped(starts, shape, sizes) -> list:
+    """Starts clamped into bounds explicitly, as HLO defines: XLA:CPU folds nested
+    dynamic-slices into one at the summed start without clamping the inner one."""
+    return [jnp.clip(s, 0, n - k).astype(s.dtype) for s, n, k in zip(starts, shape, sizes)]
+
+
 @register("dynamic-slice")
 def _dynamic_slice(instr, args):
     x, *starts = args
-    return [lax.dynamic_slice(x, starts, instr.outputs[0].shape, allow_negative_indices=False)]
+    sizes = instr.outputs[0].shape
+    return [lax.dynamic_slice(x, _clamped(starts, x.shape, sizes), sizes, allow_negative_indices=False)]
 
 
 @register("dynamic-update-slice")
 def _dynamic_update_slice(instr, args):
     x, update, *starts = args
-    return [lax.dynamic_update_slice(x, update, starts, allow_negative_indices=False)]
+    return [lax.dynamic_update_slice(x, update, _clamped(starts, x.shape, update.shape),
+                                     allow_negative_indices=False)]
 
 
 @register("pad")
