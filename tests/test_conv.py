@@ -12,7 +12,6 @@ import gspmd
 from gspmd.runtime import sim
 from gspmd.spmd.halo import Window, plan_dim
 
-SIM = ("sim",)   # the jax backend has no convolution lowering yet
 MESHES = [(8,), (2, 4), (4, 2), (2, 2, 2)]
 
 
@@ -84,7 +83,7 @@ def test_random_conv_forward_and_grads(cfg, seed):
         return jax.grad(lambda x, w: (conv(x, w) * probe).sum(), (0, 1))(x, w)
     for fn, tol in ((conv, 1e-4), (grads, 1e-3)):
         if min(min(p) for p in cfg["padding"]) >= 0:
-            check(fn, x, w, mesh=mesh, backends=SIM, rtol=tol, atol=tol)
+            check(fn, x, w, mesh=mesh, rtol=tol, atol=tol)
         else:   # XLA:CPU miscomputes some negatively padded convolutions, forward ones too
             assert_close(gspmd.jit(fn, mesh=mesh)(x, w), reference(fn, x, w), tol, tol)
 
@@ -147,7 +146,7 @@ def test_spatial_conv_exchanges_only_halos():
     def conv(x, w):
         x = gspmd.mesh_split(x, mesh, ["b", -1, "h", "w"])
         return lax.conv_general_dilated(x, w, (1, 1), ((1, 1), (1, 1)))
-    report = check(conv, x, w, mesh=mesh, backends=SIM).report()
+    report = check(conv, x, w, mesh=mesh).report()
     kinds = report.counts()
     assert kinds["collective-permute"] == 4 and "all-gather" not in kinds, str(report)
     # 1-element halos: of a [2, 3, ., 8] shard along h, then of the [2, 3, 11, .] result along w.
@@ -170,7 +169,7 @@ def test_conv_train_step_spatial_and_feature():
             return (y ** 2).mean()
         g1, g2 = jax.grad(loss, (0, 1))(w1, w2)
         return w1 - 0.1 * g1, w2 - 0.1 * g2
-    check(step, x, w1, w2, mesh=mesh, backends=SIM)
+    check(step, x, w1, w2, mesh=mesh)
 
 
 @pytest.mark.parametrize("groups,cin,cout", [(2, 4, 6), (4, 4, 4), (3, 6, 3)])   # (4, 4, 4): depthwise
@@ -189,5 +188,5 @@ def test_grouped_conv_gradients(groups, cin, cout):
 
     def grads(x, w):
         return jax.grad(lambda x, w: (conv(x, w) * probe).sum(), (0, 1))(x, w)
-    report = check(grads, x, w, mesh=mesh, backends=SIM, rtol=1e-3, atol=1e-3).report()
+    report = check(grads, x, w, mesh=mesh, rtol=1e-3, atol=1e-3).report()
     assert "all-gather" not in report.counts(), str(report)

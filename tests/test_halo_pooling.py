@@ -8,7 +8,6 @@ from util import check, rand
 
 import gspmd
 
-SIM = ("sim",)   # the jax backend has no reduce-window lowering yet
 MESH = gspmd.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
 
 
@@ -29,7 +28,7 @@ def _pool(kind, window, strides, padding):
 ])
 def test_pool_forward_moves_only_halos(kind, window, strides, padding):
     x = rand(np.random.RandomState(0), 2, 3, 13, 11)
-    report = check(_pool(kind, window, strides, padding), x, mesh=MESH, backends=SIM).report()
+    report = check(_pool(kind, window, strides, padding), x, mesh=MESH).report()
     assert set(report.counts()) <= {"collective-permute"}, str(report)
 
 
@@ -42,7 +41,7 @@ def test_max_pool_gradient(window, strides, padding):
     pool = _pool("max", window, strides, padding)
     x = rand(np.random.RandomState(1), 2, 3, 13, 11)
     grad = jax.grad(lambda x: (pool(x) ** 2).sum())
-    report = check(grad, x, mesh=MESH, backends=SIM).report()
+    report = check(grad, x, mesh=MESH).report()
     assert set(report.counts()) <= {"collective-permute", "all-reduce"}, str(report)
 
 
@@ -51,5 +50,5 @@ def test_avg_pool_gradient():
     pad partitions by halo exchange too, so nothing is gathered."""
     pool = _pool("sum", (3, 3), (2, 1), ((1, 1), (1, 1)))
     x = rand(np.random.RandomState(2), 2, 3, 13, 11)
-    report = check(jax.grad(lambda x: (pool(x) ** 2).sum()), x, mesh=MESH, backends=SIM).report()
+    report = check(jax.grad(lambda x: (pool(x) ** 2).sum()), x, mesh=MESH).report()
     assert set(report.counts()) == {"collective-permute"}, str(report)
