@@ -196,8 +196,12 @@ def _exchange(ctx, pv: PartitionedValue, dim: int, first: np.ndarray, count: int
 def _shift(ctx, x: Value, groups: np.ndarray, hop: int, rule: str) -> Value:
     """Partition p receives x from partition p - hop of its group (zeros at the ends)."""
     k = groups.shape[1]
-    pairs = [(g[p - hop], g[p]) for g in groups for p in range(k) if 0 <= p - hop < k]
-    return ctx.collective_permute(x, np.asarray(pairs, np.int64), rule)
+    hop = max(-k, min(k, hop))   # further than the group: nobody sends
+    if hop >= 0:
+        senders, receivers = groups[:, :k - hop], groups[:, hop:]
+    else:
+        senders, receivers = groups[:, -hop:], groups[:, :k + hop]
+    return ctx.collective_permute(x, np.stack([senders.ravel(), receivers.ravel()], axis=1), rule)
 
 
 def _slice(ctx, x: Value, dim: int, start: int, limit: int) -> Value:
