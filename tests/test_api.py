@@ -95,3 +95,9 @@ def test_a_failing_partition_rule_names_the_instruction(monkeypatch):
     monkeypatch.setattr(ops.OPS["maximum"], "partition", broken)
     with pytest.raises(gspmd.ShardingError, match=r"Internal error partitioning %maximum.*boom"):
         gspmd.jit(mlp, mesh=MESH).lower(*ARGS)
+
+
+@pytest.mark.parametrize("model", ["transformer", "moe", "unet", "pipeline"])
+def test_demo_runs_every_case_study(model, capsys):
+    assert cli.main(["demo", "--model", model]) == 0
+    assert "max abs difference" in capsys.readouterr().out

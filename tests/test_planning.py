@@ -45,3 +45,12 @@ def test_unknown_hardware_is_a_clear_error():
     with pytest.raises(gspmd.ShardingError, match="hardware"):
         low.report().step_seconds
     assert set(PROFILES) >= {"tpu-v3", "a100", "h100"}
+
+
+def test_flops_count_dots_and_convolutions():
+    x = jax.ShapeDtypeStruct((1, 2, 8, 8), np.float32)
+    w = jax.ShapeDtypeStruct((4, 2, 3, 3), np.float32)
+    conv = lambda x, w: jax.lax.conv_general_dilated(x, w, (1, 1), "SAME")   # noqa: E731
+    assert gspmd.jit(conv).lower(x, w).report().flops == 2 * (4 * 8 * 8) * (2 * 3 * 3)
+    a, b = jax.ShapeDtypeStruct((8, 16), np.float32), jax.ShapeDtypeStruct((16, 4), np.float32)
+    assert gspmd.jit(lambda a, b: a @ b).lower(a, b).report().flops == 2 * 8 * 4 * 16

@@ -9,28 +9,62 @@ from typing import Optional, Sequence
 import numpy as np
 
 
-def demo(mesh_shape: tuple[int, int] = (2, 4)) -> float:
-    """Partition and run the MLP train step on simulated devices; print what happened.
-    Returns the max abs difference from the single-device run."""
+def _demo_case(model: str, mesh_shape: tuple[int, ...]):
+    """(mesh, annotations to print, step, args) of a case study, on simulated devices."""
+    import jax.numpy as jnp
+
+    import gspmd
+    from gspmd.models import mlp, moe, pipelined, transformer, unet
+
+    def mesh_of(names):
+        return gspmd.Mesh(np.arange(int(np.prod(mesh_shape))).reshape(mesh_shape), names)
+
+    if model == "mlp":
+        mesh = mesh_of(("data", "model"))
+        return mesh, mlp.annotations("data", "model"), mlp.make_train_step(mesh), mlp.example_inputs()
+    if model == "transformer":
+        mesh = mesh_of(("x", "y"))
+        return (mesh, transformer.FINALIZED_2D, transformer.make_train_step(transformer.gspmd_annotate(mesh)),
+                transformer.example_inputs())
+    if model == "moe":
+        mesh = gspmd.Mesh(np.arange(int(np.prod(mesh_shape))), ("x",))
+        return (mesh, {"x": ["x", -1, -1], "w_in": ["x", -1, -1], "w_out": ["x", -1, -1],
+                       "expert_in": ["x", -1, -1, -1]}, moe.make_train_step(mesh), moe.example_inputs())
+    if model == "unet":
+        mesh = mesh_of(("d", "h"))
+        rng = np.random.RandomState(0)
+        args = (unet.init_params(rng), rng.standard_normal((2, 2, 8, 8, 8)).astype(np.float32),
+                rng.standard_normal((2, 1, 8, 8, 8)).astype(np.float32))
+        return mesh, {"image": [-1, -1, "d", "h", -1]}, unet.make_train_step(mesh, ("d", "h", -1)), args
+    mesh = mesh_of(("p", "x"))    # pipeline: stages over the first axis, data over the second
+    cfg = transformer.Config(layers=mesh_shape[0])
+    stacked, xs, targets = pipelined.example_inputs(cfg, microbatches=2 * mesh_shape[0])
+    return (mesh, {"stacked layers": ["p", "..."], "microbatch": ["x", -1, -1], "stage buffer": ["p", "..."]},
+            pipelined.make_train_step(mesh, cfg), (stacked, jnp.asarray(xs), jnp.asarray(targets)))
+
+
+DEMOS = ("mlp", "transformer", "moe", "unet", "pipeline")
+
+
+def demo(mesh_shape: tuple[int, int] = (2, 4), model: str = "mlp") -> float:
+    """Partition and run a case study's train step on simulated devices; print what
+    happened. Returns the max abs difference from the single-device run."""
     import jax
 
     import gspmd
-    from gspmd.models import mlp
 
-    mesh = gspmd.Mesh(np.arange(int(np.prod(mesh_shape))).reshape(mesh_shape), ("data", "model"))
-    print(f"mesh: {mesh}  devices:\n{mesh.devices}\n")
+    mesh, annotations, step, args = _demo_case(model, mesh_shape)
+    print(f"{model} train step on {mesh}  devices:\n{mesh.devices}\n")
     print("annotations (mesh_split dims_mapping):")
-    for name, dims in mlp.annotations("data", "model").items():
-        print(f"  {name:<3} {dims}")
-    step = mlp.make_train_step(mesh)
-    args = mlp.example_inputs()
+    for name, dims in annotations.items():
+        print(f"  {name:<14} {dims}")
     start = time.perf_counter()
     partitioned = gspmd.jit(step, mesh=mesh)
     lowered = partitioned.lower(*args)
     elapsed = time.perf_counter() - start
-    ops = Counter(i.opcode for i in lowered.spmd.instrs)
-    print(f"\npartitioned in {elapsed:.2f} s: {len(lowered.program.instrs)} instructions -> "
-          f"{len(lowered.spmd.instrs)} per-device instructions")
+    ops = Counter(i.opcode for i in lowered.spmd.all_instrs())
+    print(f"\npartitioned in {elapsed:.2f} s: {len(list(lowered.program.all_instrs()))} instructions -> "
+          f"{len(list(lowered.spmd.all_instrs()))} per-device instructions")
     print("  per-device ops: " + ", ".join(f"{k} x{v}" for k, v in sorted(ops.items())))
     print("\n" + str(lowered.report()))
     got = partitioned(*args)
@@ -72,7 +106,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="gspmd", description="GSPMD partitioner for JAX programs")
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="partition an MLP train step over simulated devices")
-    d.add_argument("--mesh", default="2x4", help="data x model mesh shape, e.g. 2x4 (default) or 4x2")
+    d.add_argument("--model", default="mlp", choices=DEMOS, help="which case study (default: mlp)")
+    d.add_argument("--mesh", default="2x4", help="2-D mesh shape, e.g. 2x4 (default) or 4x2 (moe uses its size)")
     p = sub.add_parser("plan", help="plan a paper-scale Transformer step for many devices (no execution)")
     p.add_argument("--devices", type=int, default=2048, help="a power of two (default 2048)")
     p.add_argument("--hardware", default="tpu-v3", help="tpu-v3, tpu-v4, a100, h100, h200 or cpu")
@@ -87,5 +122,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         shape = tuple(int(s) for s in args.mesh.lower().split("x"))
         if len(shape) != 2:
             parser.error("--mesh must look like 2x4")
-        return 0 if demo(shape) < 1e-3 else 1
+        return 0 if demo(shape, args.model) < 1e-3 else 1
     return 2

@@ -2,13 +2,13 @@
 the instruction/rule that made each), peak live memory and FLOPs. Needs no execution."""
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import numpy as np
 
+from gspmd import ops
 from gspmd.analysis.hardware import PROFILES, GiB, Hardware, collective_seconds, profile
 from gspmd.errors import ShardingError
 from gspmd.ir import Program
@@ -95,12 +95,6 @@ def _groups_str(groups) -> str:
     return text if len(text) <= 60 else f"{text[:57]}..."
 
 
-def _dot_flops(instr) -> int:
-    lhs = instr.operands[0]
-    contracted = math.prod(lhs.shape[d] for d in instr.attrs["lhs_contracting"])
-    return 2 * math.prod(instr.output.shape) * contracted
-
-
 def _peak_memory(program: Program) -> int:
     last_use = {}
     for i, instr in enumerate(program.instrs):
@@ -135,8 +129,8 @@ def _walk(program: Program, executions: int, report: Report) -> None:
             report.collectives.append(Collective(instr.opcode, instr.output.nbytes,
                                                  tuple(tuple(int(d) for d in g) for g in np.asarray(groups)),
                                                  instr.origin, executions))
-        elif instr.opcode == "dot":
-            report.flops += _dot_flops(instr) * executions
+        elif ops.lookup(instr.opcode).flops is not None:
+            report.flops += ops.lookup(instr.opcode).flops(instr) * executions
         elif instr.opcode == "while":
             trips = instr.attrs.get("trip_count") or 1
             _walk(instr.attrs["cond"], executions * trips, report)

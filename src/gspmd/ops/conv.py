@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import math
+
 import numpy as np
 
 from gspmd.ops.registry import CONTRACTION, register
@@ -167,5 +169,13 @@ def _local_conv(instr, plans: dict[int, DimPlan], spatial: Sharding):
     return emit
 
 
-register("convolution", evaluate=_evaluate_conv, factors=conv_factors, partition=_partition_conv,
+def _conv_flops(instr) -> int:
+    """2 multiply-adds per output element per kernel input element (grouping included,
+    since the kernel's input-feature dim is already per group)."""
+    kernel, rhs_spec = instr.operands[1], instr.attrs["rhs_spec"]
+    per_output = math.prod(kernel.shape[d] for d in rhs_spec[1:])
+    return 2 * math.prod(instr.outputs[0].shape) * per_output // instr.attrs["batch_group_count"]
+
+
+register("convolution", flops=_conv_flops, evaluate=_evaluate_conv, factors=conv_factors, partition=_partition_conv,
          priority=CONTRACTION)

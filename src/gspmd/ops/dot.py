@@ -2,6 +2,7 @@
 Result dims are ordered batch, lhs free, rhs free (as in XLA)."""
 from __future__ import annotations
 
+import math
 import string
 
 import numpy as np
@@ -56,4 +57,9 @@ def _evaluate_dot(instr, args, device):
     return [np.einsum(spec, lhs.astype(acc), rhs.astype(acc)).astype(out.dtype, copy=False)]
 
 
-register("dot", evaluate=_evaluate_dot, factors=_dot_factors, priority=CONTRACTION)
+def _dot_flops(instr) -> int:
+    contracted = math.prod(instr.operands[0].shape[d] for d in instr.attrs["lhs_contracting"])
+    return 2 * math.prod(instr.outputs[0].shape) * contracted
+
+
+register("dot", evaluate=_evaluate_dot, factors=_dot_factors, priority=CONTRACTION, flops=_dot_flops)

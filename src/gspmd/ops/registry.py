@@ -49,6 +49,7 @@ class OpDef:
     propagate: Optional[Propagate] = None
     partition: Optional[Partition] = None
     priority: int = ELEMENTWISE
+    flops: Optional[Callable[[Instr], int]] = None   # arithmetic of one execution, for reports
     forward_priority: Optional[int] = None    # towards the outputs, when not `priority`
     backward_priority: Optional[int] = None   # towards the operands, when not `priority`
 
