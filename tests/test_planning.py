@@ -54,3 +54,11 @@ def test_flops_count_dots_and_convolutions():
     assert gspmd.jit(conv).lower(x, w).report().flops == 2 * (4 * 8 * 8) * (2 * 3 * 3)
     a, b = jax.ShapeDtypeStruct((8, 16), np.float32), jax.ShapeDtypeStruct((16, 4), np.float32)
     assert gspmd.jit(lambda a, b: a @ b).lower(a, b).report().flops == 2 * 8 * 4 * 16
+
+
+def test_peak_memory_counts_what_a_loop_body_holds():
+    def f(x):
+        return jax.lax.fori_loop(0, 3, lambda i, c: c + jax.numpy.outer(c, c).sum(1), x)
+
+    report = gspmd.jit(f).lower(jax.ShapeDtypeStruct((256,), np.float32)).report()
+    assert report.peak_memory_bytes >= 256 * 256 * 4   # the [256, 256] outer product inside the body

@@ -105,12 +105,21 @@ def _peak_memory(program: Program) -> int:
     live = sum(p.nbytes for p in program.params)
     peak = live
     for i, instr in enumerate(program.instrs):
+        peak = max(peak, live + _temporaries(instr))
         live += sum(o.nbytes for o in instr.outputs)
         peak = max(peak, live)
         for v in set(instr.operands) | set(instr.outputs):
             if last_use.get(v, -1) <= i and v not in program.params:
                 live -= v.nbytes
     return peak
+
+
+def _temporaries(instr) -> int:
+    """Memory a loop needs beyond its carry while it runs: the most its body (or cond)
+    holds at once, less the parameters, which are the carry itself."""
+    if instr.opcode != "while":
+        return 0
+    return max(_peak_memory(p) - sum(v.nbytes for v in p.params) for p in (instr.attrs["body"], instr.attrs["cond"]))
 
 
 def analyse(spmd: Program, hardware: Union[None, str, Hardware] = None) -> Report:
