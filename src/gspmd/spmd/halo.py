@@ -182,7 +182,7 @@ def _exchange(ctx, pv: PartitionedValue, dim: int, first: np.ndarray, count: int
     start, end = min(int(lo.min()), a), max(int(hi.max()), b)
     groups = rs.groups_along(pv.sharding, [dim])
     pieces = [pad_piece(ctx, pv.local, dim, a - start, fill)] if a > start else []
-    for delta in range(a // n, -(-b // n)):                # shard of partition p + delta
+    for delta in range(a // n, -(-b // n)) if b > a else ():   # shard of partition p + delta
         piece = _slice(ctx, pv.local, dim, max(a, delta * n) - delta * n, min(b, (delta + 1) * n) - delta * n)
         if delta:
             side = "left" if delta < 0 else "right"
