@@ -44,14 +44,15 @@ def _factor_view(factors: Sequence[Factor], t: int, s: Sharding) -> Sharding:
     return s.remap(dim_to_factor, len(factors))
 
 
-def _tensor_layout(factors: Sequence[Factor], t: int, space: Sharding, rank: int) -> Sharding:
+def tensor_layout(factors: Sequence[Factor], t: int, space: Sharding, rank: int) -> Sharding:
+    """Tensor t's layout when the op runs with factor-space layout `space`."""
     return space.remap([fac.dims[t] for fac in factors], rank)
 
 
 def propose(factors: Sequence[Factor], shardings: Sequence[Optional[Sharding]], ranks: Sequence[int],
             target: int) -> list[Sharding]:
     """Layouts for tensor `target` implied by every other tensor that has one."""
-    return [_tensor_layout(factors, target, _factor_view(factors, t, s), ranks[target])
+    return [tensor_layout(factors, target, _factor_view(factors, t, s), ranks[target])
             for t, s in enumerate(shardings) if t != target and s is not None]
 
 
@@ -117,18 +118,13 @@ def choose_space(instr: Instr, factors: Sequence[Factor], operands: Sequence[Par
     return min(candidates, key=lambda c: (_cost(factors, c, operands, instr, targets), c.order_key()))
 
 
-def tensor_layout(factors: Sequence[Factor], t: int, space: Sharding, rank: int) -> Sharding:
-    """Tensor t's layout when the op runs with factor-space layout `space`."""
-    return _tensor_layout(factors, t, space, rank)
-
-
 def _cost(factors, space, operands, instr: Instr, targets) -> rs.Cost:
-    costs = [rs.cost(o.sharding, _tensor_layout(factors, t, space, o.rank), o.shape, o.dtype.itemsize)
+    costs = [rs.cost(o.sharding, tensor_layout(factors, t, space, o.rank), o.shape, o.dtype.itemsize)
              for t, o in enumerate(operands)]
     red = _reduce_factors(factors, space)
     k = math.prod(space.tiles[f] for f in red)
     for j, (out, target) in enumerate(zip(instr.outputs, targets)):
-        local = _tensor_layout(factors, len(operands) + j, space, out.rank)
+        local = tensor_layout(factors, len(operands) + j, space, out.rank)
         local_bytes = math.prod(local.shard_shape(out.shape)) * out.dtype.itemsize
         if red and _scatter_dim(space, red, local, target, out.shape) is not None:
             costs.append((rs.moved(local_bytes, k), 1))
@@ -147,13 +143,13 @@ def run(ctx: DeviceContext, instr: Instr, factors: Sequence[Factor], space: Shar
     red = _reduce_factors(factors, space)
     locals_ = []
     for t, o in enumerate(operands):
-        pv = rs.reshard(ctx, o, _tensor_layout(factors, t, space, o.rank))
+        pv = rs.reshard(ctx, o, tensor_layout(factors, t, space, o.rank))
         for f in red:
             dim = factors[f].dims[t]
             if dim is not None and is_padded(pv, dim):
                 pv = mask_padding(ctx, pv, dim, reducer_identity(factors[f].reducer, pv.dtype))
         locals_.append(pv.local)
-    out_layouts = [_tensor_layout(factors, n_in + j, space, out.rank) for j, out in enumerate(instr.outputs)]
+    out_layouts = [tensor_layout(factors, n_in + j, space, out.rank) for j, out in enumerate(instr.outputs)]
     shapes = [lay.shard_shape(out.shape) for lay, out in zip(out_layouts, instr.outputs)]
     results = emit_local(ctx, instr, locals_, shapes)
     outs = []
