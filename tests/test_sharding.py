@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 
+import re
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -394,19 +396,36 @@ def test_printed_form():
     assert repr(Sharding.replicated(0, 8)) == "{replicated}"
     assert repr(Sharding.from_mesh(mesh, ["x", "y"], (4, 4))) == "{devices=[2,4]<=[8]}"
     assert repr(Sharding.from_mesh(mesh, [("x", "y"), -1], (8, 4))) == "{devices=[8,1]<=[8]}"
-    # Splitting over the minor mesh axis alone permutes the device list.
+    # Splitting over the minor mesh axis alone transposes the device list (0,4,1,5,...).
     assert repr(Sharding.from_mesh(mesh, [-1, "y"], (4, 4))) == \
-        "{devices=[1,4,2]0,4,1,5,2,6,3,7 last_tile_dim_replicate}"
-    assert repr(Sharding.from_mesh(mesh, ["y", "x"], (4, 4))) == "{devices=[4,2]0,4,1,5,2,6,3,7}"
+        "{devices=[1,4,2]<=[2,4]T(1,0) last_tile_dim_replicate}"
+    assert repr(Sharding.from_mesh(mesh, ["y", "x"], (4, 4))) == "{devices=[4,2]<=[2,4]T(1,0)}"
 
 
 def test_printed_form_permuted_device_order():
-    order = [0, 2, 4, 6, 1, 3, 5, 7]
+    order = [3, 1, 4, 0, 6, 5, 7, 2]
     mesh = Mesh(np.array(order).reshape(2, 4), ("x", "y"))
-    assert repr(Sharding.from_mesh(mesh, ["x", "y"], (4, 4))) == "{devices=[2,4]0,2,4,6,1,3,5,7}"
+    assert repr(Sharding.from_mesh(mesh, ["x", "y"], (4, 4))) == "{devices=[2,4]3,1,4,0,6,5,7,2}"
     assert repr(Sharding.from_mesh(mesh, ["x", -1], (4, 4))) == \
-        "{devices=[2,1,4]0,2,4,6,1,3,5,7 last_tile_dim_replicate}"
+        "{devices=[2,1,4]0,1,3,4,2,5,6,7 last_tile_dim_replicate}"
     assert repr(Sharding.from_mesh(mesh, [-1, -1], (4, 4))) == "{replicated}"
+
+
+def test_printed_form_uses_transposed_iota_where_it_can():
+    mesh = Mesh(np.array([0, 2, 4, 6, 1, 3, 5, 7]).reshape(2, 4), ("x", "y"))
+    assert repr(Sharding.from_mesh(mesh, ["x", "y"], (4, 4))) == "{devices=[2,4]<=[4,2]T(1,0)}"
+    mesh = Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
+    assert repr(Sharding.from_mesh(mesh, ["y", -1], (4, 4))) == \
+        "{devices=[4,1,2]<=[2,4]T(1,0) last_tile_dim_replicate}"
+
+
+def _parse_devices(body: str, n: int) -> np.ndarray:
+    """The device list of a printed sharding: explicit, or iota "<=[dims]" + "T(perm)"."""
+    m = re.fullmatch(r"<=\[([\d,]+)\](?:T\(([\d,]+)\))?", body)
+    if m is None:
+        return np.array([int(v) for v in body.split(",")])
+    base = np.arange(n).reshape([int(d) for d in m.group(1).split(",")])
+    return (base.transpose([int(p) for p in m.group(2).split(",")]) if m.group(2) else base).ravel()
 
 
 @settings(max_examples=100, deadline=None)
@@ -425,6 +444,5 @@ def test_printed_form_is_consistent_with_equality(case):
         # Rebuild from the printed device list and compare.
         body = text[len("{devices=[" + ",".join(map(str, dims)) + "]"):-1]
         body = body.replace(" last_tile_dim_replicate", "")
-        flat = np.arange(s.num_devices) if body == f"<=[{s.num_devices}]" \
-            else np.array([int(v) for v in body.split(",")])
+        flat = _parse_devices(body, s.num_devices)
         assert Sharding(flat.reshape(s.tile_assignment.shape)) == s

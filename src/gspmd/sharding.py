@@ -13,6 +13,7 @@ small numpy operations on it, so planning for 2048 devices costs little.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from typing import Optional, Sequence
 
@@ -209,10 +210,26 @@ class Sharding:
             return "{replicated}"
         dims = list(self.tiles) + ([self.num_replicas] if self.num_replicas > 1 else [])
         flat = self.tile_assignment.ravel()
-        devices = f"<=[{flat.size}]" if np.array_equal(flat, np.arange(flat.size)) \
-            else ",".join(map(str, flat.tolist()))
+        devices = _iota_form(flat) or ",".join(map(str, flat.tolist()))
         suffix = " last_tile_dim_replicate" if self.num_replicas > 1 else ""
         return f"{{devices=[{','.join(map(str, dims))}]{devices}{suffix}}}"
+
+
+def _iota_form(flat: np.ndarray) -> Optional[str]:
+    """XLA's compact form of a device order that is arange(N) reshaped and transposed
+    ("<=[8]", "<=[2,4]T(1,0)"), tried for up to three factors; None otherwise."""
+    n = flat.size
+    if np.array_equal(flat, np.arange(n)):
+        return f"<=[{n}]"
+    divisors = [d for d in range(2, n) if n % d == 0]
+    shapes = [(d, n // d) for d in divisors] + [(a, b, n // (a * b)) for a in divisors for b in divisors
+                                                  if (n // a) % b == 0 and n // (a * b) > 1]
+    for shape in shapes:
+        base = np.arange(n).reshape(shape)
+        for perm in itertools.permutations(range(len(shape))):
+            if perm != tuple(range(len(shape))) and np.array_equal(base.transpose(perm).ravel(), flat):
+                return f"<=[{','.join(map(str, shape))}]T({','.join(map(str, perm))})"
+    return None
 
 
 # Propagation and partitioning ask the same questions many times over; layouts are
