@@ -74,3 +74,17 @@ def test_values_inside_loop_bodies_can_be_inspected():
     assert low.sharding_of(dot.name) == gspmd.Sharding.from_mesh(MESH, ["x", "y"], dot.shape)
     assert "annotation" in low.explain(dot.name)
     assert "main.body" in low.as_text() or "body(" in low.as_text()
+
+
+def test_annotations_only_inside_a_loop_body_set_the_device_count():
+    def f(xs):
+        return jax.lax.scan(lambda c, x: (c + gspmd.mesh_split(x, MESH, ["x", "y"]).sum(), None), 0.0, xs)[0]
+
+    xs = np.random.RandomState(5).standard_normal((3, 4, 8)).astype(np.float32)
+    low = check(f, xs)                          # no jit(mesh=...): the body's annotation decides
+    assert low.num_devices == 8
+
+
+def test_a_manual_region_alone_sets_the_device_count():
+    f = gspmd.manual(lambda a: jax.lax.psum(a, "x"), MESH, [["x", "y"]], [[-1, "y"]])
+    assert gspmd.jit(f).lower(np.zeros((4, 8), np.float32)).num_devices == 8

@@ -143,8 +143,17 @@ class Lowered:
         return "\n".join(lines)
 
 
+def _layouts_named(instr) -> list[Sharding]:
+    """Layouts the user wrote: annotations and the specs of manual regions."""
+    if instr.opcode == "sharding":
+        return [instr.attrs["sharding"]]
+    if instr.opcode == "manual":
+        return list(instr.attrs["in_shardings"]) + list(instr.attrs["out_shardings"])
+    return []
+
+
 def _device_count(program: Program, mesh: Optional[Mesh]) -> int:
-    counts = {i.attrs["sharding"].num_devices for i in program.instrs if i.opcode == "sharding"}
+    counts = {s.num_devices for i in program.all_instrs() for s in _layouts_named(i)}
     if mesh is not None:
         counts.add(mesh.size)
     if len(counts) > 1:
