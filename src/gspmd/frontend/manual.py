@@ -51,7 +51,7 @@ def manual(fn: Callable, mesh: Mesh, in_specs: Sequence, out_specs: Sequence,
         local = [jax.ShapeDtypeStruct(_local_shape(mesh, s, np.shape(x)), jnp.result_type(x))
                  for x, s in zip(args, in_norm)]
         closed = jax.make_jaxpr(lambda *a: _as_tuple(fn(*a)),
-                                axis_env=[(a, mesh.shape[mesh.axis_index(a)]) for a in axes])(*local)
+                                axis_env=[(a, _size(mesh, a)) for a in axes])(*local)
         if len(closed.out_avals) != len(out_specs):
             raise ShardingError(f"gspmd.manual: fn returns {len(closed.out_avals)} values but "
                                 f"{len(out_specs)} out_specs were given.")
@@ -84,8 +84,12 @@ def _spec(mesh: Mesh, axes, spec, shape, what: str) -> tuple:
     return tuple(out)
 
 
+def _size(mesh: Mesh, name: str) -> int:
+    return mesh.shape[mesh.axis_index(name)]
+
+
 def _parts(mesh: Mesh, names) -> int:
-    return math.prod(mesh.shape[mesh.axis_index(n)] for n in names)
+    return math.prod(_size(mesh, n) for n in names)
 
 
 def _local_shape(mesh: Mesh, spec, shape) -> tuple:
@@ -105,10 +109,6 @@ def spec_sharding(mesh: Mesh, spec, shape) -> Sharding:
 
 
 # -- plain JAX: vmap over the manual axes -------------------------------------------------
-def _size(mesh: Mesh, name: str) -> int:
-    return mesh.shape[mesh.axis_index(name)]
-
-
 def _split(x, mesh: Mesh, axes, spec):
     """[*global] -> [*axis sizes, *local]: the manual axes lead, in `axes` order."""
     shape, lead, local = [], {}, []
