@@ -54,16 +54,15 @@ def minor_groups(s: Sharding, dim: int, k: int) -> np.ndarray:
     return split.transpose(order).reshape(-1, k)
 
 
+def _coarsen_to(s: Sharding, tiles: Sequence[int]) -> Sharding:
+    """Each dim's split coarsened to `tiles` (tile c -> c // (old / new))."""
+    return Sharding.from_coords(s.coords() // (np.asarray(s.tiles) // np.asarray(tiles)), tiles)
+
+
 def coarsen(s: Sharding, dim: int, k: int) -> Sharding:
-    coords = s.coords().copy()
-    coords[:, dim] //= k
     tiles = list(s.tiles)
     tiles[dim] //= k
-    return Sharding.from_coords(coords, tiles)
-
-
-def _coarsen_to(s: Sharding, tiles: Sequence[int]) -> Sharding:
-    return Sharding.from_coords(s.coords() // (np.asarray(s.tiles) // np.asarray(tiles)), tiles)
+    return _coarsen_to(s, tiles)
 
 
 def _nests(size: int, fine_tiles: int, k: int) -> bool:
