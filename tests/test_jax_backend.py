@@ -12,7 +12,8 @@ from gspmd.ir import Builder, Program, Value
 from gspmd.models import mlp
 from gspmd.runtime import jax_backend, sim
 from gspmd.sharding import Sharding
-from gspmd.spmd.context import DeviceContext
+from gspmd.ir.reducer import ADD, AND, MAX, MIN, MUL, OR
+from gspmd.spmd.context import DeviceContext, Why
 from util import assert_close, check, rand
 
 N = 8
@@ -44,40 +45,40 @@ def _run_both(emit, local_shape=(4, 6), dtype=np.float32, poke_nan=False):
         np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"device {d}")
 
 
-@pytest.mark.parametrize("reducer", ["add", "max", "min", "mul"])
+@pytest.mark.parametrize("reducer", [ADD, MAX, MIN, MUL])
 @pytest.mark.parametrize("groups", [PAIRED, QUADS, [list(range(N))]])
 def test_all_reduce(reducer, groups):
-    _run_both(lambda ctx, x: ctx.all_reduce(x, groups, reducer, "test"), poke_nan=reducer == "max")
+    _run_both(lambda ctx, x: ctx.all_reduce(x, groups, reducer, Why.RESHARD), poke_nan=reducer is MAX)
 
 
-@pytest.mark.parametrize("reducer", ["and", "or"])
+@pytest.mark.parametrize("reducer", [AND, OR])
 def test_all_reduce_booleans(reducer):
     def emit(ctx, x):
         positive = ctx.b.add1("compare", [x, ctx.b.add1("broadcast", [ctx.constant(np.float32(0))], x.shape,
                                                        x.dtype, dims=())], x.shape, np.bool_, direction="GT")
-        return ctx.all_reduce(positive, QUADS, reducer, "test")
+        return ctx.all_reduce(positive, QUADS, reducer, Why.RESHARD)
     _run_both(emit)
 
 
 @pytest.mark.parametrize("groups", [PAIRED, QUADS])
 @pytest.mark.parametrize("dim", [0, 1])
 def test_all_gather(groups, dim):
-    _run_both(lambda ctx, x: ctx.all_gather(x, dim, groups, "test"))
+    _run_both(lambda ctx, x: ctx.all_gather(x, dim, groups, Why.RESHARD))
 
 
-@pytest.mark.parametrize("reducer", ["add", "max"])
+@pytest.mark.parametrize("reducer", [ADD, MAX])
 def test_reduce_scatter(reducer):
-    _run_both(lambda ctx, x: ctx.reduce_scatter(x, 1, PAIRED, reducer, "test"), local_shape=(2, 8))
+    _run_both(lambda ctx, x: ctx.reduce_scatter(x, 1, PAIRED, reducer, Why.RESHARD), local_shape=(2, 8))
 
 
 def test_all_to_all():
-    _run_both(lambda ctx, x: ctx.all_to_all(x, 0, 1, QUADS, "test"))
+    _run_both(lambda ctx, x: ctx.all_to_all(x, 0, 1, QUADS, Why.RESHARD))
 
 
 @pytest.mark.parametrize("pairs", [[(0, 1), (1, 2), (2, 0), (6, 7)],          # devices 3..6 get zeros
                                    [(0, 1), (0, 2), (3, 0), (3, 5)]])         # sources send twice
 def test_collective_permute(pairs):
-    _run_both(lambda ctx, x: ctx.collective_permute(x, pairs, "test"))
+    _run_both(lambda ctx, x: ctx.collective_permute(x, pairs, Why.RESHARD))
 
 
 @pytest.mark.parametrize("update", [False, True])

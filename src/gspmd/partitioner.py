@@ -26,10 +26,9 @@ def _partition(program: Program, num_devices: int, in_layouts: Sequence[Sharding
     and whose results must leave as `out_layouts` (a loop body's carry, say)."""
     spmd = Program(f"{program.name}.spmd")
     b = Builder(spmd)
-    ctx = DeviceContext(b, num_devices)
-    ctx.partition_subprogram = lambda sub, ins, outs: _partition(sub, num_devices, ins, outs)
     env: dict = {}
-    ctx.partitioned = env.__getitem__
+    ctx = DeviceContext(b, num_devices, partition_subprogram=lambda sub, ins, outs: _partition(sub, num_devices, ins, outs),
+                        partitioned=env.__getitem__)
     for p, layout in zip(program.params, in_layouts):
         local = b.param(layout.shard_shape(p.shape), p.dtype, hint=p.name)
         local.sharding = layout

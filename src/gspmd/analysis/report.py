@@ -12,6 +12,7 @@ from gspmd import ops
 from gspmd.analysis.hardware import PROFILES, GiB, Hardware, collective_seconds, profile
 from gspmd.errors import ShardingError
 from gspmd.ir import Program
+from gspmd.spmd.context import Why
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -23,6 +24,7 @@ class Collective:
     groups: tuple         # device groups (pairs for collective-permute)
     origin: str           # the instruction and rule that created it
     executions: int = 1   # how often it runs (inside loops: the trip count)
+    why: Optional[Why] = None   # the kind of rule that created it
 
     def __iter__(self):   # unpacks as (kind, bytes, groups)
         return iter((self.kind, self.bytes, self.groups))
@@ -68,7 +70,7 @@ class Report:
     def fallbacks(self) -> list[Collective]:
         """Collectives of the replicate-then-slice fallback: data gathered only to be
         split again. Each names the op and both layouts; annotate to avoid them."""
-        return [c for c in self.collectives if "fallback" in c.origin]
+        return [c for c in self.collectives if c.why is Why.FALLBACK]
 
     def counts(self) -> Counter:
         return Counter(c.kind for c in self.collectives)
@@ -137,7 +139,7 @@ def _walk(program: Program, executions: int, report: Report) -> None:
             groups = instr.attrs["pairs"] if instr.opcode == "collective-permute" else instr.attrs["groups"]
             report.collectives.append(Collective(instr.opcode, instr.output.nbytes,
                                                  tuple(tuple(int(d) for d in g) for g in np.asarray(groups)),
-                                                 instr.origin, executions))
+                                                 instr.origin, executions, instr.why))
         elif ops.lookup(instr.opcode).flops is not None:
             report.flops += ops.lookup(instr.opcode).flops(instr) * executions
         elif instr.opcode == "while":

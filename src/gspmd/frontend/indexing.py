@@ -8,6 +8,7 @@ from gspmd.dtypes import is_floating
 from gspmd.errors import ShardingError
 from gspmd.frontend.trace import CONVERTERS, _broadcast_to, _constant, _out_aval
 from gspmd.ir import Builder, Value
+from gspmd.ir.reducer import ADD, MAX, MIN, MUL
 
 _MODES = {lax.GatherScatterMode.CLIP: "clip", lax.GatherScatterMode.PROMISE_IN_BOUNDS: "clip",
           lax.GatherScatterMode.FILL_OR_DROP: "fill"}
@@ -50,7 +51,7 @@ def _scatter(reducer):
                      inserted_window_dims=tuple(dn.inserted_window_dims),
                      scatter_dims_to_operand_dims=tuple(dn.scatter_dims_to_operand_dims),
                      mode=_MODES[p["mode"]], reducer=reducer)
-        if reducer != "add":
+        if reducer is not ADD:
             return [b.add1("scatter", args, operand.shape, operand.dtype, **attrs)]
         # operand + (updates scattered into zeros): the scattered part can then be summed
         # across devices that each scatter a share of the updates.
@@ -62,8 +63,8 @@ def _scatter(reducer):
 
 CONVERTERS["gather"] = _gather
 CONVERTERS["scatter"] = _scatter(None)
-CONVERTERS["scatter-add"] = _scatter("add")
-CONVERTERS["scatter_add"] = _scatter("add")
-CONVERTERS["scatter-mul"] = _scatter("mul")
-CONVERTERS["scatter-min"] = _scatter("min")
-CONVERTERS["scatter-max"] = _scatter("max")
+CONVERTERS["scatter-add"] = _scatter(ADD)
+CONVERTERS["scatter_add"] = _scatter(ADD)
+CONVERTERS["scatter-mul"] = _scatter(MUL)
+CONVERTERS["scatter-min"] = _scatter(MIN)
+CONVERTERS["scatter-max"] = _scatter(MAX)

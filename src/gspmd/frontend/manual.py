@@ -23,6 +23,7 @@ from jax.interpreters import ad, mlir
 from gspmd.errors import ShardingError
 from gspmd.frontend.trace import CONVERTERS, _inline
 from gspmd.ir import Builder, Program, Value
+from gspmd.ir.reducer import ADD, MAX, MIN, Reducer
 from gspmd.mesh import Mesh
 from gspmd.sharding import Sharding
 from gspmd.spmd.context import DeviceContext
@@ -196,7 +197,7 @@ def _axis_groups(mesh: Mesh, names) -> np.ndarray:
     return mesh.devices.transpose(rest + dims).reshape(-1, math.prod(mesh.shape[d] for d in dims))
 
 
-def _all_reduce(reducer: str):
+def _all_reduce(reducer: Reducer):
     def convert(b, eqn, args):
         groups = _axis_groups(_mesh(eqn), eqn.params["axes"])
         return [b.add1("all-reduce", [x], x.shape, x.dtype, groups=groups, reducer=reducer) for x in args]
@@ -218,7 +219,7 @@ def _reduce_scatter(b, eqn, args):
     dim, groups = p["scatter_dimension"], _axis_groups(_mesh(eqn), p["axis_name"])
     shape = list(x.shape)
     shape[dim] //= groups.shape[1]
-    y = b.add1("reduce-scatter", [x], shape, x.dtype, dim=dim, groups=groups, reducer="add")
+    y = b.add1("reduce-scatter", [x], shape, x.dtype, dim=dim, groups=groups, reducer=ADD)
     if not p["tiled"]:
         y = b.add1("reshape", [y], tuple(n for d, n in enumerate(shape) if d != dim), x.dtype)
     return [y]
@@ -249,7 +250,7 @@ def _axis_index(b, eqn, args):
 
 
 CONVERTERS.update({
-    "manual": _convert_manual, "psum": _all_reduce("add"), "pmax": _all_reduce("max"),
-    "pmin": _all_reduce("min"), "all_gather": _all_gather, "reduce_scatter": _reduce_scatter,
+    "manual": _convert_manual, "psum": _all_reduce(ADD), "pmax": _all_reduce(MAX),
+    "pmin": _all_reduce(MIN), "all_gather": _all_gather, "reduce_scatter": _reduce_scatter,
     "all_to_all": _all_to_all, "ppermute": _ppermute, "axis_index": _axis_index,
 })

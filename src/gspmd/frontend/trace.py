@@ -11,6 +11,7 @@ from jax.extend import core as jcore
 from gspmd.errors import ShardingError
 from gspmd.frontend.annotation import mesh_split_p
 from gspmd.ir import Builder, Program, Value
+from gspmd.ir.reducer import ADD, AND, MAX, MIN, MUL, OR, Reducer
 
 Converter = Callable[[Builder, "jcore.JaxprEqn", list[Value]], list[Value]]
 CONVERTERS: dict[str, Converter] = {}
@@ -134,7 +135,7 @@ def _transpose(b, eqn, args):
     return [b.add1("transpose", args, shape, dtype, permutation=tuple(eqn.params["permutation"]))]
 
 
-def _reduce(reducer: str) -> Converter:
+def _reduce(reducer: Reducer) -> Converter:
     def convert(b, eqn, args):
         shape, dtype = _out_aval(eqn)
         return [b.add1("reduce", args, shape, dtype, dims=tuple(int(a) for a in eqn.params["axes"]),
@@ -142,7 +143,7 @@ def _reduce(reducer: str) -> Converter:
     return convert
 
 
-def _arg_reduce(reducer: str) -> Converter:
+def _arg_reduce(reducer: Reducer) -> Converter:
     """argmax/argmin as XLA lowers them to ordinary ops: the extreme value, then the
     smallest index holding it (NaN counts as the extreme, as in JAX). Each piece
     partitions and masks padding like any reduce."""
@@ -158,7 +159,7 @@ def _arg_reduce(reducer: str) -> Converter:
         index = b.add1("iota", [], x.shape, index_dtype, dimension=axis)
         beyond = _broadcast_to(b, _constant(b, np.asarray(x.shape[axis], index_dtype)), x.shape)
         index = b.add1("select", [hit, index, beyond], x.shape, index_dtype)
-        return [b.add1("reduce", [index], shape, index_dtype, dims=(axis,), reducer="min")]
+        return [b.add1("reduce", [index], shape, index_dtype, dims=(axis,), reducer=MIN)]
     return convert
 
 
@@ -232,8 +233,8 @@ _UNARY = {"neg": "negate", "exp": "exponential", "log": "log", "tanh": "tanh", "
           "cos": "cosine", "sin": "sine", "expm1": "exponential-minus-one", "log1p": "log-plus-one",
           "is_finite": "is-finite", "not": "not", "round": "round-nearest-even"}
 _COMPARE = {"eq": "EQ", "ne": "NE", "lt": "LT", "le": "LE", "gt": "GT", "ge": "GE"}
-_REDUCE = {"reduce_sum": "add", "reduce_max": "max", "reduce_min": "min", "reduce_prod": "mul",
-           "reduce_and": "and", "reduce_or": "or"}
+_REDUCE = {"reduce_sum": ADD, "reduce_max": MAX, "reduce_min": MIN, "reduce_prod": MUL,
+           "reduce_and": AND, "reduce_or": OR}
 
 for _name, _op in {**_BINARY, **_UNARY}.items():
     CONVERTERS[_name] = _elementwise(_op)
@@ -241,8 +242,8 @@ for _name, _dir in _COMPARE.items():
     CONVERTERS[_name] = _elementwise("compare", direction=_dir)
 for _name, _red in _REDUCE.items():
     CONVERTERS[_name] = _reduce(_red)
-CONVERTERS["argmax"] = _arg_reduce("max")
-CONVERTERS["argmin"] = _arg_reduce("min")
+CONVERTERS["argmax"] = _arg_reduce(MAX)
+CONVERTERS["argmin"] = _arg_reduce(MIN)
 for _name in ("jit", "pjit", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "remat",
               "checkpoint", "closed_call", "core_call"):
     CONVERTERS[_name] = _call
@@ -276,7 +277,7 @@ def _rev(b, eqn, args):
 CONVERTERS.update({"conv_general_dilated": _conv_general_dilated, "rev": _rev})
 
 
-def _reduce_window(reducer: str) -> Converter:
+def _reduce_window(reducer: Reducer) -> Converter:
     def convert(b, eqn, args):
         p = eqn.params
         return [b.add1("reduce-window", args, *_out_aval(eqn), reducer=reducer,
@@ -296,8 +297,8 @@ def _select_and_scatter_add(b, eqn, args):
                    padding=tuple((int(lo), int(hi)) for lo, hi in p["padding"]))]
 
 
-CONVERTERS.update({"reduce_window_sum": _reduce_window("add"), "reduce_window_max": _reduce_window("max"),
-                   "reduce_window_min": _reduce_window("min"), "select_and_scatter_add": _select_and_scatter_add})
+CONVERTERS.update({"reduce_window_sum": _reduce_window(ADD), "reduce_window_max": _reduce_window(MAX),
+                   "reduce_window_min": _reduce_window(MIN), "select_and_scatter_add": _select_and_scatter_add})
 
 
 # -- scans along one axis ---------------------------------------------------------------

@@ -39,7 +39,7 @@ class Value:
 class Instr:
     """One instruction. `origin` says where it came from (the JAX primitive or the
     partition rule that emitted it), for reports and explain."""
-    __slots__ = ("opcode", "operands", "attrs", "outputs", "origin")
+    __slots__ = ("opcode", "operands", "attrs", "outputs", "origin", "why")
 
     def __init__(self, opcode: str, operands: Sequence[Value], attrs: dict, origin: str = ""):
         self.opcode = opcode
@@ -47,6 +47,7 @@ class Instr:
         self.attrs = dict(attrs)
         self.outputs: list[Value] = []
         self.origin = origin
+        self.why = None   # collectives: the spmd.context.Why of the rule that made it
 
     @property
     def output(self) -> Value:

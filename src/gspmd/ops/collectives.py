@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from gspmd.ops.reduce import REDUCERS
 from gspmd.ops.registry import register
 
 
@@ -23,8 +22,8 @@ def _per_group(instr, per_device, combine):
 
 
 def _all_reduce(instr, per_device):
-    fn = REDUCERS[instr.attrs["reducer"]]
-    return _per_group(instr, per_device, lambda xs: [fn(np.stack(xs), axis=0)] * len(xs))
+    reducer = instr.attrs["reducer"]
+    return _per_group(instr, per_device, lambda xs: [reducer.reduce(np.stack(xs), (0,))] * len(xs))
 
 
 def _all_gather(instr, per_device):
@@ -33,8 +32,8 @@ def _all_gather(instr, per_device):
 
 
 def _reduce_scatter(instr, per_device):
-    fn, dim = REDUCERS[instr.attrs["reducer"]], instr.attrs["dim"]
-    return _per_group(instr, per_device, lambda xs: np.split(fn(np.stack(xs), axis=0), len(xs), axis=dim))
+    reducer, dim = instr.attrs["reducer"], instr.attrs["dim"]
+    return _per_group(instr, per_device, lambda xs: np.split(reducer.reduce(np.stack(xs), (0,)), len(xs), axis=dim))
 
 
 def _all_to_all(instr, per_device):

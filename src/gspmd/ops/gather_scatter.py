@@ -14,6 +14,7 @@ from functools import partial
 import numpy as np
 
 from gspmd.ir import Instr, Value
+from gspmd.ir.reducer import ADD, AND
 from gspmd.ops.registry import LAYOUT, register
 from gspmd.sharding import Sharding
 from gspmd.spmd import factors as fx
@@ -84,11 +85,8 @@ def _evaluate_scatter(instr, args, device):
     if reducer is None:
         out[picked] = moved[inside]
     else:
-        _UFUNCS[reducer].at(out, picked, moved[inside])
+        reducer.combine.at(out, picked, moved[inside])
     return [out]
-
-
-_UFUNCS = {"add": np.add, "mul": np.multiply, "max": np.maximum, "min": np.minimum}
 
 
 # -- factors --------------------------------------------------------------------------
@@ -117,7 +115,7 @@ def _scatter_factors(instr: Instr) -> list[Factor]:
     operand, indices, updates = instr.operands
     a = instr.attrs
     scatter_dims = [d for d in range(updates.rank) if d not in a["update_window_dims"]]
-    batch_kind = REDUCE if a["reducer"] == "add" else REPLICATE
+    batch_kind = REDUCE if a["reducer"] is ADD else REPLICATE
     factors = [Factor(n, (None, i, u, None), batch_kind) for i, (n, u) in
                enumerate(zip(indices.shape[:-1], scatter_dims))]
     factors.append(Factor(indices.shape[-1], (None, indices.rank - 1, None, None), REPLICATE))
@@ -165,7 +163,7 @@ def _localize(ctx: DeviceContext, instr: Instr, indices: Value, operand: Value, 
     ok = b.add1("and", [b.add1("compare", [local, vector(np.zeros(k))], idx.shape, np.bool_, direction="GE"),
                         b.add1("compare", [local, vector(lengths)], idx.shape, np.bool_, direction="LT")],
                 idx.shape, np.bool_)
-    inside = b.add1("reduce", [ok], idx.shape[:-1], np.bool_, dims=(idx.rank - 1,), reducer="and")
+    inside = b.add1("reduce", [ok], idx.shape[:-1], np.bool_, dims=(idx.rank - 1,), reducer=AND)
     return local, inside
 
 

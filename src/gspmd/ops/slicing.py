@@ -15,12 +15,13 @@ from typing import Optional, Sequence
 import numpy as np
 
 from gspmd.ir import Value
+from gspmd.ir.reducer import ADD, OR, Reducer
 from gspmd.ops.registry import LAYOUT, register
 from gspmd.ops.window import pad_array
 from gspmd.sharding import Sharding
 from gspmd.spmd import factors as fx
 from gspmd.spmd import reshard as rs
-from gspmd.spmd.context import INDEX_DTYPE
+from gspmd.spmd.context import INDEX_DTYPE, Why
 from gspmd.spmd.factors import PASS, REDUCE, REPLICATE, Factor
 from gspmd.spmd.halo import (Window, keep_inside, pad_dim, partition_pinned, partition_windowed, plan_dim, plan_layout,
                              slice_outputs, windowed_ranges)
@@ -160,8 +161,8 @@ def _constant_starts(instr, first: int) -> Optional[list[int]]:
     return [int(p.attrs["value"]) for p in producers]
 
 
-def _reducer(dtype) -> str:
-    return "or" if np.dtype(dtype) == np.bool_ else "add"
+def _reducer(dtype) -> Reducer:
+    return OR if np.dtype(dtype) == np.bool_ else ADD
 
 
 def _dynamic_slice_factors(instr):
@@ -302,7 +303,7 @@ def _fetch_tiles_ahead(ctx, pv: PartitionedValue, dim: int, ahead: int) -> Value
         return pv.local
     layout = pv.sharding.tile_assignment
     pairs = np.stack([np.roll(layout, -ahead, axis=dim).ravel(), layout.ravel()], axis=1)
-    return ctx.collective_permute(pv.local, pairs, "rotation: collective-permute")
+    return ctx.collective_permute(pv.local, pairs, Why.DATA_FORMATTING, "rotation")
 
 
 def _partition_concatenate(ctx, instr, operands, targets):

@@ -17,9 +17,10 @@ import numpy as np
 from gspmd.ops.registry import LAYOUT, register
 from gspmd.spmd import factors as fx
 from gspmd.spmd import reshard as rs
+from gspmd.spmd.context import Why
+from gspmd.ir.reducer import MAX, MIN
 from gspmd.spmd.halo import (Window, dynamic_slice_dim, local_base, pad_dim, partition_pinned, partition_windowed,
                              plan_dim, plan_layout, slice_outputs, windowed, windowed_ranges)
-from gspmd.spmd.padding import reducer_identity
 from gspmd.spmd.partitioned import PartitionedValue
 
 
@@ -73,9 +74,6 @@ def _pad_base(x: np.ndarray, fill, windows: Sequence[Window]) -> np.ndarray:
 
 
 # -- reduce-window ----------------------------------------------------------------------
-_BINARY = {"add": np.add, "max": np.maximum, "min": np.minimum}
-
-
 def _rw_windows(instr) -> list[Window]:
     return windows_of(instr.attrs, instr.attrs["window_dimensions"], WINDOW_DILATIONS)
 
@@ -83,12 +81,12 @@ def _rw_windows(instr) -> list[Window]:
 def _evaluate_reduce_window(instr, args, device):
     out, reducer = instr.outputs[0], instr.attrs["reducer"]
     windows = _rw_windows(instr)
-    init = reducer_identity(reducer, out.dtype)
+    init = reducer.identity(out.dtype)
     base = _pad_base(args[0], init, windows)
     acc = np.full(out.shape, init, out.dtype)
     if all(out.shape):
         for _, sl in _window_slices(windows, out.shape):
-            acc = _BINARY[reducer](acc, base[sl])
+            acc = reducer.combine(acc, base[sl])
     return [acc]
 
 
@@ -105,7 +103,7 @@ def _partition_reduce_window(ctx, instr, operands, targets):
     windows = _rw_windows(instr)
     plans, layout = plan_layout(_rw_windows(instr), x, target, lambda d, parts: plan_dim(x.shape[d], windows[d], parts))
     factors = _dim_factors(instr, plans)
-    fill = reducer_identity(instr.attrs["reducer"], x.dtype)
+    fill = instr.attrs["reducer"].identity(x.dtype)
 
     def emit(ctx, _instr, locals_, shapes):
         local = [plans[d].local if d in plans else w for d, w in enumerate(windows)]
@@ -126,7 +124,7 @@ def _evaluate_select_and_scatter_add(instr, args, device):
     out = instr.outputs[0]
     windows = _rw_windows(instr)
     select_max = instr.attrs["select"] == "ge"
-    pad = reducer_identity("max" if select_max else "min", operand.dtype)
+    pad = (MAX if select_max else MIN).identity(operand.dtype)
     base = _pad_base(operand, pad, windows)
     slices = list(_window_slices(windows, source.shape))
     if not slices or not source.size:
@@ -150,7 +148,7 @@ def _partition_select_and_scatter_add(ctx, instr, operands, targets):
     factors = _dim_factors(instr, spans)
     if not spans:
         return fx.partition(ctx, instr, factors, operands, targets)
-    fill = reducer_identity("max" if instr.attrs["select"] == "ge" else "min", operand.dtype)
+    fill = (MAX if instr.attrs["select"] == "ge" else MIN).identity(operand.dtype)
     src = windowed_ranges(ctx, source, {d: (o, k, True) for d, (o, k, _, _) in spans.items()}, layout, 0)
     opd = windowed_ranges(ctx, operand, {d: (x, k, True) for d, (_, _, x, k) in spans.items()}, layout, fill)
 
@@ -202,7 +200,7 @@ def _partition_reverse(ctx, instr, operands, targets):
         return fx.partition(ctx, instr, _reverse_factors(instr), operands, targets)
     tiles = x.sharding.tile_assignment
     pairs = np.stack([np.flip(tiles, split).ravel(), tiles.ravel()], axis=1)
-    y = ctx.collective_permute(x.local, pairs, "reverse: mirrored shards")
+    y = ctx.collective_permute(x.local, pairs, Why.DATA_FORMATTING, "reverse: mirrored shards")
     y = ctx.b.add1("reverse", [y], y.shape, y.dtype, dims=dims)
     padded = [n * t for n, t in zip(y.shape, x.sharding.tiles)]
     plans = {d: plan_dim(padded[d], Window(low=x.shape[d] - padded[d]), x.sharding.tiles[d])

@@ -30,7 +30,7 @@ from gspmd.ir import Instr, Program, Value
 from gspmd.mesh import Mesh
 from gspmd.runtime import sim
 from gspmd.sharding import UNSPECIFIED, Sharding
-from gspmd.spmd.padding import reducer_identity
+from gspmd.ir.reducer import ADD, AND, MAX, MIN, MUL, OR
 
 AXIS = "d"
 
@@ -94,13 +94,10 @@ register("compare", *ELEMENTWISE)(_elementwise)
 
 
 # -- layout, creation, reductions, dot ----------------------------------------------------
-_REDUCERS = {"add": jnp.sum, "mul": jnp.prod, "max": jnp.max, "min": jnp.min, "and": jnp.all, "or": jnp.any}
-
-
 @register("reduce")
 def _reduce(instr, args):
     out = instr.outputs[0]
-    return [_REDUCERS[instr.attrs["reducer"]](args[0], axis=tuple(instr.attrs["dims"])).astype(out.dtype)]
+    return [instr.attrs["reducer"].lax_reduce(args[0], instr.attrs["dims"]).astype(out.dtype)]
 
 
 @register("dot")
@@ -190,13 +187,10 @@ def _convolution(instr, args):
         preferred_element_type=out.dtype)]
 
 
-_WINDOW_REDUCERS = {"add": lax.add, "max": lax.max, "min": lax.min}
-
-
-def _reduce_window_of(x, reducer: str, a: dict):
+def _reduce_window_of(x, reducer, a: dict):
     # A concrete identity lets jax use its max/min/add pooling primitives (differentiable).
-    init, ones = np.asarray(reducer_identity(reducer, x.dtype), x.dtype), (1,) * x.ndim
-    return lax.reduce_window(x, init, _WINDOW_REDUCERS[reducer], a["window_dimensions"], a["window_strides"],
+    init, ones = reducer.identity(x.dtype), (1,) * x.ndim
+    return lax.reduce_window(x, init, reducer.lax_combine, a["window_dimensions"], a["window_strides"],
                              a["padding"], a.get("base_dilation", ones), a.get("window_dilation", ones))
 
 
@@ -210,7 +204,7 @@ def _select_and_scatter_add(instr, args):
     """The transpose of max (ge) / min (le) pooling: jax's own gradient of reduce-window,
     which is HLO select-and-scatter (first extreme in each window wins)."""
     source, operand = args
-    reducer = "max" if instr.attrs["select"] == "ge" else "min"
+    reducer = MAX if instr.attrs["select"] == "ge" else MIN
     _, pullback = jax.vjp(lambda o: _reduce_window_of(o, reducer, instr.attrs), operand)
     return [pullback(source.astype(operand.dtype))[0].astype(instr.outputs[0].dtype)]
 
@@ -244,10 +238,10 @@ def _rank_in_group(instr: Instr):
 
 def _all_reduce_value(instr: Instr, x):
     reducer, groups = instr.attrs["reducer"], _axis_groups(instr)
-    if reducer == "add":
+    if reducer is ADD:
         return lax.psum(x, AXIS, axis_index_groups=groups)
-    if reducer in ("max", "min", "and", "or"):
-        op = lax.pmax if reducer in ("max", "or") else lax.pmin
+    if reducer in (MAX, MIN, AND, OR) and (reducer in (MAX, MIN) or x.dtype == jnp.bool_):
+        op = lax.pmax if reducer in (MAX, OR) else lax.pmin
         wide = x.astype(jnp.int32) if x.dtype == jnp.bool_ else x   # no boolean max/min collective
         out = op(wide, AXIS, axis_index_groups=groups).astype(x.dtype)
         if jnp.issubdtype(x.dtype, jnp.floating):
@@ -257,7 +251,7 @@ def _all_reduce_value(instr: Instr, x):
         return out
     # No native product collective: gather the group's values and multiply locally.
     members = lax.all_gather(x, AXIS, axis_index_groups=groups)
-    return _REDUCERS[reducer](members, axis=0).astype(x.dtype)
+    return reducer.lax_reduce(members, (0,)).astype(x.dtype)
 
 
 @register("all-reduce")
@@ -276,7 +270,7 @@ def _all_gather(instr, args):
 @register("reduce-scatter")
 def _reduce_scatter(instr, args):
     dim = instr.attrs["dim"]
-    if instr.attrs["reducer"] == "add":
+    if instr.attrs["reducer"] is ADD:
         return [lax.psum_scatter(args[0], AXIS, scatter_dimension=dim, axis_index_groups=_axis_groups(instr),
                                  tiled=True)]
     # Other reducers: all-reduce, then keep this device's piece.
@@ -323,8 +317,8 @@ def _gather(instr, args):
                        fill_value=a["fill_value"])]
 
 
-_SCATTERS = {None: lax.scatter, "add": lax.scatter_add, "mul": lax.scatter_mul, "min": lax.scatter_min,
-             "max": lax.scatter_max}
+_SCATTERS = {None: lax.scatter, ADD: lax.scatter_add, MUL: lax.scatter_mul, MIN: lax.scatter_min,
+             MAX: lax.scatter_max}
 
 
 @register("scatter")

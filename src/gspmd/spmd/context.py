@@ -2,31 +2,48 @@
 collectives. Every collective records the instruction and the rule that made it."""
 from __future__ import annotations
 
-from typing import Sequence
+import enum
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from gspmd.ir import Builder, Value
+from gspmd.ir import Builder, Program, Value
+from gspmd.ir.reducer import Reducer
 
 INDEX_DTYPE = np.int32
+
+
+class Why(enum.Enum):
+    """Why a partition rule moved data (reports group collectives by it)."""
+    RESHARD = "reshard"
+    FALLBACK = "reshard fallback"            # gathered only to be split again: reports warn
+    PARTIAL_RESULTS = "partial results"      # combining partial sums of a split reduction
+    HALO = "halo exchange"                   # windows reaching into neighbours' shards
+    DATA_FORMATTING = "data formatting"      # rotations, mirrored reverses
+    MANUAL = "manual"                        # written by the user in a manual region
+
+
+# partition_subprogram(program, in_layouts, out_layouts) -> the per-device program
+PartitionSubprogram = Callable[[Program, Sequence, Sequence], Program]
 
 
 class DeviceContext:
     """The devices one partitioning step sees as partitions. Partition p runs on
     device `devices[p]`; collectives name device ids."""
 
-    def __init__(self, builder: Builder, num_devices: int):
+    def __init__(self, builder: Builder, num_devices: int,
+                 partition_subprogram: Optional[PartitionSubprogram] = None,
+                 partitioned: Optional[Callable[[Value], object]] = None):
+        """The driver's hooks: partition_subprogram partitions loop bodies and conditions;
+        partitioned(value) is the PartitionedValue of any value already partitioned (for
+        rules that look through their operands' producers)."""
         self.b = builder
         self.num_devices = num_devices
         self.devices = np.arange(num_devices)
         self._pid: Value | None = None
         self._tables: dict[bytes, Value] = {}
-        # Set by the partitioner driver: partition_subprogram(program, in_layouts,
-        # out_layouts) -> per-device program (loop bodies and conditions).
-        self.partition_subprogram = None
-        # Set by the driver too: partitioned(value) -> the PartitionedValue of any value
-        # already partitioned (rules that look through their operands' producers).
-        self.partitioned = None
+        self.partition_subprogram = partition_subprogram
+        self.partitioned = partitioned
 
     # -- partition-dependent scalars ---------------------------------------------
     def partition_id(self) -> Value:
@@ -74,39 +91,43 @@ class DeviceContext:
                            strides=(1,) * x.rank)
 
     # -- collectives -------------------------------------------------------------
-    def _collective(self, opcode: str, x: Value, shape, rule: str, **attrs) -> Value:
+    def _collective(self, opcode: str, x: Value, shape, why: Why, detail: str, **attrs) -> Value:
         out = self.b.add1(opcode, [x], shape, x.dtype, **attrs)
+        rule = f"{why.value}: {detail}" if detail else why.value
         out.producer.origin = f"{self.b.origin} [{rule}]" if self.b.origin else rule
+        out.producer.why = why
         return out
 
-    def all_reduce(self, x: Value, groups: np.ndarray, reducer: str, rule: str) -> Value:
-        return self._collective("all-reduce", x, x.shape, rule, groups=_groups(groups), reducer=reducer)
+    def all_reduce(self, x: Value, groups: np.ndarray, reducer: Reducer, why: Why, detail: str = "") -> Value:
+        return self._collective("all-reduce", x, x.shape, why, detail, groups=_groups(groups), reducer=reducer)
 
-    def all_gather(self, x: Value, dim: int, groups: np.ndarray, rule: str) -> Value:
+    def all_gather(self, x: Value, dim: int, groups: np.ndarray, why: Why, detail: str = "") -> Value:
         groups = _groups(groups)
         shape = list(x.shape)
         shape[dim] *= groups.shape[1]
-        return self._collective("all-gather", x, shape, rule, dim=dim, groups=groups)
+        return self._collective("all-gather", x, shape, why, detail, dim=dim, groups=groups)
 
-    def reduce_scatter(self, x: Value, dim: int, groups: np.ndarray, reducer: str, rule: str) -> Value:
+    def reduce_scatter(self, x: Value, dim: int, groups: np.ndarray, reducer: Reducer, why: Why,
+                       detail: str = "") -> Value:
         groups = _groups(groups)
         shape = list(x.shape)
         assert shape[dim] % groups.shape[1] == 0
         shape[dim] //= groups.shape[1]
-        return self._collective("reduce-scatter", x, shape, rule, dim=dim, groups=groups, reducer=reducer)
+        return self._collective("reduce-scatter", x, shape, why, detail, dim=dim, groups=groups, reducer=reducer)
 
-    def all_to_all(self, x: Value, split_dim: int, concat_dim: int, groups: np.ndarray, rule: str) -> Value:
+    def all_to_all(self, x: Value, split_dim: int, concat_dim: int, groups: np.ndarray, why: Why,
+                   detail: str = "") -> Value:
         groups = _groups(groups)
         k = groups.shape[1]
         shape = list(x.shape)
         assert shape[split_dim] % k == 0
         shape[split_dim] //= k
         shape[concat_dim] *= k
-        return self._collective("all-to-all", x, shape, rule, split_dim=split_dim, concat_dim=concat_dim,
+        return self._collective("all-to-all", x, shape, why, detail, split_dim=split_dim, concat_dim=concat_dim,
                                 groups=groups)
 
-    def collective_permute(self, x: Value, pairs: np.ndarray, rule: str) -> Value:
-        return self._collective("collective-permute", x, x.shape, rule,
+    def collective_permute(self, x: Value, pairs: np.ndarray, why: Why, detail: str = "") -> Value:
+        return self._collective("collective-permute", x, x.shape, why, detail,
                                 pairs=np.asarray(pairs, np.int64).reshape(-1, 2))
 
 

@@ -11,6 +11,7 @@ len(factors) — from which every tensor's layout follows by `Sharding.remap`.
 """
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -18,21 +19,28 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from gspmd.ir import Instr, Value
+from gspmd.ir.reducer import ADD, Reducer
 from gspmd.sharding import Sharding
 from gspmd.spmd import reshard as rs
-from gspmd.spmd.context import DeviceContext
-from gspmd.spmd.padding import is_padded, mask_padding, reducer_identity
+from gspmd.spmd.context import DeviceContext, Why
+from gspmd.spmd.padding import is_padded, mask_padding
 from gspmd.spmd.partitioned import PartitionedValue
 
-PASS, REDUCE, REPLICATE = "pass", "reduce", "replicate"
+class FactorKind(enum.Enum):
+    PASS = "pass"              # split freely: each device computes its part
+    REDUCE = "reduce"          # split: partial results that a collective combines
+    REPLICATE = "replicate"    # must stay whole
+
+
+PASS, REDUCE, REPLICATE = FactorKind.PASS, FactorKind.REDUCE, FactorKind.REPLICATE
 
 
 @dataclass(frozen=True)
 class Factor:
     size: int
     dims: tuple[Optional[int], ...]   # per tensor: operands, then outputs
-    kind: str = PASS
-    reducer: str = "add"
+    kind: FactorKind = PASS
+    reducer: Reducer = ADD            # how REDUCE partials combine
 
 
 def _factor_view(factors: Sequence[Factor], t: int, s: Sharding) -> Sharding:
@@ -147,7 +155,7 @@ def run(ctx: DeviceContext, instr: Instr, factors: Sequence[Factor], space: Shar
         for f in red:
             dim = factors[f].dims[t]
             if dim is not None and is_padded(pv, dim):
-                pv = mask_padding(ctx, pv, dim, reducer_identity(factors[f].reducer, pv.dtype))
+                pv = mask_padding(ctx, pv, dim, factors[f].reducer.identity(pv.dtype))
         locals_.append(pv.local)
     out_layouts = [tensor_layout(factors, n_in + j, space, out.rank) for j, out in enumerate(instr.outputs)]
     shapes = [lay.shard_shape(out.shape) for lay, out in zip(out_layouts, instr.outputs)]
@@ -165,7 +173,7 @@ def _combine_partials(ctx, pv: PartitionedValue, space, red, reducer, target) ->
     groups = rs.groups_along(space, red)
     d = _scatter_dim(space, red, pv.sharding, target, pv.shape)
     if d is not None:
-        y = ctx.reduce_scatter(pv.local, d, groups, reducer, "partial results: reduce-scatter")
+        y = ctx.reduce_scatter(pv.local, d, groups, reducer, Why.PARTIAL_RESULTS, "reduce-scatter")
         return PartitionedValue(y, target, pv.shape)
-    y = ctx.all_reduce(pv.local, groups, reducer, "partial results: all-reduce")
+    y = ctx.all_reduce(pv.local, groups, reducer, Why.PARTIAL_RESULTS, "all-reduce")
     return PartitionedValue(y, pv.sharding, pv.shape)

@@ -19,7 +19,7 @@ from gspmd.ir import Instr, Value
 from gspmd.sharding import Sharding
 from gspmd.spmd import factors as fx
 from gspmd.spmd import reshard as rs
-from gspmd.spmd.context import INDEX_DTYPE, DeviceContext
+from gspmd.spmd.context import INDEX_DTYPE, DeviceContext, Why
 from gspmd.spmd.partitioned import PartitionedValue
 
 
@@ -186,14 +186,14 @@ def _exchange(ctx, pv: PartitionedValue, dim: int, first: np.ndarray, count: int
         piece = _slice(ctx, pv.local, dim, max(a, delta * n) - delta * n, min(b, (delta + 1) * n) - delta * n)
         if delta:
             side = "left" if delta < 0 else "right"
-            piece = _shift(ctx, piece, groups, -delta, f"halo exchange: {side} halo")
+            piece = _shift(ctx, piece, groups, -delta, f"{side} halo")
         pieces.append(piece)
     if end > b:
         pieces.append(pad_piece(ctx, pv.local, dim, end - b, fill))
     return concatenate(ctx, pieces, dim), own + start
 
 
-def _shift(ctx, x: Value, groups: np.ndarray, hop: int, rule: str) -> Value:
+def _shift(ctx, x: Value, groups: np.ndarray, hop: int, detail: str) -> Value:
     """Partition p receives x from partition p - hop of its group (zeros at the ends)."""
     k = groups.shape[1]
     hop = max(-k, min(k, hop))   # further than the group: nobody sends
@@ -201,7 +201,8 @@ def _shift(ctx, x: Value, groups: np.ndarray, hop: int, rule: str) -> Value:
         senders, receivers = groups[:, :k - hop], groups[:, hop:]
     else:
         senders, receivers = groups[:, -hop:], groups[:, :k + hop]
-    return ctx.collective_permute(x, np.stack([senders.ravel(), receivers.ravel()], axis=1), rule)
+    return ctx.collective_permute(x, np.stack([senders.ravel(), receivers.ravel()], axis=1),
+                                  Why.HALO, detail)
 
 
 def _slice(ctx, x: Value, dim: int, start: int, limit: int) -> Value:

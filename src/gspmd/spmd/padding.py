@@ -4,24 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from gspmd.dtypes import is_floating
 from gspmd.spmd.context import INDEX_DTYPE, DeviceContext
 from gspmd.spmd.partitioned import PartitionedValue
-
-_IDENTITY = {"add": 0, "or": False, "mul": 1, "and": True}
-
-
-def reducer_identity(reducer: str, dtype) -> np.ndarray:
-    dtype = np.dtype(dtype)
-    if reducer in _IDENTITY:
-        return np.asarray(_IDENTITY[reducer], dtype)
-    big = np.inf if is_floating(dtype) else (True if dtype == bool else np.iinfo(dtype).max)
-    if reducer == "min":
-        return np.asarray(big, dtype)
-    if reducer == "max":
-        small = -np.inf if is_floating(dtype) else (False if dtype == bool else np.iinfo(dtype).min)
-        return np.asarray(small, dtype)
-    raise KeyError(f"no identity for reducer {reducer!r}")
 
 
 def is_padded(pv: PartitionedValue, dim: int) -> bool:

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from gspmd.sharding import Sharding
-from gspmd.spmd.context import DeviceContext
+from gspmd.spmd.context import DeviceContext, Why
 from gspmd.spmd.partitioned import PartitionedValue
 
 Cost = tuple  # (bytes moved per device, number of collectives): compared lexicographically
@@ -113,7 +113,8 @@ class GatherStep:
     """All-gather the minor factor k of dim's split."""
     dim: int
     k: int
-    rule: str = "reshard: all-gather"
+    why: Why = Why.RESHARD
+    detail: str = "all-gather"
 
     def result(self, s: Sharding) -> Sharding:
         return coarsen(s, self.dim, self.k)
@@ -123,7 +124,7 @@ class GatherStep:
 
     def apply(self, ctx: DeviceContext, pv: PartitionedValue) -> PartitionedValue:
         s = pv.sharding
-        y = ctx.all_gather(pv.local, self.dim, minor_groups(s, self.dim, self.k), self.rule)
+        y = ctx.all_gather(pv.local, self.dim, minor_groups(s, self.dim, self.k), self.why, self.detail)
         result = self.result(s)
         if result.tiles[self.dim] == 1:
             y = ctx.slice_prefix(y, self.dim, pv.shape[self.dim])
@@ -147,7 +148,7 @@ class AllToAllStep:
 
     def apply(self, ctx: DeviceContext, pv: PartitionedValue) -> PartitionedValue:
         groups = minor_groups(pv.sharding, self.src, self.k)
-        y = ctx.all_to_all(pv.local, self.dst, self.src, groups, "reshard: all-to-all")
+        y = ctx.all_to_all(pv.local, self.dst, self.src, groups, Why.RESHARD, "all-to-all")
         return PartitionedValue(y, self.target, pv.shape)
 
 
@@ -164,7 +165,7 @@ class PermuteStep:
 
     def apply(self, ctx: DeviceContext, pv: PartitionedValue) -> PartitionedValue:
         y = ctx.collective_permute(pv.local, _permute_pairs(pv.sharding, self.target),
-                                   "reshard: collective-permute")
+                                   Why.RESHARD, "collective-permute")
         return PartitionedValue(y, self.target, pv.shape)
 
 
@@ -265,9 +266,9 @@ def _plan_steps(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> list:
     for dim in range(src.rank):
         m = _common_tiles(src, dst, dim, shape[dim])
         if src.tiles[dim] > m:
-            rule = f"reshard fallback: all-gather then slice, {src} -> {dst}" if dst.tiles[dim] > m \
-                else "reshard: all-gather"
-            steps.append(GatherStep(dim, src.tiles[dim] // m, rule))
+            k = src.tiles[dim] // m
+            steps.append(GatherStep(dim, k, Why.FALLBACK, f"all-gather then slice, {src} -> {dst}")
+                         if dst.tiles[dim] > m else GatherStep(dim, k))
             cur = steps[-1].result(cur)
     if cur != dst:
         steps.append(SliceStep(dst))
