@@ -146,3 +146,19 @@ def test_integer_bitwise_ops_follow_hlo():
 
     rng = np.random.RandomState(10)
     check(f, rng.randint(-40, 40, (6, 8)).astype(np.int32), rng.randint(-40, 40, (6, 8)).astype(np.int32), mesh=MESH)
+
+
+def test_every_op_record_has_a_reference_and_a_lowering():
+    """One record per op holds all of its knowledge: what runs it on the sim backend and
+    on jax devices (manual regions are inlined into the SPMD program by partitioning)."""
+    from gspmd.ops import OPS
+    for opcode, op in OPS.items():
+        assert op.evaluate or op.evaluate_all or op.evaluate_programs or opcode == "manual", opcode
+        assert op.lower is not None or opcode == "manual", opcode
+
+
+def test_select_n_with_many_cases():
+    rng = np.random.RandomState(2)
+    which = np.array([[0, 1, 2, 3, 1, 0]] * 4, np.int32)
+    cases = [rand(rng, 4, 6) for _ in range(4)]
+    check(lambda w, *c: jax.lax.select_n(split(w, "x", "y"), *c), which, *cases, mesh=MESH)

@@ -1,5 +1,4 @@
 """jaxpr -> Program, and the mesh_split annotation primitive."""
-from gspmd.frontend import control, indexing  # noqa: F401  (register loop and indexing converters)
 from gspmd.frontend.manual import manual
 from gspmd.frontend.annotation import mesh_split, mesh_split_p
 from gspmd.frontend.trace import trace

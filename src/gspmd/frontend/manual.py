@@ -7,7 +7,7 @@ the other partitions. Mesh axes that are not manual stay automatic: specs may no
 them and the subgraph is replicated over them (each such subgroup runs it alike).
 
 Run by plain JAX, the subgraph is vmapped over the manual axes with those axis names; in
-gspmd its per-device code is placed into the SPMD program as it is.
+gspmd its per-device code is placed into the SPMD program as it is (ops/manual.py).
 """
 from __future__ import annotations
 
@@ -21,12 +21,7 @@ from jax.extend.core import Primitive, jaxpr_as_fun
 from jax.interpreters import ad, mlir
 
 from gspmd.errors import ShardingError
-from gspmd.frontend.trace import CONVERTERS, _inline
-from gspmd.ir import Builder, Program, Value
-from gspmd.ir.reducer import ADD, MAX, MIN, Reducer
 from gspmd.mesh import Mesh
-from gspmd.sharding import Sharding
-from gspmd.spmd.context import DeviceContext
 
 manual_p = Primitive("manual")
 manual_p.multiple_results = True
@@ -105,10 +100,6 @@ def _global_shape(mesh: Mesh, spec, shape) -> tuple:
     return tuple(n * _parts(mesh, names) for names, n in zip(spec, shape))
 
 
-def spec_sharding(mesh: Mesh, spec, shape) -> Sharding:
-    return Sharding.from_mesh(mesh, [names if names else -1 for names in spec], shape)
-
-
 # -- plain JAX: vmap over the manual axes -------------------------------------------------
 def _split(x, mesh: Mesh, axes, spec):
     """[*global] -> [*axis sizes, *local]: the manual axes lead, in `axes` order."""
@@ -160,97 +151,3 @@ manual_p.def_impl(_reference)
 manual_p.def_abstract_eval(_abstract)
 mlir.register_lowering(manual_p, mlir.lower_fun(_reference, multiple_results=True))
 ad.primitive_jvps[manual_p] = _no_differentiation
-
-
-# -- into the IR: the body is per-device code already -----------------------------------
-_MESHES: list[Mesh] = []   # the mesh of the manual body being converted (innermost last)
-
-
-def _convert_manual(b: Builder, eqn, args: list[Value]) -> list[Value]:
-    p = eqn.params
-    mesh, body = p["mesh"], Program(f"{b.program.name}.manual", parent=b.program)
-    sb = Builder(body, origin="manual")
-    params = [sb.param(v.aval.shape, v.aval.dtype, hint="local") for v in p["body"].jaxpr.invars]
-    _MESHES.append(mesh)
-    try:
-        body.outputs = _inline(sb, p["body"], params)
-    finally:
-        _MESHES.pop()
-    in_shardings = tuple(spec_sharding(mesh, s, a.shape) for s, a in zip(p["in_specs"], args))
-    out_shardings = tuple(spec_sharding(mesh, s, shape) for s, shape in zip(p["out_specs"], p["out_shapes"]))
-    return b.add("manual", args, [(shape, a.dtype) for shape, a in zip(p["out_shapes"], p["body"].out_avals)],
-                 body=body, in_shardings=in_shardings, out_shardings=out_shardings)
-
-
-def _mesh(eqn) -> Mesh:
-    if not _MESHES:
-        raise ShardingError(f"`{eqn.primitive.name}` over a named axis is only meaningful inside gspmd.manual "
-                            "(or jax.shard_map, which gspmd does not trace); move it into a manual function.")
-    return _MESHES[-1]
-
-
-def _axis_groups(mesh: Mesh, names) -> np.ndarray:
-    """[G, k]: devices differing only along the named axes, ordered by their index there."""
-    names = (names,) if isinstance(names, str) else tuple(names)
-    dims = [mesh.axis_index(n) for n in names]
-    rest = [d for d in range(mesh.ndim) if d not in dims]
-    return mesh.devices.transpose(rest + dims).reshape(-1, math.prod(mesh.shape[d] for d in dims))
-
-
-def _all_reduce(reducer: Reducer):
-    def convert(b, eqn, args):
-        groups = _axis_groups(_mesh(eqn), eqn.params["axes"])
-        return [b.add1("all-reduce", [x], x.shape, x.dtype, groups=groups, reducer=reducer) for x in args]
-    return convert
-
-
-def _all_gather(b, eqn, args):
-    p, (x,) = eqn.params, args
-    dim, groups = p["all_gather_dimension"], _axis_groups(_mesh(eqn), p["axis_name"])
-    if not p["tiled"]:   # a new dim of size k: gather along an inserted unit dim
-        x = b.add1("reshape", [x], x.shape[:dim] + (1,) + x.shape[dim:], x.dtype)
-    shape = list(x.shape)
-    shape[dim] *= groups.shape[1]
-    return [b.add1("all-gather", [x], shape, x.dtype, dim=dim, groups=groups)]
-
-
-def _reduce_scatter(b, eqn, args):
-    p, (x,) = eqn.params, args
-    dim, groups = p["scatter_dimension"], _axis_groups(_mesh(eqn), p["axis_name"])
-    shape = list(x.shape)
-    shape[dim] //= groups.shape[1]
-    y = b.add1("reduce-scatter", [x], shape, x.dtype, dim=dim, groups=groups, reducer=ADD)
-    if not p["tiled"]:
-        y = b.add1("reshape", [y], tuple(n for d, n in enumerate(shape) if d != dim), x.dtype)
-    return [y]
-
-
-def _all_to_all(b, eqn, args):
-    p, (x,) = eqn.params, args
-    groups = _axis_groups(_mesh(eqn), p["axis_name"])
-    k, split, concat = groups.shape[1], p["split_axis"], p["concat_axis"]
-    shape = list(x.shape)
-    shape[split] //= k
-    shape[concat] *= k
-    return [b.add1("all-to-all", [x], shape, x.dtype, split_dim=split, concat_dim=concat, groups=groups)]
-
-
-def _ppermute(b, eqn, args):
-    p, (x,) = eqn.params, args
-    groups = _axis_groups(_mesh(eqn), p["axis_name"])
-    pairs = [(line[src], line[dst]) for line in groups for src, dst in p["perm"]]
-    return [b.add1("collective-permute", [x], x.shape, x.dtype, pairs=np.asarray(pairs, np.int64))]
-
-
-def _axis_index(b, eqn, args):
-    mesh = _mesh(eqn)
-    coords = np.empty(mesh.size, np.int32)
-    coords[mesh.devices] = np.indices(mesh.shape)[mesh.axis_index(eqn.params["axis_name"])]
-    return [DeviceContext(b, mesh.size).table_lookup(coords)]
-
-
-CONVERTERS.update({
-    "manual": _convert_manual, "psum": _all_reduce(ADD), "pmax": _all_reduce(MAX),
-    "pmin": _all_reduce(MIN), "all_gather": _all_gather, "reduce_scatter": _reduce_scatter,
-    "all_to_all": _all_to_all, "ppermute": _ppermute, "axis_index": _axis_index,
-})

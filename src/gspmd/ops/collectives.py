@@ -1,12 +1,28 @@
 """partition-id and the five collectives. Their semantics run over all devices at once
-(evaluate_all); groups are rows of device ids, ordered."""
+(evaluate_all); groups are rows of device ids, ordered.
+
+The partitioner emits them through spmd.context.DeviceContext; JAX's collectives over
+named mesh axes (psum, all_gather, ppermute, axis_index, ...) become them inside manual
+regions (gspmd.manual), where the enclosing region's mesh turns axis names into groups.
+On the jax backend they lower to jax's grouped collectives over the shard_map axis.
+"""
 from __future__ import annotations
 
+import math
+
 import numpy as np
+from jax import lax
+from jax import numpy as jnp
 
+from gspmd.errors import ShardingError
+from gspmd.ir import Instr
+from gspmd.ir.reducer import ADD, AND, MAX, MIN, OR, Reducer
+from gspmd.mesh import Mesh
 from gspmd.ops.registry import register
+from gspmd.spmd.context import DeviceContext
 
 
+# -- reference semantics ----------------------------------------------------------------
 def _evaluate_partition_id(instr, args, device):
     return [np.asarray(device, instr.outputs[0].dtype)]
 
@@ -21,22 +37,22 @@ def _per_group(instr, per_device, combine):
     return out
 
 
-def _all_reduce(instr, per_device):
+def _evaluate_all_reduce(instr, per_device):
     reducer = instr.attrs["reducer"]
     return _per_group(instr, per_device, lambda xs: [reducer.reduce(np.stack(xs), (0,))] * len(xs))
 
 
-def _all_gather(instr, per_device):
+def _evaluate_all_gather(instr, per_device):
     dim = instr.attrs["dim"]
     return _per_group(instr, per_device, lambda xs: [np.concatenate(xs, axis=dim)] * len(xs))
 
 
-def _reduce_scatter(instr, per_device):
+def _evaluate_reduce_scatter(instr, per_device):
     reducer, dim = instr.attrs["reducer"], instr.attrs["dim"]
     return _per_group(instr, per_device, lambda xs: np.split(reducer.reduce(np.stack(xs), (0,)), len(xs), axis=dim))
 
 
-def _all_to_all(instr, per_device):
+def _evaluate_all_to_all(instr, per_device):
     split, concat = instr.attrs["split_dim"], instr.attrs["concat_dim"]
 
     def exchange(xs):
@@ -46,7 +62,7 @@ def _all_to_all(instr, per_device):
     return _per_group(instr, per_device, exchange)
 
 
-def _collective_permute(instr, per_device):
+def _evaluate_collective_permute(instr, per_device):
     # Devices that nobody sends to receive zeros (HLO semantics).
     out = [[np.zeros_like(x[0])] for x in per_device]
     for src, dst in instr.attrs["pairs"]:
@@ -54,9 +70,174 @@ def _collective_permute(instr, per_device):
     return out
 
 
-register("partition-id", evaluate=_evaluate_partition_id)
-register("all-reduce", evaluate_all=_all_reduce)
-register("all-gather", evaluate_all=_all_gather)
-register("reduce-scatter", evaluate_all=_reduce_scatter)
-register("all-to-all", evaluate_all=_all_to_all)
-register("collective-permute", evaluate_all=_collective_permute)
+# -- JAX's named-axis collectives inside manual regions -----------------------------------
+def _manual_mesh(b, eqn) -> Mesh:
+    if not b.manual_meshes:
+        raise ShardingError(f"`{eqn.primitive.name}` over a named axis is only meaningful inside gspmd.manual "
+                            "(or jax.shard_map, which gspmd does not trace); move it into a manual function.")
+    return b.manual_meshes[-1]
+
+
+def _named_groups(b, eqn, names) -> np.ndarray:
+    """[G, k]: devices differing only along the named axes, ordered by their index there."""
+    mesh = _manual_mesh(b, eqn)
+    names = (names,) if isinstance(names, str) else tuple(names)
+    dims = [mesh.axis_index(n) for n in names]
+    rest = [d for d in range(mesh.ndim) if d not in dims]
+    return mesh.devices.transpose(rest + dims).reshape(-1, math.prod(mesh.shape[d] for d in dims))
+
+
+def _convert_psum(reducer: Reducer):
+    def convert(b, eqn, args):
+        groups = _named_groups(b, eqn, eqn.params["axes"])
+        return [b.add1("all-reduce", [x], x.shape, x.dtype, groups=groups, reducer=reducer) for x in args]
+    return convert
+
+
+def _convert_all_gather(b, eqn, args):
+    p, (x,) = eqn.params, args
+    dim, groups = p["all_gather_dimension"], _named_groups(b, eqn, p["axis_name"])
+    if not p["tiled"]:   # a new dim of size k: gather along an inserted unit dim
+        x = b.add1("reshape", [x], x.shape[:dim] + (1,) + x.shape[dim:], x.dtype)
+    shape = list(x.shape)
+    shape[dim] *= groups.shape[1]
+    return [b.add1("all-gather", [x], shape, x.dtype, dim=dim, groups=groups)]
+
+
+def _convert_reduce_scatter(b, eqn, args):
+    p, (x,) = eqn.params, args
+    dim, groups = p["scatter_dimension"], _named_groups(b, eqn, p["axis_name"])
+    shape = list(x.shape)
+    shape[dim] //= groups.shape[1]
+    y = b.add1("reduce-scatter", [x], shape, x.dtype, dim=dim, groups=groups, reducer=ADD)
+    if not p["tiled"]:
+        y = b.add1("reshape", [y], tuple(n for d, n in enumerate(shape) if d != dim), x.dtype)
+    return [y]
+
+
+def _convert_all_to_all(b, eqn, args):
+    p, (x,) = eqn.params, args
+    groups = _named_groups(b, eqn, p["axis_name"])
+    k, split, concat = groups.shape[1], p["split_axis"], p["concat_axis"]
+    shape = list(x.shape)
+    shape[split] //= k
+    shape[concat] *= k
+    return [b.add1("all-to-all", [x], shape, x.dtype, split_dim=split, concat_dim=concat, groups=groups)]
+
+
+def _convert_ppermute(b, eqn, args):
+    p, (x,) = eqn.params, args
+    groups = _named_groups(b, eqn, p["axis_name"])
+    pairs = [(line[src], line[dst]) for line in groups for src, dst in p["perm"]]
+    return [b.add1("collective-permute", [x], x.shape, x.dtype, pairs=np.asarray(pairs, np.int64))]
+
+
+def _convert_axis_index(b, eqn, args):
+    mesh = _manual_mesh(b, eqn)
+    coords = np.empty(mesh.size, np.int32)
+    coords[mesh.devices] = np.indices(mesh.shape)[mesh.axis_index(eqn.params["axis_name"])]
+    return [DeviceContext(b, mesh.size).table_lookup(coords)]
+
+
+# -- jax lowering: grouped collectives over the shard_map axis ----------------------------
+def _lower_partition_id(instr, args, lc):
+    return [lax.convert_element_type(lc.axis_index(), instr.outputs[0].dtype)]
+
+
+def _axis_groups(instr: Instr, lc):
+    """The instruction's groups as axis_index_groups (None: one group of all devices in
+    order). JAX wants groups of equal size that cover every device."""
+    groups = np.asarray(instr.attrs["groups"])
+    n = lc.axis_size()
+    if sorted(groups.ravel().tolist()) != list(range(n)):
+        raise ShardingError(f"{instr.opcode} groups {groups.tolist()} do not cover the {n} devices once each; "
+                            "the jax backend cannot express that collective.")
+    if groups.shape[0] == 1 and np.array_equal(groups[0], np.arange(n)):
+        return None
+    return groups.tolist()
+
+
+def _rank_in_group(instr: Instr, lc):
+    """This device's position within its group (a scalar)."""
+    groups = np.asarray(instr.attrs["groups"])
+    rank = np.empty(groups.size, np.int32)
+    rank[groups.ravel()] = np.tile(np.arange(groups.shape[1], dtype=np.int32), groups.shape[0])
+    return jnp.asarray(rank)[lc.axis_index()]
+
+
+def _all_reduce_value(instr: Instr, x, lc):
+    reducer, groups = instr.attrs["reducer"], _axis_groups(instr, lc)
+    if reducer is ADD:
+        return lax.psum(x, lc.axis, axis_index_groups=groups)
+    if reducer in (MAX, MIN) or (reducer in (AND, OR) and x.dtype == jnp.bool_):
+        op = lax.pmax if reducer in (MAX, OR) else lax.pmin
+        wide = x.astype(jnp.int32) if x.dtype == jnp.bool_ else x   # no boolean max/min collective
+        out = op(wide, lc.axis, axis_index_groups=groups).astype(x.dtype)
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            # HLO max/min propagate NaN; XLA's CPU all-reduce drops it.
+            nan = lax.pmax(jnp.isnan(x).astype(jnp.int32), lc.axis, axis_index_groups=groups)
+            out = jnp.where(nan > 0, jnp.asarray(jnp.nan, x.dtype), out)
+        return out
+    # No native collective (product, bitwise): gather the group's values, reduce locally.
+    members = lax.all_gather(x, lc.axis, axis_index_groups=groups)
+    return reducer.lax_reduce(members, (0,)).astype(x.dtype)
+
+
+def _lower_all_reduce(instr, args, lc):
+    if np.asarray(instr.attrs["groups"]).shape[1] == 1:
+        return [args[0]]
+    return [_all_reduce_value(instr, args[0], lc)]
+
+
+def _lower_all_gather(instr, args, lc):
+    return [lax.all_gather(args[0], lc.axis, axis=instr.attrs["dim"], axis_index_groups=_axis_groups(instr, lc),
+                           tiled=True)]
+
+
+def _lower_reduce_scatter(instr, args, lc):
+    dim = instr.attrs["dim"]
+    if instr.attrs["reducer"] is ADD:
+        return [lax.psum_scatter(args[0], lc.axis, scatter_dimension=dim, axis_index_groups=_axis_groups(instr, lc),
+                                 tiled=True)]
+    # Other reducers: all-reduce, then keep this device's piece.
+    size = instr.outputs[0].shape[dim]
+    full = _all_reduce_value(instr, args[0], lc)
+    return [lax.dynamic_slice_in_dim(full, _rank_in_group(instr, lc) * size, size, axis=dim)]
+
+
+def _lower_all_to_all(instr, args, lc):
+    a = instr.attrs
+    return [lax.all_to_all(args[0], lc.axis, a["split_dim"], a["concat_dim"], axis_index_groups=_axis_groups(instr, lc),
+                           tiled=True)]
+
+
+def _lower_collective_permute(instr, args, lc):
+    """ppermute needs unique sources: a source sending to several devices goes in rounds.
+    Devices nobody sends to get zeros (HLO semantics, as ppermute does)."""
+    pairs = [tuple(int(d) for d in p) for p in np.asarray(instr.attrs["pairs"]).reshape(-1, 2)]
+    rounds: list[list] = []
+    for src, dst in pairs:
+        free = next((r for r in rounds if all(s != src for s, _ in r)), None)
+        if free is None:
+            rounds.append(free := [])
+        free.append((src, dst))
+    out = lax.ppermute(args[0], lc.axis, rounds[0]) if rounds else jnp.zeros_like(args[0])
+    for r in rounds[1:]:
+        received = np.zeros(lc.axis_size(), bool)
+        received[[d for _, d in r]] = True
+        out = jnp.where(jnp.asarray(received)[lc.axis_index()], lax.ppermute(args[0], lc.axis, r), out)
+    return [out]
+
+
+register("partition-id", converts={"axis_index": _convert_axis_index}, evaluate=_evaluate_partition_id,
+         lower=_lower_partition_id)
+register("all-reduce", converts={"psum": _convert_psum(ADD), "pmax": _convert_psum(MAX), "pmin": _convert_psum(MIN)},
+         evaluate_all=_evaluate_all_reduce, lower=_lower_all_reduce)
+register("all-gather", converts={"all_gather": _convert_all_gather}, evaluate_all=_evaluate_all_gather,
+         lower=_lower_all_gather)
+register("reduce-scatter", converts={"reduce_scatter": _convert_reduce_scatter},
+         evaluate_all=_evaluate_reduce_scatter, lower=_lower_reduce_scatter)
+register("all-to-all", converts={"all_to_all": _convert_all_to_all}, evaluate_all=_evaluate_all_to_all,
+         lower=_lower_all_to_all)
+register("collective-permute", converts={"ppermute": _convert_ppermute}, evaluate_all=_evaluate_collective_permute,
+         lower=_lower_collective_permute)

@@ -19,6 +19,7 @@ from typing import Optional
 import math
 
 import numpy as np
+from jax import lax
 
 from gspmd.ops.registry import CONTRACTION, register
 from gspmd.ops.window import pad_array, window_attrs, windows_of
@@ -177,5 +178,25 @@ def _conv_flops(instr) -> int:
     return 2 * math.prod(instr.outputs[0].shape) * per_output // instr.attrs["batch_group_count"]
 
 
-register("convolution", flops=_conv_flops, evaluate=_evaluate_conv, factors=conv_factors, partition=_partition_conv,
-         priority=CONTRACTION)
+def _convert_conv(b, eqn, args):
+    p = eqn.params
+    dn = p["dimension_numbers"]
+    return [b.add1("convolution", args, *b.out_aval(eqn), lhs_spec=tuple(dn.lhs_spec), rhs_spec=tuple(dn.rhs_spec),
+                   out_spec=tuple(dn.out_spec), window_strides=tuple(p["window_strides"]),
+                   padding=tuple((int(lo), int(hi)) for lo, hi in p["padding"]),
+                   lhs_dilation=tuple(p["lhs_dilation"]), rhs_dilation=tuple(p["rhs_dilation"]),
+                   feature_group_count=int(p["feature_group_count"]),
+                   batch_group_count=int(p["batch_group_count"]))]
+
+
+def _lower_conv(instr, args, lc):
+    a, out = instr.attrs, instr.outputs[0]
+    dims = lax.ConvDimensionNumbers(a["lhs_spec"], a["rhs_spec"], a["out_spec"])
+    return [lax.conv_general_dilated(
+        *args, a["window_strides"], a["padding"], a["lhs_dilation"], a["rhs_dilation"], dims,
+        feature_group_count=a["feature_group_count"], batch_group_count=a["batch_group_count"],
+        preferred_element_type=out.dtype)]
+
+
+register("convolution", converts={"conv_general_dilated": _convert_conv}, evaluate=_evaluate_conv, lower=_lower_conv,
+         flops=_conv_flops, factors=conv_factors, partition=_partition_conv, priority=CONTRACTION)

@@ -1,13 +1,75 @@
-"""Elementwise ops: every dim is a pass-through factor shared by all operands."""
+"""Element-wise ops: every dim is a pass-through factor shared by all operands. Also the
+annotation op `sharding` and `copy`, which only change layout.
+
+`elementwise(opcode, numpy_fn, lax_fn, primitives)` registers one op in one line: the
+JAX primitives it comes from, its NumPy reference, its jax lowering and its factors.
+"""
 from __future__ import annotations
 
+from typing import Callable, Optional, Sequence
+
 import numpy as np
+from jax import lax
 
 from gspmd.dtypes import is_floating
+from gspmd.ops.convert import Converter
 from gspmd.ops.registry import ELEMENTWISE, elementwise_factors, register
 from gspmd.spmd import reshard as rs
 
 
+# -- conversion -----------------------------------------------------------------------
+def convert_as(opcode: str, **attrs) -> Converter:
+    """An equation becomes one `opcode` instruction (scalar operands broadcast)."""
+    def convert(b, eqn, args):
+        shape, dtype = b.out_aval(eqn)
+        return [b.add1(opcode, [b.broadcast_to(a, shape) for a in args], shape, dtype, **attrs)]
+    return convert
+
+
+def _identity(b, eqn, args):
+    return [args[0]]
+
+
+# -- reference and lowering -------------------------------------------------------------
+def _widen(x: np.ndarray) -> np.ndarray:
+    """Narrow floats (bfloat16, float16) compute in float32 and round after, as XLA does."""
+    return x.astype(np.float32) if is_floating(x.dtype) and x.dtype.itemsize < 4 else x
+
+
+def _evaluate_with(fn: Callable) -> Callable:
+    def evaluate(instr, args, device):
+        out = instr.outputs[0]
+        with np.errstate(all="ignore"):
+            return [np.asarray(fn(*map(_widen, args))).astype(out.dtype, copy=False).reshape(out.shape)]
+    return evaluate
+
+
+def _evaluate_eagerly(lax_fn: Callable) -> Callable:
+    """The reference of ops NumPy lacks (erf, lgamma, ...): jax's own kernel, eagerly."""
+    def evaluate(instr, args, device):
+        return [np.asarray(lax_fn(*args)).astype(instr.outputs[0].dtype, copy=False)]
+    return evaluate
+
+
+def _lower_with(fn: Callable) -> Callable:
+    def lower(instr, args, lc):
+        out = instr.outputs[0]
+        # Scalars broadcast implicitly (as in the NumPy reference).
+        args = [lax.broadcast(a, out.shape) if a.ndim == 0 and out.rank else a for a in args]
+        return [lax.convert_element_type(fn(*args), out.dtype)]
+    return lower
+
+
+def elementwise(opcode: str, numpy_fn: Optional[Callable], lax_fn: Callable, primitives: Sequence[str] = (),
+                converts: Optional[dict[str, Converter]] = None, **fields) -> None:
+    """Register element-wise `opcode`: each JAX primitive in `primitives` becomes it
+    (more converters in `converts`); numpy_fn None: the reference runs lax_fn eagerly."""
+    register(opcode, converts={**{p: convert_as(opcode) for p in primitives}, **(converts or {})},
+             evaluate=_evaluate_eagerly(lax_fn) if numpy_fn is None else _evaluate_with(numpy_fn),
+             lower=_lower_with(lax_fn), factors=elementwise_factors, priority=ELEMENTWISE, **fields)
+
+
+# -- HLO semantics where NumPy differs ------------------------------------------------------
 def _int_div(a, b):
     # HLO integer division truncates toward zero.
     q = np.abs(a) // np.maximum(np.abs(b), 1)
@@ -22,39 +84,88 @@ def _logistic(x):
     return 1 / (1 + np.exp(-x))
 
 
-_COMPARE = {"EQ": np.equal, "NE": np.not_equal, "LT": np.less, "LE": np.less_equal,
-            "GT": np.greater, "GE": np.greater_equal}
-
-NUMPY_FUNCS = {
-    "add": np.add, "subtract": np.subtract, "multiply": np.multiply, "divide": _divide,
-    "maximum": np.maximum, "minimum": np.minimum, "power": np.power, "remainder": np.fmod,
-    # Bitwise on integers, logical on booleans (HLO semantics).
-    "and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor, "not": np.invert,
-    "atan2": np.arctan2,
-    "negate": np.negative, "exponential": np.exp, "log": np.log, "tanh": np.tanh,
-    "logistic": _logistic, "rsqrt": lambda x: 1 / np.sqrt(x), "sqrt": np.sqrt, "abs": np.abs,
-    "sign": np.sign, "floor": np.floor, "ceil": np.ceil, "cosine": np.cos, "sine": np.sin,
-    "exponential-minus-one": np.expm1, "log-plus-one": np.log1p, "is-finite": np.isfinite,
-    "round-nearest-even": np.round, "convert": lambda x: x, "copy": lambda x: x,
-    "sharding": lambda x: x,
-}
+def _round_even(x):
+    return lax.round(x, lax.RoundingMethod.TO_NEAREST_EVEN)
 
 
-def _widen(x: np.ndarray) -> np.ndarray:
-    """Narrow floats (bfloat16, float16) compute in float32 and round after, as XLA does."""
-    return x.astype(np.float32) if is_floating(x.dtype) and x.dtype.itemsize < 4 else x
+def _integer_pow(b, eqn, args):
+    shape, dtype = b.out_aval(eqn)
+    exponent = b.broadcast_to(b.constant(eqn.params["y"], dtype), shape)
+    return [b.add1("power", [args[0], exponent], shape, dtype)]
 
 
-def _evaluate_with(fn):
-    def evaluate(instr, args, device):
-        out = instr.outputs[0]
-        with np.errstate(all="ignore"):
-            return [np.asarray(fn(*map(_widen, args))).astype(out.dtype, copy=False).reshape(out.shape)]
-    return evaluate
+def _square(b, eqn, args):
+    shape, dtype = b.out_aval(eqn)
+    return [b.add1("multiply", [args[0], args[0]], shape, dtype)]
+
+
+# Binary ops (bitwise on integers, logical on booleans, as in HLO).
+elementwise("add", np.add, lax.add, ["add", "add_any"])
+elementwise("subtract", np.subtract, lax.sub, ["sub"])
+elementwise("multiply", np.multiply, lax.mul, ["mul"], converts={"square": _square})
+elementwise("divide", _divide, lax.div, ["div"])
+elementwise("maximum", np.maximum, lax.max, ["max"])
+elementwise("minimum", np.minimum, lax.min, ["min"])
+elementwise("power", np.power, lax.pow, ["pow"], converts={"integer_pow": _integer_pow})
+elementwise("remainder", np.fmod, lax.rem, ["rem"])
+elementwise("atan2", np.arctan2, lax.atan2, ["atan2"])
+elementwise("and", np.bitwise_and, lax.bitwise_and, ["and"])
+elementwise("or", np.bitwise_or, lax.bitwise_or, ["or"])
+elementwise("xor", np.bitwise_xor, lax.bitwise_xor, ["xor"])
+# Unary ops.
+elementwise("not", np.invert, lax.bitwise_not, ["not"])
+elementwise("negate", np.negative, lax.neg, ["neg"])
+elementwise("exponential", np.exp, lax.exp, ["exp"])
+elementwise("log", np.log, lax.log, ["log"])
+elementwise("tanh", np.tanh, lax.tanh, ["tanh"])
+elementwise("logistic", _logistic, lax.logistic, ["logistic"])
+elementwise("rsqrt", lambda x: 1 / np.sqrt(x), lax.rsqrt, ["rsqrt"])
+elementwise("sqrt", np.sqrt, lax.sqrt, ["sqrt"])
+elementwise("abs", np.abs, lax.abs, ["abs"])
+elementwise("sign", np.sign, lax.sign, ["sign"])
+elementwise("floor", np.floor, lax.floor, ["floor"])
+elementwise("ceil", np.ceil, lax.ceil, ["ceil"])
+elementwise("cosine", np.cos, lax.cos, ["cos"])
+elementwise("sine", np.sin, lax.sin, ["sin"])
+elementwise("exponential-minus-one", np.expm1, lax.expm1, ["expm1"])
+elementwise("log-plus-one", np.log1p, lax.log1p, ["log1p"])
+elementwise("is-finite", np.isfinite, lax.is_finite, ["is_finite"])
+elementwise("round-nearest-even", np.round, _round_even, ["round"])
+
+
+# -- compare, select, convert --------------------------------------------------------------
+_COMPARE = {"EQ": (np.equal, lax.eq), "NE": (np.not_equal, lax.ne), "LT": (np.less, lax.lt),
+            "LE": (np.less_equal, lax.le), "GT": (np.greater, lax.gt), "GE": (np.greater_equal, lax.ge)}
 
 
 def _evaluate_compare(instr, args, device):
-    return [_COMPARE[instr.attrs["direction"]](*args)]
+    return [_COMPARE[instr.attrs["direction"]][0](*args)]
+
+
+def _lower_compare(instr, args, lc):
+    return [_COMPARE[instr.attrs["direction"]][1](*args)]
+
+
+register("compare", converts={p: convert_as("compare", direction=p.upper()) for p in ("eq", "ne", "lt", "le", "gt", "ge")},
+         evaluate=_evaluate_compare, lower=_lower_compare, factors=elementwise_factors, priority=ELEMENTWISE)
+
+
+def _select_n(b, eqn, args):
+    pred, *cases = args
+    shape, dtype = b.out_aval(eqn)
+    if len(cases) > 2:   # a chain of selects, one per case beyond the first
+        index = pred if pred.dtype != np.bool_ else b.add1("convert", [pred], pred.shape, np.int32)
+        index = b.broadcast_to(index, shape)
+        out = cases[0]
+        for k, case in enumerate(cases[1:], start=1):
+            hit = b.add1("compare", [index, b.broadcast_to(b.constant(k, index.dtype), shape)], shape, np.bool_,
+                         direction="GE")
+            out = b.add1("select", [hit, case, out], shape, dtype)
+        return [out]
+    if pred.dtype != np.bool_:
+        pred = b.add1("compare", [pred, b.broadcast_to(b.constant(0, pred.dtype), pred.shape)], pred.shape,
+                      np.bool_, direction="NE")
+    return [b.add1("select", [b.broadcast_to(pred, shape), cases[1], cases[0]], shape, dtype)]
 
 
 def _evaluate_select(instr, args, device):
@@ -62,15 +173,33 @@ def _evaluate_select(instr, args, device):
     return [np.where(pred, on_true, on_false).astype(instr.outputs[0].dtype, copy=False)]
 
 
+register("select", converts={"select_n": _select_n}, evaluate=_evaluate_select, lower=_lower_with(lax.select),
+         factors=elementwise_factors, priority=ELEMENTWISE)
+
+
+def _convert(b, eqn, args):
+    shape, dtype = b.out_aval(eqn)
+    if args[0].dtype == dtype:
+        return [args[0]]
+    return [b.add1("convert", args, shape, dtype)]
+
+
+elementwise("convert", lambda x: x, lambda x: x, converts={"convert_element_type": _convert})
+
+
+# -- layout only: annotations and copies ---------------------------------------------------
 def _reshard_to_target(ctx, instr, operands, targets):
     """Annotations and copies only change layout."""
     return [rs.reshard(ctx, operands[0], targets[0])]
 
 
-for _opcode, _fn in NUMPY_FUNCS.items():
-    register(_opcode, evaluate=_evaluate_with(_fn), factors=elementwise_factors, priority=ELEMENTWISE)
-register("compare", evaluate=_evaluate_compare, factors=elementwise_factors, priority=ELEMENTWISE)
-register("select", evaluate=_evaluate_select, factors=elementwise_factors, priority=ELEMENTWISE)
-for _opcode in ("sharding", "copy"):
-    register(_opcode, evaluate=_evaluate_with(NUMPY_FUNCS[_opcode]), factors=elementwise_factors,
-             partition=_reshard_to_target, priority=ELEMENTWISE)
+def _annotation(b, eqn, args):
+    shape, dtype = b.out_aval(eqn)
+    return [b.add1("sharding", args, shape, dtype, sharding=eqn.params["sharding"],
+                   unspecified=eqn.params["unspecified"])]
+
+
+# "mesh_split" is gspmd.frontend.annotation.mesh_split_p's name.
+elementwise("sharding", lambda x: x, lambda x: x, converts={"mesh_split": _annotation}, partition=_reshard_to_target)
+elementwise("copy", lambda x: x, lambda x: x, converts={p: _identity for p in ("copy", "copy_p", "stop_gradient")},
+            partition=_reshard_to_target)

@@ -12,9 +12,12 @@ from __future__ import annotations
 from functools import partial
 
 import numpy as np
+from jax import lax
 
+from gspmd.dtypes import is_floating
+from gspmd.errors import ShardingError
 from gspmd.ir import Instr, Value
-from gspmd.ir.reducer import ADD, AND
+from gspmd.ir.reducer import ADD, AND, MAX, MIN, MUL, Reducer
 from gspmd.ops.registry import LAYOUT, register
 from gspmd.sharding import Sharding
 from gspmd.spmd import factors as fx
@@ -212,7 +215,84 @@ def _partition_with(factor_fn, emit):
     return partition_rule
 
 
-register("gather", evaluate=_evaluate_gather, factors=_gather_factors,
-         partition=_partition_with(_gather_factors, _emit_gather), priority=LAYOUT)
-register("scatter", evaluate=_evaluate_scatter, factors=_scatter_factors,
+# -- conversion and lowering --------------------------------------------------------------
+_MODES = {lax.GatherScatterMode.CLIP: CLIP, lax.GatherScatterMode.PROMISE_IN_BOUNDS: CLIP,
+          lax.GatherScatterMode.FILL_OR_DROP: FILL}
+_LAX_MODES = {CLIP: lax.GatherScatterMode.CLIP, FILL: lax.GatherScatterMode.FILL_OR_DROP}
+
+
+def _no_batching_dims(eqn, dn, operand_field: str) -> None:
+    if getattr(dn, operand_field):
+        raise ShardingError(f"{eqn.primitive.name} with batching dims ({dn}) is not supported yet; "
+                            "vmap over the lookup outside the partitioned function or use jnp.take_along_axis.")
+
+
+def _fill_value(value, dtype) -> float:
+    """JAX's default fill for out-of-range gathers."""
+    if value is not None:
+        return value
+    dtype = np.dtype(dtype)
+    if is_floating(dtype):
+        return np.nan
+    if dtype == np.bool_:
+        return True
+    return np.iinfo(dtype).min if dtype.kind == "i" else np.iinfo(dtype).max
+
+
+def _convert_gather(b, eqn, args: list[Value]) -> list[Value]:
+    p, dn = eqn.params, eqn.params["dimension_numbers"]
+    _no_batching_dims(eqn, dn, "operand_batching_dims")
+    shape, dtype = b.out_aval(eqn)
+    return [b.add1("gather", args, shape, dtype, offset_dims=tuple(dn.offset_dims),
+                   collapsed_slice_dims=tuple(dn.collapsed_slice_dims), start_index_map=tuple(dn.start_index_map),
+                   slice_sizes=tuple(int(s) for s in p["slice_sizes"]), mode=_MODES[p["mode"]],
+                   fill_value=_fill_value(p["fill_value"], dtype))]
+
+
+def _convert_scatter(reducer: Reducer | None):
+    def convert(b, eqn, args: list[Value]) -> list[Value]:
+        p, dn = eqn.params, eqn.params["dimension_numbers"]
+        _no_batching_dims(eqn, dn, "operand_batching_dims")
+        operand, indices, updates = args
+        attrs = dict(update_window_dims=tuple(dn.update_window_dims),
+                     inserted_window_dims=tuple(dn.inserted_window_dims),
+                     scatter_dims_to_operand_dims=tuple(dn.scatter_dims_to_operand_dims),
+                     mode=_MODES[p["mode"]], reducer=reducer)
+        if reducer is not ADD:
+            return [b.add1("scatter", args, operand.shape, operand.dtype, **attrs)]
+        # operand + (updates scattered into zeros): the scattered part can then be summed
+        # across devices that each scatter a share of the updates.
+        zeros = b.broadcast_to(b.constant(0, operand.dtype), operand.shape)
+        scattered = b.add1("scatter", [zeros, indices, updates], operand.shape, operand.dtype, **attrs)
+        return [b.add1("add", [operand, scattered], operand.shape, operand.dtype)]
+    return convert
+
+
+def _lower_gather(instr, args, lc):
+    a = instr.attrs
+    dn = lax.GatherDimensionNumbers(offset_dims=a["offset_dims"], collapsed_slice_dims=a["collapsed_slice_dims"],
+                                    start_index_map=a["start_index_map"])
+    return [lax.gather(args[0], args[1], dn, a["slice_sizes"], mode=_LAX_MODES[a["mode"]],
+                       fill_value=a["fill_value"])]
+
+
+_LAX_SCATTERS = {None: lax.scatter, ADD: lax.scatter_add, MUL: lax.scatter_mul, MIN: lax.scatter_min,
+                 MAX: lax.scatter_max}
+
+
+def _lower_scatter(instr, args, lc):
+    a = instr.attrs
+    dn = lax.ScatterDimensionNumbers(update_window_dims=a["update_window_dims"],
+                                     inserted_window_dims=a["inserted_window_dims"],
+                                     scatter_dims_to_operand_dims=a["scatter_dims_to_operand_dims"])
+    return [_LAX_SCATTERS[a["reducer"]](*args, dn, mode=_LAX_MODES[a["mode"]])]
+
+
+register("gather", converts={"gather": _convert_gather}, evaluate=_evaluate_gather, lower=_lower_gather,
+         factors=_gather_factors, partition=_partition_with(_gather_factors, _emit_gather), priority=LAYOUT)
+register("scatter",
+         converts={"scatter": _convert_scatter(None), "scatter-add": _convert_scatter(ADD),
+                   "scatter-mul": _convert_scatter(MUL),
+                   "scatter-min": _convert_scatter(MIN), "scatter-max": _convert_scatter(MAX)},
+         evaluate=_evaluate_scatter, lower=_lower_scatter, factors=_scatter_factors,
          partition=_partition_with(_scatter_factors, _emit_scatter), priority=LAYOUT)

@@ -5,8 +5,10 @@ with the local operands in place of its parameters, and its results are laid out
 out_specs say. The body is not partitioned further (auto axes replicate it)."""
 from __future__ import annotations
 
-from gspmd.ir import Instr
+from gspmd.ir import Instr, Program, Value
+from gspmd.mesh import Mesh
 from gspmd.ops.registry import CONTRACTION, register
+from gspmd.sharding import Sharding
 from gspmd.spmd import reshard as rs
 from gspmd.spmd.partitioned import PartitionedValue
 
@@ -31,4 +33,30 @@ def _partition_manual(ctx, instr: Instr, operands, targets) -> list[PartitionedV
     return [rs.reshard(ctx, pv, t) for pv, t in zip(results, targets)]
 
 
-register("manual", propagate=_propagate_manual, partition=_partition_manual, priority=CONTRACTION)
+def _spec_sharding(mesh: Mesh, spec, shape) -> Sharding:
+    """A manual spec (per dim, the tuple of axis names splitting it) as a layout."""
+    return Sharding.from_mesh(mesh, [names if names else -1 for names in spec], shape)
+
+
+def _convert_manual(b, eqn, args: list[Value]) -> list[Value]:
+    """gspmd.manual's primitive: its body is per-device code already, converted into a
+    sub-program whose named-axis collectives resolve over the region's mesh."""
+    p = eqn.params
+    mesh, body = p["mesh"], Program(f"{b.program.name}.manual", parent=b.program)
+    sb = b.on(body)
+    sb.origin = "manual"
+    params = [sb.param(v.aval.shape, v.aval.dtype, hint="local") for v in p["body"].jaxpr.invars]
+    sb.manual_meshes.append(mesh)
+    try:
+        body.outputs = sb.inline(p["body"], params)
+    finally:
+        sb.manual_meshes.pop()
+    in_shardings = tuple(_spec_sharding(mesh, s, a.shape) for s, a in zip(p["in_specs"], args))
+    out_shardings = tuple(_spec_sharding(mesh, s, shape) for s, shape in zip(p["out_specs"], p["out_shapes"]))
+    return b.add("manual", args, [(shape, a.dtype) for shape, a in zip(p["out_shapes"], p["body"].out_avals)],
+                 body=body, in_shardings=in_shardings, out_shardings=out_shardings)
+
+
+# "manual" is gspmd.frontend.manual.manual_p's name.
+register("manual", converts={"manual": _convert_manual}, propagate=_propagate_manual, partition=_partition_manual,
+         priority=CONTRACTION)

@@ -1,15 +1,19 @@
-"""The op registry: per opcode, its reference semantics, its dimension factors (from
-which propagation and partitioning derive) and, where data moves between shards,
-hand-written propagation or partition rules."""
+"""The op registry: ONE record per opcode holding all of its knowledge — the JAX
+primitives it comes from (and how to convert them), its reference semantics (NumPy),
+its jax lowering, its dimension factors (from which propagation and partitioning
+derive) and, where data moves between shards, hand-written propagation or partition
+rules. Family modules (ops/elementwise.py, ops/dot.py, ...) register their ops; the
+drivers (frontend, propagation, partitioner, runtime) only look records up."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from gspmd.errors import ShardingError
 from gspmd.ir import Instr, Value
+from gspmd.ops.convert import Conversion, Converter, LowerContext
 from gspmd.sharding import Sharding
 from gspmd.spmd import factors as fx
 from gspmd.spmd import reshard as rs
@@ -23,6 +27,8 @@ EvaluateAll = Callable[[Instr, list[list[np.ndarray]]], list[list[np.ndarray]]]
 # evaluate_programs(instr, per-device operands, run(program, per-device args)) -> per-device
 # outputs (ops with sub-programs, which the interpreter runs for them)
 EvaluatePrograms = Callable[[Instr, list[list[np.ndarray]], Callable], list[list[np.ndarray]]]
+# lower(instr, operand arrays inside the jax backend's shard_map body, context) -> outputs
+Lower = Callable[[Instr, list, LowerContext], list]
 # propagate(instr, shardings of tensors(instr), target index) -> proposals for target
 Propagate = Callable[[Instr, list[Optional[Sharding]], int], list[Sharding]]
 Partition = Callable[[DeviceContext, Instr, list[PartitionedValue], list[Sharding]], list[PartitionedValue]]
@@ -37,9 +43,12 @@ ELEMENTWISE, LAYOUT, EXPAND, CONTRACTION = 0, 1, 2, 3
 @dataclass
 class OpDef:
     opcode: str
+    # JAX primitive name -> how its equations become this op (and helpers around it)
+    converts: dict[str, Converter] = field(default_factory=dict)
     evaluate: Optional[Evaluate] = None
     evaluate_all: Optional[EvaluateAll] = None
     evaluate_programs: Optional[EvaluatePrograms] = None
+    lower: Optional[Lower] = None
     # values of sub-programs that must share a layout with the op's own (loop carries)
     tied: Optional[Callable[[Instr], list[Value]]] = None
     # informants(instr, target) -> indices into tensors(instr) whose layouts can say
@@ -55,10 +64,15 @@ class OpDef:
 
 
 OPS: dict[str, OpDef] = {}
+PRIMITIVES: dict[str, Converter] = {}   # every record's `converts`, by JAX primitive name
 
 
 def register(opcode: str, **fields) -> OpDef:
+    assert opcode not in OPS, f"opcode {opcode!r} registered twice"
     op = OpDef(opcode, **fields)
+    for name, convert in op.converts.items():
+        assert name not in PRIMITIVES, f"JAX primitive {name!r} converted by two records"
+        PRIMITIVES[name] = convert
     OPS[opcode] = op
     return op
 

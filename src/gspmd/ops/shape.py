@@ -5,6 +5,8 @@ import math
 from typing import Optional
 
 import numpy as np
+from jax import lax
+from jax import numpy as jnp
 
 from gspmd.ops.registry import EXPAND, LAYOUT, register
 from gspmd.sharding import Sharding
@@ -225,10 +227,61 @@ def _iota_partition(ctx, instr, operands, targets):
     return [PartitionedValue(y, target, out.shape)]
 
 
-register("broadcast", evaluate=_evaluate_broadcast, factors=_broadcast_factors, priority=LAYOUT,
-         forward_priority=EXPAND)
-register("transpose", evaluate=_evaluate_transpose, factors=_transpose_factors, priority=LAYOUT)
-register("reshape", evaluate=_evaluate_reshape, propagate=_reshape_propagate, partition=_reshape_partition,
-         priority=LAYOUT)
-register("constant", evaluate=_evaluate_constant, partition=_constant_partition)
-register("iota", evaluate=_evaluate_iota, partition=_iota_partition)
+# -- conversion and lowering --------------------------------------------------------------
+def _convert_broadcast_in_dim(b, eqn, args):
+    shape, dtype = b.out_aval(eqn)
+    return [b.add1("broadcast", args[:1], shape, dtype, dims=tuple(int(d) for d in eqn.params["broadcast_dimensions"]))]
+
+
+def _convert_transpose(b, eqn, args):
+    shape, dtype = b.out_aval(eqn)
+    return [b.add1("transpose", args, shape, dtype, permutation=tuple(eqn.params["permutation"]))]
+
+
+def _convert_reshape(b, eqn, args):
+    """reshape(x, dimensions=p) is XLA's transpose by p, then the reshape (grouped-conv
+    gradients emit it); squeeze and expand_dims are reshapes too."""
+    shape, dtype = b.out_aval(eqn)
+    x, perm = args[0], tuple(eqn.params.get("dimensions") or range(args[0].rank))
+    if perm != tuple(range(x.rank)):
+        x = b.add1("transpose", [x], tuple(x.shape[d] for d in perm), dtype, permutation=perm)
+    return [b.add1("reshape", [x], shape, dtype)]
+
+
+def _convert_iota(b, eqn, args):
+    shape, dtype = b.out_aval(eqn)
+    return [b.add1("iota", [], shape, dtype, dimension=eqn.params["dimension"])]
+
+
+def _lower_broadcast(instr, args, lc):
+    return [lax.broadcast_in_dim(args[0], instr.outputs[0].shape, instr.attrs["dims"])]
+
+
+def _lower_transpose(instr, args, lc):
+    return [lax.transpose(args[0], instr.attrs["permutation"])]
+
+
+def _lower_reshape(instr, args, lc):
+    return [jnp.reshape(args[0], instr.outputs[0].shape)]
+
+
+def _lower_constant(instr, args, lc):
+    return [jnp.asarray(instr.attrs["value"], instr.outputs[0].dtype)]
+
+
+def _lower_iota(instr, args, lc):
+    out = instr.outputs[0]
+    return [lax.broadcasted_iota(out.dtype, out.shape, instr.attrs["dimension"])]
+
+
+register("broadcast", converts={"broadcast_in_dim": _convert_broadcast_in_dim}, evaluate=_evaluate_broadcast,
+         lower=_lower_broadcast, factors=_broadcast_factors, priority=LAYOUT, forward_priority=EXPAND)
+register("transpose", converts={"transpose": _convert_transpose}, evaluate=_evaluate_transpose,
+         lower=_lower_transpose, factors=_transpose_factors, priority=LAYOUT)
+register("reshape", converts={p: _convert_reshape for p in ("reshape", "squeeze", "expand_dims")},
+         evaluate=_evaluate_reshape, lower=_lower_reshape, propagate=_reshape_propagate,
+         partition=_reshape_partition, priority=LAYOUT)
+# Constants come from jaxpr literals and closed-over arrays (the frontend driver's job).
+register("constant", evaluate=_evaluate_constant, lower=_lower_constant, partition=_constant_partition)
+register("iota", converts={"iota": _convert_iota}, evaluate=_evaluate_iota, lower=_lower_iota,
+         partition=_iota_partition)

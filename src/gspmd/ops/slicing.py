@@ -13,6 +13,8 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import numpy as np
+from jax import lax
+from jax import numpy as jnp
 
 from gspmd.ir import Value
 from gspmd.ir.reducer import ADD, OR, Reducer
@@ -146,10 +148,48 @@ def _partition_pad_or_slice(ctx, instr, operands, targets):
     return [_partition_unit(ctx, instr, ctx.partitioned(base), windows, fill_pv, targets[0])]
 
 
-register("slice", evaluate=_evaluate_slice, factors=_propagation_factors, partition=_partition_pad_or_slice,
-         priority=LAYOUT)
-register("pad", evaluate=_evaluate_pad, factors=_propagation_factors, partition=_partition_pad_or_slice,
-         priority=LAYOUT)
+def _convert_slice(b, eqn, args):
+    shape, dtype = b.out_aval(eqn)
+    p = eqn.params
+    return [b.add1("slice", args, shape, dtype, start=tuple(p["start_indices"]), limit=tuple(p["limit_indices"]),
+                   strides=tuple(p["strides"] or (1,) * len(shape)))]
+
+
+def _convert_split(b, eqn, args):
+    """jax.lax.split (the transpose of concatenate): one slice per piece."""
+    (x,), axis, outs, start = args, eqn.params["axis"], [], 0
+    for var in eqn.outvars:
+        limit = list(x.shape)
+        limit[axis] = start + var.aval.shape[axis]
+        begin = [0] * x.rank
+        begin[axis] = start
+        outs.append(b.add1("slice", [x], var.aval.shape, var.aval.dtype, start=tuple(begin), limit=tuple(limit),
+                           strides=(1,) * x.rank))
+        start = limit[axis]
+    return outs
+
+
+def _convert_pad(b, eqn, args):
+    shape, dtype = b.out_aval(eqn)
+    cfg = eqn.params["padding_config"]
+    return [b.add1("pad", args, shape, dtype, low=tuple(c[0] for c in cfg), high=tuple(c[1] for c in cfg),
+                   interior=tuple(c[2] for c in cfg))]
+
+
+def _lower_slice(instr, args, lc):
+    a = instr.attrs
+    return [lax.slice(args[0], a["start"], a["limit"], a["strides"])]
+
+
+def _lower_pad(instr, args, lc):
+    a = instr.attrs
+    return [lax.pad(args[0], args[1], list(zip(a["low"], a["high"], a["interior"])))]
+
+
+register("slice", converts={"slice": _convert_slice, "split": _convert_split}, evaluate=_evaluate_slice,
+         lower=_lower_slice, factors=_propagation_factors, partition=_partition_pad_or_slice, priority=LAYOUT)
+register("pad", converts={"pad": _convert_pad}, evaluate=_evaluate_pad, lower=_lower_pad,
+         factors=_propagation_factors, partition=_partition_pad_or_slice, priority=LAYOUT)
 
 
 # -- dynamic-slice and dynamic-update-slice -----------------------------------------------
@@ -268,10 +308,38 @@ def _partition_dynamic_update_slice(ctx, instr, operands, targets):
     return fx.run(ctx, instr, factors, space, operands, targets, emit)
 
 
-register("dynamic-slice", evaluate=_evaluate_dynamic_slice, factors=_dynamic_slice_factors,
+def _convert_as_is(opcode: str):
+    """dynamic_slice / dynamic_update_slice: same operands; sizes are the result shape."""
+    def convert(b, eqn, args):
+        return [b.add1(opcode, args, *b.out_aval(eqn))]
+    return convert
+
+
+def _clamped(starts, shape, sizes) -> list:
+    """Starts clamped into bounds explicitly, as HLO defines (lax would first wrap negative
+    ones from the end, and XLA:CPU folds nested dynamic-slices into one at the summed
+    start without clamping the inner one)."""
+    return [jnp.clip(s, 0, n - k).astype(s.dtype) for s, n, k in zip(starts, shape, sizes)]
+
+
+def _lower_dynamic_slice(instr, args, lc):
+    x, *starts = args
+    sizes = instr.outputs[0].shape
+    return [lax.dynamic_slice(x, _clamped(starts, x.shape, sizes), sizes, allow_negative_indices=False)]
+
+
+def _lower_dynamic_update_slice(instr, args, lc):
+    x, update, *starts = args
+    return [lax.dynamic_update_slice(x, update, _clamped(starts, x.shape, update.shape),
+                                     allow_negative_indices=False)]
+
+
+register("dynamic-slice", converts={"dynamic_slice": _convert_as_is("dynamic-slice")},
+         evaluate=_evaluate_dynamic_slice, lower=_lower_dynamic_slice, factors=_dynamic_slice_factors,
          partition=_partition_dynamic_slice, priority=LAYOUT)
-register("dynamic-update-slice", evaluate=_evaluate_dynamic_update_slice, factors=_dynamic_update_slice_factors,
-         partition=_partition_dynamic_update_slice, priority=LAYOUT)
+register("dynamic-update-slice", converts={"dynamic_update_slice": _convert_as_is("dynamic-update-slice")},
+         evaluate=_evaluate_dynamic_update_slice, lower=_lower_dynamic_update_slice,
+         factors=_dynamic_update_slice_factors, partition=_partition_dynamic_update_slice, priority=LAYOUT)
 
 
 def _concatenate_factors(instr):
@@ -356,5 +424,14 @@ def _realigned_concatenate(ctx, instr, operands: list[PartitionedValue], target:
     return partition_pinned(ctx, instr, windows, target, factors, 0, [dim], layout, {dim: dim}, others, emit)
 
 
-register("concatenate", evaluate=_evaluate_concatenate, factors=_propagation_factors,
-         partition=_partition_concatenate, priority=LAYOUT)
+def _convert_concatenate(b, eqn, args):
+    shape, dtype = b.out_aval(eqn)
+    return [b.add1("concatenate", args, shape, dtype, dimension=eqn.params["dimension"])]
+
+
+def _lower_concatenate(instr, args, lc):
+    return [lax.concatenate(args, instr.attrs["dimension"])]
+
+
+register("concatenate", converts={"concatenate": _convert_concatenate}, evaluate=_evaluate_concatenate,
+         lower=_lower_concatenate, factors=_propagation_factors, partition=_partition_concatenate, priority=LAYOUT)

@@ -12,13 +12,16 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Sequence
 
+import jax
 import numpy as np
+from jax import lax
 
+from gspmd.errors import ShardingError
+from gspmd.ir.reducer import ADD, MAX, MIN, Reducer
 from gspmd.ops.registry import LAYOUT, register
 from gspmd.spmd import factors as fx
 from gspmd.spmd import reshard as rs
 from gspmd.spmd.context import Why
-from gspmd.ir.reducer import MAX, MIN
 from gspmd.spmd.halo import (Window, dynamic_slice_dim, local_base, pad_dim, partition_pinned, partition_windowed,
                              plan_dim, plan_layout, slice_outputs, windowed, windowed_ranges)
 from gspmd.spmd.partitioned import PartitionedValue
@@ -211,10 +214,67 @@ def _partition_reverse(ctx, instr, operands, targets):
     return [rs.reshard(ctx, PartitionedValue(pv.local, x.sharding, x.shape), target)]
 
 
-register("reverse", evaluate=_evaluate_reverse, factors=_reverse_factors, partition=_partition_reverse,
-         priority=LAYOUT)
-register("reduce-window", evaluate=_evaluate_reduce_window, factors=_dim_factors,
+# -- conversion and lowering --------------------------------------------------------------
+def _convert_rev(b, eqn, args):
+    return [b.add1("reverse", args, *b.out_aval(eqn), dims=tuple(int(d) for d in eqn.params["dimensions"]))]
+
+
+def _padding(p) -> tuple:
+    return tuple((int(lo), int(hi)) for lo, hi in p["padding"])
+
+
+def _convert_reduce_window(reducer: Reducer):
+    def convert(b, eqn, args):
+        p = eqn.params
+        return [b.add1("reduce-window", args, *b.out_aval(eqn), reducer=reducer,
+                       window_dimensions=tuple(p["window_dimensions"]), window_strides=tuple(p["window_strides"]),
+                       padding=_padding(p), base_dilation=tuple(p["base_dilation"]),
+                       window_dilation=tuple(p["window_dilation"]))]
+    return convert
+
+
+def _convert_select_and_scatter_add(b, eqn, args):
+    p = eqn.params
+    select = {"ge": "ge", "le": "le"}.get(p["select_prim"].name)
+    if select is None:
+        raise ShardingError(f"select_and_scatter_add with select_prim {p['select_prim']} is not supported (`{eqn}`).")
+    return [b.add1("select-and-scatter-add", args, *b.out_aval(eqn), select=select,
+                   window_dimensions=tuple(p["window_dimensions"]), window_strides=tuple(p["window_strides"]),
+                   padding=_padding(p))]
+
+
+def _lower_reverse(instr, args, lc):
+    return [lax.rev(args[0], instr.attrs["dims"])]
+
+
+def _reduce_window_of(x, reducer: Reducer, a: dict):
+    # A concrete identity lets jax use its max/min/add pooling primitives (differentiable).
+    ones = (1,) * x.ndim
+    return lax.reduce_window(x, reducer.identity(x.dtype), reducer.lax_combine, a["window_dimensions"],
+                             a["window_strides"], a["padding"], a.get("base_dilation", ones),
+                             a.get("window_dilation", ones))
+
+
+def _lower_reduce_window(instr, args, lc):
+    return [_reduce_window_of(args[0], instr.attrs["reducer"], instr.attrs)]
+
+
+def _lower_select_and_scatter_add(instr, args, lc):
+    """The transpose of max (ge) / min (le) pooling: jax's own gradient of reduce-window,
+    which is HLO select-and-scatter (first extreme in each window wins)."""
+    source, operand = args
+    reducer = MAX if instr.attrs["select"] == "ge" else MIN
+    _, pullback = jax.vjp(lambda o: _reduce_window_of(o, reducer, instr.attrs), operand)
+    return [pullback(source.astype(operand.dtype))[0].astype(instr.outputs[0].dtype)]
+
+
+register("reverse", converts={"rev": _convert_rev}, evaluate=_evaluate_reverse, lower=_lower_reverse,
+         factors=_reverse_factors, partition=_partition_reverse, priority=LAYOUT)
+register("reduce-window",
+         converts={"reduce_window_sum": _convert_reduce_window(ADD), "reduce_window_max": _convert_reduce_window(MAX),
+                   "reduce_window_min": _convert_reduce_window(MIN)},
+         evaluate=_evaluate_reduce_window, lower=_lower_reduce_window, factors=_dim_factors,
          partition=_partition_reduce_window, priority=LAYOUT)
-register("select-and-scatter-add", evaluate=_evaluate_select_and_scatter_add,
-         factors=_dim_factors, partition=_partition_select_and_scatter_add,
-         priority=LAYOUT)
+register("select-and-scatter-add", converts={"select_and_scatter_add": _convert_select_and_scatter_add},
+         evaluate=_evaluate_select_and_scatter_add, lower=_lower_select_and_scatter_add, factors=_dim_factors,
+         partition=_partition_select_and_scatter_add, priority=LAYOUT)

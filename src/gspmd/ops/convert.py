@@ -1,0 +1,82 @@
+"""What the drivers hand to an op record's converter and to its jax lowering.
+
+A converter turns one jaxpr equation into IR instructions: `convert(b, eqn, args)` with
+`b` a Conversion (a Builder onto the program being built, plus constants, implicit
+broadcasts, the equation's result types and the driver's inlining of sub-jaxprs). A
+lowering turns one instruction of the per-device program into jax.lax calls inside the
+jax backend's shard_map: `lower(instr, args, lc)` with `lc` a LowerContext.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+from jax import lax
+
+from gspmd.ir import Builder, Program, Value
+
+# convert(conversion, jaxpr equation, operand values) -> result values
+Converter = Callable[["Conversion", object, list[Value]], list[Value]]
+# inline(conversion, closed or open jaxpr, argument values) -> result values
+Inline = Callable[["Conversion", object, list[Value]], list[Value]]
+
+
+class Conversion(Builder):
+    """A Builder for one (sub-)program being converted from a jaxpr."""
+
+    def __init__(self, program: Program, inline: Inline, origin: str = "",
+                 manual_meshes: Optional[list] = None):
+        super().__init__(program, origin)
+        self._inline = inline
+        # Meshes of the manual regions being converted, innermost last: collectives over
+        # named axes inside them resolve their device groups here.
+        self.manual_meshes = [] if manual_meshes is None else manual_meshes
+
+    def inline(self, jaxpr, args: Sequence[Value]) -> list[Value]:
+        """Convert a sub-jaxpr (closed or open) in place, with `args` as its inputs."""
+        return self._inline(self, jaxpr, list(args))
+
+    def on(self, program: Program) -> "Conversion":
+        """A Conversion onto another program (a loop body) sharing this one's state."""
+        return Conversion(program, self._inline, self.origin, self.manual_meshes)
+
+    def subprogram(self, name: str, params: Sequence[Value], build: Callable) -> Program:
+        """A nested program (loop body, branch) with parameters typed like `params`,
+        whose results are build(its conversion, its parameters)."""
+        sub = Program(f"{self.program.name}.{name}", parent=self.program)
+        sb = self.on(sub)
+        sub.outputs = build(sb, [sb.param(v.shape, v.dtype, hint="carry") for v in params])
+        return sub
+
+    def constant(self, value, dtype=None) -> Value:
+        value = np.asarray(value, dtype)
+        return self.add1("constant", [], value.shape, value.dtype, value=value)
+
+    def broadcast_to(self, x: Value, shape: Sequence[int]) -> Value:
+        """Scalars (jaxpr literals) broadcast implicitly in JAX; make it explicit."""
+        if x.shape == tuple(shape):
+            return x
+        return self.add1("broadcast", [x], tuple(shape), x.dtype,
+                         dims=tuple(range(len(shape) - x.rank, len(shape))))
+
+    @staticmethod
+    def out_aval(eqn, i: int = 0) -> tuple[tuple[int, ...], np.dtype]:
+        """Shape and dtype of the equation's i-th result."""
+        aval = eqn.outvars[i].aval
+        return tuple(aval.shape), np.dtype(aval.dtype)
+
+
+class LowerContext:
+    """The jax backend runs the per-device program inside a shard_map over one mesh
+    axis, so partition-id is that axis' index; lowerings of ops with sub-programs run
+    them through `run`."""
+
+    def __init__(self, axis: str, run: Callable[[Program, Sequence], list]):
+        self.axis = axis
+        self.run = run
+
+    def axis_index(self):
+        return lax.axis_index(self.axis)
+
+    def axis_size(self) -> int:
+        return lax.axis_size(self.axis)
