@@ -6,12 +6,15 @@ JAX primitives it comes from, its NumPy reference, its jax lowering and its fact
 """
 from __future__ import annotations
 
+import itertools
 from typing import Callable, Optional, Sequence
 
+import jax
 import numpy as np
 from jax import lax
 
 from gspmd.dtypes import is_floating
+from gspmd.errors import ShardingError
 from gspmd.ops.convert import Converter
 from gspmd.ops.registry import ELEMENTWISE, elementwise_factors, register
 from gspmd.spmd import reshard as rs
@@ -187,6 +190,22 @@ def _convert(b, eqn, args):
 elementwise("convert", lambda x: x, lambda x: x, converts={"convert_element_type": _convert})
 
 
+def _reduce_precision(instr, x):
+    return lax.reduce_precision(x, instr.attrs["exponent_bits"], instr.attrs["mantissa_bits"])
+
+
+def _convert_reduce_precision(b, eqn, args):
+    p = eqn.params
+    return [b.add1("reduce-precision", args, *b.out_aval(eqn), exponent_bits=p["exponent_bits"],
+                   mantissa_bits=p["mantissa_bits"])]
+
+
+register("reduce-precision", converts={"reduce_precision": _convert_reduce_precision},
+         evaluate=lambda instr, args, device: [np.asarray(_reduce_precision(instr, args[0]))],
+         lower=lambda instr, args, lc: [_reduce_precision(instr, args[0])],
+         factors=elementwise_factors, priority=ELEMENTWISE)
+
+
 # -- layout only: annotations and copies ---------------------------------------------------
 def _reshard_to_target(ctx, instr, operands, targets):
     """Annotations and copies only change layout."""
@@ -203,3 +222,54 @@ def _annotation(b, eqn, args):
 elementwise("sharding", lambda x: x, lambda x: x, converts={"mesh_split": _annotation}, partition=_reshard_to_target)
 elementwise("copy", lambda x: x, lambda x: x, converts={p: _identity for p in ("copy", "copy_p", "stop_gradient")},
             partition=_reshard_to_target)
+
+
+# -- optimization barriers and rematerialization -------------------------------------------
+# A barrier is the identity, but no pass looks through it: each barrier carries its
+# region's id, so common-subexpression elimination never merges what follows it with
+# values computed elsewhere (XLA's opt-barrier plays this role for remat).
+_regions = itertools.count()
+
+
+def _barrier_each(b, values) -> list:
+    region = next(_regions)
+    return [b.add1("optimization-barrier", [v], v.shape, v.dtype, region=region) for v in values]
+
+
+def _convert_optimization_barrier(b, eqn, args):
+    return _barrier_each(b, args)
+
+
+def _convert_remat(b, eqn, args):
+    """jax.checkpoint: JAX's partial evaluation already split the computation by the
+    policy; what the backward pass recomputes is the body of the differentiated remat2.
+    Its inputs pass through barriers, so the recomputed values (and the partitioner's
+    reshards of them) are not merged with the forward pass's: the forward's copies die
+    early and the backward recomputes near its use."""
+    body = eqn.params["jaxpr"]
+    if eqn.params["differentiated"] and eqn.params["prevent_cse"]:
+        args = _barrier_each(b, args)
+    return b.inline(body, args)
+
+
+def _convert_device_put(b, eqn, args):
+    """device_put inside a traced function moves nothing between our devices: the
+    identity, except offloading to host memory (remat offload policies), which gspmd
+    does not model."""
+    for where in eqn.params["devices"]:
+        if where == jax.memory.Space.Host:
+            raise ShardingError(
+                f"`{eqn}` offloads a value to {where} (a jax.checkpoint offload policy such as "
+                "offload_dot_with_no_batch_dims or save_and_offload_only_these_names, or device_put to host "
+                "memory); gspmd does not model host memory: use a policy that saves or recomputes instead "
+                "(dots_saveable, save_only_these_names, nothing_saveable).")
+    return list(args)
+
+
+def _identity_each(b, eqn, args):
+    return list(args)
+
+
+elementwise("optimization-barrier", lambda x: x, lax.optimization_barrier,
+            converts={"optimization_barrier": _convert_optimization_barrier, "remat2": _convert_remat,
+                      "device_put": _convert_device_put, "name": _identity_each})
