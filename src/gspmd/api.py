@@ -48,7 +48,9 @@ class Partitioned:
         Arguments may be arrays or jax.ShapeDtypeStruct."""
         flat, in_tree = jax.tree_util.tree_flatten(args)
         avals = [_abstract(a) for a in flat]
-        key = (in_tree, tuple((a.shape, a.dtype) for a in avals))
+        # jax's context mesh (jax.set_mesh) says what bare PartitionSpecs in fn mean.
+        key = (in_tree, tuple((a.shape, a.dtype) for a in avals), jax.sharding.get_abstract_mesh(),
+               jax.sharding.get_mesh())
         if key not in self._cache:
             self._cache[key] = Lowered(self.fn, in_tree, avals, self.mesh, self.backend)
         return self._cache[key]
@@ -61,7 +63,7 @@ class Lowered:
     def __init__(self, fn: Callable, in_tree, avals, mesh: Optional[Mesh], backend: str = "sim"):
         def flat_fn(*flat_args):
             return fn(*jax.tree_util.tree_unflatten(in_tree, flat_args))
-        self.program, self.out_tree = trace(flat_fn, avals, getattr(fn, "__name__", "main"))
+        self.program, self.out_tree = trace(flat_fn, avals, getattr(fn, "__name__", "main"), mesh)
         eliminate_dead_code(self.program)
         verify(self.program)
         self.num_devices = _device_count(self.program, mesh)

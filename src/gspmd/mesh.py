@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import jax
 import numpy as np
 
 from gspmd.errors import ShardingError
@@ -37,6 +38,21 @@ class Mesh:
         self.devices = devices.astype(np.int64)
         self.devices.setflags(write=False)
         self.axis_names = axis_names
+
+    @classmethod
+    def from_jax(cls, jax_mesh: jax.sharding.Mesh) -> "Mesh":
+        """The same mesh with gspmd's device ids: device id d is jax.devices()[d]."""
+        if not isinstance(jax_mesh, jax.sharding.Mesh):
+            raise ShardingError(f"Mesh.from_jax needs a jax.sharding.Mesh with devices, got {jax_mesh!r}; "
+                                "an abstract mesh has no device order: set a concrete one with jax.set_mesh.")
+        ids = {device: i for i, device in enumerate(jax.devices())}
+        devices = jax_mesh.devices
+        if not all(d in ids and ids[d] < devices.size for d in devices.flat):
+            raise ShardingError(
+                f"{jax_mesh} uses devices {[str(d) for d in devices.flat]}, but gspmd numbers devices by their "
+                f"position in jax.devices() and a mesh of {devices.size} must use the first {devices.size} of "
+                "them; build the jax mesh from jax.devices()[:n].")
+        return cls(np.vectorize(ids.__getitem__, otypes=[np.int64])(devices), jax_mesh.axis_names)
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -18,6 +18,7 @@ import math
 from typing import Optional, Sequence
 
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from gspmd.errors import ShardingError
 from gspmd.mesh import Mesh
@@ -249,3 +250,17 @@ def _mesh_dims(mesh: Mesh, entry, what: str) -> tuple[int, ...]:
         return tuple(mesh.axis_index(e) for e in entries)
     except ShardingError as e:
         raise ShardingError(f"Bad dims_mapping entry {entry!r} for the {what}: {e}") from None
+
+
+def dims_mapping_from_spec(spec: PartitionSpec, shape: Sequence[int]) -> list:
+    """A jax PartitionSpec as a dims_mapping for a value of `shape`: a short spec leaves
+    the trailing dims unsplit (as in JAX) and P.UNCONSTRAINED leaves a dim to propagation."""
+    if len(spec) > len(shape):
+        raise ShardingError(f"{spec} has {len(spec)} entries but the value of shape {tuple(shape)} has rank "
+                            f"{len(shape)}: give at most one entry per dim.")
+
+    def entry(e):
+        if e is PartitionSpec.UNCONSTRAINED:
+            return UNSPECIFIED
+        return tuple(e) or None if isinstance(e, (tuple, list)) else e
+    return [entry(e) for e in spec] + [None] * (len(shape) - len(spec))

@@ -1,7 +1,10 @@
 """jaxpr -> Program: the generic driver. Each equation's primitive is looked up among the
-op records' converters (ops.registry.PRIMITIVES); calls (jit, custom_jvp/vjp) are inlined;
-literals and closed-over arrays become constants."""
+op records' converters (ops.registry.PRIMITIVES); calls (custom_jvp/vjp, checkpoint) are
+inlined; literals and closed-over arrays become constants."""
 from __future__ import annotations
+
+import contextlib
+from typing import Optional
 
 import jax
 import numpy as np
@@ -9,27 +12,40 @@ from jax.extend import core as jcore
 
 from gspmd.errors import ShardingError
 from gspmd.ir import Program, Value
+from gspmd.mesh import Mesh
 from gspmd.ops import PRIMITIVES
 from gspmd.ops.convert import Conversion
 
-# Primitives that only wrap a sub-jaxpr: their body is converted in place.
-CALLS = ("jit", "pjit", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "remat", "checkpoint",
-         "closed_call", "core_call")
+# Primitives that only wrap a sub-jaxpr: their body is converted in place. (A nested
+# jax.jit may carry shardings: the `sharding` record converts it.)
+CALLS = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "remat", "checkpoint", "closed_call",
+         "core_call")
 _BODY_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
 
-def trace(fn, flat_avals, name: str = "main") -> tuple[Program, object]:
-    """Trace fn(*flat_args) into a Program; returns it and the output pytree def."""
-    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*flat_avals)
+def trace(fn, flat_avals, name: str = "main", mesh: Optional[Mesh] = None) -> tuple[Program, object]:
+    """Trace fn(*flat_args) into a Program; returns it and the output pytree def. With
+    `mesh` (gspmd.jit's) and no jax mesh set, bare PartitionSpecs in fn refer to it."""
+    with _as_jax_context(mesh):
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*flat_avals)
     program = Program(name)
-    b = Conversion(program, _inline)
+    b = Conversion(program, _inline, mesh=mesh)
     params = [b.param(v.aval.shape, v.aval.dtype, hint="arg") for v in closed.jaxpr.invars]
     program.outputs = _inline(b, closed, params)
     return program, jax.tree_util.tree_structure(out_shape)
 
 
+def _as_jax_context(mesh: Optional[Mesh]):
+    """jax's context mesh for tracing: the user's (jax.set_mesh) if any, else `mesh`'s
+    axes (jax asks only for an abstract mesh; Conversion.mesh_of finds its devices)."""
+    if mesh is None or not jax.sharding.get_abstract_mesh().empty:
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(mesh.shape, mesh.axis_names))
+
+
 def _inline(b: Conversion, closed, args: list[Value]) -> list[Value]:
     """Convert the equations of `closed` (a closed or open jaxpr) with `args` as inputs."""
+    origin = b.origin
     jaxpr = closed.jaxpr if hasattr(closed, "jaxpr") else closed
     consts = closed.consts if hasattr(closed, "consts") else []
     env: dict = {var: b.constant(np.asarray(c)) for var, c in zip(jaxpr.constvars, consts)}
@@ -44,6 +60,7 @@ def _inline(b: Conversion, closed, args: list[Value]) -> list[Value]:
         b.origin = eqn.primitive.name
         outs = _convert(b, eqn, [read(a) for a in eqn.invars])
         env.update(zip(eqn.outvars, outs))
+    b.origin = origin
     return [read(v) for v in jaxpr.outvars]
 
 
@@ -62,9 +79,7 @@ def _convert(b: Conversion, eqn, args: list[Value]) -> list[Value]:
 def _call(b: Conversion, eqn, args: list[Value]) -> list[Value]:
     for key in _BODY_PARAMS:
         if key in eqn.params:
-            origin, body = b.origin, eqn.params[key]
+            body = eqn.params[key]
             invars = (body.jaxpr if hasattr(body, "jaxpr") else body).invars
-            outs = _inline(b, body, args[len(args) - len(invars):])
-            b.origin = origin
-            return outs
+            return _inline(b, body, args[len(args) - len(invars):])
     raise ShardingError(f"Cannot find the body of call primitive {eqn.primitive.name!r}.")

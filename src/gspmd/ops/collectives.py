@@ -74,7 +74,7 @@ def _evaluate_collective_permute(instr, per_device):
 def _manual_mesh(b, eqn) -> Mesh:
     if not b.manual_meshes:
         raise ShardingError(f"`{eqn.primitive.name}` over a named axis is only meaningful inside gspmd.manual "
-                            "(or jax.shard_map, which gspmd does not trace); move it into a manual function.")
+                            "or jax.shard_map; move it into a manual function.")
     return b.manual_meshes[-1]
 
 
@@ -231,9 +231,15 @@ def _lower_collective_permute(instr, args, lc):
 
 register("partition-id", converts={"axis_index": _convert_axis_index}, evaluate=_evaluate_partition_id,
          lower=_lower_partition_id)
-register("all-reduce", converts={"psum": _convert_psum(ADD), "pmax": _convert_psum(MAX), "pmin": _convert_psum(MIN)},
+def _unchanged(b, eqn, args):
+    """shard_map's `pvary` only marks a value as varying over axes (check_vma)."""
+    return args
+
+
+register("all-reduce", converts={"psum": _convert_psum(ADD), "psum_invariant": _convert_psum(ADD),
+                                 "pmax": _convert_psum(MAX), "pmin": _convert_psum(MIN), "pvary": _unchanged},
          evaluate_all=_evaluate_all_reduce, lower=_lower_all_reduce)
-register("all-gather", converts={"all_gather": _convert_all_gather}, evaluate_all=_evaluate_all_gather,
+register("all-gather", converts={"all_gather": _convert_all_gather, "all_gather_invariant": _convert_all_gather}, evaluate_all=_evaluate_all_gather,
          lower=_lower_all_gather)
 register("reduce-scatter", converts={"reduce_scatter": _convert_reduce_scatter},
          evaluate_all=_evaluate_reduce_scatter, lower=_lower_reduce_scatter)

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
+import jax
 import numpy as np
 from jax import lax
 
+from gspmd.errors import ShardingError
 from gspmd.ir import Builder, Program, Value
+from gspmd.mesh import Mesh
 
 # convert(conversion, jaxpr equation, operand values) -> result values
 Converter = Callable[["Conversion", object, list[Value]], list[Value]]
@@ -25,9 +28,10 @@ class Conversion(Builder):
     """A Builder for one (sub-)program being converted from a jaxpr."""
 
     def __init__(self, program: Program, inline: Inline, origin: str = "",
-                 manual_meshes: Optional[list] = None):
+                 manual_meshes: Optional[list] = None, mesh: Optional[Mesh] = None):
         super().__init__(program, origin)
         self._inline = inline
+        self.mesh = mesh   # gspmd.jit(mesh=...)
         # Meshes of the manual regions being converted, innermost last: collectives over
         # named axes inside them resolve their device groups here.
         self.manual_meshes = [] if manual_meshes is None else manual_meshes
@@ -38,7 +42,23 @@ class Conversion(Builder):
 
     def on(self, program: Program) -> "Conversion":
         """A Conversion onto another program (a loop body) sharing this one's state."""
-        return Conversion(program, self._inline, self.origin, self.manual_meshes)
+        return Conversion(program, self._inline, self.origin, self.manual_meshes, self.mesh)
+
+    def mesh_of(self, jax_mesh) -> Mesh:
+        """The gspmd Mesh of a jax mesh named in the program (a NamedSharding's, a
+        shard_map's). An abstract one (from a bare PartitionSpec) is the concrete mesh
+        that jax.set_mesh put around the call, else gspmd.jit(mesh=...), with its axes."""
+        if isinstance(jax_mesh, jax.sharding.Mesh):
+            return Mesh.from_jax(jax_mesh)
+        axes = tuple(zip(jax_mesh.axis_names, jax_mesh.axis_sizes))
+        context = jax.sharding.get_mesh()
+        for mesh in (None if context.empty else Mesh.from_jax(context), self.mesh):
+            if mesh is not None and tuple(zip(mesh.axis_names, mesh.shape)) == axes:
+                return mesh
+        raise ShardingError(
+            f"A PartitionSpec names the mesh axes {dict(axes)}, but no mesh with these axes is known: call the "
+            "function under `with jax.set_mesh(mesh):`, or pass gspmd.jit(mesh=...) with these axes, or use "
+            "NamedSharding(mesh, spec).")
 
     def subprogram(self, name: str, params: Sequence[Value], build: Callable) -> Program:
         """A nested program (loop body, branch) with parameters typed like `params`,

@@ -1,5 +1,6 @@
 """Element-wise ops: every dim is a pass-through factor shared by all operands. Also the
-annotation op `sharding` and `copy`, which only change layout.
+annotation op `sharding` (from gspmd.mesh_split, jax.lax.with_sharding_constraint and a
+nested jax.jit's in/out shardings) and `copy`, which only change layout.
 
 `elementwise(opcode, numpy_fn, lax_fn, primitives)` registers one op in one line: the
 JAX primitives it comes from, its NumPy reference, its jax lowering and its factors.
@@ -12,11 +13,14 @@ from typing import Callable, Optional, Sequence
 import jax
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding
 
 from gspmd.dtypes import is_floating
 from gspmd.errors import ShardingError
-from gspmd.ops.convert import Converter
+from gspmd.ir import Value
+from gspmd.ops.convert import Conversion, Converter
 from gspmd.ops.registry import ELEMENTWISE, elementwise_factors, register
+from gspmd.sharding import UNSPECIFIED, Sharding, dims_mapping_from_spec
 from gspmd.spmd import reshard as rs
 
 
@@ -218,8 +222,46 @@ def _annotation(b, eqn, args):
                    unspecified=eqn.params["unspecified"])]
 
 
+def annotate(b: Conversion, x: Value, sharding, unconstrained=(), only_named: bool = False) -> Value:
+    """x annotated with a jax NamedSharding, as mesh_split over its mesh would. Dims in
+    `unconstrained` (with `only_named`: all dims its spec leaves None) are left to
+    propagation."""
+    if not isinstance(sharding, NamedSharding):
+        raise ShardingError(f"The value {x.type_str()} is constrained to {sharding}, but gspmd reads only "
+                            "NamedSharding or PartitionSpec layouts; write NamedSharding(mesh, PartitionSpec(...)).")
+    mapping = dims_mapping_from_spec(sharding.spec, x.shape)
+    mapping = [UNSPECIFIED if d in unconstrained or (only_named and e is None) else e for d, e in enumerate(mapping)]
+    if all(e is UNSPECIFIED for e in mapping):
+        return x
+    return b.add1("sharding", [x], x.shape, x.dtype,
+                  sharding=Sharding.from_mesh(b.mesh_of(sharding.mesh), mapping, x.shape),
+                  unspecified=tuple(d for d, e in enumerate(mapping) if e is UNSPECIFIED))
+
+
+def _sharding_constraint(b, eqn, args):
+    return [annotate(b, args[0], eqn.params["sharding"], eqn.params["unconstrained_dims"])]
+
+
+def _reshard(b, eqn, args):
+    """jax.sharding.reshard constrains the dims its spec names; jnp emits it with an
+    all-None spec under a context mesh of automatic axes, where it changes nothing."""
+    return [annotate(b, args[0], eqn.params["dst_sharding"], only_named=True)]
+
+
+def _nested_jit(b, eqn, args):
+    """A jax.jit inside the function: its body in place, its in/out shardings (where
+    given) as annotations."""
+    def annotated(values, shardings):
+        return [annotate(b, v, s) if isinstance(s, jax.sharding.Sharding) else v for v, s in zip(values, shardings)]
+    outs = b.inline(eqn.params["jaxpr"], annotated(args, eqn.params["in_shardings"]))
+    return annotated(outs, eqn.params["out_shardings"])
+
+
 # "mesh_split" is gspmd.frontend.annotation.mesh_split_p's name.
-elementwise("sharding", lambda x: x, lambda x: x, converts={"mesh_split": _annotation}, partition=_reshard_to_target)
+elementwise("sharding", lambda x: x, lambda x: x, partition=_reshard_to_target,
+            converts={"mesh_split": _annotation, "sharding_constraint": _sharding_constraint, "reshard": _reshard,
+                      "jit": _nested_jit,
+                      "pjit": _nested_jit})
 elementwise("copy", lambda x: x, lambda x: x, converts={p: _identity for p in ("copy", "copy_p", "stop_gradient")},
             partition=_reshard_to_target)
 

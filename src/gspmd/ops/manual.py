@@ -1,4 +1,4 @@
-"""`manual` regions (gspmd.manual): per-device code placed into the SPMD program as it is.
+"""`manual` regions (gspmd.manual, jax.shard_map): per-device code placed into the SPMD program as it is.
 
 Operands are laid out as the region's in_specs ask, the body's instructions are copied
 with the local operands in place of its parameters, and its results are laid out as the
@@ -8,7 +8,7 @@ from __future__ import annotations
 from gspmd.ir import Instr, Program, Value
 from gspmd.mesh import Mesh
 from gspmd.ops.registry import CONTRACTION, register
-from gspmd.sharding import Sharding
+from gspmd.sharding import Sharding, dims_mapping_from_spec
 from gspmd.spmd import reshard as rs
 from gspmd.spmd.partitioned import PartitionedValue
 
@@ -38,25 +38,45 @@ def _spec_sharding(mesh: Mesh, spec, shape) -> Sharding:
     return Sharding.from_mesh(mesh, [names if names else -1 for names in spec], shape)
 
 
-def _convert_manual(b, eqn, args: list[Value]) -> list[Value]:
-    """gspmd.manual's primitive: its body is per-device code already, converted into a
-    sub-program whose named-axis collectives resolve over the region's mesh."""
-    p = eqn.params
-    mesh, body = p["mesh"], Program(f"{b.program.name}.manual", parent=b.program)
+def _emit_manual(b, mesh: Mesh, body_jaxpr, args: list[Value], in_specs, out_specs, out_types) -> list[Value]:
+    """A manual region: the body is per-device code already, converted into a
+    sub-program whose named-axis collectives resolve over the region's mesh. Specs give,
+    per dim, the tuple of mesh axis names splitting it; out_types the global results."""
+    body = Program(f"{b.program.name}.manual", parent=b.program)
     sb = b.on(body)
     sb.origin = "manual"
-    params = [sb.param(v.aval.shape, v.aval.dtype, hint="local") for v in p["body"].jaxpr.invars]
+    jaxpr = body_jaxpr.jaxpr if hasattr(body_jaxpr, "jaxpr") else body_jaxpr
+    params = [sb.param(v.aval.shape, v.aval.dtype, hint="local") for v in jaxpr.invars]
     sb.manual_meshes.append(mesh)
     try:
-        body.outputs = sb.inline(p["body"], params)
+        body.outputs = sb.inline(body_jaxpr, params)
     finally:
         sb.manual_meshes.pop()
-    in_shardings = tuple(_spec_sharding(mesh, s, a.shape) for s, a in zip(p["in_specs"], args))
-    out_shardings = tuple(_spec_sharding(mesh, s, shape) for s, shape in zip(p["out_specs"], p["out_shapes"]))
-    return b.add("manual", args, [(shape, a.dtype) for shape, a in zip(p["out_shapes"], p["body"].out_avals)],
-                 body=body, in_shardings=in_shardings, out_shardings=out_shardings)
+    in_shardings = tuple(_spec_sharding(mesh, s, a.shape) for s, a in zip(in_specs, args))
+    out_shardings = tuple(_spec_sharding(mesh, s, shape) for s, (shape, _) in zip(out_specs, out_types))
+    return b.add("manual", args, out_types, body=body, in_shardings=in_shardings, out_shardings=out_shardings)
+
+
+def _convert_manual(b, eqn, args: list[Value]) -> list[Value]:
+    """gspmd.manual's primitive (its specs are normalized already)."""
+    p = eqn.params
+    out_types = [(shape, a.dtype) for shape, a in zip(p["out_shapes"], p["body"].out_avals)]
+    return _emit_manual(b, p["mesh"], p["body"], args, p["in_specs"], p["out_specs"], out_types)
+
+
+def _convert_shard_map(b, eqn, args: list[Value]) -> list[Value]:
+    """jax.shard_map: a manual region over its mesh. Axes left out of its axis_names stay
+    automatic; as in gspmd.manual the body is replicated over them."""
+    def names(spec, shape):
+        return tuple(() if e is None else (e,) if isinstance(e, str) else e
+                     for e in dims_mapping_from_spec(spec, shape))
+    p = eqn.params
+    out_types = [b.out_aval(eqn, i) for i in range(len(eqn.outvars))]
+    return _emit_manual(b, b.mesh_of(p["mesh"]), p["jaxpr"], args,
+                        [names(s, a.shape) for s, a in zip(p["in_specs"], args)],
+                        [names(s, shape) for s, (shape, _) in zip(p["out_specs"], out_types)], out_types)
 
 
 # "manual" is gspmd.frontend.manual.manual_p's name.
-register("manual", converts={"manual": _convert_manual}, propagate=_propagate_manual, partition=_partition_manual,
-         priority=CONTRACTION)
+register("manual", converts={"manual": _convert_manual, "shard_map": _convert_shard_map}, propagate=_propagate_manual,
+         partition=_partition_manual, priority=CONTRACTION)

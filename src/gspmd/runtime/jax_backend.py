@@ -121,7 +121,8 @@ class Executable:
         if self._compiled is None:
             in_types = [jax.ShapeDtypeStruct(shape, p.dtype, sharding=sharding)
                         for p in self.spmd.params for shape, sharding in [self._stacked(p)]]
-            self._compiled = jax.jit(self._shard_mapped()).lower(*in_types).compile()
+            with jax.set_mesh(self.mesh):   # not the caller's jax.set_mesh: the program runs over "d"
+                self._compiled = jax.jit(self._shard_mapped()).lower(*in_types).compile()
         return self._compiled
 
     def _shard_mapped(self):
