@@ -13,13 +13,13 @@ from jax.extend import core as jcore
 from gspmd.errors import ShardingError
 from gspmd.ir import Program, Value
 from gspmd.mesh import Mesh
-from gspmd.ops import PRIMITIVES
+from gspmd.ops import OUT_OF_SCOPE, PRIMITIVES
 from gspmd.ops.convert import Conversion
 
 # Primitives that only wrap a sub-jaxpr: their body is converted in place. (A nested
 # jax.jit may carry shardings: the `sharding` record converts it.)
-CALLS = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "remat", "checkpoint", "closed_call",
-         "core_call")
+CALLS = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "remat", "remat2", "checkpoint",
+         "closed_call", "core_call")
 _BODY_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
 
@@ -68,6 +68,8 @@ def _convert(b: Conversion, eqn, args: list[Value]) -> list[Value]:
     name = eqn.primitive.name
     if name in CALLS:
         return _call(b, eqn, args)
+    if name in OUT_OF_SCOPE:
+        raise ShardingError(f"JAX primitive {name!r} (in `{eqn}`) is out of gspmd's scope: {OUT_OF_SCOPE[name]}")
     convert = PRIMITIVES.get(name)
     if convert is None:
         raise ShardingError(

@@ -2,6 +2,7 @@
 # Importing each op family registers its opcodes.
 from gspmd.ops import (collectives, control, conv, dot, elementwise, gather_scatter, manual, reduce,  # noqa: F401
                        shape, slicing, window)
-from gspmd.ops.registry import OPS, PRIMITIVES, OpDef, informants, lookup, partition, propagate, tensors
+from gspmd.ops.registry import (OPS, OUT_OF_SCOPE, PRIMITIVES, OpDef, informants, lookup, partition, propagate,
+                                tensors)
 
-__all__ = ["OPS", "PRIMITIVES", "OpDef", "informants", "lookup", "partition", "propagate", "tensors"]
+__all__ = ["OPS", "OUT_OF_SCOPE", "PRIMITIVES", "OpDef", "informants", "lookup", "partition", "propagate", "tensors"]

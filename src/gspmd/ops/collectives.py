@@ -231,16 +231,11 @@ def _lower_collective_permute(instr, args, lc):
 
 register("partition-id", converts={"axis_index": _convert_axis_index}, evaluate=_evaluate_partition_id,
          lower=_lower_partition_id)
-def _unchanged(b, eqn, args):
-    """shard_map's `pvary` only marks a value as varying over axes (check_vma)."""
-    return args
-
-
 register("all-reduce", converts={"psum": _convert_psum(ADD), "psum_invariant": _convert_psum(ADD),
-                                 "pmax": _convert_psum(MAX), "pmin": _convert_psum(MIN), "pvary": _unchanged},
+                                 "pmax": _convert_psum(MAX), "pmin": _convert_psum(MIN)},
          evaluate_all=_evaluate_all_reduce, lower=_lower_all_reduce)
-register("all-gather", converts={"all_gather": _convert_all_gather, "all_gather_invariant": _convert_all_gather}, evaluate_all=_evaluate_all_gather,
-         lower=_lower_all_gather)
+register("all-gather", converts={"all_gather": _convert_all_gather, "all_gather_invariant": _convert_all_gather},
+         evaluate_all=_evaluate_all_gather, lower=_lower_all_gather)
 register("reduce-scatter", converts={"reduce_scatter": _convert_reduce_scatter},
          evaluate_all=_evaluate_reduce_scatter, lower=_lower_reduce_scatter)
 register("all-to-all", converts={"all_to_all": _convert_all_to_all}, evaluate_all=_evaluate_all_to_all,

@@ -281,7 +281,15 @@ register("transpose", converts={"transpose": _convert_transpose}, evaluate=_eval
 register("reshape", converts={p: _convert_reshape for p in ("reshape", "squeeze", "expand_dims")},
          evaluate=_evaluate_reshape, lower=_lower_reshape, propagate=_reshape_propagate,
          partition=_reshape_partition, priority=LAYOUT)
-# Constants come from jaxpr literals and closed-over arrays (the frontend driver's job).
-register("constant", evaluate=_evaluate_constant, lower=_lower_constant, partition=_constant_partition)
+def _platform_index(b, eqn, args):
+    """lax.platform_dependent's branch index: which of its platforms jax runs on, asked
+    of jax itself (outside any trace the primitive evaluates on the default device)."""
+    return [b.constant(np.int32(eqn.primitive.bind(**eqn.params)))]
+
+
+# Constants come from jaxpr literals and closed-over arrays (the frontend driver's job)
+# and from platform_index.
+register("constant", converts={"platform_index": _platform_index}, evaluate=_evaluate_constant,
+         lower=_lower_constant, partition=_constant_partition)
 register("iota", converts={"iota": _convert_iota}, evaluate=_evaluate_iota, lower=_lower_iota,
          partition=_iota_partition)
