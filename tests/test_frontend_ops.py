@@ -3,7 +3,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.ad_checkpoint import checkpoint_name
 
 import gspmd
 from util import check, rand
@@ -163,17 +162,6 @@ def test_select_n_with_many_cases():
     which = np.array([[0, 1, 2, 3, 1, 0]] * 4, np.int32)
     cases = [rand(rng, 4, 6) for _ in range(4)]
     check(lambda w, *c: jax.lax.select_n(split(w, "x", "y"), *c), which, *cases, mesh=MESH)
-
-
-def test_checkpoint_with_names_is_inlined():
-    def f(x, w):
-        def layer(v):
-            return checkpoint_name(jnp.tanh(split(v, "x", None) @ w), "h").sum()
-        policy = jax.checkpoint_policies.save_only_these_names("h")
-        return jax.grad(jax.checkpoint(layer, policy=policy), argnums=0)(x)
-
-    rng = np.random.RandomState(3)
-    check(f, rand(rng, 6, 8), rand(rng, 8, 5), mesh=MESH)
 
 
 def test_platform_index_is_the_platform_jax_runs_on():

@@ -18,8 +18,8 @@ from gspmd.ops.convert import Conversion
 
 # Primitives that only wrap a sub-jaxpr: their body is converted in place. (A nested
 # jax.jit may carry shardings: the `sharding` record converts it.)
-CALLS = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "remat", "remat2", "checkpoint",
-         "closed_call", "core_call")
+CALLS = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "remat", "checkpoint", "closed_call",
+         "core_call")
 _BODY_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
 

@@ -261,10 +261,9 @@ def _nested_jit(b, eqn, args):
 elementwise("sharding", lambda x: x, lambda x: x, partition=_reshard_to_target,
             converts={"mesh_split": _annotation, "sharding_constraint": _sharding_constraint, "reshard": _reshard,
                       "jit": _nested_jit})
-# "name" labels a value for rematerialization policies (jax.ad_checkpoint.checkpoint_name);
 # "pvary" marks a value in a shard_map body as varying over axes (check_vma).
 elementwise("copy", lambda x: x, lambda x: x,
-            converts={p: _identity for p in ("copy", "copy_p", "stop_gradient", "name", "pvary")},
+            converts={p: _identity for p in ("copy", "copy_p", "stop_gradient", "pvary")},
             partition=_reshard_to_target)
 
 
