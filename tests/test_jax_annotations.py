@@ -81,6 +81,18 @@ def test_partition_spec_under_jax_set_mesh():
     assert collectives(low) == collectives(gspmd.jit(train_step(by_mesh_split(GMESH))).lower(*args))
 
 
+def test_reshard_that_jnp_emits_under_an_abstract_mesh_changes_nothing():
+    def f(x):   # jnp.where reshards its operands to P(None, None) under an abstract context mesh
+        return jnp.where(gspmd.mesh_split(x, GMESH, ["data", "model"]) > 0, x, 0.0)
+
+    x = rand(np.random.RandomState(9), 4, 8)
+    with jax.sharding.use_abstract_mesh(JMESH.abstract_mesh):
+        assert "reshard" in str(jax.make_jaxpr(f)(x))
+    low = check(f, x, mesh=GMESH)   # gspmd.jit(mesh=...) traces under that mesh's abstract mesh
+    assert [i.opcode for i in low.program.instrs].count("sharding") == 1
+    assert low.report().counts() == {}
+
+
 def test_partition_spec_refers_to_gspmd_jit_mesh():
     args = mlp_inputs()
     with jax.set_mesh(JMESH):

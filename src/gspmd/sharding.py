@@ -262,5 +262,5 @@ def dims_mapping_from_spec(spec: PartitionSpec, shape: Sequence[int]) -> list:
     def entry(e):
         if e is PartitionSpec.UNCONSTRAINED:
             return UNSPECIFIED
-        return tuple(e) or None if isinstance(e, (tuple, list)) else e
+        return (tuple(e) or None) if isinstance(e, (tuple, list)) else e
     return [entry(e) for e in spec] + [None] * (len(shape) - len(spec))
