@@ -117,11 +117,10 @@ def _peak_memory(program: Program) -> int:
 
 
 def _temporaries(instr) -> int:
-    """Memory a loop needs beyond its carry while it runs: the most its body (or cond)
-    holds at once, less the parameters, which are the carry itself."""
-    if instr.opcode != "while":
-        return 0
-    return max(_peak_memory(p) - sum(v.nbytes for v in p.params) for p in (instr.attrs["body"], instr.attrs["cond"]))
+    """Memory an op with sub-programs (a loop, a conditional) needs beyond its operands
+    while it runs: the most one of them holds at once, less its parameters, which are
+    the operands themselves."""
+    return max((_peak_memory(p) - sum(v.nbytes for v in p.params) for p, _ in ops.runs(instr)), default=0)
 
 
 def analyse(spmd: Program, hardware: Union[None, str, Hardware] = None) -> Report:
@@ -133,7 +132,8 @@ def analyse(spmd: Program, hardware: Union[None, str, Hardware] = None) -> Repor
 
 def _walk(program: Program, executions: int, report: Report) -> None:
     """Count each instruction as often as it runs: a loop body's trip count times (once
-    when the trip count is not known statically, as for while_loop)."""
+    when the trip count is not known statically, as for while_loop); every branch of a
+    conditional once (what it may cost, not which branch a run takes)."""
     for instr in program.instrs:
         if instr.opcode in COLLECTIVES:
             groups = instr.attrs["pairs"] if instr.opcode == "collective-permute" else instr.attrs["groups"]
@@ -142,7 +142,5 @@ def _walk(program: Program, executions: int, report: Report) -> None:
                                                  instr.origin, executions, instr.why))
         elif ops.lookup(instr.opcode).flops is not None:
             report.flops += ops.lookup(instr.opcode).flops(instr) * executions
-        elif instr.opcode == "while":
-            trips = instr.attrs.get("trip_count") or 1
-            _walk(instr.attrs["cond"], executions * trips, report)
-            _walk(instr.attrs["body"], executions * trips, report)
+        for sub, times in ops.runs(instr):
+            _walk(sub, executions * times, report)

@@ -14,6 +14,8 @@ def _attr(v) -> str:
         return f"{v.dtype.name}{list(v.shape)}" if v.size > 8 else np.array2string(v, separator=",")
     if isinstance(v, Program):
         return f"<{v.name}>"
+    if isinstance(v, tuple) and any(isinstance(x, Program) for x in v):   # a conditional's branches
+        return "{" + ",".join(map(_attr, v)) + "}"
     return repr(v) if isinstance(v, str) else str(v)
 
 

@@ -77,12 +77,14 @@ class Program:
             yield from instr.outputs
 
     def subprograms(self):
-        """Programs nested in this one's instructions (loop bodies), depth first."""
+        """Programs nested in this one's instructions (loop bodies, a conditional's
+        tuple of branches), depth first."""
         for instr in self.instrs:
             for attr in instr.attrs.values():
-                if isinstance(attr, Program):
-                    yield attr
-                    yield from attr.subprograms()
+                for sub in (attr if isinstance(attr, tuple) else (attr,)):
+                    if isinstance(sub, Program):
+                        yield sub
+                        yield from sub.subprograms()
 
     def all_instrs(self):
         """Every instruction of this program and of the programs nested in it."""

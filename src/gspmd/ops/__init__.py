@@ -3,6 +3,7 @@
 from gspmd.ops import (collectives, control, conv, dot, elementwise, gather_scatter, manual, reduce,  # noqa: F401
                        shape, slicing, window)
 from gspmd.ops.registry import (OPS, OUT_OF_SCOPE, PRIMITIVES, OpDef, informants, lookup, partition, propagate,
-                                tensors)
+                                runs, tensors)
 
-__all__ = ["OPS", "OUT_OF_SCOPE", "PRIMITIVES", "OpDef", "informants", "lookup", "partition", "propagate", "tensors"]
+__all__ = ["OPS", "OUT_OF_SCOPE", "PRIMITIVES", "OpDef", "informants", "lookup", "partition", "propagate", "runs",
+           "tensors"]

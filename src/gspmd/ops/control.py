@@ -1,24 +1,45 @@
 """Control flow: `while` with cond and body sub-programs over one carried tuple
 (JAX's while_loop, fori_loop and scan all become it; scan as XLA lowers it: a counter,
-dynamic-slices of the scanned inputs, dynamic-update-slices of the stacked outputs).
+dynamic-slices of the scanned inputs, dynamic-update-slices of the stacked outputs), and
+`conditional` (JAX's cond and switch): an int32 index picks one of several branch
+sub-programs, each taking the operands after the index and giving the same result types.
 
-Every carried value is tied across five places: the loop operand, the loop result,
-the body's parameter and result, and the cond's parameter. Propagation drives all five
-to one layout, and the partitioner keeps the carry in that layout on every iteration.
+Every carried value of a loop is tied across five places: the loop operand, the loop
+result, the body's parameter and result, and the cond's parameter. A conditional ties
+each operand to every branch's parameter and each result to every branch's result.
+Propagation drives all places of a value to one layout, and the partitioner partitions
+each sub-program to exactly those layouts (the carry keeps its layout on every
+iteration; every branch leaves its results as the conditional's), so choosing a branch
+or running another iteration moves no data.
+
+The index is a scalar and so always whole on every device; one computed from split data
+(`x.sum() > 0`) was made whole by its reduction's all-reduce, so all devices agree.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, Optional
 
 import numpy as np
 from jax import lax
+from jax import numpy as jnp
 
 from gspmd.errors import ShardingError
-from gspmd.ir import Instr, Value
+from gspmd.ir import Instr, Program, Value
 from gspmd.ops.convert import Conversion
 from gspmd.ops.registry import ELEMENTWISE, register
 from gspmd.spmd import reshard as rs
 from gspmd.spmd.partitioned import PartitionedValue
+
+# places(instr, target) -> indices into tensors(instr) that hold the same value as target
+Places = Callable[[Instr, int], list[int]]
+
+
+def _same_layout(places: Places) -> Callable:
+    """Propagation for tied values: each place takes the layouts its other places have."""
+    def propagate(instr: Instr, shardings, target: int) -> list:
+        return [shardings[i] for i in places(instr, target) if shardings[i] is not None]
+    return propagate
 
 
 def tied_values(instr: Instr) -> list[Value]:
@@ -32,11 +53,6 @@ def _tied_places(instr: Instr, target: int) -> list[int]:
     result, cond parameter): the indices of target's four others."""
     n = len(instr.operands)
     return [place * n + target % n for place in range(5) if place * n + target % n != target]
-
-
-def _while_propagate(instr: Instr, shardings, target: int) -> list:
-    """Each place of a carried value takes the layouts the other four have."""
-    return [shardings[i] for i in _tied_places(instr, target) if shardings[i] is not None]
 
 
 def _evaluate_while(instr: Instr, per_device: list[list[np.ndarray]], run) -> list[list[np.ndarray]]:
@@ -131,6 +147,86 @@ def _lower_while(instr, args, lc):
                                tuple(args)))
 
 
+def _while_runs(instr: Instr) -> list[tuple[Program, int]]:
+    trips = instr.attrs.get("trip_count") or 1
+    return [(instr.attrs["cond"], trips), (instr.attrs["body"], trips)]
+
+
 register("while", converts={"while": _convert_while, "scan": _convert_scan}, evaluate_programs=_evaluate_while,
-         lower=_lower_while, propagate=_while_propagate, tied=tied_values, informants=_tied_places,
-         partition=_partition_while, priority=ELEMENTWISE)
+         lower=_lower_while, propagate=_same_layout(_tied_places), tied=tied_values, informants=_tied_places,
+         partition=_partition_while, runs=_while_runs, priority=ELEMENTWISE)
+
+
+# -- conditional: operands (index, *args), attrs branches (a tuple of programs over args) --
+def _branch_values(instr: Instr) -> list[Value]:
+    """The conditional's values beyond its operands and results: each branch's
+    parameters, then its results."""
+    return [v for branch in instr.attrs["branches"] for v in branch.params + branch.outputs]
+
+
+def _branch_places(instr: Instr, target: int) -> list[int]:
+    """Operand 1 + i is branch k's parameter i, result j is branch k's result j: the
+    indices of target's other places (none for the index)."""
+    n_args, n_out = len(instr.operands) - 1, len(instr.outputs)
+    per_branch = n_args + n_out
+    # Position within one branch's (parameters, results), or None for the index.
+    slot = None if target == 0 else target - 1 if target <= per_branch else (target - 1 - per_branch) % per_branch
+    if slot is None:
+        return []
+    places = [1 + slot] + [1 + per_branch * (k + 1) + slot for k in range(len(instr.attrs["branches"]))]
+    return [p for p in places if p != target]
+
+
+def branch_taken(index: int, count: int) -> int:
+    """HLO's rule: an index outside [0, count) runs the last branch."""
+    return index if 0 <= index < count else count - 1
+
+
+def _evaluate_conditional(instr: Instr, per_device: list[list[np.ndarray]], run) -> list[list[np.ndarray]]:
+    branches = instr.attrs["branches"]
+    taken = {branch_taken(int(args[0]), len(branches)) for args in per_device}
+    if len(taken) > 1:
+        raise ShardingError("Internal error: devices disagree on a conditional's branch; please report this "
+                            "program.")
+    return run(branches[taken.pop()], [args[1:] for args in per_device])
+
+
+def _partition_conditional(ctx, instr: Instr, operands: list[PartitionedValue], targets) -> list[PartitionedValue]:
+    """Each branch gets the operands as they are laid out and leaves its results laid
+    out as the targets; the scalar index is whole on every device."""
+    index, args = operands[0], operands[1:]
+    layouts = [a.sharding for a in args]
+    branches = tuple(ctx.partition_subprogram(branch, layouts, targets) for branch in instr.attrs["branches"])
+    outs = ctx.b.add("conditional", [index.local, *(a.local for a in args)],
+                     [(t.shard_shape(o.shape), o.dtype) for t, o in zip(targets, instr.outputs)], branches=branches)
+    return [PartitionedValue(v, t, o.shape) for v, t, o in zip(outs, targets, instr.outputs)]
+
+
+def _convert_cond(b: Conversion, eqn, args: list[Value]) -> list[Value]:
+    """JAX's cond (lax.cond, lax.switch): the index, then the branches' operands."""
+    index, operands = args[0], args[1:]
+    branches = tuple(b.subprogram(f"branch{k}", operands, partial(_inline_branch, jaxpr), hint="arg")
+                     for k, jaxpr in enumerate(eqn.params["branches"]))
+    return b.add("conditional", args, [b.out_aval(eqn, i) for i in range(len(eqn.outvars))], branches=branches)
+
+
+def _inline_branch(jaxpr, sb: Conversion, params: list[Value]) -> list[Value]:
+    return sb.inline(jaxpr, params)
+
+
+def _lower_conditional(instr, args, lc):
+    branches = instr.attrs["branches"]
+    index, last = args[0], len(branches) - 1
+    # lax.switch clamps, HLO runs the last branch for any index out of range.
+    index = jnp.where((index < 0) | (index > last), last, index)
+    return list(lax.switch(index, [partial(_run_branch, lc, branch) for branch in branches], *args[1:]))
+
+
+def _run_branch(lc, branch: Program, *args) -> tuple:
+    return tuple(lc.run(branch, args))
+
+
+register("conditional", converts={"cond": _convert_cond}, evaluate_programs=_evaluate_conditional,
+         lower=_lower_conditional, propagate=_same_layout(_branch_places), tied=_branch_values,
+         informants=_branch_places, partition=_partition_conditional,
+         runs=lambda instr: [(branch, 1) for branch in instr.attrs["branches"]], priority=ELEMENTWISE)

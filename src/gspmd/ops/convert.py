@@ -60,12 +60,12 @@ class Conversion(Builder):
             "function under `with jax.set_mesh(mesh):`, or pass gspmd.jit(mesh=...) with these axes, or use "
             "NamedSharding(mesh, spec).")
 
-    def subprogram(self, name: str, params: Sequence[Value], build: Callable) -> Program:
+    def subprogram(self, name: str, params: Sequence[Value], build: Callable, hint: str = "carry") -> Program:
         """A nested program (loop body, branch) with parameters typed like `params`,
         whose results are build(its conversion, its parameters)."""
         sub = Program(f"{self.program.name}.{name}", parent=self.program)
         sb = self.on(sub)
-        sub.outputs = build(sb, [sb.param(v.shape, v.dtype, hint="carry") for v in params])
+        sub.outputs = build(sb, [sb.param(v.shape, v.dtype, hint=hint) for v in params])
         return sub
 
     def constant(self, value, dtype=None) -> Value:

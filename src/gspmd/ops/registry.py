@@ -12,7 +12,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from gspmd.errors import ShardingError
-from gspmd.ir import Instr, Value
+from gspmd.ir import Instr, Program, Value
 from gspmd.ops.convert import Conversion, Converter, LowerContext
 from gspmd.sharding import Sharding
 from gspmd.spmd import factors as fx
@@ -51,6 +51,9 @@ class OpDef:
     lower: Optional[Lower] = None
     # values of sub-programs that must share a layout with the op's own (loop carries)
     tied: Optional[Callable[[Instr], list[Value]]] = None
+    # the sub-programs one execution runs, each with how often (for reports; a loop's
+    # trip count, once for each branch of a conditional)
+    runs: Optional[Callable[[Instr], list[tuple[Program, int]]]] = None
     # informants(instr, target) -> indices into tensors(instr) whose layouts can say
     # anything about the target's (default: all of them; a loop's carries are independent)
     informants: Optional[Callable[[Instr, int], Sequence[int]]] = None
@@ -104,6 +107,12 @@ def tensors(instr: Instr) -> list[Value]:
     """The values whose layouts `instr` relates: operands, outputs, then tied values."""
     tied = lookup(instr.opcode).tied
     return instr.operands + instr.outputs + (tied(instr) if tied else [])
+
+
+def runs(instr: Instr) -> list[tuple[Program, int]]:
+    """The sub-programs one execution of `instr` runs, each with how often."""
+    fn = lookup(instr.opcode).runs
+    return [] if fn is None else fn(instr)
 
 
 def informants(instr: Instr, target: int, count: int) -> Sequence[int]:
