@@ -115,18 +115,24 @@ def partition(ctx: DeviceContext, instr: Instr, factors: Sequence[Factor],
 
 
 def choose_space(instr: Instr, factors: Sequence[Factor], operands: Sequence[PartitionedValue],
-                 targets: Sequence[Sharding], pinned: Optional[Sharding] = None) -> Sharding:
-    """The cheapest factor-space layout among those each tensor's layout suggests."""
+                 targets: Sequence[Sharding], pinned: Optional[Sharding] = None,
+                 candidates: Sequence[Sharding] = ()) -> Sharding:
+    """The cheapest factor-space layout among those each tensor's layout suggests and
+    the given `candidates`."""
     n_in = len(operands)
     shardings = [o.sharding for o in operands] + list(targets)
     views = [_factor_view(factors, t, s) for t, s in enumerate(shardings)]
     first = [pinned] if pinned is not None else []
-    candidates = {_greedy_merge(first + [views[lead]] + views[:lead] + views[lead + 1:]) for lead in range(len(views))}
-    candidates.add(_greedy_merge(first + views[n_in:] + views[:n_in]))
-    return min(candidates, key=lambda c: (_cost(factors, c, operands, instr, targets), c.order_key()))
+    merged = {_greedy_merge(first + [views[lead]] + views[:lead] + views[lead + 1:]) for lead in range(len(views))}
+    merged.add(_greedy_merge(first + views[n_in:] + views[:n_in]))
+    merged.update(candidates)
+    return min(merged, key=lambda c: (cost(factors, c, operands, instr, targets), c.order_key()))
 
 
-def _cost(factors, space, operands, instr: Instr, targets) -> rs.Cost:
+def cost(factors: Sequence[Factor], space: Sharding, operands: Sequence[PartitionedValue], instr: Instr,
+         targets: Sequence[Sharding]) -> rs.Cost:
+    """What running `instr` in factor-space layout `space` moves per device: resharding
+    the operands, combining partial results, resharding the results to `targets`."""
     costs = [rs.cost(o.sharding, tensor_layout(factors, t, space, o.rank), o.shape, o.dtype.itemsize)
              for t, o in enumerate(operands)]
     red = _reduce_factors(factors, space)

@@ -1,0 +1,254 @@
+"""Sorting: `sort` (several operands of one shape sorted together along `dimension`,
+ordered lexicographically by the first `num_keys`; JAX's sort, jnp.sort, argsort) and
+`top-k` (the k largest, or smallest, elements along `axis` and their int32 indices;
+JAX's top_k, approx_max_k and approx_min_k).
+
+Both need their whole dim on one device. Where it is split, the split moves to another
+dim (one all-to-all, and another to come back) rather than everything being gathered;
+only where no other dim can take the split is that one dim gathered. A split top-k dim
+may instead keep its split: each device takes the top k of its own shard, one small
+all-gather brings every shard's k candidates together and a second top-k picks among
+them (the one that moves fewer bytes is chosen).
+
+Order, as XLA has it: `sort` compares floats after mapping -0.0 to +0.0 and every NaN to
++NaN (-inf < ... < 0 < ... < inf < NaN; complex by real, then imaginary part), equal keys
+keeping their order when stable. `top-k` compares floats by their bits' total order
+(-NaN < -inf < ... < -0.0 < +0.0 < ... < inf < +NaN) and breaks ties by the lower index.
+An exact top-k is also what approx_max_k/approx_min_k promise at best (recall 1).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from jax import lax
+from jax import numpy as jnp
+
+from gspmd.dtypes import is_floating
+from gspmd.errors import ShardingError
+from gspmd.ir import Instr
+from gspmd.ops.registry import LAYOUT, elementwise_factors, register
+from gspmd.sharding import Sharding
+from gspmd.spmd import factors as fx
+from gspmd.spmd import reshard as rs
+from gspmd.spmd.context import INDEX_DTYPE, DeviceContext, Why
+from gspmd.spmd.padding import mask_padding
+from gspmd.spmd.partitioned import PartitionedValue
+
+
+# -- orders --------------------------------------------------------------------------------
+def _bits(x: np.ndarray) -> np.ndarray:
+    return x.view(np.dtype(f"i{x.dtype.itemsize}"))
+
+
+def total_order_key(x: np.ndarray) -> np.ndarray:
+    """Integers ordered as XLA's total order orders x (floats by their bits)."""
+    if x.dtype == np.bool_:
+        return x.astype(np.int8)
+    if not is_floating(x.dtype):
+        return x
+    bits = _bits(x)
+    # Negative floats grow more negative as their magnitude bits grow: flip those bits.
+    return np.where(bits < 0, bits ^ np.iinfo(bits.dtype).max, bits)
+
+
+def _sort_keys(x: np.ndarray) -> list[np.ndarray]:
+    """sort's comparison keys for one key operand: floats with -0.0 as +0.0 and every
+    NaN as +NaN; complex numbers by real part, then imaginary part."""
+    if np.iscomplexobj(x):
+        return _sort_keys(x.real) + _sort_keys(x.imag)
+    if is_floating(x.dtype):
+        x = np.where(x == 0, np.zeros((), x.dtype), x)
+        x = np.where(np.isnan(x), np.asarray(np.nan, x.dtype), x)
+    return [total_order_key(x)]
+
+
+def _lax_total_order_key(x):
+    """total_order_key in jax."""
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.int8)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    bits = lax.bitcast_convert_type(x, jnp.dtype(f"int{8 * x.dtype.itemsize}"))
+    return jnp.where(bits < 0, bits ^ jnp.iinfo(bits.dtype).max, bits)
+
+
+def _last_in_order(dtype, largest: bool) -> np.ndarray:
+    """A value no element precedes in top-k's order (padding is masked with it): the
+    lowest of the total order when the largest come first, else the highest."""
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return np.asarray(not largest)
+    if is_floating(dtype):   # -NaN or +NaN with every payload bit set
+        info = np.iinfo(np.dtype(f"i{dtype.itemsize}"))
+        return np.asarray(-1 if largest else info.max, info.dtype).view(dtype)
+    info = np.iinfo(dtype)
+    return np.asarray(info.min if largest else info.max, dtype)
+
+
+# -- sort ------------------------------------------------------------------------------------
+def _evaluate_sort(instr: Instr, args, device):
+    d, num_keys = instr.attrs["dimension"], instr.attrs["num_keys"]
+    keys = [np.moveaxis(k, d, -1) for a in args[:num_keys] for k in _sort_keys(a)]
+    order = np.lexsort(keys[::-1], axis=-1)   # stable; lexsort's primary key comes last
+    return [np.moveaxis(np.take_along_axis(np.moveaxis(a, d, -1), order, -1), -1, d) for a in args]
+
+
+def _lower_sort(instr, args, lc):
+    a = instr.attrs
+    return list(lax.sort(tuple(args), dimension=a["dimension"], is_stable=a["is_stable"], num_keys=a["num_keys"]))
+
+
+def _convert_sort(b, eqn, args):
+    p = eqn.params
+    return b.add("sort", args, [b.out_aval(eqn, i) for i in range(len(args))], dimension=p["dimension"],
+                 is_stable=p["is_stable"], num_keys=p["num_keys"])
+
+
+def _whole_along(s: Sharding, dim: int, shape) -> list[Sharding]:
+    """Layouts like `s` with `dim` whole: its split gathered, or moved to become the
+    minor part of another dim's split that then still divides evenly (one all-to-all)."""
+    layouts = [s.keep_dims([d for d in range(s.rank) if d != dim])]
+    t = s.tiles[dim]
+    if t == 1 or shape[dim] % t:
+        return layouts
+    for other in range(s.rank):
+        if other != dim and shape[other] % (s.tiles[other] * t) == 0:
+            coords = s.coords().copy()
+            coords[:, other] = coords[:, other] * t + coords[:, dim]
+            coords[:, dim] = 0
+            tiles = list(s.tiles)
+            tiles[other] *= t
+            tiles[dim] = 1
+            layouts.append(Sharding.from_coords(coords, tiles))
+    return layouts
+
+
+def _whole_dim_factors(instr: Instr, dim: int) -> list[fx.Factor]:
+    """Every tensor shares every dim; `dim` stays whole (its sizes may differ: top-k)."""
+    n = len(instr.operands) + len(instr.outputs)
+    return [fx.Factor(size, (d,) * n, fx.REPLICATE if d == dim else fx.PASS)
+            for d, size in enumerate(instr.operands[0].shape)]
+
+
+def _space_whole_along(instr: Instr, dim: int, operands, targets):
+    """The factors and the cheapest layout that keeps `dim` whole (each dim is its own
+    factor, so layouts of the operand serve as factor-space layouts)."""
+    factors = _whole_dim_factors(instr, dim)
+    moved = [m for o in operands for m in _whole_along(o.sharding, dim, o.shape)]
+    return factors, fx.choose_space(instr, factors, operands, targets, candidates=moved)
+
+
+def _partition_sort(ctx, instr: Instr, operands, targets) -> list[PartitionedValue]:
+    factors, space = _space_whole_along(instr, instr.attrs["dimension"], operands, targets)
+    return fx.run(ctx, instr, factors, space, operands, targets)
+
+
+register("sort", converts={"sort": _convert_sort}, evaluate=_evaluate_sort, lower=_lower_sort,
+         factors=elementwise_factors, partition=_partition_sort, priority=LAYOUT)
+
+
+# -- top-k: operands (x[, indices]) -> (values, indices) ------------------------------------
+def _evaluate_top_k(instr: Instr, args, device):
+    """The first k in order, and their positions (or, given a second operand, what it
+    holds there: the indices the positions stand for)."""
+    a, x = instr.attrs, args[0]
+    key = total_order_key(x)
+    order = np.argsort(~key if a["largest"] else key, axis=a["axis"], kind="stable")
+    top = np.take(order, np.arange(a["k"]), axis=a["axis"])
+    indices = top if len(args) == 1 else np.take_along_axis(args[1], top, a["axis"])
+    return [np.take_along_axis(x, top, a["axis"]), indices.astype(instr.outputs[1].dtype)]
+
+
+def _lower_top_k(instr, args, lc):
+    a, x = instr.attrs, args[0]
+    if a["largest"]:
+        values, top = lax.top_k(x, a["k"], axis=a["axis"])
+    else:
+        _, top = lax.top_k(~_lax_total_order_key(x), a["k"], axis=a["axis"])
+        values = jnp.take_along_axis(x, top, a["axis"])
+    indices = top if len(args) == 1 else jnp.take_along_axis(args[1], top, a["axis"])
+    return [values, indices.astype(instr.outputs[1].dtype)]
+
+
+def _convert_top_k(b, eqn, args):
+    return _emit_top_k(b, eqn, args, eqn.params["axis"], largest=True)
+
+
+def _convert_approx_top_k(b, eqn, args):
+    p = eqn.params
+    return _emit_top_k(b, eqn, args, p["reduction_dimension"] % args[0].rank, largest=p["is_max_k"])
+
+
+def _emit_top_k(b, eqn, args, axis: int, largest: bool):
+    k = eqn.params["k"]
+    types = [b.out_aval(eqn, i) for i in range(2)]
+    if types[0][0][axis] != k:
+        raise ShardingError(f"{eqn.primitive.name} of {args[0].type_str()} gives {types[0][0][axis]} results "
+                            f"along dim {axis}, not k={k} (aggregate_to_topk=False); gspmd computes an exact "
+                            "top-k: pass aggregate_to_topk=True.")
+    return b.add("top-k", args, types, k=k, axis=axis, largest=largest)
+
+
+def _top_k_factors(instr: Instr) -> list[fx.Factor]:
+    return _whole_dim_factors(instr, instr.attrs["axis"])
+
+
+def _partition_top_k(ctx, instr: Instr, operands, targets) -> list[PartitionedValue]:
+    """Move the split away from the top-k dim, or take candidates per shard: the cheaper."""
+    axis = instr.attrs["axis"]
+    factors, space = _space_whole_along(instr, axis, operands, targets)
+    x = operands[0]
+    if len(operands) == 1 and x.sharding.tiles[axis] > 1:
+        by_candidates = _candidates_cost(instr, x, targets)
+        if by_candidates < fx.cost(factors, space, operands, instr, targets):
+            return _top_k_of_candidates(ctx, instr, x, targets)
+    return fx.run(ctx, instr, factors, space, operands, targets)
+
+
+def _candidate_count(instr: Instr, x: PartitionedValue) -> int:
+    """How many candidates each shard offers: k, or its whole shard if shorter."""
+    return min(instr.attrs["k"], x.sharding.shard_shape(x.shape)[instr.attrs["axis"]])
+
+
+def _candidates_layout(x: PartitionedValue, axis: int) -> Sharding:
+    return x.sharding.keep_dims([d for d in range(x.rank) if d != axis])
+
+
+def _candidates_cost(instr: Instr, x: PartitionedValue, targets) -> rs.Cost:
+    axis, s = instr.attrs["axis"], x.sharding
+    shape = list(s.shard_shape(x.shape))
+    shape[axis] = s.tiles[axis] * _candidate_count(instr, x)
+    layout = _candidates_layout(x, axis)
+    costs = [(rs.moved(math.prod(shape) * o.dtype.itemsize, s.tiles[axis]), 1) for o in instr.outputs]
+    costs += [rs.cost(layout, t, o.shape, o.dtype.itemsize) for o, t in zip(instr.outputs, targets)]
+    return rs.add_costs(*costs)
+
+
+def _top_k_of_candidates(ctx: DeviceContext, instr: Instr, x: PartitionedValue, targets) -> list[PartitionedValue]:
+    """Each shard's top k (padding masked to come last; positions made global), all
+    shards' candidates gathered along the dim in shard order, then their top k: equal
+    values keep the order of their global indices, so ties still go to the lower one."""
+    a, b, s = instr.attrs, ctx.b, x.sharding
+    axis, values, indices = a["axis"], instr.outputs[0], instr.outputs[1]
+    x = mask_padding(ctx, x, axis, _last_in_order(x.dtype, a["largest"]))
+    count = _candidate_count(instr, x)
+    shape = list(x.local.shape)
+    shape[axis] = count
+    top, pos = b.add("top-k", [x.local], [(shape, values.dtype), (shape, indices.dtype)], **dict(a, k=count))
+    start = ctx.table_lookup(s.coords()[:, axis] * x.local.shape[axis])
+    if indices.dtype != INDEX_DTYPE:
+        start = b.add1("convert", [start], (), indices.dtype)
+    pos = b.add1("add", [pos, b.add1("broadcast", [start], shape, indices.dtype, dims=())], shape, indices.dtype)
+    groups = rs.groups_along(s, [axis])
+    top = ctx.all_gather(top, axis, groups, Why.PARTIAL_RESULTS, "top-k candidates")
+    pos = ctx.all_gather(pos, axis, groups, Why.PARTIAL_RESULTS, "top-k candidate indices")
+    shape[axis] = a["k"]
+    outs = b.add("top-k", [top, pos], [(shape, values.dtype), (shape, indices.dtype)], **a)
+    layout = _candidates_layout(x, axis)
+    return [rs.reshard(ctx, PartitionedValue(v, layout, o.shape), t) for v, o, t in zip(outs, instr.outputs, targets)]
+
+
+register("top-k", converts={"top_k": _convert_top_k, "approx_top_k": _convert_approx_top_k},
+         evaluate=_evaluate_top_k, lower=_lower_top_k, factors=_top_k_factors, partition=_partition_top_k,
+         priority=LAYOUT)
