@@ -8,6 +8,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 from jax import lax
+from jax import numpy as jnp
 
 from gspmd.dtypes import is_floating
 
@@ -61,3 +62,4 @@ MIN = Reducer("min", np.minimum, lax.min, _extreme(highest=True))
 AND = Reducer("and", np.bitwise_and, lax.bitwise_and, _all_bits)
 OR = Reducer("or", np.bitwise_or, lax.bitwise_or, lambda dtype: 0)
 XOR = Reducer("xor", np.bitwise_xor, lax.bitwise_xor, lambda dtype: 0)
+LOGADDEXP = Reducer("logaddexp", np.logaddexp, jnp.logaddexp, lambda dtype: -np.inf)   # cumlogsumexp

@@ -70,22 +70,6 @@ def _convert_dot_general(b, eqn, args):
                    lhs_contracting=tuple(lc), rhs_contracting=tuple(rc))]
 
 
-def _convert_cumsum(b, eqn, args):
-    """cumsum as a dot with a triangular matrix of ones: it then partitions like any
-    contraction (a split scanned dim gives partial sums that an all-reduce combines)."""
-    (x,), axis = args, eqn.params["axis"]
-    shape, dtype = b.out_aval(eqn)
-    n = x.shape[axis]
-    rows, cols = np.indices((n, n))
-    tri = b.constant(((rows >= cols) if eqn.params["reverse"] else (rows <= cols)).astype(dtype))
-    free = [d for d in range(x.rank) if d != axis]
-    summed = b.add1("dot", [x, tri], tuple(x.shape[d] for d in free) + (n,), dtype, lhs_batch=(), rhs_batch=(),
-                    lhs_contracting=(axis,), rhs_contracting=(0,))
-    perm = list(range(x.rank - 1))
-    perm.insert(axis, x.rank - 1)
-    return [b.add1("transpose", [summed], shape, dtype, permutation=tuple(perm))]
-
-
 def _lower_dot(instr, args, lc):
     a, out = instr.attrs, instr.outputs[0]
     lhs, rhs = (lax.convert_element_type(x, out.dtype) for x in args)
@@ -93,5 +77,5 @@ def _lower_dot(instr, args, lc):
     return [lax.dot_general(lhs, rhs, dims, preferred_element_type=out.dtype)]
 
 
-register("dot", converts={"dot_general": _convert_dot_general, "cumsum": _convert_cumsum}, evaluate=_evaluate_dot,
+register("dot", converts={"dot_general": _convert_dot_general}, evaluate=_evaluate_dot,
          lower=_lower_dot, factors=_dot_factors, priority=CONTRACTION, flops=_dot_flops)

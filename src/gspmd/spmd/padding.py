@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from gspmd.ir import Value
 from gspmd.spmd.context import INDEX_DTYPE, DeviceContext
 from gspmd.spmd.partitioned import PartitionedValue
 
@@ -13,7 +14,8 @@ def is_padded(pv: PartitionedValue, dim: int) -> bool:
 
 
 def mask_padding(ctx: DeviceContext, pv: PartitionedValue, dim: int, fill) -> PartitionedValue:
-    """Replace the padding along `dim` by `fill` (positions >= the global size)."""
+    """Replace the padding along `dim` by `fill` (positions >= the global size): a
+    constant, or a scalar Value of the program (a reduction's init value)."""
     if not is_padded(pv, dim):
         return pv
     b, x = ctx.b, pv.local
@@ -24,6 +26,7 @@ def mask_padding(ctx: DeviceContext, pv: PartitionedValue, dim: int, fill) -> Pa
     pos = b.add1("add", [iota, start_b], x.shape, INDEX_DTYPE)
     limit = b.add1("broadcast", [ctx.constant(pv.shape[dim], INDEX_DTYPE)], x.shape, INDEX_DTYPE, dims=())
     inside = b.add1("compare", [pos, limit], x.shape, np.bool_, direction="LT")
-    fill_b = b.add1("broadcast", [ctx.constant(np.asarray(fill, x.dtype))], x.shape, x.dtype, dims=())
+    fill = fill if isinstance(fill, Value) else ctx.constant(np.asarray(fill, x.dtype))
+    fill_b = b.add1("broadcast", [fill], x.shape, x.dtype, dims=())
     masked = b.add1("select", [inside, x, fill_b], x.shape, x.dtype)
     return PartitionedValue(masked, pv.sharding, pv.shape)
