@@ -229,16 +229,26 @@ def _lower_collective_permute(instr, args, lc):
     return [out]
 
 
+def _empty_safe(lower):
+    """An empty operand gives an empty result (XLA rejects collectives over empty dims,
+    which shards of tiny intermediates, as in associative scans, can have)."""
+    def safe(instr, args, lc):
+        if 0 in args[0].shape:
+            return [jnp.zeros(o.shape, o.dtype) for o in instr.outputs]
+        return lower(instr, args, lc)
+    return safe
+
+
 register("partition-id", converts={"axis_index": _convert_axis_index}, evaluate=_evaluate_partition_id,
          lower=_lower_partition_id)
 register("all-reduce", converts={"psum": _convert_psum(ADD), "psum_invariant": _convert_psum(ADD),
                                  "pmax": _convert_psum(MAX), "pmin": _convert_psum(MIN)},
-         evaluate_all=_evaluate_all_reduce, lower=_lower_all_reduce)
+         evaluate_all=_evaluate_all_reduce, lower=_empty_safe(_lower_all_reduce))
 register("all-gather", converts={"all_gather": _convert_all_gather, "all_gather_invariant": _convert_all_gather},
-         evaluate_all=_evaluate_all_gather, lower=_lower_all_gather)
+         evaluate_all=_evaluate_all_gather, lower=_empty_safe(_lower_all_gather))
 register("reduce-scatter", converts={"reduce_scatter": _convert_reduce_scatter},
-         evaluate_all=_evaluate_reduce_scatter, lower=_lower_reduce_scatter)
+         evaluate_all=_evaluate_reduce_scatter, lower=_empty_safe(_lower_reduce_scatter))
 register("all-to-all", converts={"all_to_all": _convert_all_to_all}, evaluate_all=_evaluate_all_to_all,
-         lower=_lower_all_to_all)
+         lower=_empty_safe(_lower_all_to_all))
 register("collective-permute", converts={"ppermute": _convert_ppermute}, evaluate_all=_evaluate_collective_permute,
-         lower=_lower_collective_permute)
+         lower=_empty_safe(_lower_collective_permute))

@@ -107,9 +107,12 @@ def _local_unit(ctx, x: Value, windows: Sequence[Window], fill: Value) -> Value:
     high crop), then a strided slice down to the outputs."""
     rank = x.rank
     if not all(w.low == w.high == 0 and w.base_dilation == 1 for w in windows):
-        shape = [w.low + w.high + ((n - 1) * w.base_dilation + 1 if n else 0) for w, n in zip(windows, x.shape)]
+        spread = [(n - 1) * w.base_dilation + 1 if n else 0 for w, n in zip(windows, x.shape)]
+        # A shard cropped away entirely leaves an empty dim, not a negative one.
+        high = [max(w.high, -w.low - n) for w, n in zip(windows, spread)]
+        shape = [w.low + h + n for w, h, n in zip(windows, high, spread)]
         x = ctx.b.add1("pad", [x, fill], shape, x.dtype, low=tuple(w.low for w in windows),
-                       high=tuple(w.high for w in windows), interior=tuple(w.base_dilation - 1 for w in windows))
+                       high=tuple(high), interior=tuple(w.base_dilation - 1 for w in windows))
     out = [max(0, (n - 1) // w.stride + 1) if n > 0 else 0 for w, n in zip(windows, x.shape)]
     if list(x.shape) == out:
         return x
