@@ -240,12 +240,17 @@ def _convert_transpose(b, eqn, args):
 
 def _convert_reshape(b, eqn, args):
     """reshape(x, dimensions=p) is XLA's transpose by p, then the reshape (grouped-conv
-    gradients emit it); squeeze and expand_dims are reshapes too."""
-    shape, dtype = b.out_aval(eqn)
+    gradients emit it)."""
     x, perm = args[0], tuple(eqn.params.get("dimensions") or range(args[0].rank))
     if perm != tuple(range(x.rank)):
-        x = b.add1("transpose", [x], tuple(x.shape[d] for d in perm), dtype, permutation=perm)
-    return [b.add1("reshape", [x], shape, dtype)]
+        x = b.add1("transpose", [x], tuple(x.shape[d] for d in perm), x.dtype, permutation=perm)
+    return _convert_plain_reshape(b, eqn, [x])
+
+
+def _convert_plain_reshape(b, eqn, args):
+    """squeeze and expand_dims (whose `dimensions` name the dims dropped or added)."""
+    shape, dtype = b.out_aval(eqn)
+    return [b.add1("reshape", args, shape, dtype)]
 
 
 def _convert_iota(b, eqn, args):
@@ -278,7 +283,8 @@ register("broadcast", converts={"broadcast_in_dim": _convert_broadcast_in_dim}, 
          lower=_lower_broadcast, factors=_broadcast_factors, priority=LAYOUT, forward_priority=EXPAND)
 register("transpose", converts={"transpose": _convert_transpose}, evaluate=_evaluate_transpose,
          lower=_lower_transpose, factors=_transpose_factors, priority=LAYOUT)
-register("reshape", converts={p: _convert_reshape for p in ("reshape", "squeeze", "expand_dims")},
+register("reshape", converts={"reshape": _convert_reshape, "squeeze": _convert_plain_reshape,
+                              "expand_dims": _convert_plain_reshape},
          evaluate=_evaluate_reshape, lower=_lower_reshape, propagate=_reshape_propagate,
          partition=_reshape_partition, priority=LAYOUT)
 def _platform_index(b, eqn, args):
@@ -287,9 +293,15 @@ def _platform_index(b, eqn, args):
     return [b.constant(np.int32(eqn.primitive.bind(**eqn.params)))]
 
 
-# Constants come from jaxpr literals and closed-over arrays (the frontend driver's job)
-# and from platform_index.
-register("constant", converts={"platform_index": _platform_index}, evaluate=_evaluate_constant,
-         lower=_lower_constant, partition=_constant_partition)
+def _convert_empty(b, eqn, args):
+    """An uninitialized buffer (residuals of untaken cond branches): zeros will do."""
+    shape, dtype = b.out_aval(eqn)
+    return [b.broadcast_to(b.constant(0, dtype), shape)]
+
+
+# Constants come from jaxpr literals and closed-over arrays (the frontend driver's job),
+# from platform_index and from empty buffers.
+register("constant", converts={"platform_index": _platform_index, "empty": _convert_empty, "empty2": _convert_empty},
+         evaluate=_evaluate_constant, lower=_lower_constant, partition=_constant_partition)
 register("iota", converts={"iota": _convert_iota}, evaluate=_evaluate_iota, lower=_lower_iota,
          partition=_iota_partition)
