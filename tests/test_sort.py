@@ -1,0 +1,192 @@
+"""sort, argsort, top_k, approx_max_k/min_k, argmax/argmin: equal to one device (NaN,
+-0.0 and ties ordered as XLA orders them), local along whole dims, and along a split dim
+an all-to-all there and back (or, for top-k, a small gather of k candidates per shard)
+instead of gathering the tensor."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jax import lax
+
+import gspmd
+from gspmd.errors import ShardingError
+from strategies import dims_mappings, meshes
+from util import check
+
+MESH = gspmd.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
+LINE = gspmd.Mesh(np.arange(8), ("x",))
+SMALL_MESHES = [(2,), (4,), (8,), (3,), (2, 2), (2, 4), (4, 2), (3, 2), (2, 2, 2)]
+SPECIAL = np.array([0.0, -0.0, 1.0, -1.0, 2.0, 0.5, np.nan, -np.nan, np.inf, -np.inf], np.float32)
+
+
+def split(x, mesh, *dims):
+    return gspmd.mesh_split(x, mesh, list(dims))
+
+
+def special_values(seed: int, *shape) -> np.ndarray:
+    """Values full of ties, NaNs of both signs, zeros of both signs and infinities."""
+    return np.random.RandomState(seed).choice(SPECIAL, shape)
+
+
+def largest_collective(low) -> int:
+    return max((c.bytes for c in low.report().collectives), default=0)
+
+
+def test_order_of_nans_zeros_and_ties_matches_xla():
+    def f(x, y):
+        x = split(x, MESH, "x", "y")
+        return (jnp.sort(x, axis=1), jnp.argsort(x, axis=1), jnp.argsort(x, axis=0, descending=True),
+                lax.sort((x, y), dimension=1, num_keys=2), lax.sort((y, x), dimension=0, num_keys=1),
+                lax.sort(x, dimension=1, is_stable=False), lax.top_k(x, 5), lax.top_k(x, 3, axis=0),
+                jnp.argmax(x, axis=1), jnp.argmin(x, axis=0))
+
+    x, y = special_values(0, 6, 8), special_values(1, 6, 8)
+    check(f, x, y, mesh=MESH)
+
+
+def test_approx_max_and_min_k_are_exact():
+    def f(x):
+        x = split(x, MESH, "x", "y")
+        return lax.approx_max_k(x, 3), lax.approx_min_k(x, 2), lax.approx_max_k(x, 2, reduction_dimension=0)
+
+    x = np.random.RandomState(2).randint(-4, 4, (6, 8)).astype(np.float32)   # ties, no NaN
+    check(f, x, mesh=MESH)
+
+
+def test_integer_and_boolean_keys():
+    def f(i, b):
+        i = split(i, MESH, "y", "x")
+        return jnp.sort(i, axis=0), lax.top_k(i, 2), jnp.argsort(b, axis=1), lax.sort((b, i), dimension=0)
+
+    rng = np.random.RandomState(3)
+    check(f, rng.randint(-3, 3, (8, 6)).astype(np.int32), rng.rand(8, 6) > 0.5, mesh=MESH)
+
+
+def test_sort_along_a_split_dim_moves_the_split_by_all_to_all():
+    def f(x):
+        return jnp.sort(split(x, LINE, -1, "x"), axis=1)
+
+    x = np.random.RandomState(4).standard_normal((16, 32)).astype(np.float32)
+    low = check(f, x, mesh=LINE)
+    counts = low.report().counts()
+    assert counts == {"all-to-all": 2}, low.report()     # there and back, nothing gathered
+    assert low.sharding_of(0) == gspmd.Sharding.from_mesh(LINE, [-1, "x"], x.shape)
+
+
+def test_sort_gathers_only_the_sorted_dim_when_no_other_dim_can_take_its_split():
+    def f(x):
+        return jnp.sort(split(x, MESH, "x", "y"), axis=1)
+
+    x = np.random.RandomState(5).standard_normal((6, 8)).astype(np.float32)   # 6 rows: no room for 8 tiles
+    low = check(f, x, mesh=MESH)
+    gathers = [c for c in low.report().collectives if c.kind == "all-gather"]
+    assert len(gathers) == 1 and gathers[0].groups == ((0, 1, 2, 3), (4, 5, 6, 7)), low.report()
+    assert gathers[0].bytes == 3 * 8 * 4   # this device's rows, whole along the sorted dim only
+
+
+def test_split_top_k_dim_gathers_only_candidates():
+    def f(x):
+        return lax.top_k(split(x, LINE, -1, "x"), 2)
+
+    x = np.random.RandomState(6).standard_normal((6, 256)).astype(np.float32)
+    low = check(f, x, mesh=LINE)
+    report = low.report()
+    assert set(report.counts()) == {"all-gather"}, report
+    assert largest_collective(low) == 6 * 8 * 2 * 4, report   # 2 candidates from each of 8 shards
+
+
+def test_split_top_k_dim_moves_to_another_dim_when_that_is_cheaper():
+    def f(x):
+        return lax.top_k(split(x, LINE, -1, "x"), 8)
+
+    x = np.random.RandomState(7).standard_normal((64, 32)).astype(np.float32)
+    low = check(f, x, mesh=LINE)
+    assert "all-to-all" in low.report().counts(), low.report()
+    assert largest_collective(low) == 64 * 8 * 4   # the result, gathered: the target is whole
+
+
+def test_padding_never_beats_real_elements():
+    """Uneven shards (35 over 8: the last one empty) of the lowest values there are,
+    with the top-k dim kept split (candidates per shard)."""
+    def f(x):
+        x = split(x, LINE, -1, "x")
+        return lax.top_k(x, 2), lax.top_k(x, 1), jnp.sort(x, axis=1), jnp.argsort(x, axis=1)
+
+    x = np.full((3, 35), -np.inf, np.float32)
+    x[0, ::3] = -np.nan
+    x[2, -1] = -0.0
+    low = check(f, x, mesh=LINE)
+    assert any("top-k candidates" in c.origin for c in low.report().collectives), low.report()
+
+
+def _gather_has_batching_dims() -> bool:
+    """sort's and top_k's gradients gather along batching dims (take_along_axis)."""
+    try:
+        gspmd.jit(lambda x, i: jnp.take_along_axis(x, i, axis=1)).lower(np.zeros((2, 3), np.float32),
+                                                                         np.zeros((2, 1), np.int32))
+    except ShardingError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _gather_has_batching_dims(), reason="needs gather with batching dims (gather helper)")
+def test_grads_of_sort_and_top_k():
+    def loss(x):
+        x = split(x, MESH, "x", "y")
+        return jnp.sum(jnp.sort(x, axis=1) * jnp.arange(8.0)) + jnp.sum(lax.top_k(x, 3)[0] ** 2)
+
+    x = np.random.RandomState(8).standard_normal((6, 8)).astype(np.float32)
+    check(jax.grad(loss), x, mesh=MESH)
+
+
+_OPS = ["sort", "argsort", "descending", "two_keys", "top_k", "argmax", "unstable"]
+
+
+@st.composite
+def sort_cases(draw):
+    mesh = draw(meshes(shapes=SMALL_MESHES))
+    rank = draw(st.integers(1, 3))
+    dim = draw(st.integers(0, rank - 1))
+    # A long sorted dim now and then: split top-k dims then take candidates per shard.
+    shape = tuple(draw(st.sampled_from([1, 2, 3, 4, 5, 6, 8] + ([19, 35] if d == dim else [])))
+                  for d in range(rank))
+    k = draw(st.integers(1, shape[dim]))
+    return mesh, shape, draw(dims_mappings(mesh, rank)), dim, draw(st.sampled_from(_OPS)), k, draw(st.integers(0, 99))
+
+
+def _sort_op(name: str, dim: int, k: int):
+    if name == "sort":
+        return lambda x, y: jnp.sort(x, axis=dim)
+    if name == "argsort":
+        return lambda x, y: jnp.argsort(x, axis=dim)
+    if name == "descending":
+        return lambda x, y: jnp.argsort(x, axis=dim, descending=True)
+    if name == "two_keys":
+        return lambda x, y: lax.sort((x, y, x * 2), dimension=dim, num_keys=2)
+    if name == "top_k":
+        return lambda x, y: lax.top_k(x, k, axis=dim)
+    if name == "argmax":
+        return lambda x, y: (jnp.argmax(x, axis=dim), jnp.argmin(y, axis=dim))
+    return lambda x, y: lax.sort(x, dimension=dim, is_stable=False)
+
+
+def _check_sort(case):
+    mesh, shape, mapping, dim, name, k, seed = case
+    op = _sort_op(name, dim, k)
+    check(lambda x, y: op(gspmd.mesh_split(x, mesh, mapping), y), special_values(seed, *shape),
+          special_values(seed + 1, *shape), mesh=mesh)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
+@given(sort_cases())
+def test_random_sorts(case):
+    _check_sort(case)
+
+
+@pytest.mark.slow
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(sort_cases())
+def test_random_sorts_slow(case):
+    _check_sort(case)
