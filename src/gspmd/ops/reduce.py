@@ -19,6 +19,8 @@ Nothing as large as the operand moves.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import Callable
 
 import jax
 import numpy as np
@@ -94,15 +96,28 @@ register("reduce",
 
 
 # -- variadic-reduce: operands (*xs, *inits) -------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class Computation:
+    """A reduction's combining function: (*accumulators, *elements) -> accumulators, all
+    scalars, as the closed jaxpr JAX traced it (printed on one line)."""
+    jaxpr: object
+
+    def __call__(self, *args):
+        return jcore.jaxpr_as_fun(self.jaxpr)(*args)
+
+    def __repr__(self):
+        return " ".join(str(self.jaxpr).split())
+
+
 def _convert_variadic_reduce(b, eqn, args):
     return b.add("variadic-reduce", args, [b.out_aval(eqn, i) for i in range(len(eqn.outvars))],
-                 dims=tuple(int(d) for d in eqn.params["dimensions"]), computation=eqn.params["jaxpr"])
+                 dims=tuple(int(d) for d in eqn.params["dimensions"]), computation=Computation(eqn.params["jaxpr"]))
 
 
 @functools.lru_cache(maxsize=64)
-def _vectorized(computation) -> callable:
+def _vectorized(computation: Computation) -> Callable:
     """The scalar computation applied element by element to 1-D arrays."""
-    return jax.jit(jax.vmap(jcore.jaxpr_as_fun(computation)))
+    return jax.jit(jax.vmap(computation))
 
 
 def _evaluate_variadic_reduce(instr: Instr, args, device):
@@ -119,8 +134,7 @@ def _evaluate_variadic_reduce(instr: Instr, args, device):
 
 
 def _lower_variadic_reduce(instr, args, lc):
-    n = len(instr.outputs)
-    fn = jcore.jaxpr_as_fun(instr.attrs["computation"])
+    n, fn = len(instr.outputs), instr.attrs["computation"]
     return list(lax.reduce(tuple(args[:n]), tuple(args[n:]), lambda a, b: tuple(fn(*a, *b)), instr.attrs["dims"]))
 
 
