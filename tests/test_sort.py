@@ -11,9 +11,8 @@ from hypothesis import strategies as st
 from jax import lax
 
 import gspmd
-from gspmd.errors import ShardingError
 from strategies import dims_mappings, meshes
-from util import check
+from util import check, gathers_along_batching_dims
 
 MESH = gspmd.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
 LINE = gspmd.Mesh(np.arange(8), ("x",))
@@ -121,17 +120,7 @@ def test_padding_never_beats_real_elements():
     assert any("top-k candidates" in c.origin for c in low.report().collectives), low.report()
 
 
-def _gather_has_batching_dims() -> bool:
-    """sort's and top_k's gradients gather along batching dims (take_along_axis)."""
-    try:
-        gspmd.jit(lambda x, i: jnp.take_along_axis(x, i, axis=1)).lower(np.zeros((2, 3), np.float32),
-                                                                         np.zeros((2, 1), np.int32))
-    except ShardingError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _gather_has_batching_dims(), reason="needs gather with batching dims (gather helper)")
+@pytest.mark.skipif(not gathers_along_batching_dims(), reason="needs gather with batching dims (gather helper)")
 def test_grads_of_sort_and_top_k():
     def loss(x):
         x = split(x, MESH, "x", "y")

@@ -8,8 +8,7 @@ import pytest
 from jax import lax
 
 import gspmd
-from gspmd.errors import ShardingError
-from util import check, rand
+from util import check, gathers_along_batching_dims, rand
 
 MESH = gspmd.Mesh(np.arange(8).reshape(2, 4), ("data", "expert"))
 GROUPS, TOKENS, MODEL, HIDDEN, EXPERTS = 4, 6, 8, 12, 4
@@ -65,16 +64,7 @@ def test_top2_gradient_equals_one_device():
     assert low.sharding_of(1) == w_in   # the expert weights' gradient stays split by expert
 
 
-def _gather_has_batching_dims() -> bool:
-    try:
-        gspmd.jit(lambda v, i: jnp.take_along_axis(v, i, axis=1)).lower(np.zeros((2, 3), np.float32),
-                                                                         np.zeros((2, 1), np.int32))
-    except ShardingError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _gather_has_batching_dims(), reason="top_k's values gradient gathers along batching dims")
+@pytest.mark.skipif(not gathers_along_batching_dims(), reason="top_k's values gradient gathers along batching dims")
 def test_top2_gradient_through_top_k_values():
     params, x, target = inputs(2)
     check(jax.grad(lambda p, v, t: loss(p, v, t, gates_from_top_k=True)), params, x, target, mesh=MESH)
