@@ -20,7 +20,6 @@ from gspmd.ops import OPS, OUT_OF_SCOPE, PRIMITIVES
 PENDING = {
     "random": {"random_seed", "random_wrap", "random_unwrap", "random_bits", "random_split", "random_fold_in",
                "random_clone", "bitcast_convert_type"},
-    "control": {"cond", "sort", "top_k", "cumprod", "cummax", "cummin", "cumlogsumexp"},
     "gather": {"erf", "erfc", "erf_inv", "nextafter", "clamp", "shift_right_logical", "debug_print",
                "debug_callback", "pure_callback", "io_callback"},
 }
