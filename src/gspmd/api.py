@@ -10,9 +10,11 @@ from gspmd import propagation
 from gspmd.analysis import Hardware, Report, analyse
 from gspmd.errors import ShardingError
 from gspmd.frontend import trace
+from gspmd.frontend.keys import KeyData
 from gspmd.ir import Program, Value, format_program, verify
 from gspmd.ir.dce import eliminate_dead_code
 from gspmd.mesh import Mesh
+from gspmd.ops.convert import is_key
 from gspmd.partitioner import partition
 from gspmd.runtime import jax_backend, sim
 from gspmd.sharding import Sharding
@@ -35,7 +37,7 @@ def _abstract(x) -> jax.ShapeDtypeStruct:
     if isinstance(x, jax.ShapeDtypeStruct):
         return x
     x = x if hasattr(x, "dtype") and hasattr(x, "shape") else np.asarray(x)
-    return jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(x.dtype))
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype if is_key(x.dtype) else jax.dtypes.canonicalize_dtype(x.dtype))
 
 
 class Partitioned:
@@ -63,7 +65,8 @@ class Lowered:
     def __init__(self, fn: Callable, in_tree, avals, mesh: Optional[Mesh], backend: str = "sim"):
         def flat_fn(*flat_args):
             return fn(*jax.tree_util.tree_unflatten(in_tree, flat_args))
-        self.program, self.out_tree = trace(flat_fn, avals, getattr(fn, "__name__", "main"), mesh)
+        self.keys = KeyData(flat_fn, avals)   # typed PRNG keys cross as their key data
+        self.program, self.out_tree = trace(self.keys.fn, self.keys.avals, getattr(fn, "__name__", "main"), mesh)
         eliminate_dead_code(self.program)
         verify(self.program)
         self.num_devices = _device_count(self.program, mesh)
@@ -75,7 +78,7 @@ class Lowered:
 
     # -- execution ----------------------------------------------------------------
     def __call__(self, *args):
-        flat, _ = jax.tree_util.tree_flatten(args)
+        flat = self.keys.args(jax.tree_util.tree_flatten(args)[0])
         if len(flat) != len(self.program.params):
             raise ShardingError(f"Expected {len(self.program.params)} array arguments, got {len(flat)}.")
         for i, (x, p) in enumerate(zip(flat, self.program.params)):
@@ -83,6 +86,7 @@ class Lowered:
                 raise ShardingError(f"Argument {i} has shape {tuple(np.shape(x))} but the program was lowered "
                                     f"for {p.shape}; call the jitted function (it lowers again) or lower anew.")
         outs = self.jax_executable()(flat) if self.backend == "jax" else self._run_sim(flat)
+        outs = self.keys.results(outs)
         return jax.tree_util.tree_unflatten(self.out_tree, outs)
 
     def jax_executable(self) -> jax_backend.Executable:

@@ -11,6 +11,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from gspmd.errors import ShardingError
+from gspmd.frontend import keys
 from gspmd.ir import Program, Value
 from gspmd.mesh import Mesh
 from gspmd.ops import OUT_OF_SCOPE, PRIMITIVES
@@ -48,7 +49,7 @@ def _inline(b: Conversion, closed, args: list[Value]) -> list[Value]:
     origin = b.origin
     jaxpr = closed.jaxpr if hasattr(closed, "jaxpr") else closed
     consts = closed.consts if hasattr(closed, "consts") else []
-    env: dict = {var: b.constant(np.asarray(c)) for var, c in zip(jaxpr.constvars, consts)}
+    env: dict = {var: b.constant(keys.constant(c)) for var, c in zip(jaxpr.constvars, consts)}
     env.update(zip(jaxpr.invars, args))
 
     def read(atom) -> Value:
@@ -75,6 +76,8 @@ def _convert(b: Conversion, eqn, args: list[Value]) -> list[Value]:
         raise ShardingError(
             f"JAX primitive {name!r} (in `{eqn}`) is not supported by gspmd's frontend yet; rewrite that part "
             "with supported ops or file an issue.")
+    if keys.moves_keys(eqn):
+        return keys.convert_per_word(b, eqn, args, convert)
     return convert(b, eqn, args)
 
 

@@ -26,7 +26,7 @@ from jax import numpy as jnp
 
 from gspmd.errors import ShardingError
 from gspmd.ir import Instr, Program, Value
-from gspmd.ops.convert import Conversion
+from gspmd.ops.convert import Conversion, physical_aval
 from gspmd.ops.registry import ELEMENTWISE, register
 from gspmd.spmd import reshard as rs
 from gspmd.spmd.partitioned import PartitionedValue
@@ -110,8 +110,8 @@ def _convert_scan(b: Conversion, eqn, args: list[Value]) -> list[Value]:
     p = eqn.params
     length, nconst, ncarry, jaxpr = p["length"], p["num_consts"], p["num_carry"], p["jaxpr"]
     nx = len(args) - nconst - ncarry
-    y_avals = [v.aval for v in jaxpr.jaxpr.outvars[ncarry:]]
-    ys = [b.broadcast_to(b.constant(0, a.dtype), (length, *a.shape)) for a in y_avals]
+    y_types = [physical_aval(v.aval) for v in jaxpr.jaxpr.outvars[ncarry:]]
+    ys = [b.broadcast_to(b.constant(0, dtype), (length, *shape)) for shape, dtype in y_types]
     carry = [b.constant(0, INDEX)] + args + ys
 
     def cond(sb, params):

@@ -81,9 +81,20 @@ class Conversion(Builder):
 
     @staticmethod
     def out_aval(eqn, i: int = 0) -> tuple[tuple[int, ...], np.dtype]:
-        """Shape and dtype of the equation's i-th result."""
-        aval = eqn.outvars[i].aval
-        return tuple(aval.shape), np.dtype(aval.dtype)
+        """Shape and dtype of the equation's i-th result (of its key data for keys)."""
+        return physical_aval(eqn.outvars[i].aval)
+
+
+def is_key(dtype) -> bool:
+    """Whether `dtype` is a typed PRNG key's (jax.random.key)."""
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def physical_aval(aval) -> tuple[tuple[int, ...], np.dtype]:
+    """Shape and dtype of a value in the IR: typed PRNG keys are their key data."""
+    if is_key(aval.dtype):
+        aval = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(aval.shape, aval.dtype))
+    return tuple(aval.shape), np.dtype(aval.dtype)
 
 
 class LowerContext:

@@ -138,6 +138,11 @@ elementwise("exponential-minus-one", np.expm1, lax.expm1, ["expm1"])
 elementwise("log-plus-one", np.log1p, lax.log1p, ["log1p"])
 elementwise("is-finite", np.isfinite, lax.is_finite, ["is_finite"])
 elementwise("round-nearest-even", np.round, _round_even, ["round"])
+# Random numbers: bits to floats (jax.random.uniform), normals, truncated normals.
+elementwise("shift-right-logical", None, lax.shift_right_logical, ["shift_right_logical"])
+elementwise("erf", None, lax.erf, ["erf"])
+elementwise("erf-inv", None, lax.erf_inv, ["erf_inv"])
+elementwise("next-after", None, lax.nextafter, ["nextafter"])
 
 
 # -- compare, select, convert --------------------------------------------------------------
@@ -208,6 +213,26 @@ register("reduce-precision", converts={"reduce_precision": _convert_reduce_preci
          evaluate=lambda instr, args, device: [np.asarray(_reduce_precision(instr, args[0]))],
          lower=lambda instr, args, lc: [_reduce_precision(instr, args[0])],
          factors=elementwise_factors, priority=ELEMENTWISE)
+
+
+def _bitcast_convert(b, eqn, args):
+    shape, dtype = b.out_aval(eqn)
+    if shape != args[0].shape:
+        raise ShardingError(f"`{eqn}` reinterprets {args[0].dtype} as {dtype}, of another width; gspmd supports "
+                            "bitcasts between types of one width (uint32 -> float32, ...).")
+    return [b.add1("bitcast-convert", args, shape, dtype)]
+
+
+def _evaluate_bitcast(instr, args, device):
+    return [args[0].view(instr.outputs[0].dtype)]
+
+
+def _lower_bitcast(instr, args, lc):
+    return [lax.bitcast_convert_type(args[0], instr.outputs[0].dtype)]
+
+
+register("bitcast-convert", converts={"bitcast_convert_type": _bitcast_convert}, evaluate=_evaluate_bitcast,
+         lower=_lower_bitcast, factors=elementwise_factors, priority=ELEMENTWISE)
 
 
 # -- layout only: annotations and copies ---------------------------------------------------

@@ -45,6 +45,9 @@ class OpDef:
     opcode: str
     # JAX primitive name -> how its equations become this op (and helpers around it)
     converts: dict[str, Converter] = field(default_factory=dict)
+    # ... of primitives that take or make typed PRNG keys, which these converters see as
+    # their uint32 key data (frontend/keys.py converts other primitives on keys word by word)
+    converts_keys: dict[str, Converter] = field(default_factory=dict)
     evaluate: Optional[Evaluate] = None
     evaluate_all: Optional[EvaluateAll] = None
     evaluate_programs: Optional[EvaluatePrograms] = None
@@ -68,6 +71,7 @@ class OpDef:
 
 OPS: dict[str, OpDef] = {}
 PRIMITIVES: dict[str, Converter] = {}   # every record's `converts`, by JAX primitive name
+KEY_PRIMITIVES: set[str] = set()        # those from `converts_keys`
 
 _DECOMPOSITION = ("a matrix decomposition or solve, which gspmd has no partition rule for. Compute it outside "
                   "gspmd.jit (with jax.jit) and pass the result in: e.g. initialize parameters that use the "
@@ -81,9 +85,10 @@ OUT_OF_SCOPE: dict[str, str] = {name: _DECOMPOSITION for name in (
 def register(opcode: str, **fields) -> OpDef:
     assert opcode not in OPS, f"opcode {opcode!r} registered twice"
     op = OpDef(opcode, **fields)
-    for name, convert in op.converts.items():
+    for name, convert in {**op.converts, **op.converts_keys}.items():
         assert name not in PRIMITIVES, f"JAX primitive {name!r} converted by two records"
         PRIMITIVES[name] = convert
+    KEY_PRIMITIVES.update(op.converts_keys)
     OPS[opcode] = op
     return op
 

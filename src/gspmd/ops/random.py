@@ -1,0 +1,198 @@
+"""Randomness: JAX's threefry2x32 PRNG, generated where the values live.
+
+The IR has no key dtype: a key array of shape K is its uint32 key data, shape K + (2,),
+everywhere in a Program (frontend/keys.py converts at gspmd.jit's boundary and for the
+ops that merely move keys around). The `random_*` primitives become one element-wise op,
+`threefry2x32` (two key words and two counter words in, two hashed words out), fed with
+iota-based counters. With JAX's partitionable threefry (jax_threefry_partitionable, the
+default) each random element's counter is its row-major index in the generated array, so
+every device hashes only the counters of its own shard: iota partitions with each
+shard's offset, and nothing is communicated.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import jax
+import numpy as np
+from jax.extend.random import threefry2x32_p, threefry_prng_impl
+
+from gspmd.errors import ShardingError
+from gspmd.ir import Value
+from gspmd.ops.convert import Conversion
+from gspmd.ops.registry import ELEMENTWISE, elementwise_factors, register
+
+UINT32 = np.dtype(np.uint32)
+IMPL = threefry_prng_impl.name
+THREEFRY_KEY = jax.eval_shape(lambda: jax.random.key(0, impl=IMPL)).dtype
+
+
+# -- the hash: threefry-2x32 with 20 rounds (Salmon et al., "Parallel random numbers:
+# as easy as 1, 2, 3"), exactly as jax.random computes it ---------------------------------
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+def threefry2x32(k1: np.ndarray, k2: np.ndarray, x1: np.ndarray, x2: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The NumPy reference: uint32 arrays of one shape in, the two hashed words out."""
+    keys = (k1, k2, k1 ^ k2 ^ np.uint32(0x1BD11BDA))
+    x = [x1 + keys[0], x2 + keys[1]]
+    for block in range(5):
+        for r in _ROTATIONS[block % 2]:
+            x[0] = x[0] + x[1]
+            x[1] = (x[1] << np.uint32(r)) | (x[1] >> np.uint32(32 - r))
+            x[1] = x[0] ^ x[1]
+        x[0] = x[0] + keys[(block + 1) % 3]
+        x[1] = x[1] + keys[(block + 2) % 3] + np.uint32(block + 1)
+    return x[0], x[1]
+
+
+def _evaluate_threefry(instr, args, device):
+    with np.errstate(over="ignore"):   # uint32 arithmetic wraps, as intended
+        return [np.asarray(x, UINT32) for x in threefry2x32(*(np.asarray(a, UINT32) for a in args))]
+
+
+def _lower_threefry(instr, args, lc):
+    return list(threefry2x32_p.bind(*args))
+
+
+# -- key data -----------------------------------------------------------------------------
+def key_words(b: Conversion, data: Value) -> list[Value]:
+    """The key data K + (n,) as its n words, each of shape K."""
+    *shape, n = data.shape
+    words = []
+    for w in range(n):
+        one = b.add1("slice", [data], (*shape, 1), data.dtype, start=(0,) * len(shape) + (w,),
+                     limit=(*shape, w + 1), strides=(1,) * data.rank)
+        words.append(b.add1("reshape", [one], tuple(shape), data.dtype))
+    return words
+
+
+def stack_words(b: Conversion, words: Sequence[Value]) -> Value:
+    """n words of shape K as key data K + (n,)."""
+    shape = words[0].shape
+    column = [b.add1("reshape", [w], (*shape, 1), w.dtype) for w in words]
+    return b.add1("concatenate", column, (*shape, len(words)), words[0].dtype, dimension=len(shape))
+
+
+def _expand(b: Conversion, x: Value, shape: Sequence[int], offset: Optional[int] = None) -> Value:
+    """x broadcast to `shape`, its dims at offset.. (default: aligned on the right, as
+    NumPy does); its size-1 dims stretch."""
+    shape = tuple(shape)
+    if x.shape == shape:
+        return x
+    offset = len(shape) - x.rank if offset is None else offset
+    kept = [d for d in range(x.rank) if x.shape[d] == shape[offset + d]]
+    if len(kept) < x.rank:
+        x = b.add1("reshape", [x], tuple(x.shape[d] for d in kept), x.dtype)
+    return b.add1("broadcast", [x], shape, x.dtype, dims=tuple(offset + d for d in kept))
+
+
+def _zeros(b: Conversion, shape: Sequence[int]) -> Value:
+    return b.broadcast_to(b.constant(0, UINT32), shape)
+
+
+def _counters(b: Conversion, shape: tuple[int, ...], first: int) -> tuple[Value, Value]:
+    """The 64-bit row-major index of each element within dims first.. of `shape` (the
+    same for every index of the dims before), as (high word, low word). Built from iotas,
+    which partition with each shard's offset."""
+    if math.prod(shape[first:]) >= 2 ** 32:
+        raise ShardingError(f"gspmd generates at most 2**32 random values per key in one call; {shape[first:]} "
+                            "asks for more. Split the key and generate in pieces.")
+    low, stride = None, 1
+    for d in reversed(range(first, len(shape))):
+        if shape[d] > 1:
+            index = b.add1("iota", [], shape, UINT32, dimension=d)
+            if stride > 1:
+                index = b.add1("multiply", [index, b.broadcast_to(b.constant(stride, UINT32), shape)], shape, UINT32)
+            low = index if low is None else b.add1("add", [low, index], shape, UINT32)
+        stride *= shape[d]
+    if low is None:   # one element per key
+        low = _zeros(b, shape)
+    return _zeros(b, shape), low
+
+
+def _hash(b: Conversion, k1: Value, k2: Value, x1: Value, x2: Value) -> list[Value]:
+    shape = x1.shape
+    return b.add("threefry2x32", [k1, k2, x1, x2], [(shape, UINT32)] * 2)
+
+
+def _hash_counters(b: Conversion, keys: Value, shape: tuple[int, ...]) -> list[Value]:
+    """Each key (keys: key data K + (2,)) hashes the counters of its own block of
+    `shape` = K + S: threefry(key, row-major index within S)."""
+    first = keys.rank - 1
+    k1, k2 = (_expand(b, w, shape, 0) for w in key_words(b, keys))
+    return _hash(b, k1, k2, *_counters(b, shape, first))
+
+
+# -- conversion of the random primitives --------------------------------------------------
+def _check_impl(impl, eqn) -> None:
+    if impl != threefry_prng_impl:
+        raise ShardingError(f"`{eqn}` uses the {impl.name} PRNG; gspmd generates random numbers with "
+                            f"{threefry_prng_impl.name} only (JAX's default). Make keys with jax.random.key(seed) "
+                            "or jax.random.PRNGKey(seed) without impl=.")
+
+
+def _check_partitionable(eqn) -> None:
+    if not jax.config.jax_threefry_partitionable:
+        raise ShardingError(
+            f"`{eqn}` runs with jax_threefry_partitionable=False; gspmd reproduces JAX's partitionable threefry "
+            "only, in which each random value's counter is its own index (so every device generates just its "
+            "shard). Set jax.config.update('jax_threefry_partitionable', True), JAX's default.")
+
+
+def _random_bits(b: Conversion, eqn, args: list[Value]) -> list[Value]:
+    _check_partitionable(eqn)
+    shape, dtype = b.out_aval(eqn)
+    if eqn.params["bit_width"] == 64:
+        raise ShardingError(f"`{eqn}` asks for 64-bit random values (jax_enable_x64); gspmd's random numbers "
+                            "support 8-, 16- and 32-bit values. Generate 32-bit values, or run without x64.")
+    b1, b2 = _hash_counters(b, args[0], shape)
+    bits = b.add1("xor", [b1, b2], shape, UINT32)
+    return [bits if dtype == UINT32 else b.add1("convert", [bits], shape, dtype)]
+
+
+def _random_split(b: Conversion, eqn, args: list[Value]) -> list[Value]:
+    _check_partitionable(eqn)
+    shape, _ = b.out_aval(eqn)
+    return [stack_words(b, _hash_counters(b, args[0], shape[:-1]))]
+
+
+def _random_fold_in(b: Conversion, eqn, args: list[Value]) -> list[Value]:
+    """fold_in(key, m) = threefry(key, counter (0, m)); keys and messages broadcast."""
+    (keys, msgs), (shape, _) = args, b.out_aval(eqn)
+    shape = shape[:-1]
+    k1, k2 = (_expand(b, w, shape) for w in key_words(b, keys))
+    return [stack_words(b, _hash(b, k1, k2, _zeros(b, shape), _expand(b, msgs, shape)))]
+
+
+def _random_seed(b: Conversion, eqn, args: list[Value]) -> list[Value]:
+    """A seed's key data is (high 32 bits, low 32 bits) of the seed."""
+    _check_impl(eqn.params["impl"], eqn)
+    (seeds,) = args
+    if seeds.dtype.itemsize > 4:
+        raise ShardingError(f"`{eqn}` seeds from 64-bit integers (jax_enable_x64); gspmd's random numbers "
+                            "support 32-bit seeds. Run without x64.")
+    low = seeds if seeds.dtype == UINT32 else b.add1("convert", [seeds], seeds.shape, UINT32)
+    return [stack_words(b, [_zeros(b, seeds.shape), low])]
+
+
+def _random_wrap(b: Conversion, eqn, args: list[Value]) -> list[Value]:
+    _check_impl(eqn.params["impl"], eqn)
+    return [args[0]]
+
+
+def _same_key_data(b: Conversion, eqn, args: list[Value]) -> list[Value]:
+    return [args[0]]
+
+
+def _threefry(b: Conversion, eqn, args: list[Value]) -> list[Value]:
+    shape, _ = b.out_aval(eqn)
+    return _hash(b, *(_expand(b, a, shape) for a in args))
+
+
+register("threefry2x32", converts={"threefry2x32": _threefry},
+         converts_keys={"random_bits": _random_bits, "random_split": _random_split, "random_fold_in": _random_fold_in,
+                        "random_seed": _random_seed, "random_wrap": _random_wrap, "random_unwrap": _same_key_data,
+                        "random_clone": _same_key_data},
+         evaluate=_evaluate_threefry, lower=_lower_threefry, factors=elementwise_factors, priority=ELEMENTWISE)
