@@ -118,6 +118,13 @@ def test_many_random_samplers_random_layouts():
     given(sampler_cases())(_settings(200)(run_sampler_case))()
 
 
+def test_each_device_hashes_only_its_shard():
+    low = gspmd.jit(lambda k: split(jax.random.uniform(k, (10, 13)), "x", "y")).lower(jax.random.key(0))
+    (hashes,) = [i for i in low.spmd.instrs if i.opcode == "threefry2x32"]
+    assert [v.shape for v in hashes.outputs] == [(5, 4)] * 2
+    assert low.report().collectives == []
+
+
 # -- keys: seeds, split and fold_in chains, batched keys, arguments and results -------------
 @pytest.mark.parametrize("key_kind", sorted(KEYS))
 def test_split_and_fold_in_chain(key_kind):
@@ -222,18 +229,20 @@ def _mlp(key, x, w1, w2, with_dropout):
     return ((h @ w2) ** 2).mean()
 
 
+def collectives(low: gspmd.Lowered) -> list:
+    return [(c.kind, c.bytes, c.groups, c.executions) for c in low.report().collectives]
+
+
 def test_dropout_on_data_and_model_split_activation_adds_no_collective():
     rng = np.random.RandomState(1)
     args = (jax.random.key(5), rng.randn(8, 12).astype(np.float32), rng.randn(12, 20).astype(np.float32),
             rng.randn(20, 6).astype(np.float32))
 
-    def collectives(with_dropout):
+    def run(with_dropout):
         step = jax.value_and_grad(lambda w1, w2, key, x: _mlp(key, x, w1, w2, with_dropout), argnums=(0, 1))
-        fn = lambda key, x, w1, w2: step(w1, w2, key, x)  # noqa: E731
-        report = check_same(fn, *args, reassociates=True).report()
-        return [(c.kind, c.bytes, c.groups, c.executions) for c in report.collectives]
+        return collectives(check_same(lambda key, x, w1, w2: step(w1, w2, key, x), *args, reassociates=True))
 
-    assert collectives(True) == collectives(False)
+    assert run(True) == run(False)
 
 
 # -- Flax and Equinox dropout ------------------------------------------------------------------
@@ -250,18 +259,19 @@ def test_flax_linen_dropout_train_step():
     x = np.random.RandomState(2).randn(8, 6).astype(np.float32)
     params = model.init(jax.random.key(0), x, False)
 
-    def step(params, x, key):
-        x = split(x, "x", -1)
+    def train_step(train: bool):
+        def step(params, x, key):
+            def loss(params):
+                out, h = model.apply(params, split(x, "x", -1), train, rngs={"dropout": key})
+                return (out ** 2).mean(), h != 0
 
-        def loss(params):
-            out, h = model.apply(params, x, True, rngs={"dropout": key})
-            return (out ** 2).mean(), h != 0
-
-        (value, mask), grads = jax.value_and_grad(loss, has_aux=True)(params)
-        return value, mask, grads
+            (value, mask), grads = jax.value_and_grad(loss, has_aux=True)(params)
+            return value, mask, grads
+        return step
 
     for key in (jax.random.key(3), jax.random.PRNGKey(3)):
-        check_same(step, params, x, key, reassociates=True)
+        low = check_same(train_step(True), params, x, key, reassociates=True)
+    assert collectives(low) == collectives(gspmd.jit(train_step(False), mesh=MESH).lower(params, x, key))
 
 
 def test_flax_nnx_dropout_train_step():
@@ -299,30 +309,35 @@ def test_equinox_dropout_train_step():
         drop: eqx.nn.Dropout
         last: eqx.nn.Linear
 
-        def __init__(self, key):
+        def __init__(self, key, rate):
             k1, k2 = jax.random.split(key)
-            self.first, self.drop, self.last = eqx.nn.Linear(6, 16, key=k1), eqx.nn.Dropout(0.5), \
+            self.first, self.drop, self.last = eqx.nn.Linear(6, 16, key=k1), eqx.nn.Dropout(rate), \
                 eqx.nn.Linear(16, 4, key=k2)
 
         def __call__(self, x, key):
             h = self.drop(jax.nn.relu(self.first(x)), key=key)
             return self.last(h), h != 0
 
-    params, static = eqx.partition(Model(jax.random.key(0)), eqx.is_array)
+    def train_step(rate: float):
+        params, static = eqx.partition(Model(jax.random.key(0), rate), eqx.is_array)
 
-    def step(params, x, key):
-        x = split(x, "x", -1)
-        keys = jax.random.split(key, x.shape[0])
+        def step(params, x, key):
+            x = split(x, "x", -1)
+            keys = jax.random.split(key, x.shape[0])   # one key per example, split like them
 
-        def loss(params):
-            out, mask = jax.vmap(eqx.combine(params, static))(x, keys)
-            return (out ** 2).mean(), mask
+            def loss(params):
+                out, mask = jax.vmap(eqx.combine(params, static))(x, keys)
+                return (out ** 2).mean(), mask
 
-        (value, mask), grads = jax.value_and_grad(loss, has_aux=True)(params)
-        return value, mask, grads
+            (value, mask), grads = jax.value_and_grad(loss, has_aux=True)(params)
+            return value, mask, grads
+        return step, params
 
-    check_same(step, params, np.random.RandomState(3).randn(8, 6).astype(np.float32), jax.random.key(7),
-               reassociates=True)
+    args = (np.random.RandomState(3).randn(8, 6).astype(np.float32), jax.random.key(7))
+    step, params = train_step(0.5)
+    low = check_same(step, params, *args, reassociates=True)
+    step, params = train_step(0.0)
+    assert collectives(low) == collectives(gspmd.jit(step, mesh=MESH).lower(params, *args))
 
 
 # -- what gspmd does not do, said clearly ------------------------------------------------------

@@ -21,13 +21,13 @@ from gspmd.errors import ShardingError
 from gspmd.ir import Value
 from gspmd.ops import KEY_PRIMITIVES
 from gspmd.ops.convert import Conversion, Converter, is_key
-from gspmd.ops.random import IMPL, THREEFRY_KEY, key_words, stack_words
+from gspmd.ops.random import IMPL, key_words, require_threefry, stack_words
 
 
 def moves_keys(eqn) -> bool:
     """Whether `eqn` is a primitive that moves typed keys around without knowing them."""
-    return (eqn.primitive.name not in KEY_PRIMITIVES and not list(jcore.jaxprs_in_params(eqn.params))
-            and any(is_key(v.aval.dtype) for v in (*eqn.invars, *eqn.outvars)))
+    return (any(is_key(v.aval.dtype) for v in (*eqn.invars, *eqn.outvars)) and eqn.primitive.name not in KEY_PRIMITIVES
+            and not list(jcore.jaxprs_in_params(eqn.params)))
 
 
 def convert_per_word(b: Conversion, eqn, args: list[Value], convert: Converter) -> list[Value]:
@@ -45,7 +45,7 @@ def convert_per_word(b: Conversion, eqn, args: list[Value], convert: Converter) 
 
 def _word_var(v):
     """A variable for one word of key variable `v` (other atoms as they are)."""
-    if isinstance(v, jcore.Literal) or not is_key(v.aval.dtype):
+    if not is_key(v.aval.dtype):
         return v
     return jcore.Var(v.aval.update(dtype=np.dtype(np.uint32)))
 
@@ -53,15 +53,9 @@ def _word_var(v):
 def constant(value) -> np.ndarray:
     """A constant of the program (a closed-over array): key arrays as their key data."""
     if is_key(getattr(value, "dtype", None)):
-        _check_threefry(value.dtype, "a closed-over key array")
+        require_threefry(value.dtype, "A closed-over key array")
         return np.asarray(jax.random.key_data(value))
     return np.asarray(value)
-
-
-def _check_threefry(dtype, what: str) -> None:
-    if dtype != THREEFRY_KEY:
-        raise ShardingError(f"{what} has PRNG key type {dtype}; gspmd generates random numbers with threefry2x32 "
-                            "keys only (JAX's default). Make keys with jax.random.key(seed) without impl=.")
 
 
 class KeyData:
@@ -73,7 +67,7 @@ class KeyData:
         self.key_args = [is_key(a.dtype) for a in avals]
         for i, a in enumerate(avals):
             if is_key(a.dtype):
-                _check_threefry(a.dtype, f"Argument {i} (shape {a.shape})")
+                require_threefry(a.dtype, f"Argument {i} (shape {a.shape})")
         self.avals = [jax.eval_shape(jax.random.key_data, a) if k else a for a, k in zip(avals, self.key_args)]
         self.key_results: list[bool] = []
 

@@ -126,11 +126,12 @@ def _hash_counters(b: Conversion, keys: Value, shape: tuple[int, ...]) -> list[V
 
 
 # -- conversion of the random primitives --------------------------------------------------
-def _check_impl(impl, eqn) -> None:
-    if impl != threefry_prng_impl:
-        raise ShardingError(f"`{eqn}` uses the {impl.name} PRNG; gspmd generates random numbers with "
-                            f"{threefry_prng_impl.name} only (JAX's default). Make keys with jax.random.key(seed) "
-                            "or jax.random.PRNGKey(seed) without impl=.")
+def require_threefry(prng, what: str) -> None:
+    """prng: a PRNG implementation (random_seed's `impl`) or a key dtype."""
+    if prng not in (threefry_prng_impl, THREEFRY_KEY):
+        raise ShardingError(f"{what} uses the PRNG {prng}; gspmd generates random numbers with {IMPL} only "
+                            "(JAX's default). Make keys with jax.random.key(seed) or jax.random.PRNGKey(seed) "
+                            "without impl=.")
 
 
 def _check_partitionable(eqn) -> None:
@@ -168,7 +169,7 @@ def _random_fold_in(b: Conversion, eqn, args: list[Value]) -> list[Value]:
 
 def _random_seed(b: Conversion, eqn, args: list[Value]) -> list[Value]:
     """A seed's key data is (high 32 bits, low 32 bits) of the seed."""
-    _check_impl(eqn.params["impl"], eqn)
+    require_threefry(eqn.params["impl"], f"`{eqn}`")
     (seeds,) = args
     if seeds.dtype.itemsize > 4:
         raise ShardingError(f"`{eqn}` seeds from 64-bit integers (jax_enable_x64); gspmd's random numbers "
@@ -178,7 +179,7 @@ def _random_seed(b: Conversion, eqn, args: list[Value]) -> list[Value]:
 
 
 def _random_wrap(b: Conversion, eqn, args: list[Value]) -> list[Value]:
-    _check_impl(eqn.params["impl"], eqn)
+    require_threefry(eqn.params["impl"], f"`{eqn}`")
     return [args[0]]
 
 
