@@ -274,6 +274,19 @@ def test_flax_linen_dropout_train_step():
     assert collectives(low) == collectives(gspmd.jit(train_step(False), mesh=MESH).lower(params, x, key))
 
 
+def test_flax_linen_init_of_split_parameters_is_local():
+    nn = pytest.importorskip("flax.linen")
+    model = nn.Sequential([nn.Dense(16), nn.relu, nn.Dense(4)])
+    x = np.ones((8, 6), np.float32)
+
+    def init(key):   # each device draws only its shard of each kernel (lecun normal)
+        params = model.init(key, x)
+        return jax.tree_util.tree_map(lambda p: split(p, "x", "y") if p.ndim == 2 else p, params)
+
+    low = check_same(init, jax.random.key(0))
+    assert low.report().collectives == [], low.as_text()
+
+
 def test_flax_nnx_dropout_train_step():
     nnx = pytest.importorskip("flax.nnx")
 
