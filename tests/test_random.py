@@ -118,6 +118,14 @@ def test_many_random_samplers_random_layouts():
     given(sampler_cases())(_settings(200)(run_sampler_case))()
 
 
+def test_permutation_and_choice():
+    def f(key, x):   # sorting by random keys: a permuted split array moves between devices
+        return (jax.random.permutation(key, 13), jax.random.choice(key, 13, (5,), replace=False),
+                jax.random.permutation(key, split(x, ("x", "y"), -1)))
+
+    check_same(f, jax.random.key(3), np.random.RandomState(0).randn(10, 6).astype(np.float32))
+
+
 def test_each_device_hashes_only_its_shard():
     low = gspmd.jit(lambda k: split(jax.random.uniform(k, (10, 13)), "x", "y")).lower(jax.random.key(0))
     (hashes,) = [i for i in low.spmd.instrs if i.opcode == "threefry2x32"]
