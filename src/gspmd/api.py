@@ -8,6 +8,7 @@ import numpy as np
 
 from gspmd import propagation
 from gspmd.analysis import Hardware, Report, analyse
+from gspmd.analysis.hardware import profile
 from gspmd.errors import ShardingError
 from gspmd.frontend import trace
 from gspmd.frontend.keys import KeyData
@@ -15,22 +16,34 @@ from gspmd.ir import Program, Value, format_program, verify
 from gspmd.ir.dce import eliminate_dead_code
 from gspmd.mesh import Mesh
 from gspmd.ops.convert import is_key
-from gspmd.partitioner import partition
+from gspmd.partitioner import fit_memory, partition
 from gspmd.runtime import jax_backend, sim
 from gspmd.sharding import Sharding
 
 BACKENDS = ("sim", "jax")
 
 
-def jit(fn: Callable, mesh: Optional[Mesh] = None, backend: str = "sim") -> "Partitioned":
+def jit(fn: Callable, mesh: Optional[Mesh] = None, backend: str = "sim", memory_limit: Optional[int] = None,
+        hardware: Union[None, str, Hardware] = None) -> "Partitioned":
     """Partition `fn` for the devices of `mesh` (or of its annotations' meshes).
     Calling the result runs one SPMD program on all devices and returns what `fn`
-    returns on one device."""
+    returns on one device.
+
+    memory_limit: bytes per device the program should fit in (default: the memory of
+    `hardware`, a profile such as "tpu-v3", when given). Where one reshard of a value
+    serves users far apart and holding it would exceed the limit, it is done again near
+    the later users (more collective bytes, less memory); report() says what was chosen.
+    hardware: also the default profile of report()."""
     if backend not in BACKENDS:
         raise ShardingError(f"Unknown backend {backend!r}; choose one of {BACKENDS}.")
     if mesh is not None and not isinstance(mesh, Mesh):
         raise ShardingError(f"jit(mesh=...) needs a gspmd.Mesh, got {type(mesh).__name__}.")
-    return Partitioned(fn, mesh, backend)
+    if memory_limit is not None and (not isinstance(memory_limit, (int, np.integer)) or memory_limit <= 0):
+        raise ShardingError(f"jit(memory_limit=...) needs a positive number of bytes per device, "
+                            f"got {memory_limit!r}.")
+    hardware = None if hardware is None else profile(hardware)
+    limit = memory_limit if memory_limit is not None else (hardware.memory_bytes if hardware else None)
+    return Partitioned(fn, mesh, backend, limit, hardware)
 
 
 def _abstract(x) -> jax.ShapeDtypeStruct:
@@ -41,8 +54,10 @@ def _abstract(x) -> jax.ShapeDtypeStruct:
 
 
 class Partitioned:
-    def __init__(self, fn: Callable, mesh: Optional[Mesh], backend: str):
+    def __init__(self, fn: Callable, mesh: Optional[Mesh], backend: str, memory_limit: Optional[int] = None,
+                 hardware: Optional[Hardware] = None):
         self.fn, self.mesh, self.backend = fn, mesh, backend
+        self.memory_limit, self.hardware = memory_limit, hardware
         self._cache: dict = {}
 
     def lower(self, *args) -> "Lowered":
@@ -54,7 +69,8 @@ class Partitioned:
         key = (in_tree, tuple((a.shape, a.dtype) for a in avals), jax.sharding.get_abstract_mesh(),
                jax.sharding.get_mesh())
         if key not in self._cache:
-            self._cache[key] = Lowered(self.fn, in_tree, avals, self.mesh, self.backend)
+            self._cache[key] = Lowered(self.fn, in_tree, avals, self.mesh, self.backend, self.memory_limit,
+                                       self.hardware)
         return self._cache[key]
 
     def __call__(self, *args):
@@ -62,7 +78,8 @@ class Partitioned:
 
 
 class Lowered:
-    def __init__(self, fn: Callable, in_tree, avals, mesh: Optional[Mesh], backend: str = "sim"):
+    def __init__(self, fn: Callable, in_tree, avals, mesh: Optional[Mesh], backend: str = "sim",
+                 memory_limit: Optional[int] = None, hardware: Optional[Hardware] = None):
         def flat_fn(*flat_args):
             return fn(*jax.tree_util.tree_unflatten(in_tree, flat_args))
         self.keys = KeyData(flat_fn, avals)   # typed PRNG keys cross as their key data
@@ -72,8 +89,13 @@ class Lowered:
         self.num_devices = _device_count(self.program, mesh)
         self.completion = propagation.complete(self.program, self.num_devices)
         self.spmd = partition(self.program, self.num_devices)
+        # how the program was fitted to the memory limit (None: no limit given)
+        self.memory_budget = None if memory_limit is None else fit_memory(self.spmd, self.num_devices, memory_limit)
         verify(self.spmd)
+        self.hardware = hardware
         self.backend, self.mesh = backend, mesh
+        # indices of parameters whose buffers the results may reuse (donated arguments)
+        self.donated: tuple[int, ...] = ()
         self._jax: Optional[jax_backend.Executable] = None
 
     # -- execution ----------------------------------------------------------------
@@ -111,8 +133,13 @@ class Lowered:
 
     def report(self, hardware: Union[None, str, "Hardware"] = None) -> Report:
         """Collectives, peak memory and FLOPs per device; with a hardware profile
-        ("tpu-v3", "tpu-v4", "a100", "h100", "h200", "cpu") also the estimated step time."""
-        return analyse(self.spmd, hardware)
+        ("tpu-v3", "tpu-v4", "a100", "h100", "h200", "cpu") also the estimated step time.
+        `.memory` shows where the peak is: the buffers held then, largest first, and the
+        bytes held over the run (`.memory.plot("out.png")`); `.memory_budget` how the
+        program was fitted to jit(memory_limit=...)."""
+        report = analyse(self.spmd, hardware if hardware is not None else self.hardware, self.donated)
+        report.memory_budget = self.memory_budget
+        return report
 
     def value(self, ref: Union[int, str, Value]) -> Value:
         """A value of the completed program: by output index, by name, or itself."""

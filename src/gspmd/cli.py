@@ -46,9 +46,10 @@ def _demo_case(model: str, mesh_shape: tuple[int, ...]):
 DEMOS = ("mlp", "transformer", "moe", "unet", "pipeline")
 
 
-def demo(mesh_shape: tuple[int, int] = (2, 4), model: str = "mlp") -> float:
+def demo(mesh_shape: tuple[int, int] = (2, 4), model: str = "mlp", memory_plot: Optional[str] = None) -> float:
     """Partition and run a case study's train step on simulated devices; print what
-    happened. Returns the max abs difference from the single-device run."""
+    happened (and plot memory over the run to `memory_plot`). Returns the max abs
+    difference from the single-device run."""
     import jax
 
     import gspmd
@@ -66,7 +67,11 @@ def demo(mesh_shape: tuple[int, int] = (2, 4), model: str = "mlp") -> float:
     print(f"\npartitioned in {elapsed:.2f} s: {len(list(lowered.program.all_instrs()))} instructions -> "
           f"{len(list(lowered.spmd.all_instrs()))} per-device instructions")
     print("  per-device ops: " + ", ".join(f"{k} x{v}" for k, v in sorted(ops.items())))
-    print("\n" + str(lowered.report()))
+    report = lowered.report()
+    print("\n" + str(report))
+    if memory_plot:
+        report.memory.plot(memory_plot, title=f"{model} train step on {mesh}")
+        print(f"memory over the run: {memory_plot}")
     got = partitioned(*args)
     want = jax.jit(step)(*args)
     diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
@@ -102,12 +107,41 @@ def plan(devices: int = 2048, hardware: str = "tpu-v3", layers: int = 2) -> None
           f"{'fits' if report.fits_in_memory else 'does NOT fit'}")
 
 
+def memory(model: str = "transformer", mesh_shape: tuple[int, int] = (2, 4), top: int = 10,
+           plot: Optional[str] = None) -> None:
+    """Where a case study's train step holds its memory: the peak per device and the
+    buffers held then (shapes, layouts, what made them); optionally a plot over the run."""
+    import gspmd
+
+    mesh, _, step, args = _demo_case(model, mesh_shape)
+    profile = gspmd.jit(step, mesh=mesh).lower(*args).report().memory
+    print(f"{model} train step on {mesh}")
+    print("\n".join(str(profile).splitlines()[:1] + ["largest buffers held at the peak:"] +
+                    [f"  {t}" for t in profile.top(top)]))
+    if plot:
+        profile.plot(plot, title=f"{model} train step on {mesh}")
+        print(f"memory over the run: {plot}")
+
+
+def _mesh_shape(parser, text: str) -> tuple[int, ...]:
+    shape = tuple(int(s) for s in text.lower().split("x"))
+    if len(shape) != 2:
+        parser.error("--mesh must look like 2x4")
+    return shape
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="gspmd", description="GSPMD partitioner for JAX programs")
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="partition an MLP train step over simulated devices")
     d.add_argument("--model", default="mlp", choices=DEMOS, help="which case study (default: mlp)")
     d.add_argument("--mesh", default="2x4", help="2-D mesh shape, e.g. 2x4 (default) or 4x2 (moe uses its size)")
+    d.add_argument("--memory-plot", metavar="PNG", help="also plot memory per device over the run (needs matplotlib)")
+    m = sub.add_parser("memory", help="where a case study's train step holds its memory (peak, buffers, plot)")
+    m.add_argument("--model", default="transformer", choices=DEMOS)
+    m.add_argument("--mesh", default="2x4", help="2-D mesh shape (default 2x4)")
+    m.add_argument("--top", type=int, default=10, help="how many of the largest buffers to list")
+    m.add_argument("--plot", metavar="PNG", help="plot memory per device over the run (needs matplotlib)")
     p = sub.add_parser("plan", help="plan a paper-scale Transformer step for many devices (no execution)")
     p.add_argument("--devices", type=int, default=2048, help="a power of two (default 2048)")
     p.add_argument("--hardware", default="tpu-v3", help="tpu-v3, tpu-v4, a100, h100, h200 or cpu")
@@ -118,9 +152,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.error("--devices must be a power of two, at least 4")
         plan(args.devices, args.hardware, args.layers)
         return 0
+    if args.command == "memory":
+        memory(args.model, _mesh_shape(parser, args.mesh), args.top, args.plot)
+        return 0
     if args.command == "demo":
-        shape = tuple(int(s) for s in args.mesh.lower().split("x"))
-        if len(shape) != 2:
-            parser.error("--mesh must look like 2x4")
-        return 0 if demo(shape, args.model) < 1e-3 else 1
+        return 0 if demo(_mesh_shape(parser, args.mesh), args.model, args.memory_plot) < 1e-3 else 1
     return 2

@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Sequence
 
 from gspmd import ops
+from gspmd.analysis import memory
 from gspmd.errors import ShardingError
-from gspmd.ir import Builder, Program
+from gspmd.ir import Builder, Instr, Program, Value
 from gspmd.ir.cse import eliminate_common_subexpressions
 from gspmd.ir.dce import eliminate_dead_code
 from gspmd.sharding import Sharding
@@ -43,7 +44,7 @@ def _partition(program: Program, num_devices: int, in_layouts: Sequence[Sharding
     b.origin = f"{program.name} results"
     spmd.outputs = [rs.reshard(ctx, env[o], layout).local for o, layout in zip(program.outputs, out_layouts)]
     eliminate_common_subexpressions(spmd)   # one reshard of a value serves all its users
-    eliminate_dead_code(spmd)
+    eliminate_dead_code(spmd, ops.prune)
     for local, layout in zip(spmd.outputs, out_layouts):
         local.sharding = layout
     return spmd
@@ -61,3 +62,71 @@ def _partition_instr(ctx: DeviceContext, instr, operands: list[PartitionedValue]
             f"Internal error partitioning %{instr.outputs[0].name} = {instr.opcode} (from {instr.origin or '?'}) "
             f"with operands {layouts} -> {instr.outputs[0].sharding}: {type(e).__name__}: {e}. Please report "
             "this program; annotating the operands differently may avoid it.") from e
+
+
+def fit_memory(spmd: Program, num_devices: int, limit: int) -> memory.BudgetChoice:
+    """Fit the per-device program in `limit` bytes where it can, trading collective bytes
+    for memory: a gather (a collective whose result is larger than its operand, and whose
+    op record says how to repeat it) whose result is held idle across the peak, read
+    before and after it, is done again right before its later readers, so that only its
+    sharded operand stays live in between.
+    The largest first, as many as the excess needs; repeated while the peak exceeds the
+    limit and re-gathering lowers it."""
+    held = memory.profile(spmd)
+    shared, regathered, extra = held.peak_bytes, [], 0
+    while held.peak_bytes > limit:
+        undo, moved, excess = [], [], held.peak_bytes - limit
+        for gather, later in sorted(_idle_across_peak(spmd, held), key=lambda c: -c[0].output.nbytes):
+            if excess <= 0:
+                break
+            undo.append(_gather_again(spmd, num_devices, gather, later))
+            moved.append(gather.output)
+            excess -= gather.output.nbytes
+        after = memory.profile(spmd) if moved else held
+        if after.peak_bytes >= held.peak_bytes:
+            for restore in reversed(undo):
+                restore()
+            break
+        held = after
+        regathered += [v.name for v in moved]
+        extra += sum(v.nbytes for v in moved)
+    return memory.BudgetChoice(limit, shared, held.peak_bytes, extra, tuple(regathered))
+
+
+def _idle_across_peak(spmd: Program, held: memory.MemoryProfile) -> list[tuple[Instr, list[Instr]]]:
+    """Gathers whose result is read before the peak and after it but not at it: each
+    with its readers after the peak."""
+    peak, readers, results = held.peak_step, spmd.users(), set(spmd.outputs)
+    found = []
+    for instr in spmd.instrs:
+        if ops.lookup(instr.opcode).repeat is None or len(instr.outputs) != 1 or instr.output in results:
+            continue
+        v = instr.output
+        if v.nbytes <= sum(o.nbytes for o in instr.operands) or held.step_of(instr) >= peak:
+            continue
+        steps = [held.step_of(r) for r in readers[v]]
+        if min(steps) < peak < max(steps) and peak not in steps:
+            found.append((instr, [r for r in readers[v] if held.step_of(r) > peak]))
+    return found
+
+
+def _gather_again(spmd: Program, num_devices: int, gather: Instr, later: list[Instr]):
+    """Repeat `gather` (as its op record says: by instructions no common-subexpression
+    elimination merges with it) right before the first of `later`, and let them read the
+    repeat; returns a function that undoes it."""
+    staging = Program("regather", parent=spmd)
+    v = gather.output
+    copy = ops.lookup(gather.opcode).repeat(DeviceContext(Builder(staging, gather.origin), num_devices), gather)
+    copy.sharding = v.sharding
+    added = staging.instrs
+    at = min(spmd.instrs.index(r) for r in later)
+    spmd.instrs[at:at] = added
+    before = [(r, list(r.operands)) for r in later]
+    for r in later:
+        r.operands = [copy if o is v else o for o in r.operands]
+
+    def undo():
+        spmd.instrs[:] = [i for i in spmd.instrs if i not in added]
+        for r, operands in before:
+            r.operands = operands
+    return undo

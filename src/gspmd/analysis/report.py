@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
 from gspmd import ops
+from gspmd.analysis import memory
 from gspmd.analysis.hardware import PROFILES, GiB, Hardware, collective_seconds, profile
 from gspmd.errors import ShardingError
 from gspmd.ir import Program
@@ -36,6 +37,8 @@ class Report:
     peak_memory_bytes: int = 0
     flops: int = 0
     hardware: Optional[Hardware] = None   # set by report(hardware=...): enables the estimates
+    memory: Optional[memory.MemoryProfile] = None   # where the peak is: the buffers held then
+    memory_budget: Optional[memory.BudgetChoice] = None   # how jit(memory_limit=) was met
 
     @property
     def compute_seconds(self) -> float:
@@ -83,6 +86,10 @@ class Report:
         if self.fallbacks:
             lines.append(f"warning: {len(self.fallbacks)} reshard fallback(s) gather data only to split it again")
         lines.append(f"peak memory per device: {self.peak_memory_bytes:,} bytes")
+        if self.memory is not None:
+            lines += [f"  {t}" for t in self.memory.top(5)]
+        if self.memory_budget is not None:
+            lines.append(str(self.memory_budget))
         lines.append(f"flops per device: {self.flops:,}")
         if self.hardware is not None:
             lines.append(f"on {self.hardware.name}: compute {self.compute_seconds * 1e3:.3f} ms + communication "
@@ -97,34 +104,10 @@ def _groups_str(groups) -> str:
     return text if len(text) <= 60 else f"{text[:57]}..."
 
 
-def _peak_memory(program: Program) -> int:
-    last_use = {}
-    for i, instr in enumerate(program.instrs):
-        for v in instr.operands:
-            last_use[v] = i
-    for v in program.outputs:
-        last_use[v] = len(program.instrs)
-    live = sum(p.nbytes for p in program.params)
-    peak = live
-    for i, instr in enumerate(program.instrs):
-        peak = max(peak, live + _temporaries(instr))
-        live += sum(o.nbytes for o in instr.outputs)
-        peak = max(peak, live)
-        for v in set(instr.operands) | set(instr.outputs):
-            if last_use.get(v, -1) <= i and v not in program.params:
-                live -= v.nbytes
-    return peak
-
-
-def _temporaries(instr) -> int:
-    """Memory an op with sub-programs (a loop, a conditional) needs beyond its operands
-    while it runs: the most one of them holds at once, less its parameters, which are
-    the operands themselves."""
-    return max((_peak_memory(p) - sum(v.nbytes for v in p.params) for p, _ in ops.runs(instr)), default=0)
-
-
-def analyse(spmd: Program, hardware: Union[None, str, Hardware] = None) -> Report:
-    report = Report(peak_memory_bytes=_peak_memory(spmd),
+def analyse(spmd: Program, hardware: Union[None, str, Hardware] = None, donated: Sequence[int] = ()) -> Report:
+    """`donated`: indices of parameters whose buffers the results may reuse."""
+    held = memory.profile(spmd, memory.donation_aliases(spmd, donated))
+    report = Report(peak_memory_bytes=held.peak_bytes, memory=held,
                     hardware=None if hardware is None else profile(hardware))
     _walk(spmd, 1, report)
     return report

@@ -4,15 +4,23 @@ results is used (directly or through others) is dropped. JAX traces keep such va
 and unsplit since no user gives them a sharding, on every device."""
 from __future__ import annotations
 
-from gspmd.ir.program import Program
+from typing import Callable, Optional
+
+from gspmd.ir.program import Instr, Program
+
+# prune(instr, which results are used): shrink an instruction to its used results
+Prune = Callable[[Instr, list[bool]], None]
 
 
-def eliminate_dead_code(program: Program) -> Program:
-    """Rewrite `program` (not its sub-programs, whose results the loop uses) in place."""
+def eliminate_dead_code(program: Program, prune: Optional[Prune] = None) -> Program:
+    """Rewrite `program` in place. Sub-programs are left whole unless `prune` shrinks
+    their instruction to the results in use (a loop's unused carries)."""
     live = set(program.outputs)
     kept = []
     for instr in reversed(program.instrs):
         if any(o in live for o in instr.outputs):
+            if prune is not None:
+                prune(instr, [o in live for o in instr.outputs])
             kept.append(instr)
             live.update(instr.operands)
     program.instrs = kept[::-1]

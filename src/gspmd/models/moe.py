@@ -9,7 +9,7 @@ one back after the experts — and nothing else moves.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +17,7 @@ import numpy as np
 
 from gspmd.frontend import mesh_split
 from gspmd.mesh import Mesh
+from gspmd.models.optimizers import Optimizer, make_step
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,8 @@ class Config:
     experts: int = 8
     capacity: int = 4
     lr: float = 0.1
+    param_dtype: Any = np.float32   # mixed precision: parameters stored in param_dtype,
+    dtype: Any = np.float32         # tokens and einsums in dtype, gating and loss in float32
 
 
 def moe_layer(params: dict, x, mesh: Mesh, axis: str, cfg: Config, expert_axis: Optional[str] = None):
@@ -35,32 +38,33 @@ def moe_layer(params: dict, x, mesh: Mesh, axis: str, cfg: Config, expert_axis: 
     hybrid configuration (paper Table 7, Figure 8b) also splits each expert's hidden dim
     H over `expert_axis`, for experts too large for one device."""
     inner = expert_axis if expert_axis is not None else -1
-    x = mesh_split(x, mesh, [axis, -1, -1])
-    w_in = mesh_split(params["w_in"], mesh, [axis, -1, inner])      # E M H
-    w_out = mesh_split(params["w_out"], mesh, [axis, inner, -1])    # E H M
-    gates = jax.nn.softmax(jnp.einsum("gsm,me->gse", x, params["w_gate"]), axis=-1)
+    x = mesh_split(x.astype(cfg.dtype), mesh, [axis, -1, -1])
+    w_in = mesh_split(params["w_in"], mesh, [axis, -1, inner]).astype(cfg.dtype)      # E M H
+    w_out = mesh_split(params["w_out"], mesh, [axis, inner, -1]).astype(cfg.dtype)    # E H M
+    gate_logits = jnp.einsum("gsm,me->gse", x, params["w_gate"].astype(cfg.dtype))
+    gates = jax.nn.softmax(gate_logits.astype(np.float32), axis=-1)
     expert = jnp.argmax(gates, axis=-1)
     mask = jax.nn.one_hot(expert, cfg.experts, dtype=x.dtype)                     # G S E
     position = (jnp.cumsum(mask, axis=1) - 1) * mask                              # slot in its expert
     kept = mask * (position < cfg.capacity)
     slots = jax.nn.one_hot(position.astype(jnp.int32), cfg.capacity, dtype=x.dtype)   # G S E C
     dispatch = kept[..., None] * slots
-    combine = dispatch * jnp.sum(gates * mask, axis=-1)[..., None, None]
+    combine = dispatch * jnp.sum(gates * mask, axis=-1).astype(x.dtype)[..., None, None]
     expert_in = mesh_split(jnp.einsum("gsec,gsm->egcm", dispatch, x), mesh, [axis, -1, -1, -1])
     hidden = jax.nn.relu(jnp.einsum("egcm,emh->egch", expert_in, w_in))
     expert_out = mesh_split(jnp.einsum("egch,ehm->egcm", hidden, w_out), mesh, [axis, -1, -1, -1])
     return x + jnp.einsum("gsec,egcm->gsm", combine, expert_out)
 
 
-def make_train_step(mesh: Mesh, axis: str = "x", cfg: Config = Config(), expert_axis: Optional[str] = None):
+def make_train_step(mesh: Mesh, axis: str = "x", cfg: Config = Config(), expert_axis: Optional[str] = None,
+                    optimizer: Optional[Optimizer] = None):
+    """step(params, x, target) -> (new params, loss) with plain SGD; with an optimizer,
+    step(params, optimizer state, x, target) -> (new params, new state, loss)."""
     def loss(params, x, target):
-        return jnp.mean((moe_layer(params, x, mesh, axis, cfg, expert_axis) - target) ** 2)
+        y = moe_layer(params, x, mesh, axis, cfg, expert_axis)
+        return jnp.mean((y.astype(np.float32) - target) ** 2)
 
-    def train_step(params, x, target):
-        value, grads = jax.value_and_grad(loss)(params, x, target)
-        return jax.tree_util.tree_map(lambda p, g: p - cfg.lr * g, params, grads), value
-
-    return train_step
+    return make_step(loss, optimizer, cfg.lr)
 
 
 def example_inputs(cfg: Config = Config(), seed: int = 0):
@@ -69,5 +73,6 @@ def example_inputs(cfg: Config = Config(), seed: int = 0):
                            ).astype(np.float32)
     params = {"w_gate": rand(cfg.model, cfg.experts), "w_in": rand(cfg.experts, cfg.model, cfg.hidden),
               "w_out": rand(cfg.experts, cfg.hidden, cfg.model)}
+    params = {k: v.astype(cfg.param_dtype) for k, v in params.items()}
     x = rng.standard_normal((cfg.groups, cfg.group_size, cfg.model)).astype(np.float32)
     return params, x, rng.standard_normal(x.shape).astype(np.float32)

@@ -4,18 +4,23 @@ through `gspmd.pipeline`. Per step, the only communication of the forward pass i
 stage shift (one collective-permute) and the finished microbatch leaving the last stage."""
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from gspmd.mesh import Mesh
 from gspmd.models import transformer
+from gspmd.models.optimizers import Optimizer, make_step
 from gspmd.pipeline import pipeline
 
 
 def make_train_step(mesh: Mesh, cfg: transformer.Config, stage_axis: str = "p", data_axis: str = "x",
-                    schedule: str = "gpipe", repeats: int = 1):
-    """step(stacked params, microbatches [M, B, S, M], targets) -> (new params, loss)."""
+                    schedule: str = "gpipe", repeats: int = 1, optimizer: Optional[Optimizer] = None):
+    """step(stacked params, microbatches [M, B, S, M], targets) -> (new params, loss) with
+    plain SGD; with an optimizer, step(stacked params, optimizer state, microbatches,
+    targets) -> (new params, new state, loss)."""
     annotate = transformer.gspmd_annotate(mesh)
     strategy = {"x": [data_axis, -1, -1]}
 
@@ -23,15 +28,11 @@ def make_train_step(mesh: Mesh, cfg: transformer.Config, stage_axis: str = "p", 
         return transformer.layer(params, x, annotate, strategy, cfg)
 
     def loss(stacked, microbatches, targets):
-        ys = pipeline(stage_fn, stacked, microbatches, mesh=mesh, stage_axis=stage_axis, schedule=schedule,
+        ys = pipeline(stage_fn, stacked, microbatches.astype(cfg.dtype), mesh=mesh, stage_axis=stage_axis, schedule=schedule,
                       repeats=repeats)
-        return jnp.mean((ys - targets) ** 2)
+        return jnp.mean((ys.astype(np.float32) - targets) ** 2)
 
-    def train_step(stacked, microbatches, targets):
-        value, grads = jax.value_and_grad(loss)(stacked, microbatches, targets)
-        return jax.tree_util.tree_map(lambda p, g: p - cfg.lr * g, stacked, grads), value
-
-    return train_step
+    return make_step(loss, optimizer, cfg.lr)
 
 
 def example_inputs(cfg: transformer.Config, microbatches: int, seed: int = 0):

@@ -11,7 +11,7 @@ partitioner (jax.lax.with_sharding_constraint) for side-by-side comparisons.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +19,7 @@ import numpy as np
 
 from gspmd.frontend import mesh_split
 from gspmd.mesh import Mesh
+from gspmd.models.optimizers import Optimizer, make_step
 
 WEIGHTS = ("wq", "wk", "wv", "wo", "w_in", "w_out")
 
@@ -52,6 +53,10 @@ class Config:
     layers: int = 1
     layer_norm: bool = True
     lr: float = 0.1
+    # Mixed precision (the paper's): parameters stored in param_dtype, activations and
+    # matmuls in dtype (e.g. jnp.bfloat16); layer norm, softmax and the loss in float32.
+    param_dtype: Any = np.float32
+    dtype: Any = np.float32
 
 
 def gspmd_annotate(mesh: Mesh) -> Annotate:
@@ -69,9 +74,11 @@ def xla_annotate(mesh: jax.sharding.Mesh) -> Annotate:
 
 
 def _layer_norm(x):
-    mean = jnp.mean(x, axis=-1, keepdims=True)
-    var = jnp.mean((x - mean) ** 2, axis=-1, keepdims=True)
-    return (x - mean) * jax.lax.rsqrt(var + 1e-5)
+    """In float32 whatever x's dtype, returned in x's dtype."""
+    y = x.astype(np.float32)
+    mean = jnp.mean(y, axis=-1, keepdims=True)
+    var = jnp.mean((y - mean) ** 2, axis=-1, keepdims=True)
+    return ((y - mean) * jax.lax.rsqrt(var + 1e-5)).astype(x.dtype)
 
 
 def layer(params: dict, x, annotate: Annotate, strategy: dict, cfg: Config):
@@ -80,12 +87,12 @@ def layer(params: dict, x, annotate: Annotate, strategy: dict, cfg: Config):
     def at(name, value):
         return annotate(value, strategy[name]) if name in strategy else value
 
-    w = {name: at(name, params[name]) for name in WEIGHTS}
-    x = at("x", x)
+    w = {name: at(name, params[name]).astype(cfg.dtype) for name in WEIGHTS}
+    x = at("x", x.astype(cfg.dtype))
     h = _layer_norm(x) if cfg.layer_norm else x
     q, k, v = (at(n, jnp.einsum("bsm,mnd->bsnd", h, w["w" + n])) for n in "qkv")
-    logits = jnp.einsum("bsnd,btnd->bnst", q, k) / np.sqrt(cfg.head_dim).astype(np.float32)
-    probs = jax.nn.softmax(logits, axis=-1)
+    logits = jnp.einsum("bsnd,btnd->bnst", q, k) / float(np.sqrt(cfg.head_dim))
+    probs = jax.nn.softmax(logits.astype(np.float32), axis=-1).astype(cfg.dtype)
     attention = jnp.einsum("bnst,btnd->bsnd", probs, v)
     x = x + at("attention_out", jnp.einsum("bsnd,ndm->bsm", attention, w["wo"]))
     h = _layer_norm(x) if cfg.layer_norm else x
@@ -108,19 +115,17 @@ def intended_2d(cfg: "Config") -> dict[tuple[int, ...], list]:
             (m, h): FINALIZED_2D["w_in"], (h, m): FINALIZED_2D["w_out"]}
 
 
-def make_train_step(annotate: Annotate, cfg: Config = Config(), strategy: dict = FINALIZED_2D):
-    """step(params, x, target) -> (new params, loss): squared-error loss, plain SGD."""
+def make_train_step(annotate: Annotate, cfg: Config = Config(), strategy: dict = FINALIZED_2D,
+                    optimizer: Optional[Optimizer] = None):
+    """Squared-error loss. step(params, x, target) -> (new params, loss) with plain SGD;
+    with an optimizer (models.optimizers: AdamW, Adafactor),
+    step(params, optimizer state, x, target) -> (new params, new state, loss)."""
     def loss(params: Sequence[dict], x, target):
         for p in params:
             x = layer(p, x, annotate, strategy, cfg)
-        return jnp.mean((x - target) ** 2)
+        return jnp.mean((x.astype(np.float32) - target) ** 2)
 
-    def train_step(params, x, target):
-        value, grads = jax.value_and_grad(loss)(params, x, target)
-        new = jax.tree_util.tree_map(lambda p, g: p - cfg.lr * g, params, grads)
-        return new, value
-
-    return train_step
+    return make_step(loss, optimizer, cfg.lr)
 
 
 def example_inputs(cfg: Config = Config(), seed: int = 0, abstract: bool = False):
@@ -131,10 +136,11 @@ def example_inputs(cfg: Config = Config(), seed: int = 0, abstract: bool = False
               "w_in": (c.model, c.hidden), "w_out": (c.hidden, c.model)}
     act = (c.batch, c.seq, c.model)
     if abstract:
-        spec = lambda shape: jax.ShapeDtypeStruct(shape, np.float32)   # noqa: E731
-        return [{n: spec(s) for n, s in shapes.items()} for _ in range(c.layers)], spec(act), spec(act)
+        spec = lambda shape, dtype=np.float32: jax.ShapeDtypeStruct(shape, dtype)   # noqa: E731
+        return ([{n: spec(s, c.param_dtype) for n, s in shapes.items()} for _ in range(c.layers)],
+                spec(act), spec(act))
     rng = np.random.RandomState(seed)
     rand = lambda shape, fan_in: (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32)  # noqa: E731
-    params = [{n: rand(s, s[0] if n != "wo" else c.heads * c.head_dim) for n, s in shapes.items()}
-              for _ in range(c.layers)]
+    params = [{n: rand(s, s[0] if n != "wo" else c.heads * c.head_dim).astype(c.param_dtype)
+               for n, s in shapes.items()} for _ in range(c.layers)]
     return params, rand(act, 1), rand(act, 1)

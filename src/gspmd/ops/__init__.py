@@ -3,7 +3,7 @@
 from gspmd.ops import (collectives, control, conv, dot, elementwise, gather_scatter, manual, random,  # noqa: F401
                        reduce, shape, slicing, sort, window)
 from gspmd.ops.registry import (KEY_PRIMITIVES, OPS, OUT_OF_SCOPE, PRIMITIVES, OpDef, informants, lookup, partition,
-                                propagate, runs, tensors)
+                                propagate, prune, runs, tensors)
 
 __all__ = ["KEY_PRIMITIVES", "OPS", "OUT_OF_SCOPE", "PRIMITIVES", "OpDef", "informants", "lookup", "partition",
-           "propagate", "runs", "tensors"]
+           "propagate", "prune", "runs", "tensors"]

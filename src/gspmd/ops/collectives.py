@@ -15,10 +15,10 @@ from jax import lax
 from jax import numpy as jnp
 
 from gspmd.errors import ShardingError
-from gspmd.ir import Instr
+from gspmd.ir import Instr, Value
 from gspmd.ir.reducer import ADD, AND, MAX, MIN, OR, Reducer
 from gspmd.mesh import Mesh
-from gspmd.ops.registry import register
+from gspmd.ops.registry import KernelLayout, major_first, register
 from gspmd.spmd.context import DeviceContext
 
 
@@ -239,16 +239,42 @@ def _empty_safe(lower):
     return safe
 
 
+def _along_dim(instr) -> KernelLayout:
+    """XLA gathers and scatters along the outermost dim: it lays the collective's dim
+    out first in the operand and the result."""
+    order = major_first(instr.outputs[0].rank, instr.attrs["dim"])
+    return KernelLayout(((order,),), order)
+
+
+def _gather_apart(ctx, instr) -> Value:
+    """The all-gather again as a gather over a new leading dim, moved into place: a
+    different collective, so that no common-subexpression elimination (XLA's looks through
+    optimization barriers) merges the two, and no costlier (XLA lays a gathered inner dim
+    out first and copies it into place either way)."""
+    x, dim, groups = instr.operands[0], instr.attrs["dim"], instr.attrs["groups"]
+    lead = ctx.b.add1("reshape", [x], (1, *x.shape), x.dtype)
+    gathered = ctx.all_gather(lead, 0, groups, instr.why, "again, for a later user")
+    moved = ctx.b.add1("transpose", [gathered], (*x.shape[:dim], gathered.shape[0], *x.shape[dim:]), x.dtype,
+                       permutation=(*range(1, dim + 1), 0, *range(dim + 1, x.rank + 1)))
+    return ctx.b.add1("reshape", [moved], instr.output.shape, x.dtype)
+
+
+def _all_to_all_pieces(instr) -> int:
+    """XLA sends an all-to-all's input as one sliced copy per destination."""
+    return instr.operands[0].nbytes
+
+
 register("partition-id", converts={"axis_index": _convert_axis_index}, evaluate=_evaluate_partition_id,
          lower=_lower_partition_id)
 register("all-reduce", converts={"psum": _convert_psum(ADD), "psum_invariant": _convert_psum(ADD),
                                  "pmax": _convert_psum(MAX), "pmin": _convert_psum(MIN)},
          evaluate_all=_evaluate_all_reduce, lower=_empty_safe(_lower_all_reduce))
 register("all-gather", converts={"all_gather": _convert_all_gather, "all_gather_invariant": _convert_all_gather},
-         evaluate_all=_evaluate_all_gather, lower=_empty_safe(_lower_all_gather))
+         evaluate_all=_evaluate_all_gather, lower=_empty_safe(_lower_all_gather), layout=_along_dim,
+         repeat=_gather_apart)
 register("reduce-scatter", converts={"reduce_scatter": _convert_reduce_scatter},
-         evaluate_all=_evaluate_reduce_scatter, lower=_empty_safe(_lower_reduce_scatter))
+         evaluate_all=_evaluate_reduce_scatter, lower=_empty_safe(_lower_reduce_scatter), layout=_along_dim)
 register("all-to-all", converts={"all_to_all": _convert_all_to_all}, evaluate_all=_evaluate_all_to_all,
-         lower=_empty_safe(_lower_all_to_all))
+         lower=_empty_safe(_lower_all_to_all), scratch=_all_to_all_pieces)
 register("collective-permute", converts={"ppermute": _convert_ppermute}, evaluate_all=_evaluate_collective_permute,
          lower=_empty_safe(_lower_collective_permute))

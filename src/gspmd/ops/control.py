@@ -26,8 +26,9 @@ from jax import numpy as jnp
 
 from gspmd.errors import ShardingError
 from gspmd.ir import Instr, Program, Value
+from gspmd.ir.dce import eliminate_dead_code
 from gspmd.ops.convert import Conversion, physical_aval
-from gspmd.ops.registry import ELEMENTWISE, register
+from gspmd.ops.registry import ELEMENTWISE, Storage, prune, register
 from gspmd.spmd import reshard as rs
 from gspmd.spmd.partitioned import PartitionedValue
 
@@ -152,9 +153,52 @@ def _while_runs(instr: Instr) -> list[tuple[Program, int]]:
     return [(instr.attrs["cond"], trips), (instr.attrs["body"], trips)]
 
 
+def _needed_carries(instr: Instr, used: list[bool]) -> list[int]:
+    """Carried values a used result or the condition depends on, through the body."""
+    body, cond = instr.attrs["body"], instr.attrs["cond"]
+    needed = {i for i, u in enumerate(used) if u} | _params_read(cond, cond.outputs)
+    while True:
+        more = _params_read(body, [body.outputs[i] for i in needed]) - needed
+        if not more:
+            return sorted(needed)
+        needed |= more
+
+
+def _params_read(program, values) -> set[int]:
+    """Indices of `program`'s parameters that `values` are computed from."""
+    producer = {o: i for i in program.instrs for o in i.outputs}
+    index = {p: i for i, p in enumerate(program.params)}
+    found, stack, seen = set(), list(values), set()
+    while stack:
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        if v in index:
+            found.add(index[v])
+        elif v in producer:
+            stack.extend(producer[v].operands)
+    return found
+
+
+def _prune_while(instr: Instr, used: list[bool]) -> None:
+    """Drop carried values that neither a used result nor the condition needs (JAX's
+    scan transposes carry zeros nobody reads), as XLA's while-loop simplifier does."""
+    keep = _needed_carries(instr, used)
+    if len(keep) == len(instr.outputs):
+        return
+    body, cond = instr.attrs["body"], instr.attrs["cond"]
+    instr.operands = [instr.operands[i] for i in keep]
+    instr.outputs = [instr.outputs[i] for i in keep]
+    body.params, body.outputs = [body.params[i] for i in keep], [body.outputs[i] for i in keep]
+    cond.params = [cond.params[i] for i in keep]
+    eliminate_dead_code(body, prune)
+
+
 register("while", converts={"while": _convert_while, "scan": _convert_scan}, evaluate_programs=_evaluate_while,
          lower=_lower_while, propagate=_same_layout(_tied_places), tied=tied_values, informants=_tied_places,
-         partition=_partition_while, runs=_while_runs, priority=ELEMENTWISE)
+         partition=_partition_while, runs=_while_runs, priority=ELEMENTWISE, storage=Storage.CARRIED,
+         prune=_prune_while)
 
 
 # -- conditional: operands (index, *args), attrs branches (a tuple of programs over args) --

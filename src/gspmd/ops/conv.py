@@ -21,7 +21,7 @@ import math
 import numpy as np
 from jax import lax
 
-from gspmd.ops.registry import CONTRACTION, register
+from gspmd.ops.registry import CONTRACTION, KernelLayout, register
 from gspmd.ops.window import pad_array, window_attrs, windows_of
 from gspmd.sharding import Sharding
 from gspmd.spmd import factors as fx
@@ -198,5 +198,12 @@ def _lower_conv(instr, args, lc):
         preferred_element_type=out.dtype)]
 
 
+def _layout(instr) -> KernelLayout:
+    """XLA's CPU convolutions work on [batch, spatial..., feature] inputs and results and
+    [spatial..., in, out] kernels."""
+    (lb, lf, *ls), (ro, ri, *rsp), (ob, of, *osp) = _dims(instr)
+    return KernelLayout((((lb, *ls, lf),), ((*rsp, ri, ro),)), (ob, *osp, of))
+
+
 register("convolution", converts={"conv_general_dilated": _convert_conv}, evaluate=_evaluate_conv, lower=_lower_conv,
-         flops=_conv_flops, factors=conv_factors, partition=_partition_conv, priority=CONTRACTION)
+         flops=_conv_flops, factors=conv_factors, partition=_partition_conv, priority=CONTRACTION, layout=_layout)

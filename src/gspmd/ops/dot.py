@@ -9,7 +9,7 @@ import numpy as np
 from jax import lax
 
 from gspmd.dtypes import is_floating
-from gspmd.ops.registry import CONTRACTION, register
+from gspmd.ops.registry import CONTRACTION, KernelLayout, register, same_layout
 from gspmd.spmd.factors import REDUCE, Factor
 
 
@@ -77,5 +77,20 @@ def _lower_dot(instr, args, lc):
     return [lax.dot_general(lhs, rhs, dims, preferred_element_type=out.dtype)]
 
 
+def _layout(instr) -> KernelLayout:
+    """XLA's CPU matmuls read row-major operands whose dims run [batch, free,
+    contracting] or [batch, contracting, free]; another operand is transposed into the
+    first (lhs) or the second (rhs) first."""
+    a, wanted = instr.attrs, []
+    for index, (batch, contracting) in enumerate([(a["lhs_batch"], a["lhs_contracting"]),
+                                                  (a["rhs_batch"], a["rhs_contracting"])]):
+        x = instr.operands[index]
+        free = [d for d in range(x.rank) if d not in batch and d not in contracting]
+        orders = [(*batch, *free, *contracting), (*batch, *contracting, *free)]
+        row_major = tuple(range(x.rank))
+        wanted.append((row_major,) if any(same_layout(x.shape, row_major, o) for o in orders) else (orders[index],))
+    return KernelLayout(tuple(wanted))
+
+
 register("dot", converts={"dot_general": _convert_dot_general}, evaluate=_evaluate_dot,
-         lower=_lower_dot, factors=_dot_factors, priority=CONTRACTION, flops=_dot_flops)
+         lower=_lower_dot, factors=_dot_factors, priority=CONTRACTION, flops=_dot_flops, layout=_layout)

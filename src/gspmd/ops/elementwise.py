@@ -19,7 +19,7 @@ from gspmd.dtypes import is_floating
 from gspmd.errors import ShardingError
 from gspmd.ir import Value
 from gspmd.ops.convert import Conversion, Converter
-from gspmd.ops.registry import ELEMENTWISE, elementwise_factors, register
+from gspmd.ops.registry import ELEMENTWISE, Storage, elementwise_factors, register
 from gspmd.sharding import UNSPECIFIED, Sharding, dims_mapping_from_spec
 from gspmd.spmd import reshard as rs
 
@@ -73,7 +73,8 @@ def elementwise(opcode: str, numpy_fn: Optional[Callable], lax_fn: Callable, pri
     (more converters in `converts`); numpy_fn None: the reference runs lax_fn eagerly."""
     register(opcode, converts={**{p: convert_as(opcode) for p in primitives}, **(converts or {})},
              evaluate=_evaluate_eagerly(lax_fn) if numpy_fn is None else _evaluate_with(numpy_fn),
-             lower=_lower_with(lax_fn), factors=elementwise_factors, priority=ELEMENTWISE, **fields)
+             lower=_lower_with(lax_fn), factors=elementwise_factors, priority=ELEMENTWISE,
+             **{"storage": Storage.ELEMENTWISE, **fields})
 
 
 # -- HLO semantics where NumPy differs ------------------------------------------------------
@@ -106,36 +107,42 @@ def _square(b, eqn, args):
     return [b.add1("multiply", [args[0], args[0]], shape, dtype)]
 
 
+def _float_division(instr) -> bool:
+    """Expensive (worth a buffer rather than recomputing in every user, as XLA's CPU
+    fusion judges), like the transcendentals below; integer division is cheap."""
+    return is_floating(instr.outputs[0].dtype)
+
+
 # Binary ops (bitwise on integers, logical on booleans, as in HLO).
 elementwise("add", np.add, lax.add, ["add", "add_any"])
 elementwise("subtract", np.subtract, lax.sub, ["sub"])
 elementwise("multiply", np.multiply, lax.mul, ["mul"], converts={"square": _square})
-elementwise("divide", _divide, lax.div, ["div"])
+elementwise("divide", _divide, lax.div, ["div"], expensive=_float_division)
 elementwise("maximum", np.maximum, lax.max, ["max"])
 elementwise("minimum", np.minimum, lax.min, ["min"])
-elementwise("power", np.power, lax.pow, ["pow"], converts={"integer_pow": _integer_pow})
-elementwise("remainder", np.fmod, lax.rem, ["rem"])
-elementwise("atan2", np.arctan2, lax.atan2, ["atan2"])
+elementwise("power", np.power, lax.pow, ["pow"], converts={"integer_pow": _integer_pow}, expensive=True)
+elementwise("remainder", np.fmod, lax.rem, ["rem"], expensive=_float_division)
+elementwise("atan2", np.arctan2, lax.atan2, ["atan2"], expensive=True)
 elementwise("and", np.bitwise_and, lax.bitwise_and, ["and"])
 elementwise("or", np.bitwise_or, lax.bitwise_or, ["or"])
 elementwise("xor", np.bitwise_xor, lax.bitwise_xor, ["xor"])
 # Unary ops.
 elementwise("not", np.invert, lax.bitwise_not, ["not"])
 elementwise("negate", np.negative, lax.neg, ["neg"])
-elementwise("exponential", np.exp, lax.exp, ["exp"])
-elementwise("log", np.log, lax.log, ["log"])
-elementwise("tanh", np.tanh, lax.tanh, ["tanh"])
-elementwise("logistic", _logistic, lax.logistic, ["logistic"])
-elementwise("rsqrt", lambda x: 1 / np.sqrt(x), lax.rsqrt, ["rsqrt"])
-elementwise("sqrt", np.sqrt, lax.sqrt, ["sqrt"])
+elementwise("exponential", np.exp, lax.exp, ["exp"], expensive=True)
+elementwise("log", np.log, lax.log, ["log"], expensive=True)
+elementwise("tanh", np.tanh, lax.tanh, ["tanh"], expensive=True)
+elementwise("logistic", _logistic, lax.logistic, ["logistic"], expensive=True)
+elementwise("rsqrt", lambda x: 1 / np.sqrt(x), lax.rsqrt, ["rsqrt"], expensive=True)
+elementwise("sqrt", np.sqrt, lax.sqrt, ["sqrt"], expensive=True)
 elementwise("abs", np.abs, lax.abs, ["abs"])
 elementwise("sign", np.sign, lax.sign, ["sign"])
 elementwise("floor", np.floor, lax.floor, ["floor"])
 elementwise("ceil", np.ceil, lax.ceil, ["ceil"])
 elementwise("cosine", np.cos, lax.cos, ["cos"])
 elementwise("sine", np.sin, lax.sin, ["sin"])
-elementwise("exponential-minus-one", np.expm1, lax.expm1, ["expm1"])
-elementwise("log-plus-one", np.log1p, lax.log1p, ["log1p"])
+elementwise("exponential-minus-one", np.expm1, lax.expm1, ["expm1"], expensive=True)
+elementwise("log-plus-one", np.log1p, lax.log1p, ["log1p"], expensive=True)
 elementwise("is-finite", np.isfinite, lax.is_finite, ["is_finite"])
 elementwise("round-nearest-even", np.round, _round_even, ["round"])
 # Random numbers: bits to floats (jax.random.uniform), normals, truncated normals.
@@ -159,7 +166,8 @@ def _lower_compare(instr, args, lc):
 
 
 register("compare", converts={p: convert_as("compare", direction=p.upper()) for p in ("eq", "ne", "lt", "le", "gt", "ge")},
-         evaluate=_evaluate_compare, lower=_lower_compare, factors=elementwise_factors, priority=ELEMENTWISE)
+         evaluate=_evaluate_compare, lower=_lower_compare, factors=elementwise_factors, priority=ELEMENTWISE,
+         storage=Storage.ELEMENTWISE)
 
 
 def _select_n(b, eqn, args):
@@ -186,7 +194,7 @@ def _evaluate_select(instr, args, device):
 
 
 register("select", converts={"select_n": _select_n}, evaluate=_evaluate_select, lower=_lower_with(lax.select),
-         factors=elementwise_factors, priority=ELEMENTWISE)
+         factors=elementwise_factors, priority=ELEMENTWISE, storage=Storage.ELEMENTWISE)
 
 
 def _convert(b, eqn, args):
@@ -196,7 +204,14 @@ def _convert(b, eqn, args):
     return [b.add1("convert", args, shape, dtype)]
 
 
-elementwise("convert", lambda x: x, lambda x: x, converts={"convert_element_type": _convert})
+def _narrowing_float(instr) -> bool:
+    """f32 -> bf16 rounds with NaN checks; widening is a shift."""
+    src, dst = instr.operands[0].dtype, instr.outputs[0].dtype
+    return is_floating(src) and is_floating(dst) and dst.itemsize < src.itemsize
+
+
+elementwise("convert", lambda x: x, lambda x: x, converts={"convert_element_type": _convert},
+            expensive=_narrowing_float)
 
 
 def _reduce_precision(instr, x):
@@ -212,7 +227,7 @@ def _convert_reduce_precision(b, eqn, args):
 register("reduce-precision", converts={"reduce_precision": _convert_reduce_precision},
          evaluate=lambda instr, args, device: [np.asarray(_reduce_precision(instr, args[0]))],
          lower=lambda instr, args, lc: [_reduce_precision(instr, args[0])],
-         factors=elementwise_factors, priority=ELEMENTWISE)
+         factors=elementwise_factors, priority=ELEMENTWISE, storage=Storage.ELEMENTWISE)
 
 
 def _bitcast_convert(b, eqn, args):
@@ -338,6 +353,6 @@ def _identity_each(b, eqn, args):
     return list(args)
 
 
-elementwise("optimization-barrier", lambda x: x, lax.optimization_barrier,
+elementwise("optimization-barrier", lambda x: x, lax.optimization_barrier, storage=Storage.VIEW,
             converts={"optimization_barrier": _convert_optimization_barrier, "remat2": _convert_remat,
                       "device_put": _convert_device_put, "name": _identity_each})

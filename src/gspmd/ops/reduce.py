@@ -30,7 +30,7 @@ from jax.extend import core as jcore
 from gspmd.ir import Instr, Value
 from gspmd.ir.reducer import ADD, AND, LOGADDEXP, MAX, MIN, MUL, OR, XOR, Reducer
 from gspmd.ops.convert import Converter
-from gspmd.ops.registry import ELEMENTWISE, EXPAND, LAYOUT, elementwise_factors, register
+from gspmd.ops.registry import ELEMENTWISE, EXPAND, LAYOUT, Storage, elementwise_factors, register
 from gspmd.spmd import factors as fx
 from gspmd.spmd import reshard as rs
 from gspmd.spmd.context import INDEX_DTYPE, DeviceContext, Why
@@ -92,7 +92,7 @@ register("reduce",
                    "reduce_xor": _convert_reduce(XOR),
                    "argmax": _convert_arg_reduce(MAX), "argmin": _convert_arg_reduce(MIN)},
          evaluate=_evaluate_reduce, lower=_lower_reduce, factors=_reduce_factors, priority=LAYOUT,
-         backward_priority=EXPAND)
+         backward_priority=EXPAND, storage=Storage.INDEXED, expensive=True)
 
 
 # -- variadic-reduce: operands (*xs, *inits) -------------------------------------------------
@@ -173,7 +173,7 @@ def _partition_variadic_reduce(ctx: DeviceContext, instr: Instr, operands, targe
 
 register("variadic-reduce", converts={"reduce": _convert_variadic_reduce}, evaluate=_evaluate_variadic_reduce,
          lower=_lower_variadic_reduce, factors=_variadic_factors, partition=_partition_variadic_reduce,
-         priority=LAYOUT, backward_priority=EXPAND)
+         priority=LAYOUT, backward_priority=EXPAND, storage=Storage.INDEXED, expensive=True)
 
 
 # -- cumulative: attrs reducer, dim, reverse ------------------------------------------------

@@ -7,7 +7,8 @@ drivers (frontend, propagation, partitioner, runtime) only look records up."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from enum import Enum
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -40,6 +41,23 @@ Partition = Callable[[DeviceContext, Instr, list[PartitionedValue], list[Shardin
 ELEMENTWISE, LAYOUT, EXPAND, CONTRACTION = 0, 1, 2, 3
 
 
+class Storage(Enum):
+    """How an op's results occupy memory once XLA has compiled the per-device program
+    (the memory model, analysis/memory.py, follows XLA's loop fusion and buffer reuse).
+    A fusible op computes each element where its users read it: it gets no buffer of
+    its own when every user is fused too."""
+    MATERIALIZED = "materialized"   # a buffer of its own (dot, convolution, collectives, scatter...)
+    ELEMENTWISE = "elementwise"     # fusible; result element i reads operand element i, so the
+                                    # result may overwrite an operand of its size that dies there
+    INDEXED = "indexed"             # fusible; reads each operand element at most once (slice, transpose)
+    REPEATED = "repeated"           # fusible; reads operand elements many times (broadcast, gather)
+    IN_PLACE = "in place"           # fusible; writes into operand 0's buffer when it dies there
+    BITCAST = "bitcast"             # fusible; stored, a view of an operand laid out row-major (reshape)
+    CARRIED = "carried"             # results are the operands' buffers, updated in place (loops)
+    VIEW = "view"                   # results are the operands themselves (optimization barriers)
+    LITERAL = "literal"             # data compiled into the executable: no buffer at run time
+
+
 @dataclass
 class OpDef:
     opcode: str
@@ -67,6 +85,42 @@ class OpDef:
     flops: Optional[Callable[[Instr], int]] = None   # arithmetic of one execution, for reports
     forward_priority: Optional[int] = None    # towards the outputs, when not `priority`
     backward_priority: Optional[int] = None   # towards the operands, when not `priority`
+    storage: Storage = Storage.MATERIALIZED
+    # too costly to recompute in each user (transcendentals, reductions): XLA fuses it
+    # only into a single user that reads each element once
+    expensive: Union[bool, Callable[[Instr], bool]] = False
+    layout: Optional[Callable[[Instr], "KernelLayout"]] = None
+    # bytes the op's kernel holds while it runs beyond its operands and results
+    scratch: Optional[Callable[[Instr], int]] = None
+    # prune(instr, which results are used): drop what only unused results need
+    prune: Optional[Callable[[Instr, list[bool]], None]] = None
+    # repeat(ctx, instr) -> its result computed again by other instructions, which no
+    # common-subexpression elimination merges with it (memory-aware partitioning)
+    repeat: Optional[Callable[[DeviceContext, Instr], Value]] = None
+
+
+Order = tuple[int, ...]   # a tensor's dims as laid out in memory, major to minor
+
+
+@dataclass(frozen=True)
+class KernelLayout:
+    """How XLA's kernel for an op lays data out (for the memory model): per operand the
+    dim orders it reads in place (None: any; an operand in another order is copied into
+    the first, once for every op that wants that order), and the order it writes."""
+    operands: tuple[Optional[tuple[Order, ...]], ...]
+    result: Optional[Order] = None    # None: row-major
+
+
+def same_layout(shape: Sequence[int], stored: Optional[Order], wanted: Order) -> bool:
+    """Whether data stored in one dim order (None: row-major) can be read in another
+    without moving it (only size-1 dims differ)."""
+    stored = tuple(range(len(shape))) if stored is None else stored
+    return [d for d in stored if shape[d] != 1] == [d for d in wanted if shape[d] != 1]
+
+
+def major_first(rank: int, dim: int) -> Order:
+    """`dim` outermost, the others in order (how XLA lays out a collective's dim)."""
+    return (dim, *(d for d in range(rank) if d != dim))
 
 
 OPS: dict[str, OpDef] = {}
@@ -134,6 +188,13 @@ def propagate(instr: Instr, shardings: Sequence[Optional[Sharding]], target: int
     if op.factors is None:
         return []
     return fx.propose(op.factors(instr), shardings, [v.rank for v in tensors(instr)], target)
+
+
+def prune(instr: Instr, used: list[bool]) -> None:
+    """Shrink `instr` to its used results where its op knows how (dead-code elimination)."""
+    fn = lookup(instr.opcode).prune
+    if fn is not None:
+        fn(instr, used)
 
 
 def partition(ctx: DeviceContext, instr: Instr, operands: list[PartitionedValue],

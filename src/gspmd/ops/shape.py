@@ -8,7 +8,7 @@ import numpy as np
 from jax import lax
 from jax import numpy as jnp
 
-from gspmd.ops.registry import EXPAND, LAYOUT, register
+from gspmd.ops.registry import EXPAND, LAYOUT, Storage, register
 from gspmd.sharding import Sharding
 from gspmd.spmd import reshard as rs
 from gspmd.spmd.halo import windowed_ranges
@@ -280,13 +280,14 @@ def _lower_iota(instr, args, lc):
 
 
 register("broadcast", converts={"broadcast_in_dim": _convert_broadcast_in_dim}, evaluate=_evaluate_broadcast,
-         lower=_lower_broadcast, factors=_broadcast_factors, priority=LAYOUT, forward_priority=EXPAND)
+         lower=_lower_broadcast, factors=_broadcast_factors, priority=LAYOUT, forward_priority=EXPAND,
+         storage=Storage.REPEATED)
 register("transpose", converts={"transpose": _convert_transpose}, evaluate=_evaluate_transpose,
-         lower=_lower_transpose, factors=_transpose_factors, priority=LAYOUT)
+         lower=_lower_transpose, factors=_transpose_factors, priority=LAYOUT, storage=Storage.INDEXED)
 register("reshape", converts={"reshape": _convert_reshape, "squeeze": _convert_plain_reshape,
                               "expand_dims": _convert_plain_reshape},
          evaluate=_evaluate_reshape, lower=_lower_reshape, propagate=_reshape_propagate,
-         partition=_reshape_partition, priority=LAYOUT)
+         partition=_reshape_partition, priority=LAYOUT, storage=Storage.BITCAST)
 def _platform_index(b, eqn, args):
     """lax.platform_dependent's branch index: which of its platforms jax runs on, asked
     of jax itself (outside any trace the primitive evaluates on the default device)."""
@@ -302,6 +303,7 @@ def _convert_empty(b, eqn, args):
 # Constants come from jaxpr literals and closed-over arrays (the frontend driver's job),
 # from platform_index and from empty buffers.
 register("constant", converts={"platform_index": _platform_index, "empty": _convert_empty, "empty2": _convert_empty},
-         evaluate=_evaluate_constant, lower=_lower_constant, partition=_constant_partition)
+         evaluate=_evaluate_constant, lower=_lower_constant, partition=_constant_partition,
+         storage=Storage.LITERAL)
 register("iota", converts={"iota": _convert_iota}, evaluate=_evaluate_iota, lower=_lower_iota,
-         partition=_iota_partition)
+         partition=_iota_partition, storage=Storage.INDEXED)

@@ -18,7 +18,7 @@ from jax import numpy as jnp
 
 from gspmd.ir import Value
 from gspmd.ir.reducer import ADD, OR, Reducer
-from gspmd.ops.registry import LAYOUT, register
+from gspmd.ops.registry import LAYOUT, Storage, register
 from gspmd.ops.window import pad_array
 from gspmd.sharding import Sharding
 from gspmd.spmd import factors as fx
@@ -190,9 +190,10 @@ def _lower_pad(instr, args, lc):
 
 
 register("slice", converts={"slice": _convert_slice, "split": _convert_split}, evaluate=_evaluate_slice,
-         lower=_lower_slice, factors=_propagation_factors, partition=_partition_pad_or_slice, priority=LAYOUT)
+         lower=_lower_slice, factors=_propagation_factors, partition=_partition_pad_or_slice, priority=LAYOUT,
+         storage=Storage.INDEXED)
 register("pad", converts={"pad": _convert_pad}, evaluate=_evaluate_pad, lower=_lower_pad,
-         factors=_propagation_factors, partition=_partition_pad_or_slice, priority=LAYOUT)
+         factors=_propagation_factors, partition=_partition_pad_or_slice, priority=LAYOUT, storage=Storage.INDEXED)
 
 
 # -- dynamic-slice and dynamic-update-slice -----------------------------------------------
@@ -339,10 +340,11 @@ def _lower_dynamic_update_slice(instr, args, lc):
 
 register("dynamic-slice", converts={"dynamic_slice": _convert_as_is("dynamic-slice")},
          evaluate=_evaluate_dynamic_slice, lower=_lower_dynamic_slice, factors=_dynamic_slice_factors,
-         partition=_partition_dynamic_slice, priority=LAYOUT)
+         partition=_partition_dynamic_slice, priority=LAYOUT, storage=Storage.INDEXED)
 register("dynamic-update-slice", converts={"dynamic_update_slice": _convert_as_is("dynamic-update-slice")},
          evaluate=_evaluate_dynamic_update_slice, lower=_lower_dynamic_update_slice,
-         factors=_dynamic_update_slice_factors, partition=_partition_dynamic_update_slice, priority=LAYOUT)
+         factors=_dynamic_update_slice_factors, partition=_partition_dynamic_update_slice, priority=LAYOUT,
+         storage=Storage.IN_PLACE)
 
 
 def _concatenate_factors(instr):
@@ -437,4 +439,5 @@ def _lower_concatenate(instr, args, lc):
 
 
 register("concatenate", converts={"concatenate": _convert_concatenate}, evaluate=_evaluate_concatenate,
-         lower=_lower_concatenate, factors=_propagation_factors, partition=_partition_concatenate, priority=LAYOUT)
+         lower=_lower_concatenate, factors=_propagation_factors, partition=_partition_concatenate, priority=LAYOUT,
+         storage=Storage.INDEXED)

@@ -9,6 +9,7 @@ to the position its window selects in operand.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Sequence
 
@@ -18,7 +19,7 @@ from jax import lax
 
 from gspmd.errors import ShardingError
 from gspmd.ir.reducer import ADD, MAX, MIN, Reducer
-from gspmd.ops.registry import LAYOUT, register
+from gspmd.ops.registry import LAYOUT, Storage, register
 from gspmd.spmd import factors as fx
 from gspmd.spmd import reshard as rs
 from gspmd.spmd.context import Why
@@ -269,12 +270,19 @@ def _lower_select_and_scatter_add(instr, args, lc):
 
 
 register("reverse", converts={"rev": _convert_rev}, evaluate=_evaluate_reverse, lower=_lower_reverse,
-         factors=_reverse_factors, partition=_partition_reverse, priority=LAYOUT)
+         factors=_reverse_factors, partition=_partition_reverse, priority=LAYOUT, storage=Storage.INDEXED)
 register("reduce-window",
          converts={"reduce_window_sum": _convert_reduce_window(ADD), "reduce_window_max": _convert_reduce_window(MAX),
                    "reduce_window_min": _convert_reduce_window(MIN)},
          evaluate=_evaluate_reduce_window, lower=_lower_reduce_window, factors=_dim_factors,
          partition=_partition_reduce_window, priority=LAYOUT)
+def _expanded_select_and_scatter(instr) -> int:
+    """XLA:CPU expands select-and-scatter: an int32 iota per dim of the operand, a
+    reduce-window picking each window's value and position, then a scatter."""
+    source, operand = instr.operands
+    return operand.rank * math.prod(operand.shape) * 4 + (1 + operand.rank) * math.prod(source.shape) * 4
+
+
 register("select-and-scatter-add", converts={"select_and_scatter_add": _convert_select_and_scatter_add},
          evaluate=_evaluate_select_and_scatter_add, lower=_lower_select_and_scatter_add, factors=_dim_factors,
-         partition=_partition_select_and_scatter_add, priority=LAYOUT)
+         partition=_partition_select_and_scatter_add, priority=LAYOUT, scratch=_expanded_select_and_scatter)

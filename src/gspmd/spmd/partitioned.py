@@ -13,6 +13,10 @@ class PartitionedValue:
     sharding: Sharding
     shape: tuple[int, ...]    # the global shape
 
+    def __post_init__(self):
+        if self.local.sharding is None:   # for reports: the layout a per-device value is a shard of
+            self.local.sharding = self.sharding
+
     @property
     def dtype(self):
         return self.local.dtype

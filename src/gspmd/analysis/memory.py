@@ -1,0 +1,513 @@
+"""Peak memory per device: liveness over the per-device program in the order XLA runs
+it, with the buffers XLA allocates when it compiles that program (the jax backend's
+executable), so that the number can be checked against XLA's own memory_analysis()
+(benchmarks/memory_vs_xla.py; within 10% on every case study).
+
+What the model follows (each op's record in ops/ says how the op stores its results):
+- Loop fusion: a fusible op whose users are all fusible computes each element where it
+  is read and gets no buffer; its operands stay live until those users run. Expensive
+  ones (transcendentals, reductions) fuse only into one user that reads each element once.
+- Kernel layouts: where a kernel wants an operand laid out otherwise (a batched dot's
+  batch dims leading, a convolution's channels last, a collective's dim outermost), a
+  transposed copy is made, once for all instructions that want it; some kernels hold
+  scratch while they run (an all-to-all's per-destination pieces).
+- Order: XLA's memory scheduler (depth first from the results, operands feeding the
+  most reused values first). XLA:CPU's default concurrency scheduler (breadth first)
+  holds more; accelerators schedule for memory.
+- Buffer reuse: a fused element-wise result overwrites an operand of its size that dies
+  there; dynamic-update-slice writes into its operand; a loop's carry is updated in place.
+- Allocation: arguments and results get allocations of their own (a donated argument's
+  is its aliased result's); a temporary goes into a result's allocation when it fits
+  there before the result is made (largest first, as XLA's buffer assignment does),
+  else into the shared heap; constants live in the executable. While a loop runs it
+  adds what its body holds beyond the carry.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Sequence
+
+from gspmd import ops
+from gspmd.ir import Instr, Program, Value
+from gspmd.ops.registry import Order, Storage, same_layout
+from gspmd.sharding import Sharding
+
+FUSIBLE = (Storage.ELEMENTWISE, Storage.INDEXED, Storage.REPEATED, Storage.IN_PLACE, Storage.BITCAST)
+ARGUMENT, RESULT, TEMPORARY = "argument", "result", "temporary"
+
+
+@dataclass(frozen=True)
+class LiveTensor:
+    """A buffer held at the peak."""
+    name: str                     # the value's %name in the per-device program
+    shape: tuple[int, ...]        # per-device shape
+    dtype: str
+    nbytes: int
+    sharding: Optional[Sharding]  # the layout of the global value it is a shard of
+    origin: str                   # what made it (see made_by)
+    kind: str                     # ARGUMENT, RESULT or TEMPORARY
+    where: str = ""               # "" at top level, else the loop it lives in
+
+    def __str__(self):
+        layout = f" {self.sharding}" if self.sharding is not None else ""
+        where = f" [{self.where}]" if self.where else ""
+        return (f"{self.nbytes:>14,} B  %{self.name}: {self.dtype}[{','.join(map(str, self.shape))}] "
+                f"{self.kind}{where}{layout}  <- {self.origin}")
+
+
+@dataclass
+class MemoryProfile:
+    """Bytes held on one device over the program's run."""
+    peak_bytes: int
+    arguments_bytes: int
+    results_bytes: int            # results in allocations of their own
+    aliased_bytes: int            # results written into donated arguments' buffers
+    timeline: list[int]           # bytes held at each step (a fused instruction is no step)
+    labels: list[str]             # what runs at each step
+    peak_step: int
+    live_at_peak: list[LiveTensor] = field(default_factory=list)   # largest first
+    schedule: list[Optional[Instr]] = field(default_factory=list)  # the instruction run at each step
+                                                                   # (None: a layout copy, the results)
+    steps_of: dict[int, int] = field(default_factory=dict, repr=False)   # id(instr) -> its step
+
+    def step_of(self, instr: Instr) -> Optional[int]:
+        """The step that computes `instr` (fused ones: the first that computes them)."""
+        return self.steps_of.get(id(instr))
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Held throughout: the arguments' and results' own allocations."""
+        return self.arguments_bytes + self.results_bytes
+
+    def top(self, n: int = 10) -> list[LiveTensor]:
+        return self.live_at_peak[:n]
+
+    def __str__(self):
+        aliased = f", {self.aliased_bytes:,} of them aliased by results" if self.aliased_bytes else ""
+        lines = [f"peak {self.peak_bytes:,} bytes per device at step {self.peak_step + 1} of {len(self.timeline)} "
+                 f"({self.labels[self.peak_step]}); arguments {self.arguments_bytes:,}{aliased}, "
+                 f"results {self.results_bytes:,}", "largest buffers held at the peak:"]
+        return "\n".join(lines + [f"  {t}" for t in self.top()])
+
+    def plot(self, path: str, title: str = "", limit_bytes: Optional[int] = None) -> None:
+        """Bytes held over the run as a PNG at `path` (needs matplotlib: the `plot` extra)."""
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            raise ImportError("The memory plot needs matplotlib: pip install 'gspmd[plot]'.") from None
+        scale, unit = next((s, u) for s, u in ((2 ** 30, "GiB"), (2 ** 20, "MiB"), (2 ** 10, "KiB"), (1, "B"))
+                           if max(self.timeline) >= s or s == 1)
+        steps = range(1, len(self.timeline) + 1)
+        fig, ax = plt.subplots(figsize=(10, 4.5))
+        ax.fill_between(steps, [self.fixed_bytes / scale] * len(self.timeline), color="0.8",
+                        label="arguments and results")
+        ax.fill_between(steps, [self.fixed_bytes / scale] * len(self.timeline), [b / scale for b in self.timeline],
+                        color="tab:blue", alpha=0.6, label="temporaries")
+        if limit_bytes:
+            ax.axhline(limit_bytes / scale, color="tab:red", linestyle="--", label="memory")
+        peak = self.peak_step + 1
+        ax.annotate("\n".join([f"peak {self.peak_bytes / scale:.3g} {unit}"] +
+                              [f"{t.nbytes / scale:.3g} {unit} %{t.name}" for t in self.top(3)]),
+                    (peak, self.peak_bytes / scale), xytext=(0.02, 0.97), textcoords="axes fraction", va="top",
+                    fontsize=8, arrowprops={"arrowstyle": "->", "color": "0.4"})
+        ax.set_xlabel("step of the per-device program")
+        ax.set_ylabel(f"held per device ({unit})")
+        ax.set_title(title or "memory per device over one run")
+        ax.legend(loc="lower right", fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+
+
+@dataclass(frozen=True)
+class BudgetChoice:
+    """How a program was fitted to a memory budget: where one reshard of a value (an
+    all-gathered activation, say) served users far apart, it is done again near the later
+    ones, trading collective bytes for memory. Both choices' peaks and bytes."""
+    limit_bytes: int
+    peak_bytes_shared: int        # one reshard serves every user (as partitioned)
+    peak_bytes: int               # with the re-gathers
+    extra_collective_bytes: int   # per device, of the repeated collectives
+    regathered: tuple[str, ...]   # the values gathered again, %names in the program
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.limit_bytes
+
+    def __str__(self):
+        verdict = "fits" if self.fits else "STILL DOES NOT FIT"
+        if not self.regathered:
+            return (f"memory limit {self.limit_bytes:,} bytes: peak {self.peak_bytes:,} {verdict}; "
+                    "nothing re-gathered")
+        return (f"memory limit {self.limit_bytes:,} bytes: {len(self.regathered)} reshard result(s) gathered "
+                f"again near their later users (+{self.extra_collective_bytes:,} collective bytes per device): "
+                f"peak {self.peak_bytes_shared:,} -> {self.peak_bytes:,} bytes, {verdict}")
+
+
+def made_by(instr: Optional[Instr]) -> str:
+    """Where a value came from: the instruction and rule that made it. The one place to
+    add the Python source line once instructions carry it."""
+    if instr is None:
+        return ARGUMENT
+    return instr.origin or instr.opcode
+
+
+def profile(program: Program, aliases: Mapping[int, int] = {}, entry: bool = True) -> MemoryProfile:
+    """Buffers of the per-device `program` step by step. `aliases` maps a parameter's
+    index to the index of the result that reuses its buffer (donated arguments, loop
+    carries). `entry`: the executable's own program, whose results get allocations of
+    their own (a loop body's results are its carry)."""
+    return _Liveness(program, dict(aliases), entry).run()
+
+
+def donation_aliases(program: Program, donated: Sequence[int]) -> dict[int, int]:
+    """Which result each donated parameter's buffer goes to, as jax pairs them: each
+    donated parameter, in order, with the first unclaimed result of its shape and dtype."""
+    aliases: dict[int, int] = {}
+    for i in donated:
+        p = program.params[i]
+        j = next((j for j, out in enumerate(program.outputs) if j not in aliases.values()
+                  and out.shape == p.shape and out.dtype == p.dtype), None)
+        if j is not None:
+            aliases[i] = j
+    return aliases
+
+
+# -- the program as XLA runs it -------------------------------------------------------------
+@dataclass(eq=False)
+class _Step:
+    """One instruction as XLA runs it: the original, or a layout copy (instr None)."""
+    instr: Optional[Instr]
+    operands: list[Value]
+    outputs: list[Value]
+    storage: Storage
+    expensive: bool
+    origin: str
+    scratch: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.outputs[0].name if self.outputs else ""
+
+
+def _steps(program: Program) -> tuple[list[_Step], dict[Value, Order]]:
+    """The program with the layout copies that kernels want, each made before the first
+    instruction that reads it; and the values not laid out row-major, with their order."""
+    steps: list[_Step] = []
+    copies: dict[tuple[Value, Order], Value] = {}
+    stored: dict[Value, Order] = {}   # values not laid out row-major
+    for instr in program.instrs:
+        op = ops.lookup(instr.opcode)
+        layout = op.layout(instr) if op.layout else None
+        operands = list(instr.operands)
+        for index, wanted in enumerate(layout.operands if layout else ()):
+            v = operands[index]
+            if wanted is None or any(same_layout(v.shape, stored.get(v), w) for w in wanted):
+                continue
+            order = next((w for w in wanted if (v, w) in copies), wanted[0])
+            if (v, order) not in copies:
+                copy = copies[v, order] = Value(f"{v.name}.layout", v.shape, v.dtype)
+                copy.sharding, stored[copy] = v.sharding, order
+                steps.append(_Step(None, [v], [copy], Storage.INDEXED, False,
+                                   f"layout copy of %{v.name} for {made_by(instr)}"))
+            operands[index] = copies[v, order]
+        expensive = op.expensive(instr) if callable(op.expensive) else op.expensive
+        steps.append(_Step(instr, operands, list(instr.outputs), op.storage, expensive, made_by(instr),
+                           op.scratch(instr) if op.scratch else 0))
+        if layout is not None and layout.result is not None:
+            stored.update((out, layout.result) for out in instr.outputs)
+    return steps, stored
+
+
+def _fused(steps: list[_Step], results: set[Value]) -> set[Value]:
+    """Values XLA's loop fusion computes inside their users instead of storing."""
+    readers: dict[Value, list[_Step]] = {}
+    for step in steps:
+        for v in step.operands:
+            readers.setdefault(v, []).append(step)
+    fused: set[Value] = set()
+    for step in steps:
+        if step.storage not in FUSIBLE or len(step.outputs) != 1:
+            continue
+        v = step.outputs[0]
+        users = readers.get(v, [])
+        if v in results or not users or not all(u.storage in FUSIBLE for u in users):
+            continue
+        if step.expensive and (len(users) > 1 or users[0].operands.count(v) > 1
+                               or users[0].storage is Storage.REPEATED):
+            continue   # XLA would compute it in several places: it stores it once instead
+        fused.add(v)
+    return fused
+
+
+def _xla_schedule(steps: list[_Step], results: list[Value], reads: dict[int, list[Value]]) -> list[_Step]:
+    """The order XLA's memory scheduler runs `steps` in: a depth-first post-order walk
+    from the results that visits first the operands with the most reused values behind
+    them, then those with the most bytes behind them."""
+    producer = {o: s for s in steps for o in s.outputs}
+    readers: dict[Value, int] = {}
+    for step in steps:
+        for v in set(reads[id(step)]):
+            readers[v] = readers.get(v, 0) + 1
+    behind: dict[int, tuple[int, int]] = {}   # (values read again, bytes) on the paths into a step
+    for step in steps:
+        reused = sum(max(readers.get(o, 0) - 1, 0) for o in step.outputs)
+        size = sum(o.nbytes for o in step.outputs)
+        for v in set(reads[id(step)]):
+            if v in producer:
+                r, b = behind[id(producer[v])]
+                reused, size = reused + r, size + b
+        behind[id(step)] = (min(reused, len(steps)), size)
+
+    def first(candidates) -> list[_Step]:
+        unique = {id(s): s for s in candidates}.values()
+        return sorted(unique, key=lambda s: (-behind[id(s)][0], -behind[id(s)][1], s.name))
+
+    order: list[_Step] = []
+    done: set[int] = set()
+    stack = [(s, False) for s in reversed(first(producer[v] for v in results if v in producer))]
+    while stack:
+        step, expanded = stack.pop()
+        if id(step) in done:
+            continue
+        if expanded:
+            done.add(id(step))
+            order.append(step)
+            continue
+        stack.append((step, True))
+        stack.extend((s, False) for s in reversed(first(producer[v] for v in reads[id(step)] if v in producer))
+                     if id(s) not in done)
+    return order + [s for s in steps if id(s) not in done]
+
+
+# -- liveness -------------------------------------------------------------------------------
+@dataclass(eq=False)
+class _Buffer:
+    nbytes: int
+    values: list[Value]       # the values it holds, in order (in-place updates append)
+    start: int                # the step that writes its first value (-1: an argument)
+    end: int                  # the last step that needs it
+    kind: str = TEMPORARY     # its allocation
+    reserved: bool = False    # a donated argument's or a loop carry's: kept for its result
+    origin: str = ""
+
+    @property
+    def value(self) -> Value:
+        return self.values[-1]
+
+    def live_at(self, step: int) -> bool:
+        return self.start <= step <= self.end
+
+
+class _Liveness:
+    """The buffers of one program: which values share one, and from which step to which."""
+
+    def __init__(self, program: Program, aliases: dict[int, int], entry: bool):
+        self.program, self.aliases, self.entry = program, aliases, entry
+        every, self.stored = _steps(program)
+        self.results = set(program.outputs)
+        self.fused = _fused(every, self.results)
+        self.producer = {o: step for step in every for o in step.outputs}
+        stored = [s for s in every if not all(o in self.fused for o in s.outputs)]
+        self.reads = {id(s): self._reads(s) for s in stored}
+        self.steps = _xla_schedule(stored, program.outputs, self.reads)
+        self.last_read: dict[Value, int] = {}
+        for s, step in enumerate(self.steps):
+            for v in self.reads[id(step)]:
+                self.last_read[v] = s
+        self.aliased_param = {program.outputs[j]: program.params[i] for i, j in aliases.items()}
+
+    def _reads(self, step: _Step) -> list[Value]:
+        """The stored values `step` reads, through the fused values it computes itself."""
+        out: list[Value] = []
+        pending = list(reversed(step.operands))
+        while pending:
+            v = pending.pop()
+            if v in self.fused:
+                pending.extend(reversed(self.producer[v].operands))
+            else:
+                out.append(v)
+        return out
+
+    def _in_place_candidates(self, step: _Step, index: int) -> list[Value]:
+        """Stored operands whose buffer output `index` of `step` may overwrite."""
+        if step.storage is Storage.CARRIED:
+            return [step.operands[index]]
+        if step.storage is Storage.IN_PLACE:
+            return [step.operands[0]] if step.operands[0] not in self.fused else []
+        if step.storage is Storage.ELEMENTWISE:
+            return self._elementwise_reads(step, step.outputs[0].shape)
+        return []
+
+    def _elementwise_reads(self, step: _Step, shape) -> list[Value]:
+        """Stored values `step` reads element for element (through fused element-wise ops)."""
+        out = []
+        for v in step.operands:
+            if v.shape != shape:
+                continue
+            if v not in self.fused:
+                out.append(v)
+            elif self.producer[v].storage is Storage.ELEMENTWISE:
+                out.extend(self._elementwise_reads(self.producer[v], shape))
+        return out
+
+    # -- pass 1: buffers and their live ranges ------------------------------------------
+    def buffers(self) -> tuple[list[_Buffer], list[tuple[int, Optional[MemoryProfile]]]]:
+        """Every buffer with its live range, and per step what it holds beyond them (a
+        loop's body, a kernel's scratch). A last step copies results that cannot be
+        their own buffers."""
+        program, copies = self.program, self._result_copies()
+        last = len(self.steps) - 1 + bool(copies)
+        donated = {program.params[i] for i in self.aliases}
+        holding = {p: _Buffer(p.nbytes, [p], -1, last, ARGUMENT, p in donated, ARGUMENT) for p in program.params}
+        buffers = list(holding.values())
+        extra = []
+        for s, step in enumerate(self.steps):
+            held, loop = self._loop_temporaries(step)
+            extra.append((held + step.scratch, loop))
+            for index, out in enumerate(step.outputs):
+                end = last if out in self.results else max(self.last_read.get(out, s), s)
+                if self._is_view(step, index):   # the operand itself, under another name
+                    buf = holding[step.operands[index]]
+                    end = max(end, buf.end)
+                else:
+                    buf = self._reuse(step, index, out, s, holding)
+                if buf is None:
+                    buf = _Buffer(_stored_bytes(out, step), [], s, s, origin=step.origin)
+                    buffers.append(buf)
+                buf.values.append(out)
+                buf.end = end
+                holding[out] = buf
+        if copies:
+            buffers += [_Buffer(v.nbytes, [v], last, last, origin="copy of a returned value") for v in copies]
+            extra.append((0, None))
+        for buf in buffers:
+            if buf.kind != ARGUMENT and self.entry and buf.value in self.results:
+                buf.kind = RESULT
+        return buffers, extra
+
+    def _is_view(self, step: _Step, index: int) -> bool:
+        """Whether output `index` of `step` is its operand's buffer itself: an optimization
+        barrier, a carry the loop passes through unchanged, or a stored reshape (a
+        bitcast) of a value laid out row-major."""
+        if step.storage is Storage.BITCAST:
+            v = step.operands[0]
+            return v not in self.fused and same_layout(v.shape, self.stored.get(v), tuple(range(v.rank)))
+        return step.storage is Storage.VIEW or index in _passed_through(step)
+
+    def _reuse(self, step: _Step, index: int, out: Value, s: int, holding) -> Optional[_Buffer]:
+        """The buffer `out` takes over: a dying operand's, or its donated argument's."""
+        param = self.aliased_param.get(out)
+        if param is not None:
+            buf, last = holding[param], self.last_read.get(param, -1)
+            if buf.value is param and (last < s or (last == s and param in self._in_place_candidates(step, index))):
+                return buf
+            return None   # still read later: XLA copies it first
+        for v in self._in_place_candidates(step, index):
+            buf = holding.get(v)
+            if (buf is not None and buf.value is v and buf.kind == TEMPORARY and buf.end == s
+                    and buf.nbytes == out.nbytes):
+                return buf
+        return None
+
+    @staticmethod
+    def _loop_temporaries(step: _Step) -> tuple[int, Optional[MemoryProfile]]:
+        """What a step's sub-programs (a loop's body and condition, a conditional's
+        branches) hold beyond their parameters while it runs, and the profile of the one
+        that holds most. A loop body's results are its carry."""
+        best: tuple[int, Optional[MemoryProfile]] = (0, None)
+        for sub, _ in (ops.runs(step.instr) if step.instr else ()):
+            carried = step.storage is Storage.CARRIED and len(sub.outputs) == len(sub.params)
+            prof = profile(sub, {i: i for i in range(len(sub.params))} if carried else {}, entry=False)
+            if best[1] is None or prof.peak_bytes - prof.arguments_bytes > best[0]:
+                best = (prof.peak_bytes - prof.arguments_bytes, prof)
+        return max(best[0], 0), best[1]
+
+    def _result_copies(self) -> list[Value]:
+        """Results that cannot be their own buffers: an argument returned as is (not
+        donated to that result), or a value returned twice, is copied at the end."""
+        seen: set[Value] = set()
+        copies = []
+        for j, v in enumerate(self.program.outputs):
+            if v in seen or (v in self.program.params and self.aliases.get(self.program.params.index(v)) != j):
+                copies.append(v)
+            seen.add(v)
+        return copies
+
+    # -- pass 2: allocations -----------------------------------------------------------
+    def run(self) -> MemoryProfile:
+        buffers, extra = self.buffers()
+        fixed = [b for b in buffers if b.kind != TEMPORARY]
+        heap = _pack_into_results([b for b in buffers if b.kind == TEMPORARY], [b for b in buffers if b.kind == RESULT])
+        change = [0] * (len(extra) + 1)
+        for b in heap:
+            change[max(b.start, 0)] += b.nbytes
+            change[b.end + 1] -= b.nbytes
+        held, timeline = sum(b.nbytes for b in fixed), []
+        for s, (more, _) in enumerate(extra):
+            held += change[s]
+            timeline.append(held + more)
+        labels = [step.origin for step in self.steps] + ["copies of returned values"] * (len(extra) - len(self.steps))
+        if not timeline:
+            timeline, labels, extra = [held], ["start"], [(0, None)]
+        peak = max(range(len(timeline)), key=timeline.__getitem__)
+        return MemoryProfile(
+            peak_bytes=timeline[peak], arguments_bytes=sum(p.nbytes for p in self.program.params),
+            results_bytes=sum(b.nbytes for b in buffers if b.kind == RESULT),
+            aliased_bytes=sum(self.program.outputs[j].nbytes for j in self.aliases.values()),
+            timeline=timeline, labels=labels, peak_step=peak,
+            live_at_peak=self._tensors(fixed + [b for b in heap if b.live_at(peak)], extra[peak][1]),
+            schedule=[step.instr for step in self.steps] + [None] * (len(timeline) - len(self.steps)),
+            steps_of=self._steps_of())
+
+    def _steps_of(self) -> dict[int, int]:
+        at: dict[int, int] = {}
+        for s, step in enumerate(self.steps):
+            pending = [step]
+            while pending:
+                computed = pending.pop()
+                if computed.instr is not None:
+                    at.setdefault(id(computed.instr), s)
+                pending += [self.producer[v] for v in computed.operands if v in self.fused]
+        return at
+
+    def _tensors(self, held: list[_Buffer], loop: Optional[MemoryProfile]) -> list[LiveTensor]:
+        tensors = [LiveTensor(b.value.name, b.value.shape, b.value.dtype.name, b.nbytes, b.value.sharding,
+                              b.origin, b.kind) for b in held if b.nbytes]
+        if loop is not None:
+            tensors += [LiveTensor(t.name, t.shape, t.dtype, t.nbytes, t.sharding, t.origin, t.kind,
+                                   t.where or f"in a loop of {self.program.name}")
+                        for t in loop.live_at_peak if t.kind != ARGUMENT]
+        return sorted(tensors, key=lambda t: -t.nbytes)
+
+
+def _passed_through(step: _Step) -> set[int]:
+    """Carried values a loop's body returns unchanged: the loop reads them in place, whoever
+    else still does (XLA copies no read-only carry)."""
+    if step.storage is not Storage.CARRIED:
+        return set()
+    body = next(sub for sub, _ in ops.runs(step.instr) if len(sub.outputs) == len(sub.params))
+    return {i for i, (p, out) in enumerate(zip(body.params, body.outputs)) if out is p}
+
+
+def _pack_into_results(temporaries: list[_Buffer], results: list[_Buffer]) -> list[_Buffer]:
+    """XLA's buffer assignment puts a temporary into a result's allocation when it fits
+    and lives before the result is made (largest first); returns those left for the heap."""
+    occupied = {id(r): [(r.start, r.end)] for r in results}
+    by_size = sorted(results, key=lambda r: r.nbytes)
+    heap = []
+    for t in sorted(temporaries, key=lambda b: -b.nbytes):
+        home = next((r for r in by_size if r.nbytes >= t.nbytes and
+                     all(t.end < start or t.start > end for start, end in occupied[id(r)])), None)
+        if home is None:
+            heap.append(t)
+        else:
+            occupied[id(home)].append((t.start, t.end))
+    return heap
+
+
+def _stored_bytes(v: Value, step: _Step) -> int:
+    """Constants live in the executable, not in the buffers."""
+    return 0 if step.storage is Storage.LITERAL else v.nbytes
