@@ -418,9 +418,9 @@ class _Liveness:
         branches) hold beyond their parameters while it runs, and the profile of the one
         that holds most. A loop body's results are its carry."""
         best: tuple[int, Optional[MemoryProfile]] = (0, None)
+        body = _carried_body(step)
         for sub, _ in (ops.runs(step.instr) if step.instr else ()):
-            carried = step.storage is Storage.CARRIED and len(sub.outputs) == len(sub.params)
-            prof = profile(sub, {i: i for i in range(len(sub.params))} if carried else {}, entry=False)
+            prof = profile(sub, {i: i for i in range(len(sub.params))} if sub is body else {}, entry=False)
             if best[1] is None or prof.peak_bytes - prof.arguments_bytes > best[0]:
                 best = (prof.peak_bytes - prof.arguments_bytes, prof)
         return max(best[0], 0), best[1]
@@ -486,10 +486,16 @@ class _Liveness:
 def _passed_through(step: _Step) -> set[int]:
     """Carried values a loop's body returns unchanged: the loop reads them in place, whoever
     else still does (XLA copies no read-only carry)."""
+    body = _carried_body(step)
+    return set() if body is None else {i for i, (p, out) in enumerate(zip(body.params, body.outputs)) if out is p}
+
+
+def _carried_body(step: _Step) -> Optional[Program]:
+    """A loop's body: the sub-program whose results are its parameters' next values."""
     if step.storage is not Storage.CARRIED:
-        return set()
-    body = next(sub for sub, _ in ops.runs(step.instr) if len(sub.outputs) == len(sub.params))
-    return {i for i, (p, out) in enumerate(zip(body.params, body.outputs)) if out is p}
+        return None
+    return next((sub for sub, _ in ops.runs(step.instr)
+                 if [(v.shape, v.dtype) for v in sub.outputs] == [(v.shape, v.dtype) for v in sub.params]), None)
 
 
 def _pack_into_results(temporaries: list[_Buffer], results: list[_Buffer]) -> list[_Buffer]:
