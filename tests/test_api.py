@@ -78,6 +78,8 @@ def test_demo_matches_one_device(capsys):
     assert cli.main(["demo"]) == 0
     out = capsys.readouterr().out
     assert "all-reduce" in out and "max abs difference" in out and "Mesh(data=2, model=4)" in out
+    # Reports speak the user's terms: source lines, parameter paths, mesh-axis specs.
+    assert "at mlp.py:" in out and "params[0]" in out and "P(None, 'model') over Mesh(data=2, model=4)" in out
 
 
 def test_plan_command_estimates_a_large_run(capsys):
@@ -101,3 +103,36 @@ def test_a_failing_partition_rule_names_the_instruction(monkeypatch):
 def test_demo_runs_every_case_study(model, capsys):
     assert cli.main(["demo", "--model", model]) == 0
     assert "max abs difference" in capsys.readouterr().out
+
+
+def test_help_explains_backends_caching_and_inspection():
+    doc = gspmd.jit.__doc__
+    for words in ("Backends", '"sim"', '"jax"', "Caching", "lower(", "report(", "explain(", "jax.grad", "static"):
+        assert words in doc, words
+    for name in gspmd.__all__:
+        assert getattr(gspmd, name).__doc__, name
+    for method in ("as_text", "report", "summary", "explain", "sharding_of", "value", "jax_executable"):
+        assert getattr(gspmd.Lowered, method).__doc__, method
+
+
+def test_reports_speak_the_users_terms():
+    def train_step(params, x):
+        def loss(params):
+            h = gspmd.mesh_split(x, MESH, ["x", None]) @ gspmd.mesh_split(params["w1"], MESH, [None, "y"])
+            return (jax.nn.relu(h) @ params["w2"]).sum()     # the line of the all-reduce
+        return jax.grad(loss)(params)
+
+    params = {"w1": np.ones((16, 32), np.float32), "w2": np.ones((32, 4), np.float32)}
+    low = gspmd.jit(train_step, mesh=MESH).lower(params, ARGS[0])
+    line = train_step.__code__.co_firstlineno + 3
+    report = low.report()
+    assert any(c.source == f"test_api.py:{line} (loss)" for c in report.collectives), report
+    assert f"at test_api.py:{line} (loss)" in str(report)
+    assert f"test_api.py:{line} (loss)" in low.summary() and "total" in low.summary()
+    explanation = low.explain("params['w1']")
+    assert explanation.startswith("params['w1'] (%") and "P(None, 'y') over Mesh(x=2, y=4)" in explanation
+    assert f"at test_api.py:{line - 1} (loss)" in explanation            # the annotation's line
+    assert low.sharding_of("result['w2']") == low.sharding_of(1)
+    with pytest.raises(gspmd.ShardingError, match=r"names several values \(params\['w1'\], result\['w1'\]\)"):
+        low.explain("w1")
+    assert "params['w2']" in low.as_text() and "result['w1']" in low.as_text()

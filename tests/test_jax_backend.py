@@ -40,8 +40,8 @@ def _run_both(emit, local_shape=(4, 6), dtype=np.float32, poke_nan=False):
     if poke_nan:
         per_device[5][1, 2] = np.nan
     expected = [r[0] for r in sim.run(spmd, [[x] for x in per_device], N)]
-    exe = jax_backend.Executable(spmd, [param], [result], N)
-    (raw,) = exe.run_sharded(exe.shard_inputs([np.concatenate(per_device)]))
+    exe = jax_backend.Executable(spmd, [param], [result], gspmd.Mesh(np.arange(N), ("d",)))
+    (raw,) = exe([np.concatenate(per_device)])
     for d, (got, want) in enumerate(zip(np.split(np.asarray(raw), N), expected)):
         np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"device {d}")
 
@@ -126,15 +126,14 @@ def test_outputs_carry_our_sharding_and_inputs_in_place():
     for shard in out.addressable_shards:
         want = sim.tile_slices(low.sharding_of(0), out.shape, jax.devices().index(shard.device))
         assert [s.indices(n)[:2] for s, n in zip(shard.index, out.shape)] == [(s.start, s.stop) for s in want]
-    # A jax.Array already in our layout is used without a copy.
+    # A jax.Array already in our layout is used as it is; any other layout is moved once.
     exe = low.jax_executable()
     x = jax.device_put(args[0], exe.input_sharding(0))
-    pointers = {s.device: s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
-    (stacked, *_) = exe.shard_inputs([x, *args[1:]])
-    assert all(pointers[s.device] == s.data.unsafe_buffer_pointer() for s in stacked.addressable_shards)
+    assert exe.place([x, *args[1:]]) is None
     assert_close(step(x, *args[1:]), jax.jit(_mlp)(*args))
-    # Any other layout is resharded.
-    assert_close(step(jax.device_put(args[0], jax.devices()[3]), *args[1:]), jax.jit(_mlp)(*args))
+    elsewhere = jax.device_put(args[0], jax.devices()[3])
+    assert exe.place([elsewhere, *args[1:]])[0].sharding == exe.input_sharding(0)
+    assert_close(step(elsewhere, *args[1:]), jax.jit(_mlp)(*args))
 
 
 def test_uneven_outputs_are_assembled():

@@ -193,7 +193,7 @@ NOT_MESHES = {
     "ndarray": lambda: np.arange(8).reshape(2, 4),
     "list": lambda: [[0, 1, 2, 3], [4, 5, 6, 7]],
     "none": lambda: None,
-    "jax_mesh": lambda: jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",)),
+    "named_sharding_as_mesh": lambda: jax.sharding.PartitionSpec("x"),
 }
 
 

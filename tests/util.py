@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import gspmd
+from gspmd.frontend.annotation import unpartitioned
 
 
 def assert_close(actual, expected, rtol=1e-4, atol=1e-4):
@@ -27,7 +28,8 @@ BACKENDS = tuple(os.environ.get("GSPMD_TEST_BACKENDS", "sim,jax").split(","))
 
 def check(fn, *args, mesh=None, rtol=1e-4, atol=1e-4, backends=BACKENDS) -> gspmd.Lowered:
     """Run fn partitioned on each backend and on one device; assert equal; return the Lowered."""
-    expected = jax.jit(fn)(*args)
+    with unpartitioned():
+        expected = jax.jit(fn)(*args)
     for backend in backends:
         partitioned = gspmd.jit(fn, mesh=mesh, backend=backend)
         assert_close(partitioned(*args), expected, rtol, atol)

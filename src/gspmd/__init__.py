@@ -1,10 +1,18 @@
-"""gspmd: annotate a JAX program with mesh_split, get one SPMD program for all devices."""
+"""gspmd: annotate a JAX program with mesh_split, get one SPMD program for all devices.
+
+    step = gspmd.jit(fn, mesh=mesh)      # like jax.jit; backend="sim" (default) or "jax"
+    out = step(*args)                    # == fn(*args) on one device
+    low = step.lower(*args)              # inspect: as_text(), report(), summary(), explain()
+
+See help(gspmd.jit), help(gspmd.mesh_split) and docs/ in the repository.
+"""
 from gspmd.api import Lowered, Partitioned, jit
-from gspmd.errors import ShardingError
+from gspmd.drawing import visualize
+from gspmd.errors import ShardingError, UnpartitionedWarning
 from gspmd.frontend import manual, mesh_split
 from gspmd.mesh import Mesh
 from gspmd.pipeline import pipeline
 from gspmd.sharding import UNSPECIFIED, Sharding
 
-__all__ = ["Mesh", "Sharding", "ShardingError", "UNSPECIFIED", "mesh_split", "jit", "manual", "pipeline",
-           "Partitioned", "Lowered"]
+__all__ = ["Mesh", "Sharding", "ShardingError", "UnpartitionedWarning", "UNSPECIFIED", "mesh_split", "jit",
+           "manual", "pipeline", "visualize", "Partitioned", "Lowered"]

@@ -1,122 +1,330 @@
 """gspmd.jit: trace -> complete shardings -> partition -> execute; and Lowered."""
 from __future__ import annotations
 
-from typing import Callable, Optional, Union
+import contextlib
+import difflib
+import gc
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from gspmd import propagation
 from gspmd.analysis import Hardware, Report, analyse
 from gspmd.analysis.hardware import profile
+from gspmd.analysis.summary import collective_table
+from gspmd.arguments import Signature, Template, is_array, is_static_key, leaf_key, paths, result_paths
 from gspmd.errors import ShardingError
-from gspmd.frontend import trace
-from gspmd.frontend.keys import KeyData
+from gspmd.frontend import mesh_split, trace
+from gspmd.frontend.annotation import tracing
 from gspmd.ir import Program, Value, format_program, verify
 from gspmd.ir.dce import eliminate_dead_code
-from gspmd.mesh import Mesh
+from gspmd.mesh import Mesh, as_mesh
+from gspmd.frontend.keys import KeyData
 from gspmd.ops.convert import is_key
 from gspmd.partitioner import fit_memory, partition
 from gspmd.runtime import jax_backend, sim
 from gspmd.sharding import Sharding
 
 BACKENDS = ("sim", "jax")
+_JIT_OPTIONS = ("mesh", "backend", "static_argnums", "static_argnames", "donate_argnums", "in_shardings",
+                "out_shardings", "memory_limit", "hardware")
 
 
-def jit(fn: Callable, mesh: Optional[Mesh] = None, backend: str = "sim", memory_limit: Optional[int] = None,
-        hardware: Union[None, str, Hardware] = None) -> "Partitioned":
-    """Partition `fn` for the devices of `mesh` (or of its annotations' meshes).
-    Calling the result runs one SPMD program on all devices and returns what `fn`
-    returns on one device.
+def jit(fn: Callable, mesh=None, backend: str = "sim", *, static_argnums: Union[int, Sequence[int]] = (),
+        static_argnames: Union[str, Sequence[str]] = (), donate_argnums: Union[int, Sequence[int]] = (),
+        in_shardings=None, out_shardings=None, memory_limit: Optional[int] = None,
+        hardware: Union[None, str, Hardware] = None, **unknown) -> "Partitioned":
+    """Partition `fn` into one SPMD program for the devices of `mesh`; calling the result
+    returns what `fn` returns on one device.
+
+    Use it like jax.jit. `fn` is JAX code with gspmd.mesh_split annotations (or
+    `in_shardings=`/`out_shardings=`: a PartitionSpec or NamedSharding per positional
+    argument / result, a prefix of their pytrees, None for "propagation decides").
+    `mesh`: a gspmd.Mesh or jax.sharding.Mesh (default: the annotations' mesh).
+
+    Backends: "sim" (default) runs all devices in this process with NumPy and returns
+    NumPy arrays (padding is filled with NaN, so a missing mask shows); "jax" runs on
+    real jax devices as one jitted shard_map and returns jax.Arrays whose NamedShardings
+    are the completed layouts over the mesh.
+
+    Arguments: array leaves (NumPy, jax.Array, NumPy scalars) are the program's inputs;
+    every other leaf (Python numbers, strings, functions, e.g. an Equinox module's
+    activation) is static, as in eqx.filter_jit. `static_argnums`/`static_argnames`
+    make whole arguments static; `donate_argnums` lets the outputs reuse those
+    arguments' buffers (jax backend). Keyword arguments work as for jax.jit.
+
+    Caching: one trace + completion + partition (+ compile) per signature (the
+    arguments' pytree structure, shapes, dtypes and static values); later calls run
+    the cached program directly (jax backend: a compiled executable called with the
+    caller's arrays; NumPy inputs are placed by one transfer each).
+
+    Composes with JAX: jax.grad/value_and_grad (the backward pass is itself partitioned
+    with the same annotations), jax.jit around it (jax backend: the SPMD program is
+    embedded; sim: a host callback), jax.vmap over it.
+
+    Inspect without running: `f.lower(*args)` gives a Lowered (shapes may be
+    jax.ShapeDtypeStruct) with `.as_text()`, `.report(hardware=...)` (collectives with
+    their source lines, memory, FLOPs, step time), `.summary()`, `.explain(value)` (by
+    pytree path like "params['w1']", result index or %name), `.sharding_of(value)`;
+    `gspmd.visualize(lowered, value)` draws the layout.
 
     memory_limit: bytes per device the program should fit in (default: the memory of
     `hardware`, a profile such as "tpu-v3", when given). Where one reshard of a value
     serves users far apart and holding it would exceed the limit, it is done again near
     the later users (more collective bytes, less memory); report() says what was chosen.
     hardware: also the default profile of report()."""
+    if unknown:
+        name = next(iter(unknown))
+        close = difflib.get_close_matches(name, _JIT_OPTIONS, n=1)
+        raise ShardingError(f"gspmd.jit got an unknown keyword argument {name!r}; "
+                            + (f"did you mean {close[0]!r}?" if close else f"it takes {', '.join(_JIT_OPTIONS)}."))
     if backend not in BACKENDS:
         raise ShardingError(f"Unknown backend {backend!r}; choose one of {BACKENDS}.")
-    if mesh is not None and not isinstance(mesh, Mesh):
-        raise ShardingError(f"jit(mesh=...) needs a gspmd.Mesh, got {type(mesh).__name__}.")
+    if not callable(fn):
+        raise ShardingError(f"gspmd.jit needs a function, got {type(fn).__name__} {fn!r:.60}.")
+    mesh = None if mesh is None else as_mesh(mesh, "for gspmd.jit(mesh=...)")
     if memory_limit is not None and (not isinstance(memory_limit, (int, np.integer)) or memory_limit <= 0):
         raise ShardingError(f"jit(memory_limit=...) needs a positive number of bytes per device, "
                             f"got {memory_limit!r}.")
     hardware = None if hardware is None else profile(hardware)
     limit = memory_limit if memory_limit is not None else (hardware.memory_bytes if hardware else None)
-    return Partitioned(fn, mesh, backend, limit, hardware)
-
-
-def _abstract(x) -> jax.ShapeDtypeStruct:
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return x
-    x = x if hasattr(x, "dtype") and hasattr(x, "shape") else np.asarray(x)
-    return jax.ShapeDtypeStruct(np.shape(x), x.dtype if is_key(x.dtype) else jax.dtypes.canonicalize_dtype(x.dtype))
+    return Partitioned(fn, mesh, backend, Signature(fn, static_argnums, static_argnames, donate_argnums),
+                       in_shardings, out_shardings, limit, hardware)
 
 
 class Partitioned:
-    def __init__(self, fn: Callable, mesh: Optional[Mesh], backend: str, memory_limit: Optional[int] = None,
-                 hardware: Optional[Hardware] = None):
-        self.fn, self.mesh, self.backend = fn, mesh, backend
-        self.memory_limit, self.hardware = memory_limit, hardware
-        self._cache: dict = {}
+    """A function partitioned by gspmd.jit: call it like the function; `lower(...)` to
+    inspect. See help(gspmd.jit)."""
 
-    def lower(self, *args) -> "Lowered":
-        """Trace, complete and partition for these argument shapes; executes nothing.
-        Arguments may be arrays or jax.ShapeDtypeStruct."""
-        flat, in_tree = jax.tree_util.tree_flatten(args)
-        avals = [_abstract(a) for a in flat]
-        # jax's context mesh (jax.set_mesh) says what bare PartitionSpecs in fn mean.
-        key = (in_tree, tuple((a.shape, a.dtype) for a in avals), jax.sharding.get_abstract_mesh(),
-               jax.sharding.get_mesh())
+    def __init__(self, fn: Callable, mesh: Optional[Mesh], backend: str, signature: Optional[Signature] = None,
+                 in_shardings=None, out_shardings=None):
+        self.fn, self.mesh, self.backend = fn, mesh, backend
+        self.signature = signature or Signature(fn, (), (), ())
+        self.__wrapped__ = fn
+        self.__name__ = self.signature.name
+        self._traced_fn = _with_layouts(fn, in_shardings, out_shardings, mesh)
+        self._cache: dict = {}
+        self._fast: dict = {}    # (pytree structure, context mesh) -> (output structure, compiled program)
+
+    def __call__(self, *args, **kwargs):
+        if not kwargs:
+            # Steady state on the jax backend: the compiled program of the last signature
+            # with this pytree structure, called with the caller's arrays; jax itself
+            # checks shapes and layouts (a mismatch falls through to the general path).
+            leaves, treedef = _flatten(args)
+            fast = self._fast.get((treedef, jax.sharding.get_abstract_mesh()))
+            if fast is not None:
+                try:
+                    return _unflatten(fast[0], fast[1](*leaves))
+                except (jax_backend.OtherSignature, TypeError, ValueError):
+                    pass
+        args, kwargs, static = self.signature.split_static(args, kwargs)
+        leaves, treedef = _flatten((args, kwargs))
+        try:
+            lowered = self._cache.get((treedef, static, tuple(map(leaf_key, leaves)), _context_mesh()))
+        except TypeError:        # an unhashable static value: _lower explains
+            lowered = None
+        if lowered is None:
+            lowered = self._lower(args, kwargs, static, leaves, treedef)
+        out = lowered._run(leaves)
+        if lowered.fast_call is not None and not kwargs and self.signature.simple:
+            self._fast[jax.tree_util.tree_structure(args), jax.sharding.get_abstract_mesh()] = lowered.fast_call
+        return out
+
+    def lower(self, *args, **kwargs) -> "Lowered":
+        """Trace, complete and partition for these arguments; executes nothing. Array
+        arguments may be jax.ShapeDtypeStruct. Cached per signature."""
+        args, kwargs, static = self.signature.split_static(args, kwargs)
+        leaves, treedef = _flatten((args, kwargs))
+        return self._lower(args, kwargs, static, leaves, treedef)
+
+    def _lower(self, args: tuple, kwargs: dict, static: tuple, leaves: list, treedef) -> "Lowered":
+        self.signature.check_call(*self.signature.rebuild(static, args, kwargs))
+        names = paths(self.signature, args, kwargs, static)
+        keys = tuple(leaf_key(x) for x in leaves)
+        _check_static(static, leaves, keys, names, self.signature)
+        key = (treedef, static, keys, _context_mesh())
         if key not in self._cache:
-            self._cache[key] = Lowered(self.fn, in_tree, avals, self.mesh, self.backend, self.memory_limit,
-                                       self.hardware)
+            with _gc_paused():
+                self._cache[key] = Lowered(self, Template.of(treedef, keys, static), leaves, names,
+                                           self.signature.donated_leaves(args, kwargs, static))
         return self._cache[key]
 
-    def __call__(self, *args):
-        return self.lower(*args)(*args)
+    def __repr__(self):
+        return f"gspmd.jit({self.signature.name}, mesh={self.mesh}, backend={self.backend!r})"
+
+
+_flatten, _unflatten = jax.tree_util.tree_flatten, jax.tree_util.tree_unflatten
+
+
+def _context_mesh():
+    """jax's context mesh (jax.set_mesh): it says what bare PartitionSpecs in fn mean."""
+    abstract = jax.sharding.get_abstract_mesh()
+    if abstract.empty:
+        return abstract
+    try:
+        return abstract, jax.sharding.get_mesh()
+    except ValueError:    # under a jax transformation only the abstract mesh is known
+        return abstract
+
+
+def _check_static(static: tuple, leaves: list, keys: tuple, names: list[str], signature: Signature) -> None:
+    """Static values must be hashable (they key the cache) and not traced."""
+    for where, value in static:
+        what = f"static argument {where!r} of {signature.name}"
+        if isinstance(value, jax.core.Tracer):
+            raise ShardingError(f"The {what} is a traced value ({value.aval.str_short()}); static arguments must be "
+                                "concrete Python values: pass it as an ordinary (array) argument instead.")
+        _check_hashable(value, what)
+    for x, key, name in zip(leaves, keys, names):
+        if is_static_key(key):
+            _check_hashable(x, f"argument {name} (a static value: gspmd.jit traces only arrays)")
+
+
+def _check_hashable(value, what: str) -> None:
+    try:
+        hash(value)
+    except TypeError:
+        raise ShardingError(f"The {what} is a {type(value).__name__}, which is not hashable, so it cannot key "
+                            "gspmd.jit's cache; make it hashable, or pass its arrays as arguments.") from None
+
+
+def _with_layouts(fn: Callable, in_shardings, out_shardings, mesh: Optional[Mesh]) -> Callable:
+    """fn with in_shardings / out_shardings applied as mesh_split annotations."""
+    if in_shardings is None and out_shardings is None:
+        return fn
+
+    def annotated(*args, **kwargs):
+        if in_shardings is not None:
+            args = _annotate(in_shardings, args, mesh, "in_shardings", "the positional arguments")
+        out = fn(*args, **kwargs)
+        return out if out_shardings is None else _annotate(out_shardings, out, mesh, "out_shardings", "the result")
+    return annotated
+
+
+def _is_layout(s) -> bool:
+    return s is None or isinstance(s, (PartitionSpec, NamedSharding))
+
+
+def _annotate(layouts, tree, mesh: Optional[Mesh], what: str, of: str):
+    def split(layout, x):
+        if layout is None or not is_array(x):
+            return x
+        if isinstance(layout, PartitionSpec):
+            if mesh is None:
+                raise ShardingError(f"{what} gives {layout} without a mesh; pass gspmd.jit(..., mesh=...) or use "
+                                    "NamedShardings.")
+            return mesh_split(x, mesh, layout)
+        return mesh_split(x, layout)
+    try:
+        return jax.tree_util.tree_map(lambda layout, sub: jax.tree_util.tree_map(lambda x: split(layout, x), sub),
+                                      layouts, tree, is_leaf=_is_layout)
+    except ValueError as e:
+        raise ShardingError(f"{what} {layouts} does not match the structure of {of}: give one PartitionSpec, "
+                            f"NamedSharding or None per entry (a prefix of its pytree). ({e})") from None
 
 
 class Lowered:
-    def __init__(self, fn: Callable, in_tree, avals, mesh: Optional[Mesh], backend: str = "sim",
-                 memory_limit: Optional[int] = None, hardware: Optional[Hardware] = None):
-        def flat_fn(*flat_args):
-            return fn(*jax.tree_util.tree_unflatten(in_tree, flat_args))
+    """One traced, completed and partitioned program for one call signature.
+
+    `program` is the completed program (every value's sharding), `spmd` the per-device
+    program. Call it like the function; inspect with as_text, report, summary,
+    explain, sharding_of; values are named by pytree path ("params['w1']",
+    "result[0]"), output index or %name."""
+
+    def __init__(self, partitioned: Partitioned, template: Template, leaves: list, names: list[str],
+                 donate: tuple[int, ...] = ()):
+        self.backend, self._template = partitioned.backend, template
+        self.donated = donate   # parameters whose buffers the results may reuse (donated arguments)
+        self._partitioned = partitioned
+        param_names = template.dynamic_leaves(names)
+        avals = [_abstract(x, name) for x, name in zip(template.dynamic_leaves(leaves), param_names)]
+        signature, fn = partitioned.signature, partitioned._traced_fn
+
+        def flat_fn(*dynamic):
+            args, kwargs = jax.tree_util.tree_unflatten(template.treedef, template.leaves(dynamic))
+            args, kwargs = signature.rebuild(template.static, args, kwargs)
+            return fn(*args, **kwargs)
         self.keys = KeyData(flat_fn, avals)   # typed PRNG keys cross as their key data
-        self.program, self.out_tree = trace(self.keys.fn, self.keys.avals, getattr(fn, "__name__", "main"), mesh)
+        self.flat_fn = self.keys.fn           # what the program computes: on key data
+        with tracing(partitioned.mesh) as seen:
+            self.program, self.out_tree = _trace(self.keys.fn, self.keys.avals, signature.name, partitioned.mesh,
+                                                 leaves, names)
+        self.program.labels = dict(zip(self.program.params, param_names))
+        self.program.labels.update(zip(self.program.outputs, result_paths(self.out_tree)))
         eliminate_dead_code(self.program)
         verify(self.program)
-        self.num_devices = _device_count(self.program, mesh)
+        self.num_devices = _device_count(self.program, partitioned.mesh)
+        self.meshes = _unique([partitioned.mesh] + seen.meshes)
+        self.mesh = self.meshes[0] if self.meshes else Mesh(np.arange(self.num_devices), ("d",))
         self.completion = propagation.complete(self.program, self.num_devices)
         self.spmd = partition(self.program, self.num_devices)
         # how the program was fitted to the memory limit (None: no limit given)
-        self.memory_budget = None if memory_limit is None else fit_memory(self.spmd, self.num_devices, memory_limit)
+        limit = partitioned.memory_limit
+        self.memory_budget = None if limit is None else fit_memory(self.spmd, self.num_devices, limit)
         verify(self.spmd)
-        self.hardware = hardware
-        self.backend, self.mesh = backend, mesh
-        # indices of parameters whose buffers the results may reuse (donated arguments)
-        self.donated: tuple[int, ...] = ()
+        self.hardware = partitioned.hardware
         self._jax: Optional[jax_backend.Executable] = None
+        self._execute = self._first_execute
+        self._host_program: Optional[Callable] = None
+        self._backward: Optional[Partitioned] = None
+        self._batched: dict = {}
 
     # -- execution ----------------------------------------------------------------
-    def __call__(self, *args):
-        flat = self.keys.args(jax.tree_util.tree_flatten(args)[0])
-        if len(flat) != len(self.program.params):
-            raise ShardingError(f"Expected {len(self.program.params)} array arguments, got {len(flat)}.")
-        for i, (x, p) in enumerate(zip(flat, self.program.params)):
+    def __call__(self, *args, **kwargs):
+        """Run on arguments of the signature this was lowered for."""
+        args, kwargs, _ = self._partitioned.signature.split_static(args, kwargs)
+        leaves, _ = _flatten((args, kwargs))
+        arrays = self._template.dynamic_leaves(leaves) if len(leaves) == len(self._template.keys) else \
+            [x for x in leaves if is_array(x)]
+        if len(arrays) != len(self.program.params):
+            raise ShardingError(f"Expected {len(self.program.params)} array arguments, got {len(arrays)}.")
+        for x, p in zip(self.keys.args(arrays), self.program.params):
             if tuple(np.shape(x)) != p.shape:
-                raise ShardingError(f"Argument {i} has shape {tuple(np.shape(x))} but the program was lowered "
-                                    f"for {p.shape}; call the jitted function (it lowers again) or lower anew.")
-        outs = self.jax_executable()(flat) if self.backend == "jax" else self._run_sim(flat)
-        outs = self.keys.results(outs)
-        return jax.tree_util.tree_unflatten(self.out_tree, outs)
+                raise ShardingError(f"Argument {self.program.labels[p]} has shape {tuple(np.shape(x))} but the "
+                                    f"program was lowered for {p.shape}; call the jitted function (it lowers again) "
+                                    "or lower anew.")
+        return self._run(leaves)
+
+    def _run(self, leaves: list):
+        arrays = self.keys.args(self._template.dynamic_leaves(leaves))
+        return jax.tree_util.tree_unflatten(self.out_tree, self.keys.results(self._execute(arrays)))
+
+    def _first_execute(self, arrays: list) -> list:
+        self._execute = self.jax_executable() if self.backend == "jax" else self._run_on_host
+        with _gc_paused():   # the jax backend traces and compiles here
+            return self._execute(arrays)
+
+    @property
+    def fast_call(self) -> Optional[tuple]:
+        """(output structure, compiled program taking the flat arrays) when a call can
+        go straight to the compiled program: jax backend, every leaf an array (no typed
+        PRNG keys), one process."""
+        if (self._jax is None or self._template.dynamic is not None or self._jax.multiprocess
+                or any(self.keys.key_args) or any(self.keys.key_results)):
+            return None
+        return self.out_tree, self._jax.jitted
 
     def jax_executable(self) -> jax_backend.Executable:
-        """The SPMD program as one shard_map on jax devices (compiled on first use)."""
+        """The SPMD program as one jitted shard_map on the mesh's jax devices (it
+        composes with jax.grad, jax.jit and jax.vmap like the function)."""
         if self._jax is None:
-            self._jax = jax_backend.Executable(self.spmd, self.program.params, self.program.outputs,
-                                               self.num_devices, self.mesh)
+            self._jax = jax_backend.Executable(self.spmd, self.program.params, self.program.outputs, self.mesh,
+                                               self.donated, wrap=self._composable)
         return self._jax
+
+    def _run_on_host(self, arrays: list) -> list:
+        """The sim backend; called with tracers (under grad, jit, vmap) it runs as a host
+        callback inside the caller's computation."""
+        if not any(isinstance(x, jax.core.Tracer) for x in arrays):
+            return self._run_sim(arrays)
+        if self._host_program is None:
+            shapes = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in self.program.outputs]
+            self._host_program = self._composable(
+                lambda *xs: jax.pure_callback(lambda *hs: self._run_sim(hs), shapes, *xs))
+        return self._host_program(*arrays)
 
     def _run_sim(self, flat) -> list[np.ndarray]:
         per_param = [sim.shard(np.asarray(x, p.dtype), p.sharding) for x, p in zip(flat, self.program.params)]
@@ -125,55 +333,191 @@ class Lowered:
         return [sim.unshard([results[d][i] for d in range(self.num_devices)], v.sharding, v.shape)
                 for i, v in enumerate(self.program.outputs)]
 
+    # -- composition with JAX transformations ---------------------------------------
+    def _composable(self, program: Callable) -> Callable:
+        """program(*arrays) -> outputs, made to compose with JAX: a custom VJP whose
+        backward pass is a partitioned program too, over a custom vmap rule that
+        partitions the vmapped function."""
+        run = jax.custom_batching.custom_vmap(lambda *xs: tuple(program(*xs)))
+        run.def_vmap(self._vmap_rule)
+        composed = jax.custom_vjp(lambda *xs: run(*xs))
+        composed.defvjp(lambda *xs: (run(*xs), xs), self._pullback)
+        return composed
+
+    def _vmap_rule(self, axis_size: int, in_batched: Sequence[bool], *arrays):
+        key = tuple(in_batched)
+        if key not in self._batched:
+            axes = [0 if b else None for b in in_batched]
+            flat_fn = self.flat_fn
+
+            def batched(*xs):
+                return jax.vmap(lambda *ys: jax.tree_util.tree_leaves(flat_fn(*ys)), in_axes=axes)(*xs)
+            batched.__name__ = f"vmap_{self._partitioned.signature.name}"
+            self._batched[key] = Partitioned(batched, self._partitioned.mesh, self.backend)
+        outs = tuple(self._batched[key](*arrays))
+        return outs, (True,) * len(outs)
+
+    def _pullback(self, primals: tuple, cotangents) -> tuple:
+        """Gradients of the float inputs from a partitioned backward program (which
+        recomputes the forward); integer inputs get float0 zeros."""
+        floats = [i for i, x in enumerate(primals) if jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)]
+        outs = [i for i, v in enumerate(self.program.outputs) if jax.numpy.issubdtype(v.dtype, jax.numpy.inexact)]
+        if self._backward is None:
+            flat_fn, out_avals = self.flat_fn, [(v.shape, v.dtype) for v in self.program.outputs]
+
+            def backward(primals, cotangents):
+                def of_floats(*xs):
+                    full = list(primals)
+                    for i, x in zip(floats, xs):
+                        full[i] = x
+                    return jax.tree_util.tree_leaves(flat_fn(*full))
+                _, vjp = jax.vjp(of_floats, *[primals[i] for i in floats])
+                given = dict(zip(outs, cotangents))
+                return vjp([given[i] if i in given else np.zeros(shape, jax.dtypes.float0)
+                            for i, (shape, _) in enumerate(out_avals)])
+            backward.__name__ = f"grad_{self._partitioned.signature.name}"
+            self._backward = Partitioned(backward, self._partitioned.mesh, self.backend)
+        grads = iter(self._backward(list(primals), [cotangents[i] for i in outs]))
+        return tuple(next(grads) if i in floats else np.zeros(np.shape(x), jax.dtypes.float0)
+                     for i, x in enumerate(primals))
+
     # -- inspection ---------------------------------------------------------------
+    def describe(self, sharding: Sharding) -> str:
+        """A sharding as a PartitionSpec over the user's mesh, next to XLA's form."""
+        return sharding.describe(*self.meshes)
+
+    def label(self, v: Value) -> str:
+        """The user's name of a value: its pytree path for parameters and results."""
+        return self.program.labels.get(v, f"%{v.name}")
+
     def as_text(self) -> str:
-        return (f"// completed program: every value's sharding\n{format_program(self.program)}\n\n"
+        """The completed program (every value's sharding) and the per-device program,
+        after the parameters' and results' layouts in the user's terms."""
+        layouts = "\n".join(f"//   {self.label(v):<28} %{v.name}: {v.type_str()}  {self.describe(v.sharding)}"
+                            for v in self.program.params + self.program.outputs)
+        return (f"// parameters and results:\n{layouts}\n\n"
+                f"// completed program: every value's sharding\n{format_program(self.program)}\n\n"
                 f"// SPMD program run by each of {self.num_devices} devices\n"
                 f"{format_program(self.spmd, with_sharding=False)}")
 
     def report(self, hardware: Union[None, str, "Hardware"] = None) -> Report:
-        """Collectives, peak memory and FLOPs per device; with a hardware profile
-        ("tpu-v3", "tpu-v4", "a100", "h100", "h200", "cpu") also the estimated step time.
-        `.memory` shows where the peak is: the buffers held then, largest first, and the
-        bytes held over the run (`.memory.plot("out.png")`); `.memory_budget` how the
-        program was fitted to jit(memory_limit=...)."""
+        """Collectives (kind, bytes, groups, the op and rule that made each and the
+        source line or pytree path it came from), peak memory and FLOPs per device;
+        with a hardware profile ("tpu-v3", "tpu-v4", "a100", "h100", "h200", "cpu")
+        also the estimated step time. `.memory` shows where the peak is: the buffers
+        held then, largest first, and the bytes held over the run
+        (`.memory.plot("out.png")`); `.memory_budget` how the program was fitted to
+        jit(memory_limit=...)."""
         report = analyse(self.spmd, hardware if hardware is not None else self.hardware, self.donated)
         report.memory_budget = self.memory_budget
         return report
 
+    def summary(self) -> str:
+        """One table of per-device collective bytes, by source line and collective kind."""
+        return collective_table(self.report())
+
     def value(self, ref: Union[int, str, Value]) -> Value:
-        """A value of the completed program: by output index, by name, or itself."""
+        """A value of the completed program: by output index, by pytree path
+        ("params['w1']", "result[0]", or a unique last key like "w1"), by %name, or itself."""
         if isinstance(ref, Value):
             return ref
-        if isinstance(ref, int):
+        if isinstance(ref, (int, np.integer)):
             if not -len(self.program.outputs) <= ref < len(self.program.outputs):
                 raise ShardingError(f"Output index {ref} is out of range: the program has "
                                     f"{len(self.program.outputs)} outputs; name a value instead.")
             return self.program.outputs[ref]
+        by_path = {label: v for v, label in self.program.labels.items()}
+        if ref in by_path:
+            return by_path[ref]
         try:
             return self.program.find(ref.lstrip("%"))
         except KeyError:
-            raise ShardingError(f"No value named {ref!r}; names are the %names in as_text().") from None
+            pass
+        ends = [label for label in by_path if label.endswith((f"[{ref!r}]", f".{ref}"))]
+        if len(ends) == 1:
+            return by_path[ends[0]]
+        if ends:
+            raise ShardingError(f"{ref!r} names several values ({', '.join(ends)}); give the whole path.")
+        raise ShardingError(f"No value named {ref!r}; name a parameter or result by its path ("
+                            f"{', '.join(list(by_path)[:6])}{', ...' if len(by_path) > 6 else ''}) or a value by its "
+                            "%name in as_text().")
 
     def sharding_of(self, ref: Union[int, str, Value]) -> Sharding:
+        """The completed sharding of a value (see `value` for how to name one)."""
         return self.value(ref).sharding
 
     def explain(self, ref: Union[int, str, Value]) -> str:
         """Which annotations a value's sharding came from, and through which ops: one
-        shortest chain per annotation, each step with the layout it left behind."""
+        shortest chain per annotation, each step with its source line and the layout
+        it left behind."""
         v = self.value(ref)
-        lines = [f"%{v.name}: {v.type_str()} sharding={v.sharding}"]
+        lines = [f"{self.label(v)} (%{v.name}: {v.type_str()}): {self.describe(v.sharding)}"]
         chains = self.completion.origins(v)
         if not chains:
             lines.append("  no annotation reaches it: replicated")
         for (annotated, first), *rest in chains:
-            lines.append(f"  from annotation %{annotated.name} = sharding(%{first.instr.operands[0].name}) "
-                         f"{first.sharding}")
+            lines.append(f"  from annotation %{annotated.name} = mesh_split({self.label(first.instr.operands[0])})"
+                         f"{_at(first.instr)}: {self.describe(first.sharding)}")
             for u, step in rest:
                 way = "forward" if u in step.instr.outputs else "backward"
-                lines.append(f"    -> {step.instr.opcode} ({way} from %{step.source.name}): "
-                             f"%{u.name} {step.sharding}")
+                lines.append(f"    -> {step.instr.opcode} ({way} from %{step.source.name}){_at(step.instr)}: "
+                             f"{self.label(u)} {self.describe(step.sharding)}")
         return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Lowering allocates many objects and frees few; pausing the cyclic garbage
+    collector meanwhile saves up to a third of its time."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _at(instr) -> str:
+    return f" at {instr.source}" if instr.source else ""
+
+
+def _trace(flat_fn: Callable, avals: list, name: str, mesh: Optional[Mesh], leaves: list, names: list[str]):
+    """trace(), with a clear error when the function fails on a static string."""
+    try:
+        return trace(flat_fn, avals, name, mesh)
+    except (TypeError, AttributeError, ShardingError) as e:
+        strings = [(n, x) for x, n in zip(leaves, names) if isinstance(x, (str, bytes))
+                   and (not isinstance(e, ShardingError) or repr(x) in str(e))]
+        if not strings:
+            raise
+        where, text = strings[0]
+        raise ShardingError(
+            f"Tracing {name} failed ({type(e).__name__}: {e}) and argument {where} is the string {text!r}: gspmd.jit "
+            "passes non-array arguments through unchanged (static, as eqx.filter_jit does). Pass a numeric array "
+            "there, or make the function handle the string in Python.") from e
+
+
+def _abstract(x, name: str) -> jax.ShapeDtypeStruct:
+    """The shape and dtype of an array argument; non-numeric arrays are a mistake."""
+    dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+    if is_key(dtype):
+        return jax.ShapeDtypeStruct(np.shape(x), dtype)
+    if not (jax.numpy.issubdtype(dtype, jax.numpy.number) or dtype == np.bool_):
+        raise ShardingError(f"Argument {name} is an array of dtype {dtype} (shape {tuple(np.shape(x))}); gspmd.jit "
+                            "partitions numeric arrays only: convert it to numbers, or make it static "
+                            "(static_argnums) if the function reads it in Python.")
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x
+    return jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(dtype))
+
+
+def _unique(meshes: list) -> list[Mesh]:
+    out: list[Mesh] = []
+    for m in meshes:
+        if m is not None and m not in out:
+            out.append(m)
+    return out
 
 
 def _layouts_named(instr) -> list[Sharding]:

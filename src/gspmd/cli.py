@@ -53,6 +53,7 @@ def demo(mesh_shape: tuple[int, int] = (2, 4), model: str = "mlp", memory_plot: 
     import jax
 
     import gspmd
+    from gspmd.frontend.annotation import unpartitioned
 
     mesh, annotations, step, args = _demo_case(model, mesh_shape)
     print(f"{model} train step on {mesh}  devices:\n{mesh.devices}\n")
@@ -67,13 +68,18 @@ def demo(mesh_shape: tuple[int, int] = (2, 4), model: str = "mlp", memory_plot: 
     print(f"\npartitioned in {elapsed:.2f} s: {len(list(lowered.program.all_instrs()))} instructions -> "
           f"{len(list(lowered.spmd.all_instrs()))} per-device instructions")
     print("  per-device ops: " + ", ".join(f"{k} x{v}" for k, v in sorted(ops.items())))
+    print("\nparameter layouts:")
+    for p in lowered.program.params:
+        print(f"  {lowered.label(p):<24} {p.type_str():<18} {lowered.describe(p.sharding)}")
     report = lowered.report()
     print("\n" + str(report))
     if memory_plot:
         report.memory.plot(memory_plot, title=f"{model} train step on {mesh}")
         print(f"memory over the run: {memory_plot}")
+    print("\n" + lowered.summary())
     got = partitioned(*args)
-    want = jax.jit(step)(*args)
+    with unpartitioned():
+        want = jax.jit(step)(*args)
     diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
                for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)))
     print(f"\nmax abs difference from the single-device run: {diff:.3g}")

@@ -1,7 +1,8 @@
-"""Mesh: an n-d array of device ids with one name per dimension."""
+"""Mesh: an n-d array of device ids with one name per dimension (and its jax twin)."""
 from __future__ import annotations
 
-from typing import Sequence
+import functools
+from typing import Optional, Sequence
 
 import jax
 import numpy as np
@@ -10,17 +11,25 @@ from gspmd.errors import ShardingError
 
 
 class Mesh:
-    """A logical device mesh.
+    """A logical device mesh: `devices` is an n-d array of device ids 0..N-1 (in any
+    order: the order is how a user maps the logical mesh onto the physical network),
+    `axis_names` names each mesh dimension.
 
-    `devices` may list the ids 0..N-1 in any order: the order is how a user maps the
-    logical mesh onto the physical network.
+    Device id d is jax device `jax_devices()[d]`: by default the first N of
+    `jax.devices()`; a mesh built from jax devices (`Mesh.from_jax(jax_mesh)`, or
+    `Mesh(jax_mesh.devices, names)`) keeps the devices it was given. `to_jax()` gives
+    the `jax.sharding.Mesh` over those devices.
     """
 
     def __init__(self, devices, axis_names: Sequence[str]):
-        devices = np.asarray(devices)
+        if isinstance(axis_names, str):
+            raise ShardingError(f"Mesh axis_names {axis_names!r} is one string; give one name per mesh "
+                                f"dimension, e.g. ({axis_names!r},).")
         axis_names = tuple(axis_names)
+        devices, self._jax_devices = _device_ids(devices)
         if devices.dtype.kind not in "iu":
-            raise ShardingError(f"Mesh devices must be integer device ids, got dtype {devices.dtype}.")
+            raise ShardingError(f"Mesh devices must be integer device ids (or jax devices), got dtype "
+                                f"{devices.dtype}.")
         if len(axis_names) != devices.ndim:
             raise ShardingError(
                 f"Mesh of shape {devices.shape} needs {devices.ndim} axis names, got {axis_names}: "
@@ -39,21 +48,37 @@ class Mesh:
         self.devices.setflags(write=False)
         self.axis_names = axis_names
 
+    # -- jax interop ----------------------------------------------------------------
     @classmethod
-    def from_jax(cls, jax_mesh: jax.sharding.Mesh) -> "Mesh":
-        """The same mesh with gspmd's device ids: device id d is jax.devices()[d]."""
-        if not isinstance(jax_mesh, jax.sharding.Mesh):
-            raise ShardingError(f"Mesh.from_jax needs a jax.sharding.Mesh with devices, got {jax_mesh!r}; "
+    def from_jax(cls, mesh) -> "Mesh":
+        """The gspmd.Mesh of a `jax.sharding.Mesh` (any axis types, e.g. from
+        jax.make_mesh): same devices, same layout, same axis names."""
+        if not isinstance(mesh, jax.sharding.Mesh):
+            raise ShardingError(f"Mesh.from_jax needs a jax.sharding.Mesh with devices, got {mesh!r}; "
                                 "an abstract mesh has no device order: set a concrete one with jax.set_mesh.")
-        ids = {device: i for i, device in enumerate(jax.devices())}
-        devices = jax_mesh.devices
-        if not all(d in ids and ids[d] < devices.size for d in devices.flat):
-            raise ShardingError(
-                f"{jax_mesh} uses devices {[str(d) for d in devices.flat]}, but gspmd numbers devices by their "
-                f"position in jax.devices() and a mesh of {devices.size} must use the first {devices.size} of "
-                "them; build the jax mesh from jax.devices()[:n].")
-        return cls(np.vectorize(ids.__getitem__, otypes=[np.int64])(devices), jax_mesh.axis_names)
+        return _from_jax(mesh)
 
+    def to_jax(self) -> jax.sharding.Mesh:
+        """This mesh as a `jax.sharding.Mesh` (Auto axes) over its jax devices."""
+        return jax.sharding.Mesh(np.array(self.jax_devices(), dtype=object)[self.devices], self.axis_names)
+
+    def jax_devices(self) -> list:
+        """The jax device of each device id (raises when jax has too few devices)."""
+        if self._jax_devices is not None:
+            return list(self._jax_devices)
+        devices = jax.devices()
+        if self.size > len(devices):
+            raise ShardingError(
+                f"{self} needs {self.size} devices but jax has {len(devices)} ({devices[0].platform}); on CPU "
+                f"set XLA_FLAGS=--xla_force_host_platform_device_count={self.size} (or jax_num_cpu_devices) "
+                "before importing jax.")
+        return devices[:self.size]
+
+    def same_devices(self, other: "Mesh") -> bool:
+        """True when both meshes cover the same jax devices with the same ids."""
+        return self.size == other.size and self._jax_devices == other._jax_devices
+
+    # -- shape ------------------------------------------------------------------------
     @property
     def shape(self) -> tuple[int, ...]:
         return self.devices.shape
@@ -81,7 +106,7 @@ class Mesh:
         raise ShardingError(f"Mesh axis must be a name or an int, got {axis!r} for {self}.")
 
     def _key(self):
-        return (self.devices.shape, self.devices.tobytes(), self.axis_names)
+        return (self.devices.shape, self.devices.tobytes(), self.axis_names, self._jax_devices)
 
     def __eq__(self, other):
         return isinstance(other, Mesh) and self._key() == other._key()
@@ -93,4 +118,41 @@ class Mesh:
         axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
         order = "" if np.array_equal(self.devices.ravel(), np.arange(self.size)) else \
             f", devices={self.devices.ravel().tolist()}"
-        return f"Mesh({axes}{order})"
+        where = "" if self._jax_devices is None else f", jax devices {[d.id for d in self._jax_devices]}"
+        return f"Mesh({axes}{order}{where})"
+
+
+def _device_ids(devices) -> tuple[np.ndarray, Optional[tuple]]:
+    """Device ids, and the jax devices they stand for when jax devices were given (None
+    when those are the first N of jax.devices(), the default)."""
+    arr = np.asarray(devices)
+    if arr.dtype != object or arr.size == 0 or not all(hasattr(d, "platform") for d in arr.ravel()):
+        return arr, None
+    position = {d: i for i, d in enumerate(jax.devices())}
+    unknown = [d for d in arr.ravel() if d not in position]
+    if unknown:
+        raise ShardingError(f"Mesh devices {unknown} are not among jax.devices(); build meshes over this "
+                            "process's jax devices.")
+    ordered = sorted(set(arr.ravel()), key=position.__getitem__)
+    if len(ordered) != arr.size:
+        raise ShardingError(f"Mesh devices {[d.id for d in arr.ravel()]} list a device more than once.")
+    ids = np.vectorize({d: i for i, d in enumerate(ordered)}.__getitem__, otypes=[np.int64])(arr)
+    default = ordered == jax.devices()[:len(ordered)]
+    return ids, None if default else tuple(ordered)
+
+
+def as_mesh(mesh, what: str = "") -> Mesh:
+    """A gspmd.Mesh from a gspmd.Mesh or a jax.sharding.Mesh; a ShardingError otherwise."""
+    if isinstance(mesh, Mesh):
+        return mesh
+    if isinstance(mesh, jax.sharding.Mesh):
+        return _from_jax(mesh)
+    where = f" {what}" if what else ""
+    raise ShardingError(
+        f"Expected a mesh{where}, got {type(mesh).__module__}.{type(mesh).__name__} {mesh!r:.60}; give a "
+        "gspmd.Mesh(np.arange(n).reshape(...), axis_names) or a jax.sharding.Mesh (e.g. jax.make_mesh).")
+
+
+@functools.lru_cache(maxsize=256)
+def _from_jax(mesh: jax.sharding.Mesh) -> Mesh:
+    return Mesh(mesh.devices, mesh.axis_names)

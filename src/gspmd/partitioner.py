@@ -33,16 +33,19 @@ def _partition(program: Program, num_devices: int, in_layouts: Sequence[Sharding
     for p, layout in zip(program.params, in_layouts):
         local = b.param(layout.shard_shape(p.shape), p.dtype, hint=p.name)
         local.sharding = layout
-        b.origin = f"parameter %{p.name}"
+        b.origin, b.source = f"parameter %{p.name}", program.labels.get(p, "")
         env[p] = rs.reshard(ctx, PartitionedValue(local, layout, p.shape), p.sharding)
     for instr in program.instrs:
-        b.origin = f"%{instr.outputs[0].name} = {instr.opcode}"
+        b.origin, b.source = f"%{instr.outputs[0].name} = {instr.opcode}", instr.source
         results = _partition_instr(ctx, instr, [env[o] for o in instr.operands])
         for out, pv in zip(instr.outputs, results):
             assert pv.sharding == out.sharding, (instr, pv.sharding, out.sharding)
             env[out] = pv
     b.origin = f"{program.name} results"
-    spmd.outputs = [rs.reshard(ctx, env[o], layout).local for o, layout in zip(program.outputs, out_layouts)]
+    spmd.outputs = []
+    for o, layout in zip(program.outputs, out_layouts):
+        b.source = program.labels.get(o, "")
+        spmd.outputs.append(rs.reshard(ctx, env[o], layout).local)
     eliminate_common_subexpressions(spmd)   # one reshard of a value serves all its users
     eliminate_dead_code(spmd, ops.prune)
     for local, layout in zip(spmd.outputs, out_layouts):

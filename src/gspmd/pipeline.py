@@ -18,7 +18,7 @@ import numpy as np
 
 from gspmd.errors import ShardingError
 from gspmd.frontend import mesh_split
-from gspmd.mesh import Mesh
+from gspmd.mesh import Mesh, as_mesh
 from gspmd.sharding import UNSPECIFIED
 
 SCHEDULES = ("gpipe", "circular")
@@ -29,7 +29,9 @@ def pipeline(stage_fn: Callable, stacked_params, microbatches, *, mesh: Mesh, st
     """Apply the L*R layers of `stacked_params` (a pytree whose leaves have a leading
     layer dim, layers in order) to each of the M microbatches (leading dim of
     `microbatches`): ys[m] == layer_{LR-1}(... layer_0(microbatches[m])), where
-    layer_i(x) = stage_fn(params_i, x). L = the size of `stage_axis`."""
+    layer_i(x) = stage_fn(params_i, x). L = the size of `stage_axis`. `mesh`: a
+    gspmd.Mesh or jax Mesh."""
+    mesh = as_mesh(mesh, "for gspmd.pipeline")
     stages = mesh.shape[mesh.axis_index(stage_axis)]
     m = np.shape(microbatches)[0]
     _validate(stacked_params, m, stages, schedule, repeats)

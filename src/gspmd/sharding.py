@@ -21,7 +21,9 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from gspmd.errors import ShardingError
-from gspmd.mesh import Mesh
+from jax.sharding import PartitionSpec
+
+from gspmd.mesh import Mesh, as_mesh
 
 
 class _Unspecified:
@@ -38,6 +40,10 @@ UNSPECIFIED = _Unspecified()
 
 
 class Sharding:
+    """How a tensor's elements are laid out over devices: a tile assignment of device
+    ids, shape (*tiles per dim, replicas). Build one with Sharding.from_mesh(mesh,
+    dims_mapping, shape) or Sharding.from_named(named_sharding, shape); read it in a
+    mesh's terms with .spec(mesh) / .describe(mesh). Printed in XLA's notation."""
     __slots__ = ("tile_assignment", "_coords", "_hash")
 
     def __init__(self, tile_assignment):
@@ -79,19 +85,13 @@ class Sharding:
         return cls(order.reshape(tiles + (n // ntiles,)))
 
     @classmethod
-    def from_mesh(cls, mesh: Mesh, dims_mapping: Sequence, shape: Sequence[int]) -> "Sharding":
+    def from_mesh(cls, mesh, dims_mapping, shape: Sequence[int]) -> "Sharding":
         """The sharding `mesh_split(x, mesh, dims_mapping)` asks for (UNSPECIFIED dims
-        are left unsplit here; the annotation records them as open)."""
-        if not isinstance(mesh, Mesh):
-            raise ShardingError(
-                f"mesh_split of the value of shape {tuple(shape)} needs a gspmd.Mesh, got "
-                f"{type(mesh).__module__}.{type(mesh).__name__}; build one with "
-                "gspmd.Mesh(np.arange(n).reshape(...), axis_names).")
+        are left unsplit here; the annotation records them as open). `mesh` may be a
+        jax.sharding.Mesh and `dims_mapping` a PartitionSpec (padded with None like JAX)."""
+        mesh = as_mesh(mesh, f"for the value of shape {tuple(shape)}")
         what = f"value of shape {tuple(shape)} on {mesh}"
-        if len(dims_mapping) != len(shape):
-            raise ShardingError(
-                f"dims_mapping {list(dims_mapping)} has {len(dims_mapping)} entries but the {what} "
-                f"has rank {len(shape)}: give one entry per tensor dim (-1 or None for unsplit).")
+        dims_mapping = normalize_dims_mapping(dims_mapping, shape, what)
         per_dim = [_mesh_dims(mesh, entry, what) for entry in dims_mapping]
         used = [m for dims in per_dim for m in dims]
         if len(set(used)) != len(used):
@@ -103,6 +103,11 @@ class Sharding:
         arr = mesh.devices.transpose(used + unused)
         tiles = [math.prod(mesh.shape[m] for m in dims) for dims in per_dim]
         return cls(arr.reshape(tiles + [math.prod(mesh.shape[m] for m in unused)]))
+
+    @classmethod
+    def from_named(cls, named, shape: Sequence[int]) -> "Sharding":
+        """The sharding of a jax NamedSharding for a value of this shape."""
+        return cls.from_mesh(named.mesh, named.spec, shape)
 
     # -- basic properties ---------------------------------------------------------
     @property
@@ -215,6 +220,58 @@ class Sharding:
         suffix = " last_tile_dim_replicate" if self.num_replicas > 1 else ""
         return f"{{devices=[{','.join(map(str, dims))}]{devices}{suffix}}}"
 
+    # -- in a mesh's terms --------------------------------------------------------
+    def dims_mapping(self, mesh: Mesh) -> Optional[list]:
+        """A dims_mapping with which mesh_split over `mesh` gives exactly this sharding
+        (entries: None or a tuple of axis names), or None when there is none."""
+        return _dims_mapping(self, mesh)
+
+    def spec(self, mesh: Mesh) -> Optional[PartitionSpec]:
+        """This sharding as a PartitionSpec over `mesh`, or None when it is not one."""
+        mapping = self.dims_mapping(mesh)
+        return None if mapping is None else spec_of(mapping)
+
+    def describe(self, *meshes: Mesh) -> str:
+        """"P('data', None) over Mesh(data=2, model=4) {devices=[2,1,4]<=[8] ...}": the
+        spec over the first of `meshes` that expresses it, next to XLA's form."""
+        for mesh in meshes:
+            spec = self.spec(mesh) if mesh is not None and mesh.size == self.num_devices else None
+            if spec is not None:
+                return f"{format_spec(spec)} over {mesh} {self}"
+        return repr(self)
+
+
+def spec_of(mapping: Sequence[Optional[tuple]]) -> PartitionSpec:
+    """A PartitionSpec from a dims_mapping of axis-name tuples (or None) per dim."""
+    return PartitionSpec(*(None if not axes else axes[0] if len(axes) == 1 else tuple(axes) for axes in mapping))
+
+
+def format_spec(spec: PartitionSpec) -> str:
+    """P('data', None), P(('x', 'y'),): as one writes a PartitionSpec."""
+    return f"P({', '.join(map(repr, spec))}{',' if len(spec) == 1 else ''})"
+
+
+def normalize_dims_mapping(dims_mapping, shape: Sequence[int], what: str) -> list:
+    """A dims_mapping as a list of one entry per dim of `shape`: a PartitionSpec as
+    dims_mapping_from_spec reads it; a string is a mistake."""
+    rank = len(shape)
+    if isinstance(dims_mapping, str):
+        raise ShardingError(
+            f"dims_mapping {dims_mapping!r} for the {what} is a string, not one entry per tensor dim; write "
+            f"[{dims_mapping!r}{', None' * max(rank - 1, 0)}] (or P({dims_mapping!r})).")
+    if isinstance(dims_mapping, PartitionSpec):
+        return dims_mapping_from_spec(dims_mapping, shape)
+    try:
+        dims_mapping = list(dims_mapping)
+    except TypeError:
+        raise ShardingError(f"dims_mapping {dims_mapping!r} for the {what} is not a sequence; give one entry "
+                            "per tensor dim, e.g. ['data', None], or a PartitionSpec.") from None
+    if len(dims_mapping) != rank:
+        raise ShardingError(
+            f"dims_mapping {dims_mapping} has {len(dims_mapping)} entries but the {what} "
+            f"has rank {rank}: give one entry per tensor dim (-1 or None for unsplit).")
+    return dims_mapping
+
 
 def _iota_form(flat: np.ndarray) -> Optional[str]:
     """XLA's compact form of a device order that is arange(N) reshaped and transposed
@@ -237,6 +294,22 @@ def _iota_form(flat: np.ndarray) -> Optional[str]:
 # immutable and hashable, so the answers are memoized (this keeps 2048 devices cheap).
 _merge = functools.lru_cache(maxsize=65536)(Sharding._merge)
 _remap = functools.lru_cache(maxsize=65536)(Sharding._remap)
+
+
+@functools.lru_cache(maxsize=4096)
+def _dims_mapping(sharding: Sharding, mesh: Mesh) -> Optional[list]:
+    """Tries each way to hand the mesh axes to tensor dims (meshes have few axes)."""
+    if mesh.size != sharding.num_devices:
+        return None
+    for owner in itertools.product(range(sharding.rank + 1), repeat=mesh.ndim):   # rank: replicated
+        per_dim = [[a for a in range(mesh.ndim) if owner[a] == d] for d in range(sharding.rank)]
+        if any(math.prod(mesh.shape[a] for a in axes) != t for axes, t in zip(per_dim, sharding.tiles)):
+            continue
+        for orders in itertools.product(*(itertools.permutations(axes) for axes in per_dim)):
+            mapping = [tuple(mesh.axis_names[a] for a in order) or None for order in orders]
+            if Sharding.from_mesh(mesh, mapping, (1,) * sharding.rank) == sharding:
+                return mapping
+    return None
 
 
 def _mesh_dims(mesh: Mesh, entry, what: str) -> tuple[int, ...]:

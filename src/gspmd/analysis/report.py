@@ -26,6 +26,7 @@ class Collective:
     origin: str           # the instruction and rule that created it
     executions: int = 1   # how often it runs (inside loops: the trip count)
     why: Optional[Why] = None   # the kind of rule that created it
+    source: str = ""      # the user's line that made it ("train.py:12 (loss)"), or a pytree path
 
     def __iter__(self):   # unpacks as (kind, bytes, groups)
         return iter((self.kind, self.bytes, self.groups))
@@ -82,7 +83,8 @@ class Report:
         lines = [f"collectives: {len(self.collectives)} ({self.collective_bytes:,} bytes per device)"]
         for c in self.collectives:
             times = f" x{c.executions}" if c.executions > 1 else ""
-            lines.append(f"  {c.kind:<18} {c.bytes:>12,} B{times}  groups={_groups_str(c.groups)}  <- {c.origin}")
+            at = f", at {c.source}" if c.source else ""
+            lines.append(f"  {c.kind:<18} {c.bytes:>12,} B{times}  groups={_groups_str(c.groups)}  <- {c.origin}{at}")
         if self.fallbacks:
             lines.append(f"warning: {len(self.fallbacks)} reshard fallback(s) gather data only to split it again")
         lines.append(f"peak memory per device: {self.peak_memory_bytes:,} bytes")
@@ -122,7 +124,7 @@ def _walk(program: Program, executions: int, report: Report) -> None:
             groups = instr.attrs["pairs"] if instr.opcode == "collective-permute" else instr.attrs["groups"]
             report.collectives.append(Collective(instr.opcode, instr.output.nbytes,
                                                  tuple(tuple(int(d) for d in g) for g in np.asarray(groups)),
-                                                 instr.origin, executions, instr.why))
+                                                 instr.origin, executions, instr.why, instr.source))
         elif ops.lookup(instr.opcode).flops is not None:
             report.flops += ops.lookup(instr.opcode).flops(instr) * executions
         for sub, times in ops.runs(instr):

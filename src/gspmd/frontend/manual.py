@@ -21,7 +21,7 @@ from jax.extend.core import Primitive, jaxpr_as_fun
 from jax.interpreters import ad, mlir
 
 from gspmd.errors import ShardingError
-from gspmd.mesh import Mesh
+from gspmd.mesh import Mesh, as_mesh
 
 manual_p = Primitive("manual")
 manual_p.multiple_results = True
@@ -31,7 +31,8 @@ def manual(fn: Callable, mesh: Mesh, in_specs: Sequence, out_specs: Sequence,
            manual_axes: Optional[Sequence[str]] = None) -> Callable:
     """Wrap `fn` (positional array arguments, a tuple or single array result) so that
     it runs per manual partition. in_specs/out_specs: one dims_mapping per argument /
-    result (mesh axis names or -1/None per dim)."""
+    result (mesh axis names or -1/None per dim). `mesh`: a gspmd.Mesh or jax Mesh."""
+    mesh = as_mesh(mesh, "for gspmd.manual")
     axes = tuple(manual_axes) if manual_axes is not None else mesh.axis_names
     for a in axes:
         mesh.axis_index(a)   # validates the name

@@ -12,6 +12,8 @@ from jax.extend import core as jcore
 
 from gspmd.errors import ShardingError
 from gspmd.frontend import keys
+from gspmd.frontend.annotation import record_mesh
+from gspmd.frontend.source import source_line
 from gspmd.ir import Program, Value
 from gspmd.mesh import Mesh
 from gspmd.ops import OUT_OF_SCOPE, PRIMITIVES
@@ -33,6 +35,8 @@ def trace(fn, flat_avals, name: str = "main", mesh: Optional[Mesh] = None) -> tu
     b = Conversion(program, _inline, mesh=mesh)
     params = [b.param(v.aval.shape, v.aval.dtype, hint="arg") for v in closed.jaxpr.invars]
     program.outputs = _inline(b, closed, params)
+    for used in b.meshes:      # meshes of jax annotations (with_sharding_constraint, shard_map)
+        record_mesh(used, "value annotated with a jax sharding")
     return program, jax.tree_util.tree_structure(out_shape)
 
 
@@ -58,7 +62,7 @@ def _inline(b: Conversion, closed, args: list[Value]) -> list[Value]:
         return env[atom]
 
     for eqn in jaxpr.eqns:
-        b.origin = eqn.primitive.name
+        b.origin, b.source = eqn.primitive.name, source_line(eqn)
         outs = _convert(b, eqn, [read(a) for a in eqn.invars])
         env.update(zip(eqn.outvars, outs))
     b.origin = origin

@@ -38,16 +38,18 @@ class Value:
 
 class Instr:
     """One instruction. `origin` says where it came from (the JAX primitive or the
-    partition rule that emitted it), for reports and explain."""
-    __slots__ = ("opcode", "operands", "attrs", "outputs", "origin", "why")
+    partition rule that emitted it) and `source` the user's Python line ("train.py:12
+    (loss)") or, at parameters and results, the pytree path; for reports and explain."""
+    __slots__ = ("opcode", "operands", "attrs", "outputs", "origin", "why", "source")
 
-    def __init__(self, opcode: str, operands: Sequence[Value], attrs: dict, origin: str = ""):
+    def __init__(self, opcode: str, operands: Sequence[Value], attrs: dict, origin: str = "", source: str = ""):
         self.opcode = opcode
         self.operands = list(operands)
         self.attrs = dict(attrs)
         self.outputs: list[Value] = []
         self.origin = origin
         self.why = None   # collectives: the spmd.context.Why of the rule that made it
+        self.source = source
 
     @property
     def output(self) -> Value:
@@ -66,6 +68,7 @@ class Program:
         self.params: list[Value] = []
         self.instrs: list[Instr] = []
         self.outputs: list[Value] = []
+        self.labels: dict[Value, str] = {}   # parameters and results: the user's pytree path
         self._names = parent._names if parent is not None else itertools.count()
 
     def fresh_name(self, hint: str = "v") -> str:
@@ -116,9 +119,10 @@ class Builder:
     """Appends instructions to a program. Shapes are given by the caller; ops.emit
     adds shape inference on top of this."""
 
-    def __init__(self, program: Program, origin: str = ""):
+    def __init__(self, program: Program, origin: str = "", source: str = ""):
         self.program = program
         self.origin = origin
+        self.source = source
 
     def param(self, shape, dtype, hint: str = "p") -> Value:
         v = Value(self.program.fresh_name(hint), shape, dtype)
@@ -127,7 +131,7 @@ class Builder:
 
     def add(self, opcode: str, operands: Sequence[Value], out_types: Sequence[tuple[Sequence[int], Any]],
             **attrs) -> list[Value]:
-        instr = Instr(opcode, operands, attrs, self.origin)
+        instr = Instr(opcode, operands, attrs, self.origin, self.source)
         for shape, dtype in out_types:
             instr.outputs.append(Value(self.program.fresh_name(_hint(opcode)), shape, dtype, instr))
         self.program.instrs.append(instr)

@@ -141,7 +141,7 @@ def _convert_axis_index(b, eqn, args):
 
 # -- jax lowering: grouped collectives over the shard_map axis ----------------------------
 def _lower_partition_id(instr, args, lc):
-    return [lax.convert_element_type(lc.axis_index(), instr.outputs[0].dtype)]
+    return [lax.convert_element_type(lc.device_id(), instr.outputs[0].dtype)]
 
 
 def _axis_groups(instr: Instr, lc):
@@ -152,9 +152,10 @@ def _axis_groups(instr: Instr, lc):
     if sorted(groups.ravel().tolist()) != list(range(n)):
         raise ShardingError(f"{instr.opcode} groups {groups.tolist()} do not cover the {n} devices once each; "
                             "the jax backend cannot express that collective.")
-    if groups.shape[0] == 1 and np.array_equal(groups[0], np.arange(n)):
+    positions = lc.positions(groups)
+    if positions.shape[0] == 1 and np.array_equal(positions[0], np.arange(n)):
         return None
-    return groups.tolist()
+    return positions.tolist()
 
 
 def _rank_in_group(instr: Instr, lc):
@@ -162,7 +163,7 @@ def _rank_in_group(instr: Instr, lc):
     groups = np.asarray(instr.attrs["groups"])
     rank = np.empty(groups.size, np.int32)
     rank[groups.ravel()] = np.tile(np.arange(groups.shape[1], dtype=np.int32), groups.shape[0])
-    return jnp.asarray(rank)[lc.axis_index()]
+    return jnp.asarray(rank)[lc.device_id()]
 
 
 def _all_reduce_value(instr: Instr, x, lc):
@@ -214,7 +215,7 @@ def _lower_all_to_all(instr, args, lc):
 def _lower_collective_permute(instr, args, lc):
     """ppermute needs unique sources: a source sending to several devices goes in rounds.
     Devices nobody sends to get zeros (HLO semantics, as ppermute does)."""
-    pairs = [tuple(int(d) for d in p) for p in np.asarray(instr.attrs["pairs"]).reshape(-1, 2)]
+    pairs = [tuple(int(d) for d in p) for p in lc.positions(np.asarray(instr.attrs["pairs"]).reshape(-1, 2))]
     rounds: list[list] = []
     for src, dst in pairs:
         free = next((r for r in rounds if all(s != src for s, _ in r)), None)

@@ -28,13 +28,15 @@ class Conversion(Builder):
     """A Builder for one (sub-)program being converted from a jaxpr."""
 
     def __init__(self, program: Program, inline: Inline, origin: str = "",
-                 manual_meshes: Optional[list] = None, mesh: Optional[Mesh] = None):
+                 manual_meshes: Optional[list] = None, mesh: Optional[Mesh] = None,
+                 meshes: Optional[list] = None):
         super().__init__(program, origin)
         self._inline = inline
         self.mesh = mesh   # gspmd.jit(mesh=...)
         # Meshes of the manual regions being converted, innermost last: collectives over
         # named axes inside them resolve their device groups here.
         self.manual_meshes = [] if manual_meshes is None else manual_meshes
+        self.meshes = [] if meshes is None else meshes   # every mesh mesh_of resolved
 
     def inline(self, jaxpr, args: Sequence[Value]) -> list[Value]:
         """Convert a sub-jaxpr (closed or open) in place, with `args` as its inputs."""
@@ -42,12 +44,17 @@ class Conversion(Builder):
 
     def on(self, program: Program) -> "Conversion":
         """A Conversion onto another program (a loop body) sharing this one's state."""
-        return Conversion(program, self._inline, self.origin, self.manual_meshes, self.mesh)
+        return Conversion(program, self._inline, self.origin, self.manual_meshes, self.mesh, self.meshes)
 
     def mesh_of(self, jax_mesh) -> Mesh:
         """The gspmd Mesh of a jax mesh named in the program (a NamedSharding's, a
         shard_map's). An abstract one (from a bare PartitionSpec) is the concrete mesh
         that jax.set_mesh put around the call, else gspmd.jit(mesh=...), with its axes."""
+        mesh = self._resolve(jax_mesh)
+        self.meshes.append(mesh)
+        return mesh
+
+    def _resolve(self, jax_mesh) -> Mesh:
         if isinstance(jax_mesh, jax.sharding.Mesh):
             return Mesh.from_jax(jax_mesh)
         axes = tuple(zip(jax_mesh.axis_names, jax_mesh.axis_sizes))
@@ -98,16 +105,28 @@ def physical_aval(aval) -> tuple[tuple[int, ...], np.dtype]:
 
 
 class LowerContext:
-    """The jax backend runs the per-device program inside a shard_map over one mesh
-    axis, so partition-id is that axis' index; lowerings of ops with sub-programs run
-    them through `run`."""
+    """The jax backend runs the per-device program inside a shard_map over a mesh whose
+    axes `axis` names (collectives span them all, flattened: a device's mesh position is
+    its axis index); `ids[p]` is the device id at position p (None: p itself). Lowerings
+    of ops with sub-programs run them through `run`."""
 
-    def __init__(self, axis: str, run: Callable[[Program, Sequence], list]):
+    def __init__(self, axis, run: Callable[[Program, Sequence], list], ids: Optional[np.ndarray] = None):
         self.axis = axis
         self.run = run
+        self.ids = ids
 
     def axis_index(self):
+        """This device's position in the mesh."""
         return lax.axis_index(self.axis)
 
     def axis_size(self) -> int:
         return lax.axis_size(self.axis)
+
+    def device_id(self):
+        """This device's id (partition-id)."""
+        return self.axis_index() if self.ids is None else jax.numpy.asarray(self.ids, np.int32)[self.axis_index()]
+
+    def positions(self, device_ids) -> np.ndarray:
+        """Mesh positions of device ids (collectives' groups and pairs name positions)."""
+        device_ids = np.asarray(device_ids, np.int64)
+        return device_ids if self.ids is None else np.argsort(self.ids)[device_ids]

@@ -1,37 +1,34 @@
-"""The jax backend: runs an SPMD program on jax devices as ONE jitted `jax.shard_map`.
+"""The jax backend: runs an SPMD program on jax devices as ONE jax.jit around a
+`jax.shard_map` of the per-device program.
 
-The shard_map is over a 1-D jax mesh (axis "d") of the first N jax devices in order, so
-partition-id == axis index == our device id, and our collectives' device groups are
-`axis_index_groups` as they stand. The body is the per-device program, translated
-instruction by instruction through each op record's `lower` (gspmd/ops). Each parameter travels as its per-device (padded) shards stacked along dim
-0 (a jax.Array already laid out our way is used in place); outputs come back as
-jax.Arrays with our sharding as a NamedSharding (over the user's mesh where a
-dims_mapping expresses it, else over a mesh shaped like the tile assignment) or, where
-shards are uneven (which a NamedSharding cannot express), assembled on every device
-inside the same program. Multi-process runs need nothing else: each process feeds and
-reads its own devices' shards.
+The shard_map is over the user's mesh (as a jax Mesh); collectives span all of its axes,
+flattened, so a device's mesh position is its axis index and our device groups become
+`axis_index_groups` over positions (device ids map to positions through the mesh's
+device order: ops.convert.LowerContext). The body is the per-device program, translated
+instruction by instruction through each op record's `lower` (gspmd/ops). Arguments and
+results are global jax.Arrays whose NamedShardings over the user's mesh are our
+shardings (or, where shards are uneven or the mesh cannot express a layout, the finest
+coarser one: the body slices or assembles the rest). Multi-process runs need nothing
+else: jax.jit feeds each process's devices.
 """
 from __future__ import annotations
 
-import itertools
 import math
 import re
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh as JaxMesh, NamedSharding, PartitionSpec as P
+from jax import numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from gspmd import ops
 from gspmd.errors import ShardingError
 from gspmd.ir import Instr, Program, Value
 from gspmd.mesh import Mesh
 from gspmd.ops.convert import LowerContext
-from gspmd.runtime import sim
-from gspmd.sharding import UNSPECIFIED, Sharding
-
-AXIS = "d"
+from gspmd.sharding import UNSPECIFIED, Sharding, spec_of
 
 
 def lower_instr(instr: Instr, args: list, lc: LowerContext) -> list:
@@ -45,10 +42,13 @@ def lower_instr(instr: Instr, args: list, lc: LowerContext) -> list:
     return lower(instr, args, lc)
 
 
+def _identity(x):
+    return x
+
+
 # -- the executable --------------------------------------------------------------------------
-def _run_body(spmd: Program, local_args: Sequence) -> list:
+def _run_body(spmd: Program, local_args: Sequence, lc: LowerContext) -> list:
     """The per-device program as jax calls (inside the shard_map body)."""
-    lc = LowerContext(AXIS, _run_body)
     env: dict[Value, object] = dict(zip(spmd.params, local_args))
     for instr in spmd.instrs:
         env.update(zip(instr.outputs, lower_instr(instr, [env[o] for o in instr.operands], lc)))
@@ -59,10 +59,10 @@ def is_even(sharding: Sharding, shape: Sequence[int]) -> bool:
     return all(d % t == 0 for d, t in zip(shape, sharding.tiles))
 
 
-def _assemble(local, sharding: Sharding, shape: Sequence[int]):
+def _assemble(local, sharding: Sharding, shape: Sequence[int], lc: LowerContext):
     """Inside the body: the global array from every device's (padded) shard."""
-    gathered = lax.all_gather(local, AXIS)                        # [N, *local]
-    owners = sharding.tile_assignment[..., 0].ravel()             # one device per tile
+    gathered = lax.all_gather(local, lc.axis)                             # [N, *local], by mesh position
+    owners = lc.positions(sharding.tile_assignment[..., 0].ravel())       # one device per tile
     tiles = gathered[owners].reshape(*sharding.tiles, *local.shape)
     r = len(shape)
     interleaved = tiles.transpose([i for d in range(r) for i in (d, r + d)])
@@ -70,132 +70,134 @@ def _assemble(local, sharding: Sharding, shape: Sequence[int]):
     return full[tuple(slice(0, n) for n in shape)]
 
 
-class Executable:
-    """An SPMD program compiled for jax devices; call it with the global arrays."""
+def _tile_of_block(block, value: Value, coarse: Sharding, lc: LowerContext):
+    """Inside the body: this device's (padded) shard of `value` from its block of the
+    coarser layout the array arrived in. Dims split only by value's sharding arrive
+    whole: pad them to tiles x shard size and slice at this device's offset."""
+    fine, shard = value.sharding, value.sharding.shard_shape(value.shape)
+    sliced = [d for d in range(value.rank) if fine.tiles[d] != coarse.tiles[d]]
+    widths = [(0, fine.tiles[d] * shard[d] - block.shape[d] if d in sliced else 0) for d in range(value.rank)]
+    block = jnp.pad(block, widths)
+    starts = [jnp.asarray(fine.coords()[:, d] * shard[d], np.int32)[lc.device_id()] if d in sliced else 0
+              for d in range(value.rank)]
+    return lax.dynamic_slice(block, starts, shard)
 
-    def __init__(self, spmd: Program, params: Sequence[Value], outputs: Sequence[Value], num_devices: int,
-                 user_mesh: Mesh | None = None):
-        devices = jax.devices()
-        if num_devices > len(devices):
-            raise ShardingError(
-                f"The program is partitioned for {num_devices} devices but jax has {len(devices)} "
-                f"({devices[0].platform}); on CPU set XLA_FLAGS=--xla_force_host_platform_device_count="
-                f"{num_devices} (or jax_num_cpu_devices) before importing jax.")
-        self.spmd, self.params, self.outputs = spmd, list(params), list(outputs)
-        self.devices = devices[:num_devices]
-        self.mesh = JaxMesh(np.array(self.devices), (AXIS,))
-        self.user_mesh = user_mesh
-        self._local = [i for i, d in enumerate(self.devices) if d.process_index == jax.process_index()]
-        self._named: dict[Sharding, NamedSharding] = {}
+
+class OtherSignature(Exception):
+    """An Executable was called with arguments of another signature than its own."""
+
+
+class Executable:
+    """An SPMD program compiled for the jax devices of `mesh`, as ONE jax.jit: global
+    arrays in and out, laid out as NamedShardings over the mesh; inside, a shard_map of
+    the per-device program. Layouts a NamedSharding cannot hold (uneven shards, or not
+    expressible over this mesh) travel in the finest coarser one: the body slices its
+    shard out of such an input and assembles such an output.
+
+    Call it with the flat global arguments (NumPy arrays or jax.Arrays): a jax.Array
+    already laid out as `input_sharding(i)` is used in place, any other is moved there
+    by one device_put; arguments in `donate` give their buffers to the outputs."""
+
+    def __init__(self, spmd: Program, params: Sequence[Value], outputs: Sequence[Value], mesh: Mesh,
+                 donate: Sequence[int] = (), wrap: Callable[[Callable], Callable] = _identity):
+        """`wrap` turns the traced program into what is jitted (the caller's custom
+        differentiation and batching rules around it)."""
+        self.spmd, self.params, self.outputs, self.mesh = spmd, list(params), list(outputs), mesh
+        self.jax_mesh = mesh.to_jax()      # raises a clear error when jax has too few devices
+        ids = mesh.devices.ravel()
+        self._ids = None if np.array_equal(ids, np.arange(mesh.size)) else ids
+        self.in_shardings = [self.named_sharding(p.sharding, p.shape) for p in self.params]
+        self.out_shardings = [self.named_sharding(v.sharding, v.shape) for v in self.outputs]
+        self._coarse_in = [self._coarse(ns, v) for ns, v in zip(self.in_shardings, self.params)]
+        self._coarse_out = [self._coarse(ns, v) for ns, v in zip(self.out_shardings, self.outputs)]
+        self.jitted = jax.jit(wrap(self._run_global), in_shardings=tuple(self.in_shardings),
+                              out_shardings=tuple(self.out_shardings), donate_argnums=tuple(donate))
         self._compiled = None
+        self.multiprocess = jax.process_count() > 1
 
     # -- layouts ------------------------------------------------------------------------
-    def _stacked(self, local: Value) -> tuple[tuple[int, ...], NamedSharding]:
-        """How a per-device value travels: shards concatenated along dim 0 over "d"."""
-        if local.rank == 0:
-            return (), NamedSharding(self.mesh, P())
-        return (len(self.devices) * local.shape[0],) + local.shape[1:], NamedSharding(self.mesh, P(AXIS))
+    def named_sharding(self, sharding: Sharding, shape: Sequence[int]) -> NamedSharding:
+        """The finest NamedSharding over the mesh that `sharding` refines and that splits
+        `shape` evenly: exactly `sharding` where it can be."""
+        mapping = sharding.dims_mapping(self.mesh) or [None] * sharding.rank
+        even = [axes if axes and n % t == 0 else None for axes, n, t in zip(mapping, shape, sharding.tiles)]
+        return NamedSharding(self.jax_mesh, spec_of(even))
 
-    def named_sharding(self, sharding: Sharding) -> NamedSharding:
-        """Our sharding as a jax NamedSharding: over the user's mesh where some dims_mapping
-        gives it (so that arrays can meet in one jax.jit), else over a mesh shaped like
-        the tile assignment."""
-        if sharding not in self._named:
-            mapping = dims_mapping_of(sharding, self.user_mesh) if self.user_mesh else None
-            if mapping is not None:
-                self._named[sharding] = mesh_split_sharding(self.user_mesh, mapping)
-                return self._named[sharding]
-            names = tuple(f"t{i}" for i in range(sharding.rank)) + ("replica",)
-            devices = np.array(self.devices, dtype=object)[sharding.tile_assignment]
-            self._named[sharding] = NamedSharding(JaxMesh(devices, names), P(*names[:-1]))
-        return self._named[sharding]
+    def _coarse(self, named: NamedSharding, value: Value) -> Sharding | None:
+        """The layout `named` gives value, when coarser than value's own (None: the same)."""
+        coarse = Sharding.from_named(named, value.shape) if value.rank else value.sharding
+        return None if coarse == value.sharding else coarse
 
-    def input_sharding(self, i: int) -> NamedSharding | None:
-        """The layout in which argument i is used without copies (None: uneven shards)."""
-        p = self.params[i]
-        return self.named_sharding(p.sharding) if is_even(p.sharding, p.shape) else None
+    def input_sharding(self, i: int) -> NamedSharding:
+        """The layout in which argument i is used without copies."""
+        return self.in_shardings[i]
 
     # -- compile ------------------------------------------------------------------------
     @property
     def compiled(self) -> jax.stages.Compiled:
+        """The compiled program (for its HLO text and memory analysis)."""
         if self._compiled is None:
-            in_types = [jax.ShapeDtypeStruct(shape, p.dtype, sharding=sharding)
-                        for p in self.spmd.params for shape, sharding in [self._stacked(p)]]
-            with jax.set_mesh(self.mesh):   # not the caller's jax.set_mesh: the program runs over "d"
-                self._compiled = jax.jit(self._shard_mapped()).lower(*in_types).compile()
+            in_types = [jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s) for p, s in zip(self.params, self.in_shardings)]
+            self._compiled = self.jitted.lower(*in_types).compile()
         return self._compiled
 
-    def _shard_mapped(self):
-        def body(*local_args):
-            outs = _run_body(self.spmd, local_args)
-            return tuple(o if is_even(v.sharding, v.shape) else _assemble(o, v.sharding, v.shape)
-                         for o, v in zip(outs, self.outputs))
-        in_specs = tuple(self._stacked(p)[1].spec for p in self.spmd.params)
-        out_specs = tuple(self._stacked(local)[1].spec if is_even(v.sharding, v.shape) else P()
-                          for local, v in zip(self.spmd.outputs, self.outputs))
-        return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    def _run_global(self, *args):
+        if any(tuple(x.shape) != p.shape or np.dtype(x.dtype) != p.dtype for x, p in zip(args, self.params)):
+            raise OtherSignature()      # jax retraces for another signature: not this program's
+        in_specs = tuple(s.spec for s in self.in_shardings)
+        out_specs = tuple(P() if coarse is not None else s.spec for s, coarse in zip(self.out_shardings, self._coarse_out))
+        with jax.sharding.use_abstract_mesh(self.jax_mesh.abstract_mesh):   # whatever jax.set_mesh says outside
+            return jax.shard_map(self._body, mesh=self.jax_mesh, in_specs=in_specs, out_specs=out_specs,
+                                 check_vma=False)(*args)
+
+    def _body(self, *blocks):
+        lc = LowerContext(self.jax_mesh.axis_names, lambda program, args: _run_body(program, args, lc), self._ids)
+        local = [b if coarse is None else _tile_of_block(b, p, coarse, lc)
+                 for b, p, coarse in zip(blocks, self.params, self._coarse_in)]
+        outs = _run_body(self.spmd, local, lc)
+        return tuple(o if coarse is None else _assemble(o, v.sharding, v.shape, lc)
+                     for o, v, coarse in zip(outs, self.outputs, self._coarse_out))
 
     # -- run ------------------------------------------------------------------------------
-    def shard_inputs(self, flat_args: Sequence) -> list[jax.Array]:
-        """Global arrays -> the stacked per-device buffers the compiled program takes.
-        Each process builds only its own devices' shards."""
-        return [self._shard_one(x, p, local) for x, p, local in zip(flat_args, self.params, self.spmd.params)]
-
-    def _shard_one(self, x, param: Value, local: Value) -> jax.Array:
-        shape, stacked = self._stacked(local)
-        if isinstance(x, jax.Array) and self._holds_our_shards(x, param):
-            by_device = {s.device: s.data for s in x.addressable_shards}
-            buffers = [by_device[self.devices[d]] for d in self._local]
-        else:
-            shards = sim.shard(_host_array(x, param), param.sharding)
-            buffers = [jax.device_put(shards[d], self.devices[d]) for d in self._local]
-        return jax.make_array_from_single_device_arrays(shape, stacked, buffers)
-
-    def _holds_our_shards(self, x: jax.Array, param: Value) -> bool:
-        """True if each device already holds exactly (unpadded) our shard of x."""
-        if not is_even(param.sharding, param.shape) or param.rank == 0:
-            return False
-        indices = x.sharding.devices_indices_map(param.shape)
-        for d in self._local:
-            want = sim.tile_slices(param.sharding, param.shape, d)
-            got = indices.get(self.devices[d])
-            if got is None or [s.indices(n)[:2] for s, n in zip(got, param.shape)] != \
-                    [(s.start, s.stop) for s in want]:
-                return False
-        return True
-
-    def run_sharded(self, stacked: Sequence[jax.Array]) -> list[jax.Array]:
-        """Run on buffers from shard_inputs; returns the raw per-device outputs."""
-        return list(self.compiled(*stacked))
-
     def __call__(self, flat_args: Sequence) -> list[jax.Array]:
-        return [self._global(raw, v) for raw, v in zip(self.run_sharded(self.shard_inputs(flat_args)),
-                                                       self.outputs)]
+        if self.multiprocess:    # jax.jit takes no NumPy inputs for shardings spanning processes
+            flat_args = self.place(flat_args) or flat_args
+        try:
+            return list(self.jitted(*flat_args))
+        except ValueError:
+            placed = self.place(flat_args)
+            if placed is None:     # not a layout mismatch
+                raise
+            return list(self.jitted(*placed))
 
-    def _global(self, raw: jax.Array, value: Value) -> jax.Array:
-        if not is_even(value.sharding, value.shape) or value.rank == 0:
-            return raw    # already the global array, replicated
-        buffers = [s.data for s in raw.addressable_shards]   # each is exactly our shard
-        return jax.make_array_from_single_device_arrays(value.shape, self.named_sharding(value.sharding), buffers)
+    def place(self, flat_args: Sequence) -> list | None:
+        """The arguments with every jax.Array in another layout moved to its input
+        sharding (one device_put each), and in multi-process runs every NumPy array
+        made a global jax.Array from this process's shards; None if nothing moved."""
+        if any(isinstance(x, jax.core.Tracer) for x in flat_args):
+            return None      # inside a transformation jax places the values
+        moved = [not x.sharding.is_equivalent_to(s, x.ndim) if isinstance(x, jax.Array) else self.multiprocess
+                 for x, s in zip(flat_args, self.in_shardings)]
+        if not any(moved):
+            return None
+        return [_move(x, s) if m else x for x, s, m in zip(flat_args, self.in_shardings, moved)]
 
 
-def dims_mapping_of(sharding: Sharding, mesh: Mesh) -> list | None:
-    """A dims_mapping with which mesh_split over `mesh` gives exactly `sharding`, or None.
-    Tries each way to hand the mesh axes to tensor dims (meshes have few axes)."""
-    for owner in itertools.product(range(sharding.rank + 1), repeat=mesh.ndim):   # rank: replicated
-        per_dim = [[a for a in range(mesh.ndim) if owner[a] == d] for d in range(sharding.rank)]
-        if any(math.prod(mesh.shape[a] for a in axes) != t for axes, t in zip(per_dim, sharding.tiles)):
-            continue
-        for orders in itertools.product(*(itertools.permutations(axes) for axes in per_dim)):
-            mapping = [tuple(order) or None for order in orders]
-            if Sharding.from_mesh(mesh, mapping, (1,) * sharding.rank) == sharding:
-                return mapping
-    return None
+def _move(x, sharding: NamedSharding) -> jax.Array:
+    """x laid out as `sharding`. A host array (the same in every process) gives each
+    process its own shards; an array spread over several processes moves inside a
+    (cached) jitted identity, which every process runs."""
+    if not isinstance(x, jax.Array):
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+    if x.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    return jax.jit(_identity, out_shardings=sharding)(x)
 
 
 def mesh_split_sharding(mesh: Mesh, dims_mapping: Sequence) -> NamedSharding:
-    """What mesh_split(x, mesh, dims_mapping) asks for, as a NamedSharding over jax devices
-    (device id d is jax.devices()[d]); UNSPECIFIED dims are left to XLA."""
+    """What mesh_split(x, mesh, dims_mapping) asks for, as a NamedSharding over the mesh's
+    jax devices; UNSPECIFIED dims are left to XLA."""
     def spec(entry):
         if entry is UNSPECIFIED:
             return P.UNCONSTRAINED
@@ -203,22 +205,12 @@ def mesh_split_sharding(mesh: Mesh, dims_mapping: Sequence) -> NamedSharding:
             return None
         entries = entry if isinstance(entry, (tuple, list)) else (entry,)
         return tuple(mesh.axis_names[mesh.axis_index(e)] for e in entries)
-    devices = np.array(jax.devices()[:mesh.size], dtype=object)[mesh.devices]
-    return NamedSharding(JaxMesh(devices, mesh.axis_names), P(*map(spec, dims_mapping)))
+    return NamedSharding(mesh.to_jax(), P(*map(spec, dims_mapping)))
 
 
 def xla_constraint(x, mesh: Mesh, dims_mapping: Sequence):
     """mesh_split for XLA's own partitioner: use as mesh_split_as(xla_constraint)."""
     return jax.lax.with_sharding_constraint(x, mesh_split_sharding(mesh, dims_mapping))
-
-
-def _host_array(x, param: Value) -> np.ndarray:
-    if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
-        raise ShardingError(
-            f"Argument %{param.name} {param.type_str()} is a jax.Array spread over several processes whose "
-            f"layout differs from its sharding {param.sharding}; pass a NumPy array (each process then "
-            "feeds its own devices' shards) or a jax.Array laid out as Executable.input_sharding(i).")
-    return np.asarray(x, param.dtype)
 
 
 _HLO_COLLECTIVE = re.compile(r"=\s*(\([^=]*?\)|\w+\[[\d,]*\]\S*)\s+(all-reduce|all-gather|reduce-scatter|all-to-all|"

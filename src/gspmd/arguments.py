@@ -1,0 +1,198 @@
+"""How gspmd.jit reads a call's arguments, as jax.jit and eqx.filter_jit do.
+
+Array leaves (NumPy and jax arrays, NumPy scalars, tracers) are the program's
+parameters; every other leaf (Python numbers, strings, functions such as an Equinox
+module's activation) is static: part of the cache key and passed through unchanged.
+`static_argnums`/`static_argnames` make whole arguments static.
+"""
+from __future__ import annotations
+
+import difflib
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import numpy as np
+
+from gspmd.errors import ShardingError
+
+_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, jax.core.Tracer, jax.ShapeDtypeStruct)
+try:   # the concrete jax.Array class, looked up by exact type before the isinstance checks
+    from jax._src.array import ArrayImpl
+    _FAST_ARRAY_TYPES = {np.ndarray, ArrayImpl}
+except ImportError:
+    _FAST_ARRAY_TYPES = {np.ndarray}
+_STATIC = object()   # marks a static leaf in a cache key
+
+
+def is_array(x) -> bool:
+    return type(x) in _FAST_ARRAY_TYPES or isinstance(x, _ARRAY_TYPES)
+
+
+def leaf_key(x) -> tuple:
+    """What a leaf contributes to the cache key: shape and dtype, or its static value."""
+    if type(x) in _FAST_ARRAY_TYPES or isinstance(x, _ARRAY_TYPES):
+        return (x.shape, x.dtype)
+    return (_STATIC, type(x), x)
+
+
+def is_static_key(key: tuple) -> bool:
+    return key[0] is _STATIC
+
+
+class Signature:
+    """The wrapped function's parameters: which arguments are static, which donated,
+    and the names reports give them."""
+
+    def __init__(self, fn: Callable, static_argnums: Sequence[int], static_argnames: Sequence[str],
+                 donate_argnums: Sequence[int]):
+        self.name = getattr(fn, "__name__", type(fn).__name__)
+        try:
+            self.parameters: Optional[dict] = dict(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):   # builtins and some callables have none
+            self.parameters = None
+        self.static_argnums = _ints(static_argnums, "static_argnums")
+        self.static_argnames = tuple(static_argnames) if not isinstance(static_argnames, str) else (static_argnames,)
+        self.donate_argnums = _ints(donate_argnums, "donate_argnums")
+        positional = self._positional_names()
+        for name in self.static_argnames:
+            if self.parameters is not None and name not in self.parameters and not self._takes_var_keywords():
+                raise ShardingError(f"static_argnames names {name!r}, which is not a parameter of {self.name}"
+                                    f"{self._parameter_list()}; {_suggest(name, self.parameters)}")
+            if name in positional:   # also static when passed by position (as jax.jit)
+                self.static_argnums += (positional.index(name),)
+        self.static_argnames += tuple(positional[i] for i in self.static_argnums
+                                      if 0 <= i < len(positional) and positional[i] not in self.static_argnames)
+        self.simple = not self.static_argnums and not self.static_argnames
+
+    def _positional_names(self) -> list[str]:
+        if self.parameters is None:
+            return []
+        kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        return [n for n, p in self.parameters.items() if p.kind in kinds]
+
+    def _takes_var_keywords(self) -> bool:
+        return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in self.parameters.values())
+
+    def _parameter_list(self) -> str:
+        return f"({', '.join(self.parameters)})" if self.parameters is not None else ""
+
+    # -- per call ---------------------------------------------------------------------
+    def split_static(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, tuple]:
+        """(dynamic args, dynamic kwargs, static part of the key)."""
+        if self.simple:
+            return args, kwargs, ()
+        n = len(args)
+        nums = {i % n for i in self.static_argnums if -n <= i < n}
+        static = tuple((i, args[i]) for i in sorted(nums)) + tuple(
+            (k, kwargs[k]) for k in sorted(kwargs) if k in self.static_argnames)
+        args = tuple(a for i, a in enumerate(args) if i not in nums)
+        kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
+        return args, kwargs, static
+
+    def check_call(self, args: tuple, kwargs: dict) -> None:
+        """A ShardingError for a call the function cannot take (unknown keyword, wrong
+        number of arguments), said in its parameters' names."""
+        if self.parameters is None:
+            return
+        try:
+            inspect.Signature(list(self.parameters.values())).bind(*args, **kwargs)
+        except TypeError as e:
+            unknown = [k for k in kwargs if k not in self.parameters]
+            if unknown and not self._takes_var_keywords():
+                raise ShardingError(
+                    f"{self.name}{self._parameter_list()} got an unknown keyword argument {unknown[0]!r}; "
+                    f"{_suggest(unknown[0], self.parameters)}") from None
+            raise ShardingError(f"{self.name}{self._parameter_list()} cannot take these arguments: {e}.") from None
+
+    def rebuild(self, static: tuple, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The call's full arguments from its dynamic ones and the static part."""
+        args, kwargs = list(args), dict(kwargs)
+        for where, value in static:
+            if isinstance(where, int):
+                args.insert(where, value)
+            else:
+                kwargs[where] = value
+        return tuple(args), kwargs
+
+    def arg_name(self, i: int) -> str:
+        """The name of positional argument i (args[i] past a *args)."""
+        names = self._positional_names()
+        return names[i] if i < len(names) else f"args[{i}]"
+
+    def donated_leaves(self, args: tuple, kwargs: dict, static: tuple) -> tuple[int, ...]:
+        """Indices among the flat dynamic leaves of the donated positional arguments."""
+        if not self.donate_argnums:
+            return ()
+        full, _ = self.rebuild(static, args, {})
+        n = len(full)
+        donated = {i % n for i in self.donate_argnums if -n <= i < n}
+        static_nums = {w for w, _ in static if isinstance(w, int)}
+        out, start = [], 0
+        for i, a in enumerate(full):
+            if i in static_nums:
+                continue
+            leaves = jax.tree_util.tree_leaves(a)
+            arrays = [j for j, x in enumerate(leaves) if is_array(x)]
+            if i in donated:
+                out.extend(start + j for j in range(len(arrays)))
+            start += len(arrays)
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class Template:
+    """One cache entry's call shape: rebuilds the full call from the dynamic leaves."""
+    treedef: Any
+    keys: tuple           # leaf_key of every leaf
+    static: tuple         # static whole arguments
+    dynamic: Optional[tuple[int, ...]]   # positions of the array leaves (None: all)
+
+    @classmethod
+    def of(cls, treedef, keys: tuple, static: tuple) -> "Template":
+        dynamic = tuple(i for i, k in enumerate(keys) if not is_static_key(k))
+        return cls(treedef, keys, static, None if len(dynamic) == len(keys) else dynamic)
+
+    def dynamic_leaves(self, leaves: list) -> list:
+        return leaves if self.dynamic is None else [leaves[i] for i in self.dynamic]
+
+    def leaves(self, dynamic: Sequence) -> list:
+        if self.dynamic is None:
+            return list(dynamic)
+        out = [k[2] if is_static_key(k) else None for k in self.keys]
+        for i, x in zip(self.dynamic, dynamic):
+            out[i] = x
+        return out
+
+
+def paths(signature: Signature, args: tuple, kwargs: dict, static: tuple) -> list[str]:
+    """The user's name for each leaf of the dynamic (args, kwargs): params['layer0']['w1']."""
+    static_nums = sorted(w for w, _ in static if isinstance(w, int))
+    positions = [i for i in range(len(args) + len(static_nums)) if i not in static_nums]
+    named = [(signature.arg_name(i), a) for i, a in zip(positions, args)] + sorted(kwargs.items())   # as tree_flatten
+    return [name + jax.tree_util.keystr(p) for name, tree in named
+            for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def result_paths(out_tree) -> list[str]:
+    """result, result[0], result['loss'], ...: the user's name for each output leaf."""
+    try:
+        tree = jax.tree_util.tree_unflatten(out_tree, [0] * out_tree.num_leaves)
+    except Exception:   # a custom pytree that cannot be rebuilt from placeholders
+        return [f"result[{i}]" for i in range(out_tree.num_leaves)]
+    return ["result" + jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _ints(values, what: str) -> tuple[int, ...]:
+    values = (values,) if isinstance(values, int) else tuple(values)
+    for v in values:
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
+            raise ShardingError(f"{what} must be ints (argument positions), got {v!r}.")
+    return tuple(int(v) for v in values)
+
+
+def _suggest(name: str, parameters: Optional[dict]) -> str:
+    close = difflib.get_close_matches(name, list(parameters or ()), n=1)
+    known = f"its parameters are {list(parameters)}" if parameters else "it takes no keywords"
+    return f"did you mean {close[0]!r}?" if close else f"{known}."

@@ -1,0 +1,202 @@
+"""gspmd.jit behaves like jax.jit: grad/jit/vmap around it, keyword, static and donated
+arguments, non-array leaves (a whole Equinox module), in_shardings/out_shardings, jax
+meshes, PartitionSpecs and NamedShardings, and outputs laid out over the user's mesh."""
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import gspmd
+from gspmd.frontend.annotation import unpartitioned
+from util import BACKENDS, assert_close, rand
+
+MESH = gspmd.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
+RNG = np.random.RandomState(0)
+X, W = rand(RNG, 8, 16), rand(RNG, 16, 8)
+
+
+def loss(x, w):
+    x = gspmd.mesh_split(x, MESH, ["x", None])
+    w = gspmd.mesh_split(w, MESH, [None, "y"])
+    return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+
+def reference(fn, *args, **kwargs):
+    with unpartitioned():
+        return fn(*args, **kwargs)
+
+
+# -- composition with JAX transformations ----------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grad_and_value_and_grad(backend):
+    f = gspmd.jit(loss, mesh=MESH, backend=backend)
+    assert_close(jax.grad(f, argnums=(0, 1))(X, W), reference(jax.grad(loss, argnums=(0, 1)), X, W))
+    assert_close(jax.value_and_grad(f)(X, W), reference(jax.value_and_grad(loss), X, W))
+    # The backward pass is a partitioned program too, with the forward's annotations.
+    (backward,) = f.lower(X, W)._backward._cache.values()
+    assert backward.sharding_of("result[0]") == gspmd.Sharding.from_mesh(MESH, ["x", None], X.shape)
+    assert backward.report().counts()["all-reduce"] >= 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inside_jax_jit_and_jit_of_grad(backend):
+    f = gspmd.jit(loss, mesh=MESH, backend=backend)
+    assert_close(jax.jit(lambda x, w: 2 * f(x, w))(X, W), 2 * reference(loss, X, W))
+    assert_close(jax.jit(jax.grad(f))(X, W), reference(jax.grad(loss), X, W))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_vmap_over_it_and_grad_of_vmap(backend):
+    f = gspmd.jit(loss, mesh=MESH, backend=backend)
+    xs = np.stack([X, 2 * X, -X])
+    assert_close(jax.vmap(f, in_axes=(0, None))(xs, W), reference(jax.vmap(loss, in_axes=(0, None)), xs, W))
+
+    def total(w):
+        return jax.vmap(f, in_axes=(0, None))(xs, w).sum()
+    assert_close(jax.grad(total)(W), reference(jax.grad(lambda w: jax.vmap(loss, in_axes=(0, None))(xs, w).sum()), W))
+
+
+def test_integer_inputs_get_zero_gradients():
+    def f(x, n):
+        return gspmd.mesh_split(x, MESH, ["x", None]).sum() * n
+    g = jax.grad(gspmd.jit(f, mesh=MESH))(X, np.int32(3))
+    assert_close(g, np.full_like(X, 3))
+
+
+# -- arguments ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_keyword_and_static_arguments(backend):
+    def f(x, w, *, scale, activation="tanh"):
+        y = gspmd.mesh_split(x, MESH, ["x", None]) @ w
+        return getattr(jnp, activation)(y) * scale
+
+    g = gspmd.jit(f, mesh=MESH, backend=backend, static_argnames="activation")
+    assert_close(g(X, w=W, scale=np.float32(2)), reference(f, X, W, scale=np.float32(2)))
+    assert_close(g(X, W, scale=np.float32(2), activation="sin"), reference(f, X, W, scale=2.0, activation="sin"))
+    h = gspmd.jit(lambda x, n: gspmd.mesh_split(x, MESH, ["x", None]) * n, mesh=MESH, backend=backend,
+                  static_argnums=1)
+    assert_close(h(X, 3), X * 3)
+    assert len(h._cache) == 1 and h.lower(X, 3) is h.lower(X, 3) and h.lower(X, 4) is not h.lower(X, 3)
+
+
+def test_python_numbers_and_functions_are_static_like_filter_jit():
+    def f(x, p):
+        return p["act"](gspmd.mesh_split(x, MESH, ["x", None])) * p["scale"]
+    g = gspmd.jit(f, mesh=MESH)
+    assert_close(g(X, {"act": jnp.tanh, "scale": 2.0}), np.tanh(X) * 2)
+    low = g.lower(X, {"act": jnp.tanh, "scale": 2.0})
+    assert len(low.program.params) == 1
+    assert g.lower(X, {"act": jnp.tanh, "scale": 3.0}) is not low
+
+
+class Mlp(eqx.Module):
+    layers: list
+    activation: callable = eqx.field(static=False)
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.layers = [eqx.nn.Linear(16, 32, key=k1), eqx.nn.Linear(32, 4, key=k2)]
+        self.activation = jax.nn.relu      # a non-array leaf: static, as eqx.filter_jit does
+
+    def __call__(self, x):
+        return self.layers[1](self.activation(self.layers[0](x)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_equinox_module_passed_whole(backend):
+    model = Mlp(jax.random.PRNGKey(0))
+    xs = rand(RNG, 8, 16)
+
+    def loss_fn(model, xs):
+        return jnp.mean(jax.vmap(model)(gspmd.mesh_split(xs, MESH, ["x", None])) ** 2)
+    f = gspmd.jit(loss_fn, mesh=MESH, backend=backend)
+    assert_close(f(model, xs), reference(eqx.filter_jit(loss_fn), model, xs))
+    grads = eqx.filter_grad(f)(model, xs)
+    want = reference(eqx.filter_grad(loss_fn), model, xs)
+    assert_close(grads.layers[0].weight, want.layers[0].weight)
+    low = f.lower(model, xs)
+    assert "model.layers[0].weight" in low.as_text()
+
+
+def test_donated_buffers_are_reused_on_the_jax_backend():
+    def step(w, g):
+        return gspmd.mesh_split(w, MESH, [None, "y"]) - 0.1 * g
+    f = gspmd.jit(step, mesh=MESH, backend="jax", donate_argnums=0)
+    w = jax.device_put(W, f.lower(W, W).jax_executable().input_sharding(0))
+    out = f(w, W)
+    assert w.is_deleted() and not out.is_deleted()
+    assert_close(out, W - 0.1 * W)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_in_and_out_shardings_instead_of_annotations(backend):
+    def f(x, w):
+        return jnp.tanh(x @ w)
+    g = gspmd.jit(f, mesh=MESH, backend=backend, in_shardings=(P("x"), P(None, "y")), out_shardings=P("x", "y"))
+    assert_close(g(X, W), np.tanh(X @ W), atol=1e-5)
+    low = g.lower(X, W)
+    assert low.sharding_of("x") == gspmd.Sharding.from_mesh(MESH, ["x", None], X.shape)
+    assert low.sharding_of(0) == gspmd.Sharding.from_mesh(MESH, ["x", "y"], (8, 8))
+    named = gspmd.jit(f, backend=backend, in_shardings=NamedSharding(MESH.to_jax(), P("x")))
+    assert named.lower(X, W).sharding_of("w") == gspmd.Sharding.from_mesh(MESH, ["x", None], W.shape)
+
+
+# -- jax.sharding spoken natively -----------------------------------------------------------------
+@pytest.mark.parametrize("make", ["make_mesh", "Mesh"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_jax_mesh_partition_spec_and_named_sharding(make, backend):
+    jmesh = jax.make_mesh((2, 4), ("x", "y")) if make == "make_mesh" else \
+        jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
+
+    def f(x, w):
+        x = gspmd.mesh_split(x, jmesh, P("x"))                           # short form: padded with None
+        w = gspmd.mesh_split(w, NamedSharding(jmesh, P(None, "y")))
+        return jnp.tanh(x @ w)
+    g = gspmd.jit(f, mesh=jmesh, backend=backend)
+    assert_close(g(X, W), np.tanh(X @ W), atol=1e-5)
+    low = g.lower(X, W)
+    assert low.mesh == gspmd.Mesh.from_jax(jmesh) == MESH
+    assert low.sharding_of(0) == gspmd.Sharding.from_mesh(MESH, ["x", "y"], (8, 8))
+
+
+def test_mesh_round_trips_through_jax():
+    jmesh = jax.sharding.Mesh(np.array(jax.devices())[[3, 1, 0, 2, 7, 6, 5, 4]].reshape(2, 4), ("a", "b"))
+    mesh = gspmd.Mesh.from_jax(jmesh)
+    assert mesh.devices.tolist() == [[3, 1, 0, 2], [7, 6, 5, 4]] and mesh.axis_names == ("a", "b")
+    assert mesh.to_jax().devices.tolist() == jmesh.devices.tolist()
+    assert gspmd.Mesh(jmesh.devices, ("a", "b")) == mesh
+    sub = gspmd.Mesh.from_jax(jax.sharding.Mesh(np.array(jax.devices()[4:]), ("z",)))
+    assert sub.devices.tolist() == [0, 1, 2, 3] and sub.jax_devices() == jax.devices()[4:]
+    assert not sub.same_devices(gspmd.Mesh(np.arange(4), ("z",)))
+
+
+def test_partition_spec_unconstrained_is_unspecified():
+    def f(x):
+        return gspmd.mesh_split(gspmd.mesh_split(x, MESH, P("x", P.UNCONSTRAINED)), MESH, [None, "y"]) * 2
+    low = gspmd.jit(f, mesh=MESH).lower(X)
+    first = [i for i in low.program.instrs if i.opcode == "sharding"][0]
+    assert first.attrs["unspecified"] == (1,)
+    assert low.sharding_of(0) == gspmd.Sharding.from_mesh(MESH, [None, "y"], X.shape)
+
+
+def test_outputs_carry_named_shardings_over_the_users_mesh():
+    mesh = gspmd.Mesh(np.array([3, 1, 0, 2, 7, 6, 5, 4]).reshape(2, 4), ("data", "model"))
+
+    def f(x, w):
+        x = gspmd.mesh_split(x, mesh, ["data", None])
+        return x @ gspmd.mesh_split(w, mesh, [None, "model"]), x[:5]     # the second: uneven over "data"
+    y, head = gspmd.jit(f, backend="jax")(X, W)          # no jit(mesh=): the annotations' mesh
+    assert y.sharding == NamedSharding(mesh.to_jax(), P("data", "model"))
+    assert head.sharding.mesh == mesh.to_jax()           # uneven: replicated over that dim, same mesh
+    assert_close((y, head), (X @ W, X[:5]), atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", [P(), P("y"), P(None, ("x", "y"))])
+def test_jax_array_inputs_in_any_layout(layout):
+    f = gspmd.jit(loss, mesh=MESH, backend="jax")
+    x = jax.device_put(X, NamedSharding(MESH.to_jax(), layout))
+    assert_close(f(x, W), reference(loss, X, W))
+    explicit = jax.device_put(X, NamedSharding(jax.make_mesh((2, 4), ("x", "y")), P("x")))
+    assert_close(f(explicit, W), reference(loss, X, W))
