@@ -99,8 +99,10 @@ class Partitioned:
     inspect. See help(gspmd.jit)."""
 
     def __init__(self, fn: Callable, mesh: Optional[Mesh], backend: str, signature: Optional[Signature] = None,
-                 in_shardings=None, out_shardings=None):
+                 in_shardings=None, out_shardings=None, memory_limit: Optional[int] = None,
+                 hardware: Optional[Hardware] = None):
         self.fn, self.mesh, self.backend = fn, mesh, backend
+        self.memory_limit, self.hardware = memory_limit, hardware
         self.signature = signature or Signature(fn, (), (), ())
         self.__wrapped__ = fn
         self.__name__ = self.signature.name
