@@ -48,7 +48,9 @@ def test_report_lists_collectives_with_origin():
     assert (kind, nbytes) == ("all-reduce", 4 * 4 * 4)
     assert set(groups) == {(0, 1, 2, 3), (4, 5, 6, 7)}
     assert "dot" in report.collectives[0].origin
-    assert report.peak_memory_bytes > 0 and report.flops == 2 * 4 * 16 * 8 + 2 * 4 * 4 * 8
+    relu = 4 * 8     # one operation per element of the [8 (batch) / 2, 8 (hidden)] activation
+    assert report.peak_memory_bytes > 0 and report.flops == 2 * 4 * 16 * 8 + 2 * 4 * 4 * 8 + relu
+    assert report.memory_bound_flops == relu
 
 
 def test_unannotated_program_runs_on_one_device_and_needs_no_collectives():

@@ -16,7 +16,10 @@ def test_dense_transformer_on_2048_devices_fits_and_estimates_a_step():
     report = low.report(hardware="tpu-v3")
     assert report.fits_in_memory, report.peak_memory_bytes
     assert 0 < report.compute_seconds < 1 and 0 < report.communication_seconds < 1
-    assert report.step_seconds == pytest.approx(report.compute_seconds + report.communication_seconds)
+    # Collectives overlap with independent compute: the step lies between the two.
+    assert max(report.compute_seconds, report.communication_seconds) <= report.step_seconds
+    assert report.step_seconds <= report.compute_seconds + report.communication_seconds
+    assert 0.2 < report.flops_utilization < 1
     # 2D finalized: weights (M over x) are all-gathered and their gradients reduce-scattered.
     assert {"all-gather", "reduce-scatter"} <= set(report.counts())
     assert "on tpu-v3" in str(report)

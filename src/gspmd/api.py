@@ -12,7 +12,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from gspmd import propagation
 from gspmd.analysis import Hardware, Report, analyse
-from gspmd.analysis.hardware import profile
 from gspmd.analysis.summary import collective_table
 from gspmd.arguments import Signature, Template, is_array, is_static_key, leaf_key, paths, result_paths
 from gspmd.errors import ShardingError
@@ -26,6 +25,7 @@ from gspmd.ops.convert import is_key
 from gspmd.partitioner import fit_memory, partition
 from gspmd.runtime import jax_backend, sim
 from gspmd.sharding import Sharding
+from gspmd.spmd.cost import profile
 
 BACKENDS = ("sim", "jax")
 _JIT_OPTIONS = ("mesh", "backend", "static_argnums", "static_argnames", "donate_argnums", "in_shardings",
@@ -74,7 +74,8 @@ def jit(fn: Callable, mesh=None, backend: str = "sim", *, static_argnums: Union[
     `hardware`, a profile such as "tpu-v3", when given). Where one reshard of a value
     serves users far apart and holding it would exceed the limit, it is done again near
     the later users (more collective bytes, less memory); report() says what was chosen.
-    hardware: also the default profile of report()."""
+    hardware: a profile name or a gspmd.Hardware: what the partitioner prices its choices
+    on (the default profile, tpu-v3, when None) and the default profile of report()."""
     if unknown:
         name = next(iter(unknown))
         close = difflib.get_close_matches(name, _JIT_OPTIONS, n=1)
@@ -262,7 +263,7 @@ class Lowered:
         self.meshes = _unique([partitioned.mesh] + seen.meshes)
         self.mesh = self.meshes[0] if self.meshes else Mesh(np.arange(self.num_devices), ("d",))
         self.completion = propagation.complete(self.program, self.num_devices)
-        self.spmd = partition(self.program, self.num_devices)
+        self.spmd = partition(self.program, self.num_devices, hardware)
         # how the program was fitted to the memory limit (None: no limit given)
         limit = partitioned.memory_limit
         self.memory_budget = None if limit is None else fit_memory(self.spmd, self.num_devices, limit)
@@ -402,15 +403,16 @@ class Lowered:
                 f"// SPMD program run by each of {self.num_devices} devices\n"
                 f"{format_program(self.spmd, with_sharding=False)}")
 
-    def report(self, hardware: Union[None, str, "Hardware"] = None) -> Report:
+    def report(self, hardware: Union[None, str, Hardware] = None) -> Report:
         """Collectives (kind, bytes, groups, the op and rule that made each and the
         source line or pytree path it came from), peak memory and FLOPs per device;
         with a hardware profile ("tpu-v3", "tpu-v4", "a100", "h100", "h200", "cpu")
-        also the estimated step time. `.memory` shows where the peak is: the buffers
+        also the estimated step time and FLOPs utilization. `.memory` shows where the peak is: the buffers
         held then, largest first, and the bytes held over the run
         (`.memory.plot("out.png")`); `.memory_budget` how the program was fitted to
         jit(memory_limit=...)."""
-        report = analyse(self.spmd, hardware if hardware is not None else self.hardware, self.donated)
+        report = analyse(self.spmd, self.num_devices, hardware if hardware is not None else self.hardware,
+                         self.donated)
         report.memory_budget = self.memory_budget
         return report
 

@@ -2,7 +2,7 @@
 partition rule for per-device code; the result is one program for all devices."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, Union
 
 from gspmd import ops
 from gspmd.analysis import memory
@@ -11,14 +11,18 @@ from gspmd.ir import Builder, Instr, Program, Value
 from gspmd.ir.cse import eliminate_common_subexpressions
 from gspmd.ir.dce import eliminate_dead_code
 from gspmd.sharding import Sharding
+from gspmd.spmd import cost as cm
 from gspmd.spmd import reshard as rs
 from gspmd.spmd.context import DeviceContext
 from gspmd.spmd.partitioned import PartitionedValue
 
 
-def partition(program: Program, num_devices: int) -> Program:
-    return _partition(program, num_devices, [p.sharding for p in program.params],
-                      [o.sharding for o in program.outputs])
+def partition(program: Program, num_devices: int, hardware: Union[None, str, cm.Hardware] = None) -> Program:
+    """The per-device program; choices between plans are priced on `hardware` (the
+    default profile when None)."""
+    with cm.pricing(hardware):
+        return _partition(program, num_devices, [p.sharding for p in program.params],
+                          [o.sharding for o in program.outputs])
 
 
 def _partition(program: Program, num_devices: int, in_layouts: Sequence[Sharding],

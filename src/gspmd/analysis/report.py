@@ -1,5 +1,7 @@
 """What a partitioned program costs per device: its collectives (kind, bytes, groups and
-the instruction/rule that made each), peak live memory and FLOPs. Needs no execution."""
+the instruction/rule that made each), peak live memory and FLOPs; with a hardware
+profile, the step time the shared cost model (spmd/cost.py) predicts and the
+utilization it implies. Needs no execution."""
 from __future__ import annotations
 
 from collections import Counter
@@ -10,12 +12,13 @@ import numpy as np
 
 from gspmd import ops
 from gspmd.analysis import memory
-from gspmd.analysis.hardware import PROFILES, GiB, Hardware, collective_seconds, profile
+from gspmd.analysis.timing import Timing, time_program
 from gspmd.errors import ShardingError
 from gspmd.ir import Program
 from gspmd.spmd.context import Why
+from gspmd.spmd.cost import PROFILES, ComputeKind, GiB, Hardware, Pattern, profile
 
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+COLLECTIVES = tuple(p.value for p in Pattern)   # the kinds, in the order reports list them
 
 
 @dataclass(frozen=True)
@@ -36,25 +39,47 @@ class Collective:
 class Report:
     collectives: list[Collective] = field(default_factory=list)
     peak_memory_bytes: int = 0
-    flops: int = 0
+    flops: int = 0                 # every op's arithmetic per device, memory-bound ops included
+    memory_bound_flops: int = 0    # the part done by element-wise ops and reductions
     hardware: Optional[Hardware] = None   # set by report(hardware=...): enables the estimates
     memory: Optional[memory.MemoryProfile] = None   # where the peak is: the buffers held then
     memory_budget: Optional[memory.BudgetChoice] = None   # how jit(memory_limit=) was met
+    timing: Optional[Timing] = None
+    # Filled where the program's structure says so (pipelines, rematerialization): the
+    # share of the step's compute spent on pipeline bubbles (padded microbatches) and
+    # on recomputing the forward pass. The raw utilization counts both as useful.
+    bubble_fraction: Optional[float] = None
+    recompute_fraction: Optional[float] = None
 
     @property
     def compute_seconds(self) -> float:
-        return self.flops / self._hw().flops_per_s
+        """Every op's time on the hardware, one after another (no communication)."""
+        return self._timing().compute_seconds
 
     @property
     def communication_seconds(self) -> float:
-        hw = self._hw()
-        return sum(c.executions * collective_seconds(c.kind, c.bytes, len(c.groups[0]) if c.groups else 1, hw)
-                   for c in self.collectives)
+        """Every collective's time, one after another."""
+        return self._timing().communication_seconds
 
     @property
     def step_seconds(self) -> float:
-        """Estimated step time: compute plus communication, not overlapped."""
-        return self.compute_seconds + self.communication_seconds
+        """Estimated step time: compute plus the communication it cannot hide."""
+        return self._timing().step_seconds
+
+    @property
+    def exposed_communication_seconds(self) -> float:
+        return max(self.step_seconds - self.compute_seconds, 0.0)
+
+    @property
+    def flops_utilization(self) -> float:
+        """FLOPs per device / (peak x step): the "raw" utilization, which counts bubbles
+        and recomputation as work, as the paper's profiler does."""
+        return self.flops / (self._hw().flops_per_s * self.step_seconds) if self.step_seconds else 0.0
+
+    @property
+    def effective_utilization(self) -> float:
+        """Utilization without the bubble and recompute shares (where they are known)."""
+        return self.flops_utilization * (1 - (self.bubble_fraction or 0.0)) * (1 - (self.recompute_fraction or 0.0))
 
     @property
     def fits_in_memory(self) -> bool:
@@ -65,6 +90,10 @@ class Report:
             raise ShardingError("Estimates need a hardware profile: call report(hardware='tpu-v3') "
                                 f"(or one of {sorted(PROFILES)}).")
         return self.hardware
+
+    def _timing(self) -> Timing:
+        self._hw()
+        return self.timing
 
     @property
     def collective_bytes(self) -> int:
@@ -92,12 +121,16 @@ class Report:
             lines += [f"  {t}" for t in self.memory.top(5)]
         if self.memory_budget is not None:
             lines.append(str(self.memory_budget))
-        lines.append(f"flops per device: {self.flops:,}")
+        lines.append(f"flops per device: {self.flops:,} ({self.memory_bound_flops:,} memory-bound)")
         if self.hardware is not None:
-            lines.append(f"on {self.hardware.name}: compute {self.compute_seconds * 1e3:.3f} ms + communication "
-                         f"{self.communication_seconds * 1e3:.3f} ms = step {self.step_seconds * 1e3:.3f} ms; "
-                         f"memory {'fits' if self.fits_in_memory else 'DOES NOT FIT'} "
+            lines.append(f"on {self.hardware.name}: compute {self.compute_seconds * 1e3:.3f} ms + exposed communication "
+                         f"{self.exposed_communication_seconds * 1e3:.3f} ms (of {self.communication_seconds * 1e3:.3f})"
+                         f" = step {self.step_seconds * 1e3:.3f} ms; flops utilization "
+                         f"{self.flops_utilization:.1%}; memory {'fits' if self.fits_in_memory else 'DOES NOT FIT'} "
                          f"({self.peak_memory_bytes / GiB:.2f} of {self.hardware.memory_bytes / GiB:.0f} GiB)")
+            for name, value in (("bubbles", self.bubble_fraction), ("recompute", self.recompute_fraction)):
+                if value is not None:
+                    lines.append(f"  {name}: {value:.1%} of compute")
         return "\n".join(lines)
 
 
@@ -106,11 +139,14 @@ def _groups_str(groups) -> str:
     return text if len(text) <= 60 else f"{text[:57]}..."
 
 
-def analyse(spmd: Program, hardware: Union[None, str, Hardware] = None, donated: Sequence[int] = ()) -> Report:
+def analyse(spmd: Program, num_devices: int, hardware: Union[None, str, Hardware] = None,
+            donated: Sequence[int] = ()) -> Report:
     """`donated`: indices of parameters whose buffers the results may reuse."""
     held = memory.profile(spmd, memory.donation_aliases(spmd, donated))
-    report = Report(peak_memory_bytes=held.peak_bytes, memory=held,
-                    hardware=None if hardware is None else profile(hardware))
+    report = Report(peak_memory_bytes=held.peak_bytes, memory=held)
+    if hardware is not None:
+        report.hardware = profile(hardware)
+        report.timing = time_program(spmd, report.hardware, num_devices)
     _walk(spmd, 1, report)
     return report
 
@@ -120,12 +156,16 @@ def _walk(program: Program, executions: int, report: Report) -> None:
     when the trip count is not known statically, as for while_loop); every branch of a
     conditional once (what it may cost, not which branch a run takes)."""
     for instr in program.instrs:
-        if instr.opcode in COLLECTIVES:
-            groups = instr.attrs["pairs"] if instr.opcode == "collective-permute" else instr.attrs["groups"]
+        op = ops.lookup(instr.opcode)
+        if op.collective is not None:
+            groups = instr.attrs["pairs"] if "pairs" in instr.attrs else instr.attrs["groups"]
             report.collectives.append(Collective(instr.opcode, instr.output.nbytes,
-                                                 tuple(tuple(int(d) for d in g) for g in np.asarray(groups)),
+                                                 tuple(map(tuple, np.asarray(groups).tolist())),
                                                  instr.origin, executions, instr.why, instr.source))
-        elif ops.lookup(instr.opcode).flops is not None:
-            report.flops += ops.lookup(instr.opcode).flops(instr) * executions
+        if op.flops is not None:
+            flops = op.flops(instr) * executions
+            report.flops += flops
+            if op.compute is ComputeKind.MEMORY:
+                report.memory_bound_flops += flops
         for sub, times in ops.runs(instr):
             _walk(sub, executions * times, report)

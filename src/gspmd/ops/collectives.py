@@ -20,6 +20,7 @@ from gspmd.ir.reducer import ADD, AND, MAX, MIN, OR, Reducer
 from gspmd.mesh import Mesh
 from gspmd.ops.registry import KernelLayout, major_first, register
 from gspmd.spmd.context import DeviceContext
+from gspmd.spmd.cost import ComputeKind, Pattern
 
 
 # -- reference semantics ----------------------------------------------------------------
@@ -266,16 +267,19 @@ def _all_to_all_pieces(instr) -> int:
 
 
 register("partition-id", converts={"axis_index": _convert_axis_index}, evaluate=_evaluate_partition_id,
-         lower=_lower_partition_id)
+         lower=_lower_partition_id, compute=ComputeKind.FREE)
 register("all-reduce", converts={"psum": _convert_psum(ADD), "psum_invariant": _convert_psum(ADD),
                                  "pmax": _convert_psum(MAX), "pmin": _convert_psum(MIN)},
-         evaluate_all=_evaluate_all_reduce, lower=_empty_safe(_lower_all_reduce))
+         evaluate_all=_evaluate_all_reduce, lower=_empty_safe(_lower_all_reduce), collective=Pattern.ALL_REDUCE)
 register("all-gather", converts={"all_gather": _convert_all_gather, "all_gather_invariant": _convert_all_gather},
          evaluate_all=_evaluate_all_gather, lower=_empty_safe(_lower_all_gather), layout=_along_dim,
+         collective=Pattern.ALL_GATHER,
          repeat=_gather_apart)
 register("reduce-scatter", converts={"reduce_scatter": _convert_reduce_scatter},
-         evaluate_all=_evaluate_reduce_scatter, lower=_empty_safe(_lower_reduce_scatter), layout=_along_dim)
+         evaluate_all=_evaluate_reduce_scatter, lower=_empty_safe(_lower_reduce_scatter), layout=_along_dim,
+         collective=Pattern.REDUCE_SCATTER)
 register("all-to-all", converts={"all_to_all": _convert_all_to_all}, evaluate_all=_evaluate_all_to_all,
-         lower=_empty_safe(_lower_all_to_all), scratch=_all_to_all_pieces)
+         lower=_empty_safe(_lower_all_to_all), scratch=_all_to_all_pieces,
+         collective=Pattern.ALL_TO_ALL)
 register("collective-permute", converts={"ppermute": _convert_ppermute}, evaluate_all=_evaluate_collective_permute,
-         lower=_empty_safe(_lower_collective_permute))
+         lower=_empty_safe(_lower_collective_permute), collective=Pattern.PERMUTE)

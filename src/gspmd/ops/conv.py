@@ -24,6 +24,7 @@ from jax import lax
 from gspmd.ops.registry import CONTRACTION, KernelLayout, register
 from gspmd.ops.window import pad_array, window_attrs, windows_of
 from gspmd.sharding import Sharding
+from gspmd.spmd.cost import ComputeKind
 from gspmd.spmd import factors as fx
 from gspmd.spmd.halo import DimPlan, local_base, partition_windowed, plan_dim, slice_outputs
 from gspmd.spmd.partitioned import PartitionedValue
@@ -206,4 +207,5 @@ def _layout(instr) -> KernelLayout:
 
 
 register("convolution", converts={"conv_general_dilated": _convert_conv}, evaluate=_evaluate_conv, lower=_lower_conv,
-         flops=_conv_flops, factors=conv_factors, partition=_partition_conv, priority=CONTRACTION, layout=_layout)
+         flops=_conv_flops, factors=conv_factors, partition=_partition_conv, priority=CONTRACTION, layout=_layout,
+         compute=ComputeKind.MATMUL)

@@ -19,9 +19,10 @@ from gspmd.dtypes import is_floating
 from gspmd.errors import ShardingError
 from gspmd.ir import Value
 from gspmd.ops.convert import Conversion, Converter
-from gspmd.ops.registry import ELEMENTWISE, Storage, elementwise_factors, register
+from gspmd.ops.registry import ELEMENTWISE, Storage, elementwise_factors, elementwise_flops, register
 from gspmd.sharding import UNSPECIFIED, Sharding, dims_mapping_from_spec
 from gspmd.spmd import reshard as rs
+from gspmd.spmd.cost import ComputeKind
 
 
 # -- conversion -----------------------------------------------------------------------
@@ -70,7 +71,9 @@ def _lower_with(fn: Callable) -> Callable:
 def elementwise(opcode: str, numpy_fn: Optional[Callable], lax_fn: Callable, primitives: Sequence[str] = (),
                 converts: Optional[dict[str, Converter]] = None, **fields) -> None:
     """Register element-wise `opcode`: each JAX primitive in `primitives` becomes it
-    (more converters in `converts`); numpy_fn None: the reference runs lax_fn eagerly."""
+    (more converters in `converts`); numpy_fn None: the reference runs lax_fn eagerly.
+    One operation per element unless `flops` says otherwise."""
+    fields.setdefault("flops", elementwise_flops)
     register(opcode, converts={**{p: convert_as(opcode) for p in primitives}, **(converts or {})},
              evaluate=_evaluate_eagerly(lax_fn) if numpy_fn is None else _evaluate_with(numpy_fn),
              lower=_lower_with(lax_fn), factors=elementwise_factors, priority=ELEMENTWISE,
@@ -167,7 +170,7 @@ def _lower_compare(instr, args, lc):
 
 register("compare", converts={p: convert_as("compare", direction=p.upper()) for p in ("eq", "ne", "lt", "le", "gt", "ge")},
          evaluate=_evaluate_compare, lower=_lower_compare, factors=elementwise_factors, priority=ELEMENTWISE,
-         storage=Storage.ELEMENTWISE)
+         storage=Storage.ELEMENTWISE, flops=elementwise_flops)
 
 
 def _select_n(b, eqn, args):
@@ -194,7 +197,7 @@ def _evaluate_select(instr, args, device):
 
 
 register("select", converts={"select_n": _select_n}, evaluate=_evaluate_select, lower=_lower_with(lax.select),
-         factors=elementwise_factors, priority=ELEMENTWISE, storage=Storage.ELEMENTWISE)
+         factors=elementwise_factors, priority=ELEMENTWISE, storage=Storage.ELEMENTWISE, flops=elementwise_flops)
 
 
 def _convert(b, eqn, args):
@@ -227,7 +230,7 @@ def _convert_reduce_precision(b, eqn, args):
 register("reduce-precision", converts={"reduce_precision": _convert_reduce_precision},
          evaluate=lambda instr, args, device: [np.asarray(_reduce_precision(instr, args[0]))],
          lower=lambda instr, args, lc: [_reduce_precision(instr, args[0])],
-         factors=elementwise_factors, priority=ELEMENTWISE, storage=Storage.ELEMENTWISE)
+         factors=elementwise_factors, priority=ELEMENTWISE, storage=Storage.ELEMENTWISE, flops=elementwise_flops)
 
 
 def _bitcast_convert(b, eqn, args):
@@ -298,11 +301,11 @@ def _nested_jit(b, eqn, args):
 
 
 # "mesh_split" is gspmd.frontend.annotation.mesh_split_p's name.
-elementwise("sharding", lambda x: x, lambda x: x, partition=_reshard_to_target,
+elementwise("sharding", lambda x: x, lambda x: x, partition=_reshard_to_target, flops=None, compute=ComputeKind.FREE,
             converts={"mesh_split": _annotation, "sharding_constraint": _sharding_constraint, "reshard": _reshard,
                       "jit": _nested_jit})
 # "pvary" marks a value in a shard_map body as varying over axes (check_vma).
-elementwise("copy", lambda x: x, lambda x: x,
+elementwise("copy", lambda x: x, lambda x: x, flops=None,
             converts={p: _identity for p in ("copy", "copy_p", "stop_gradient", "pvary")},
             partition=_reshard_to_target)
 
@@ -353,6 +356,7 @@ def _identity_each(b, eqn, args):
     return list(args)
 
 
-elementwise("optimization-barrier", lambda x: x, lax.optimization_barrier, storage=Storage.VIEW,
+elementwise("optimization-barrier", lambda x: x, lax.optimization_barrier, storage=Storage.VIEW, flops=None,
+            compute=ComputeKind.FREE,
             converts={"optimization_barrier": _convert_optimization_barrier, "remat2": _convert_remat,
                       "device_put": _convert_device_put, "name": _identity_each})

@@ -18,7 +18,7 @@ from gspmd.dtypes import is_floating
 from gspmd.errors import ShardingError
 from gspmd.ir import Instr, Value
 from gspmd.ir.reducer import ADD, AND, MAX, MIN, MUL, Reducer
-from gspmd.ops.registry import LAYOUT, Storage, register
+from gspmd.ops.registry import LAYOUT, Storage, register, result_sized_bytes, update_sized_bytes
 from gspmd.sharding import Sharding
 from gspmd.spmd import factors as fx
 from gspmd.spmd.context import INDEX_DTYPE, DeviceContext
@@ -290,10 +290,11 @@ def _lower_scatter(instr, args, lc):
 
 register("gather", converts={"gather": _convert_gather}, evaluate=_evaluate_gather, lower=_lower_gather,
          factors=_gather_factors, partition=_partition_with(_gather_factors, _emit_gather), priority=LAYOUT,
-         storage=Storage.REPEATED, expensive=True)
+         storage=Storage.REPEATED, expensive=True, bytes_accessed=result_sized_bytes)
 register("scatter",
          converts={"scatter": _convert_scatter(None), "scatter-add": _convert_scatter(ADD),
                    "scatter-mul": _convert_scatter(MUL),
                    "scatter-min": _convert_scatter(MIN), "scatter-max": _convert_scatter(MAX)},
          evaluate=_evaluate_scatter, lower=_lower_scatter, factors=_scatter_factors,
-         partition=_partition_with(_scatter_factors, _emit_scatter), priority=LAYOUT)
+         partition=_partition_with(_scatter_factors, _emit_scatter), priority=LAYOUT,
+         bytes_accessed=update_sized_bytes(2))

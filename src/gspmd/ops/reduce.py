@@ -30,7 +30,7 @@ from jax.extend import core as jcore
 from gspmd.ir import Instr, Value
 from gspmd.ir.reducer import ADD, AND, LOGADDEXP, MAX, MIN, MUL, OR, XOR, Reducer
 from gspmd.ops.convert import Converter
-from gspmd.ops.registry import ELEMENTWISE, EXPAND, LAYOUT, Storage, elementwise_factors, register
+from gspmd.ops.registry import ELEMENTWISE, EXPAND, LAYOUT, Storage, elementwise_factors, operand_flops, register
 from gspmd.spmd import factors as fx
 from gspmd.spmd import reshard as rs
 from gspmd.spmd.context import INDEX_DTYPE, DeviceContext, Why
@@ -92,7 +92,7 @@ register("reduce",
                    "reduce_xor": _convert_reduce(XOR),
                    "argmax": _convert_arg_reduce(MAX), "argmin": _convert_arg_reduce(MIN)},
          evaluate=_evaluate_reduce, lower=_lower_reduce, factors=_reduce_factors, priority=LAYOUT,
-         backward_priority=EXPAND, storage=Storage.INDEXED, expensive=True)
+         backward_priority=EXPAND, storage=Storage.INDEXED, expensive=True, flops=operand_flops)
 
 
 # -- variadic-reduce: operands (*xs, *inits) -------------------------------------------------

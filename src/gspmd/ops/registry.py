@@ -6,6 +6,7 @@ rules. Family modules (ops/elementwise.py, ops/dot.py, ...) register their ops; 
 drivers (frontend, propagation, partitioner, runtime) only look records up."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Optional, Sequence, Union
@@ -18,6 +19,7 @@ from gspmd.ops.convert import Conversion, Converter, LowerContext
 from gspmd.sharding import Sharding
 from gspmd.spmd import factors as fx
 from gspmd.spmd import reshard as rs
+from gspmd.spmd.cost import ComputeKind, Pattern
 from gspmd.spmd.context import DeviceContext
 from gspmd.spmd.partitioned import PartitionedValue
 
@@ -83,6 +85,10 @@ class OpDef:
     partition: Optional[Partition] = None
     priority: int = ELEMENTWISE
     flops: Optional[Callable[[Instr], int]] = None   # arithmetic of one execution, for reports
+    compute: ComputeKind = ComputeKind.MEMORY         # how reports time one execution (spmd/cost.py)
+    # HBM bytes one execution reads and writes, where not its operands and results
+    bytes_accessed: Optional[Callable[[Instr], int]] = None
+    collective: Optional[Pattern] = None              # a collective's communication pattern
     forward_priority: Optional[int] = None    # towards the outputs, when not `priority`
     backward_priority: Optional[int] = None   # towards the operands, when not `priority`
     storage: Storage = Storage.MATERIALIZED
@@ -214,6 +220,26 @@ def replicate_fallback(ctx: DeviceContext, instr: Instr, operands: list[Partitio
     outs = fx.emit_same_op(ctx, instr, full, [o.shape for o in instr.outputs])
     return [rs.reshard(ctx, PartitionedValue(v, Sharding.replicated(o.rank, ctx.num_devices), o.shape), t)
             for v, o, t in zip(outs, instr.outputs, targets)]
+
+
+def elementwise_flops(instr: Instr) -> int:
+    """One operation per result element."""
+    return sum(math.prod(o.shape) for o in instr.outputs)
+
+
+def operand_flops(instr: Instr) -> int:
+    """One operation per element of the first operand (reductions)."""
+    return math.prod(instr.operands[0].shape)
+
+
+def result_sized_bytes(instr: Instr) -> int:
+    """Slices read as much as they write."""
+    return 2 * sum(o.nbytes for o in instr.outputs)
+
+
+def update_sized_bytes(update: int) -> Callable[[Instr], int]:
+    """In-place updates read and write their update operand's worth (and the indices)."""
+    return lambda instr: 2 * instr.operands[update].nbytes + sum(o.nbytes for o in instr.operands[1:update])
 
 
 def elementwise_factors(instr: Instr) -> list[fx.Factor]:

@@ -11,6 +11,7 @@ from jax import numpy as jnp
 from gspmd.ops.registry import EXPAND, LAYOUT, Storage, register
 from gspmd.sharding import Sharding
 from gspmd.spmd import reshard as rs
+from gspmd.spmd.cost import ComputeKind
 from gspmd.spmd.halo import windowed_ranges
 from gspmd.spmd.factors import Factor
 from gspmd.spmd.partitioned import PartitionedValue
@@ -181,7 +182,7 @@ def _reshape_partition(ctx, instr, operands, targets):
         out_layout = _carry(op_layout, pairs, True, out.rank)
         cost = rs.add_costs(rs.cost(x.sharding, op_layout, x.shape, x.dtype.itemsize),
                             rs.cost(out_layout, target, out.shape, out.dtype.itemsize))
-        return cost, op_layout.order_key(), op_layout, out_layout
+        return rs.rounded(cost), op_layout.order_key(), op_layout, out_layout
 
     from_target = _carry(target, pairs, False, x.rank)
     from_operand = _carry(_carry(x.sharding, pairs, True, out.rank), pairs, False, x.rank)
@@ -287,7 +288,8 @@ register("transpose", converts={"transpose": _convert_transpose}, evaluate=_eval
 register("reshape", converts={"reshape": _convert_reshape, "squeeze": _convert_plain_reshape,
                               "expand_dims": _convert_plain_reshape},
          evaluate=_evaluate_reshape, lower=_lower_reshape, propagate=_reshape_propagate,
-         partition=_reshape_partition, priority=LAYOUT, storage=Storage.BITCAST)
+         partition=_reshape_partition, priority=LAYOUT, storage=Storage.BITCAST,
+         compute=ComputeKind.FREE)     # a bitcast
 def _platform_index(b, eqn, args):
     """lax.platform_dependent's branch index: which of its platforms jax runs on, asked
     of jax itself (outside any trace the primitive evaluates on the default device)."""
@@ -304,6 +306,6 @@ def _convert_empty(b, eqn, args):
 # from platform_index and from empty buffers.
 register("constant", converts={"platform_index": _platform_index, "empty": _convert_empty, "empty2": _convert_empty},
          evaluate=_evaluate_constant, lower=_lower_constant, partition=_constant_partition,
-         storage=Storage.LITERAL)
+         storage=Storage.LITERAL, compute=ComputeKind.FREE)
 register("iota", converts={"iota": _convert_iota}, evaluate=_evaluate_iota, lower=_lower_iota,
          partition=_iota_partition, storage=Storage.INDEXED)

@@ -32,6 +32,7 @@ from gspmd.sharding import Sharding
 from gspmd.spmd import factors as fx
 from gspmd.spmd import reshard as rs
 from gspmd.spmd.context import INDEX_DTYPE, DeviceContext, Why
+from gspmd.spmd.cost import Pattern
 from gspmd.spmd.padding import mask_padding
 from gspmd.spmd.partitioned import PartitionedValue
 
@@ -201,7 +202,7 @@ def _partition_top_k(ctx, instr: Instr, operands, targets) -> list[PartitionedVa
     x = operands[0]
     if len(operands) == 1 and x.sharding.tiles[axis] > 1:
         by_candidates = _candidates_cost(instr, x, targets)
-        if by_candidates < fx.cost(factors, space, operands, instr, targets):
+        if rs.rounded(by_candidates) < rs.rounded(fx.cost(factors, space, operands, instr, targets)):
             return _top_k_of_candidates(ctx, instr, x, targets)
     return fx.run(ctx, instr, factors, space, operands, targets)
 
@@ -219,8 +220,9 @@ def _candidates_cost(instr: Instr, x: PartitionedValue, targets) -> rs.Cost:
     axis, s = instr.attrs["axis"], x.sharding
     shape = list(s.shard_shape(x.shape))
     shape[axis] = s.tiles[axis] * _candidate_count(instr, x)
-    layout = _candidates_layout(x, axis)
-    costs = [(rs.moved(math.prod(shape) * o.dtype.itemsize, s.tiles[axis]), 1) for o in instr.outputs]
+    layout, groups = _candidates_layout(x, axis), rs.groups_along(s, [axis])
+    costs = [rs.priced(Pattern.ALL_GATHER, math.prod(shape) * o.dtype.itemsize, groups, s.num_devices)
+             for o in instr.outputs]
     costs += [rs.cost(layout, t, o.shape, o.dtype.itemsize) for o, t in zip(instr.outputs, targets)]
     return rs.add_costs(*costs)
 

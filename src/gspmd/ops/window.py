@@ -82,6 +82,11 @@ def _rw_windows(instr) -> list[Window]:
     return windows_of(instr.attrs, instr.attrs["window_dimensions"], WINDOW_DILATIONS)
 
 
+def _window_flops(instr) -> int:
+    """One operation per result element per window element."""
+    return math.prod(instr.outputs[0].shape) * math.prod(instr.attrs["window_dimensions"])
+
+
 def _evaluate_reduce_window(instr, args, device):
     out, reducer = instr.outputs[0], instr.attrs["reducer"]
     windows = _rw_windows(instr)
@@ -275,7 +280,7 @@ register("reduce-window",
          converts={"reduce_window_sum": _convert_reduce_window(ADD), "reduce_window_max": _convert_reduce_window(MAX),
                    "reduce_window_min": _convert_reduce_window(MIN)},
          evaluate=_evaluate_reduce_window, lower=_lower_reduce_window, factors=_dim_factors,
-         partition=_partition_reduce_window, priority=LAYOUT)
+         partition=_partition_reduce_window, priority=LAYOUT, flops=_window_flops)
 def _expanded_select_and_scatter(instr) -> int:
     """XLA:CPU expands select-and-scatter: an int32 iota per dim of the operand, a
     reduce-window picking each window's value and position, then a scatter."""

@@ -21,6 +21,7 @@ import numpy as np
 from gspmd.ir import Instr, Value
 from gspmd.ir.reducer import ADD, Reducer
 from gspmd.sharding import Sharding
+from gspmd.spmd import cost as cm
 from gspmd.spmd import reshard as rs
 from gspmd.spmd.context import DeviceContext, Why
 from gspmd.spmd.padding import is_padded, mask_padding
@@ -126,25 +127,27 @@ def choose_space(instr: Instr, factors: Sequence[Factor], operands: Sequence[Par
     merged = {_greedy_merge(first + [views[lead]] + views[:lead] + views[lead + 1:]) for lead in range(len(views))}
     merged.add(_greedy_merge(first + views[n_in:] + views[:n_in]))
     merged.update(candidates)
-    return min(merged, key=lambda c: (cost(factors, c, operands, instr, targets), c.order_key()))
+    return min(merged, key=lambda c: (rs.rounded(cost(factors, c, operands, instr, targets)), c.order_key()))
 
 
 def cost(factors: Sequence[Factor], space: Sharding, operands: Sequence[PartitionedValue], instr: Instr,
          targets: Sequence[Sharding]) -> rs.Cost:
-    """What running `instr` in factor-space layout `space` moves per device: resharding
-    the operands, combining partial results, resharding the results to `targets`."""
+    """What running `instr` in factor-space layout `space` takes in communication
+    (seconds on the hardware being planned for): resharding the operands, combining
+    partial results, resharding the results to `targets`."""
     costs = [rs.cost(o.sharding, tensor_layout(factors, t, space, o.rank), o.shape, o.dtype.itemsize)
              for t, o in enumerate(operands)]
     red = _reduce_factors(factors, space)
-    k = math.prod(space.tiles[f] for f in red)
     for j, (out, target) in enumerate(zip(instr.outputs, targets)):
         local = tensor_layout(factors, len(operands) + j, space, out.rank)
         local_bytes = math.prod(local.shard_shape(out.shape)) * out.dtype.itemsize
-        if red and _scatter_dim(space, red, local, target, out.shape) is not None:
-            costs.append((rs.moved(local_bytes, k), 1))
-            continue
         if red:
-            costs.append((2 * rs.moved(local_bytes, k), 1))
+            groups = rs.groups_along(space, red)
+            if _scatter_dim(space, red, local, target, out.shape) is not None:
+                costs.append(rs.priced(cm.Pattern.REDUCE_SCATTER, local_bytes // groups.shape[1], groups,
+                                       space.num_devices))
+                continue
+            costs.append(rs.priced(cm.Pattern.ALL_REDUCE, local_bytes, groups, space.num_devices))
         costs.append(rs.cost(local, target, out.shape, out.dtype.itemsize))
     return rs.add_costs(*costs)
 

@@ -19,21 +19,27 @@ from typing import Optional, Sequence
 import numpy as np
 
 from gspmd.sharding import Sharding
+from gspmd.spmd import cost as cm
 from gspmd.spmd.context import DeviceContext, Why
 from gspmd.spmd.partitioned import PartitionedValue
 
-Cost = tuple  # (bytes moved per device, number of collectives): compared lexicographically
-FREE: Cost = (0.0, 0)
+Cost = float  # estimated seconds on the hardware being planned for (spmd/cost.py)
+FREE: Cost = 0.0
 
 
 def add_costs(*costs: Cost) -> Cost:
-    return (sum(c[0] for c in costs), sum(c[1] for c in costs))
+    return float(sum(costs))
 
 
-def moved(nbytes: int, group_size: int) -> float:
-    """Bytes a device sends when a collective over `group_size` devices exchanges
-    `nbytes` (ring algorithms move (k-1)/k of it)."""
-    return nbytes * (group_size - 1) / group_size
+def rounded(cost: Cost) -> float:
+    """A cost to compare: equal plans priced by different sums must tie (so that the
+    layout order decides between them)."""
+    return round(cost, 12)
+
+
+def priced(pattern: cm.Pattern, nbytes: int, groups: np.ndarray, num_devices: int) -> Cost:
+    """One collective whose result holds `nbytes` per device, on the current hardware."""
+    return cm.collective_seconds(pattern, nbytes, groups, num_devices)
 
 
 # -- layout arithmetic -------------------------------------------------------------------
@@ -120,7 +126,8 @@ class GatherStep:
         return coarsen(s, self.dim, self.k)
 
     def cost(self, shape, itemsize, s: Sharding) -> Cost:
-        return (moved(_local_nbytes(shape, self.result(s), itemsize), self.k), 1)
+        return priced(cm.Pattern.ALL_GATHER, _local_nbytes(shape, self.result(s), itemsize),
+                      minor_groups(s, self.dim, self.k), s.num_devices)
 
     def apply(self, ctx: DeviceContext, pv: PartitionedValue) -> PartitionedValue:
         s = pv.sharding
@@ -144,7 +151,8 @@ class AllToAllStep:
         return self.target
 
     def cost(self, shape, itemsize, s: Sharding) -> Cost:
-        return (moved(_local_nbytes(shape, self.target, itemsize), self.k), 1)
+        return priced(cm.Pattern.ALL_TO_ALL, _local_nbytes(shape, self.target, itemsize),
+                      minor_groups(s, self.src, self.k), s.num_devices)
 
     def apply(self, ctx: DeviceContext, pv: PartitionedValue) -> PartitionedValue:
         groups = minor_groups(pv.sharding, self.src, self.k)
@@ -161,7 +169,8 @@ class PermuteStep:
         return self.target
 
     def cost(self, shape, itemsize, s: Sharding) -> Cost:
-        return (_local_nbytes(shape, self.target, itemsize), 1)
+        return priced(cm.Pattern.PERMUTE, _local_nbytes(shape, self.target, itemsize),
+                      _permute_pairs(s, self.target), s.num_devices)
 
     def apply(self, ctx: DeviceContext, pv: PartitionedValue) -> PartitionedValue:
         y = ctx.collective_permute(pv.local, _permute_pairs(pv.sharding, self.target),
@@ -276,7 +285,13 @@ def _plan_steps(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> list:
 
 
 def cost(src: Sharding, dst: Sharding, shape: Sequence[int], itemsize: int) -> Cost:
-    """What resharding costs per device (the estimate planning compares)."""
+    """What resharding takes, in seconds on the hardware being planned for (the
+    estimate planning compares)."""
+    return _cost(src, dst, tuple(shape), itemsize, cm.current())
+
+
+@functools.lru_cache(maxsize=65536)
+def _cost(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int, hw: cm.Hardware) -> Cost:
     total, s = FREE, src
     for step in plan(src, dst, shape):
         total = add_costs(total, step.cost(shape, itemsize, s))

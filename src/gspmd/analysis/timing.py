@@ -1,0 +1,147 @@
+"""Step time of a per-device program on a hardware profile, from the shared cost model
+(spmd/cost.py): every op timed, collectives overlapped with independent compute.
+
+Each device runs two streams, compute and the network (collectives), and a latency-
+hiding scheduler (as XLA's) keeps both busy: whenever a stream is free it starts the
+first instruction, in program order, whose operands are ready. So a collective overlaps
+with whatever compute does not depend on it. A loop runs its body as often as its trip
+count, its body's own overlap included; it holds both streams while it runs.
+
+Memory-bound ops are fused as XLA fuses element-wise chains: a value made by one
+memory-bound op and used only by others never goes through HBM, so only values that a
+matmul, a collective, a loop or the program's boundary touches are read or written.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from gspmd import ops
+from gspmd.ir import Instr, Program, Value
+from gspmd.spmd import cost as cm
+
+
+@dataclass(frozen=True)
+class Timing:
+    compute_seconds: float          # every op's time, one after another
+    communication_seconds: float    # every collective's time, one after another
+    step_seconds: float             # both streams overlapped
+
+
+def time_program(program: Program, hw: cm.Hardware, num_devices: int) -> Timing:
+    durations, streams = _durations(program, hw, num_devices)
+    ends = _schedule(program, durations, streams)
+    compute = sum(d for d, s in zip(durations, streams) if s is not _NETWORK)
+    network = sum(d for d, s in zip(durations, streams) if s is _NETWORK)
+    for i, instr in enumerate(program.instrs):   # loops: what their bodies spent on each
+        op = ops.lookup(instr.opcode)
+        if op.runs is not None:
+            inner = [(time_program(p, hw, num_devices), n) for p, n in op.runs(instr)]
+            compute += sum(t.compute_seconds * n for t, n in inner) - durations[i]
+            network += sum(t.communication_seconds * n for t, n in inner)
+    return Timing(compute, network, max(ends, default=0.0))
+
+
+_COMPUTE, _NETWORK, _BOTH = "compute", "network", "both"
+
+
+def _durations(program: Program, hw: cm.Hardware, num_devices: int) -> tuple[list[float], list[str]]:
+    materialized = _materialized(program)
+    durations, streams = [], []
+    for instr in program.instrs:
+        op = ops.lookup(instr.opcode)
+        if op.collective is not None:
+            durations.append(cm.collective_seconds(op.collective, instr.output.nbytes, _groups(instr),
+                                                   num_devices, hw))
+            streams.append(_NETWORK)
+        elif op.runs is not None:
+            durations.append(sum(time_program(p, hw, num_devices).step_seconds * n for p, n in op.runs(instr)))
+            streams.append(_BOTH)
+        else:
+            durations.append(op_seconds(instr, hw, materialized))
+            streams.append(_COMPUTE)
+    return durations, streams
+
+
+def _schedule(program: Program, durations: list[float], streams: list[str]) -> list[float]:
+    """List scheduling on the two streams: whenever a stream is free it starts, of the
+    instructions whose operands are ready, the first in program order (a loop takes
+    both streams). Returns each instruction's end time."""
+    producer = {v: i for i, instr in enumerate(program.instrs) for v in instr.outputs}
+    users: dict[int, list[int]] = {i: [] for i in range(len(program.instrs))}
+    waiting_on = []
+    for i, instr in enumerate(program.instrs):
+        deps = {producer[v] for v in instr.operands if v in producer}
+        waiting_on.append(len(deps))
+        for d in deps:
+            users[d].append(i)
+    ready_at = [0.0] * len(durations)
+    ends = [0.0] * len(durations)
+    free = {_COMPUTE: 0.0, _NETWORK: 0.0}
+    pending = {_COMPUTE: [], _NETWORK: []}      # (ready time, index): operands known
+    runnable = {_COMPUTE: [], _NETWORK: []}     # (index,): operands ready by the stream's time
+    queue = lambda i: _NETWORK if streams[i] is _NETWORK else _COMPUTE   # noqa: E731
+    for i, n in enumerate(waiting_on):
+        if n == 0:
+            heapq.heappush(pending[queue(i)], (0.0, i))
+    left = len(durations)
+    while left:
+        choice = None
+        for stream in (_COMPUTE, _NETWORK):
+            start = _next_start(free[stream], pending[stream], runnable[stream])
+            if start is not None and (choice is None or start < choice[0]):
+                choice = (start, stream)
+        start, stream = choice
+        while pending[stream] and pending[stream][0][0] <= start:
+            heapq.heappush(runnable[stream], heapq.heappop(pending[stream])[1])
+        i = heapq.heappop(runnable[stream])
+        if streams[i] is _BOTH:
+            start = max(start, free[_NETWORK])
+            free[_NETWORK] = start + durations[i]
+        ends[i] = free[stream] = start + durations[i]
+        left -= 1
+        for u in users[i]:
+            ready_at[u] = max(ready_at[u], ends[i])
+            waiting_on[u] -= 1
+            if waiting_on[u] == 0:
+                heapq.heappush(pending[queue(u)], (ready_at[u], u))
+    return ends
+
+
+def _next_start(free: float, pending: list, runnable: list):
+    """When a stream can start its next instruction (None: nothing left for it yet)."""
+    if runnable:
+        return free
+    if pending:
+        return max(free, pending[0][0])
+    return None
+
+
+def op_seconds(instr: Instr, hw: cm.Hardware, materialized: set) -> float:
+    op = ops.lookup(instr.opcode)
+    flops = op.flops(instr) if op.flops is not None else 0
+    if op.bytes_accessed is not None:
+        nbytes = op.bytes_accessed(instr)
+    else:
+        nbytes = sum(v.nbytes for v in set(instr.operands) | set(instr.outputs) if v in materialized)
+    return cm.compute_seconds(op.compute, flops, nbytes, hw)
+
+
+def _groups(instr: Instr):
+    return instr.attrs["pairs"] if "pairs" in instr.attrs else instr.attrs["groups"]
+
+
+def _fusible(instr: Instr) -> bool:
+    op = ops.lookup(instr.opcode)
+    return op.compute is not cm.ComputeKind.MATMUL and op.collective is None and op.runs is None
+
+
+def _materialized(program: Program) -> set:
+    """Values that live in HBM: parameters, results, and whatever a matmul, collective
+    or loop makes or uses (a value only passed between fusible ops stays on chip)."""
+    keep = set(program.params) | set(program.outputs)
+    for instr in program.instrs:
+        if not _fusible(instr):
+            keep.update(instr.operands)
+            keep.update(instr.outputs)
+    return keep

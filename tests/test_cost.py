@@ -1,0 +1,170 @@
+"""The shared cost model (spmd/cost.py): ring, torus, all-to-all and permute formulas on
+small topologies, compute rooflines, and the partitioner pricing its choices with it."""
+import jax
+import numpy as np
+import pytest
+
+import gspmd
+from gspmd.spmd import cost as cm
+from gspmd.spmd.cost import Pattern
+
+BW, HOP, FIXED = 10e9, 1e-6, 5e-6
+
+
+def approx(x):
+    return pytest.approx(x, rel=1e-9, abs=0)
+
+
+def torus(*shape, per_chip=1, bw=BW):
+    """A hardware whose network is exactly `shape` (devices per chip along the last dim)."""
+    net = cm.Torus(bw, HOP, ndim=len(shape), devices_per_chip=per_chip)
+    hw = cm.Hardware("test", 1e12, 1 << 30, 1e11, net, collective_overhead_s=FIXED)
+    assert hw.network(int(np.prod(shape))).shape == shape
+    return hw
+
+
+def rate(pattern, groups, hw, n=None):
+    """The rate over `groups`, in a program over n devices (default: the groups' devices)."""
+    groups = np.asarray(groups)
+    return cm.rate(pattern, groups, n or groups.size, hw)
+
+
+def test_network_shapes_follow_the_chips():
+    v3 = cm.PROFILES["tpu-v3"]
+    assert v3.network(2048).shape == (32, 64)       # 32 x 32 chips, 2 cores each
+    assert v3.network(128).shape == (8, 16)
+    assert v3.network(64).shape == (4, 16)          # a v3-64 slice: 4 x 8 chips
+    assert cm.PROFILES["tpu-v4"].network(4096).shape == (16, 16, 16)
+    assert cm.PROFILES["h100"].network(64).shape == (8, 8)     # 8 hosts of 8
+    assert cm.PROFILES["h100"].network(4).shape == (4,)
+
+
+def test_full_ring_all_gather_sends_k_minus_1_chunks_each_way_round():
+    hw = torus(8)
+    r = rate(Pattern.ALL_GATHER, [range(8)], hw)
+    # 7 steps of 1/8 of the result, half clockwise and half counter-clockwise, 1 hop each.
+    assert r.per_byte == approx(7 / 8 / 2 / BW)
+    assert r.latency == approx(FIXED + 7 * HOP)
+    rs, ar = rate(Pattern.REDUCE_SCATTER, [range(8)], hw), rate(Pattern.ALL_REDUCE, [range(8)], hw)
+    assert rs.per_byte == approx(8 * r.per_byte)        # its input is 8 x its result
+    assert ar.per_byte == approx(2 * r.per_byte)        # reduce-scatter + all-gather
+    assert ar.latency == approx(2 * r.latency)
+
+
+def test_rings_that_do_not_wrap_share_links():
+    hw = torus(8)
+    whole = rate(Pattern.ALL_GATHER, [range(8)], hw)
+    halves = rate(Pattern.ALL_GATHER, [range(4), range(4, 8)], hw, n=8)
+    # Each half closes its ring over 3 hops back through its own links: those carry 2 edges.
+    assert halves.per_byte == approx(3 / 4 * 2 / 2 / BW)
+    assert halves.latency == approx(FIXED + 3 * 3 * HOP)
+    strided = rate(Pattern.ALL_GATHER, [range(0, 8, 2), range(1, 8, 2)], hw, n=8)
+    assert strided.per_byte == approx(3 / 4 * 2 / 2 / BW)   # 2 hops per edge, 2 groups per link
+    assert whole.per_byte < strided.per_byte
+
+
+def test_sub_grid_groups_run_one_phase_per_dim():
+    hw = torus(4, 4)
+    ids = np.arange(16).reshape(4, 4)
+    r = rate(Pattern.ALL_GATHER, [ids.ravel()], hw)
+    # Along the minor dim: 3 steps of 1/16; then along the major dim: 3 steps of 1/4.
+    assert r.per_byte == approx((3 / 16 + 3 / 4) / 2 / BW)
+    assert r.latency == approx(FIXED + 6 * HOP)
+    # Not a sub-grid (a diagonal): one ring in the listed order, routed x then y.
+    diagonal = rate(Pattern.ALL_GATHER, [[0, 5, 10, 15]], hw, n=16)
+    assert diagonal.latency == approx(FIXED + 3 * 2 * HOP)
+
+
+def test_cores_of_a_chip_share_its_links_across_the_minor_dim():
+    hw = torus(2, 4, per_chip=2)            # 2 x 2 chips, 2 cores each
+    net = hw.network(8)
+    assert [d.bandwidth for d in net.dims] == [BW / 2, BW]
+    ids = np.arange(8).reshape(2, 4)
+    along_chips = rate(Pattern.ALL_GATHER, ids, hw)
+    across = rate(Pattern.ALL_GATHER, ids.T, hw)
+    assert along_chips.per_byte == approx(3 / 4 / 2 / BW)
+    assert across.per_byte == approx(1 / 2 / 2 / (BW / 2))
+
+
+def test_all_to_all_is_bisection_bound():
+    hw = torus(8)
+    r = rate(Pattern.ALL_TO_ALL, [range(8)], hw)
+    # 1/8 of the data to each other member; a ring of 8: hops summed over ordered pairs
+    # = 8 * 16, spread over 2 links per member.
+    assert r.per_byte == approx(8 * 16 / 8 / (2 * 8) / BW)
+    # On a 2D torus the cost grows with the side, not the device count.
+    square = rate(Pattern.ALL_TO_ALL, [range(64)], torus(8, 8))
+    line = rate(Pattern.ALL_TO_ALL, [range(64)], torus(64))
+    assert square.per_byte == approx(r.per_byte)
+    assert line.per_byte == approx(8 * r.per_byte)
+
+
+def test_permutes_cost_the_busiest_link():
+    hw = torus(8)
+    ring = np.arange(8)
+    shift = np.stack([ring, np.roll(ring, -1)], 1)
+    assert rate(Pattern.PERMUTE, shift, hw, n=8) == cm.Rate(FIXED + HOP, 1 / BW)
+    far = np.stack([ring, np.roll(ring, -2)], 1)
+    assert rate(Pattern.PERMUTE, far, hw, n=8) == cm.Rate(FIXED + 2 * HOP, 2 / BW)
+    assert rate(Pattern.PERMUTE, np.stack([ring, ring], 1), hw, n=8) == cm.Rate(0.0, 0.0)
+
+
+def test_gpu_hosts_nvlink_inside_network_across():
+    h100 = cm.PROFILES["h100"]
+    ids = np.arange(16).reshape(2, 8)
+    inside = rate(Pattern.ALL_GATHER, ids, h100)
+    across = rate(Pattern.ALL_GATHER, ids.T, h100)
+    # A port sends both ways round through one link: (k-1)/k of the result at its bandwidth.
+    assert inside.per_byte == approx(7 / 8 / 450e9)
+    assert across.per_byte == approx(1 / 2 / 50e9)
+    everything = rate(Pattern.ALL_TO_ALL, [range(16)], h100)
+    assert everything.per_byte == approx(8 / 16 / 50e9)   # half the data leaves the host
+
+
+def test_compute_roofline():
+    hw = cm.PROFILES["tpu-v3"]
+    big = cm.compute_seconds(cm.ComputeKind.MATMUL, 1e12, 1e6, hw)
+    assert big == approx(1e12 / (hw.flops_per_s * hw.matmul_efficiency))
+    thin = cm.compute_seconds(cm.ComputeKind.MATMUL, 1e6, 1e9, hw)
+    assert thin == approx(1e9 / hw.hbm_bytes_per_s)       # memory-bound
+    assert cm.compute_seconds(cm.ComputeKind.MEMORY, 1e9, 1e9, hw) == approx(1e9 / hw.hbm_bytes_per_s)
+    assert cm.compute_seconds(cm.ComputeKind.FREE, 1e9, 1e9, hw) == 0
+
+
+def test_unknown_profiles_are_a_clear_error():
+    with pytest.raises(gspmd.ShardingError, match="tpu-v3"):
+        cm.profile("abacus")
+    with pytest.raises(gspmd.ShardingError, match="tpu-v3"):
+        gspmd.jit(lambda x: x, hardware="abacus")
+
+
+def test_the_partitioner_prices_plans_on_the_hardware_given():
+    # x splits the contracted dim over the 2 hosts, w over the 8 GPUs of a host: one of
+    # them is gathered, and the partial sums are all-reduced over the other axis. On
+    # h100 hosts (NVLink inside, a slower network across) the big gather stays inside
+    # the hosts; where hosts talk faster than their devices do, it crosses them.
+    mesh = gspmd.Mesh(np.arange(16).reshape(2, 8), ("host", "gpu"))
+
+    def f(x, w):
+        return gspmd.mesh_split(x, mesh, [-1, "host"]) @ gspmd.mesh_split(w, mesh, ["gpu", -1])
+
+    args = (jax.ShapeDtypeStruct((64, 256), np.float32), jax.ShapeDtypeStruct((256, 64), np.float32))
+    inverted = cm.Hardware("inverted", 1e15, 80 << 30, 3e12, cm.Hosts(8, 1e9, 1e-6, 1e12, 1e-6))
+
+    def plan(hw):
+        report = gspmd.jit(f, hardware=hw).lower(*args).report()
+        assert report.hardware is cm.profile(hw) and report.step_seconds > 0
+        return sorted((c.kind, len(c.groups[0])) for c in report.collectives)
+
+    assert plan("h100") == [("all-gather", 8), ("all-reduce", 2)]
+    assert plan(inverted) == [("all-gather", 2), ("all-reduce", 8)]
+
+
+def test_device_mesh_lays_each_axis_along_the_torus():
+    v3 = cm.PROFILES["tpu-v3"]
+    assert np.array_equal(cm.device_mesh((4, 16), v3), np.arange(64).reshape(4, 16))   # the slice itself
+    tall = cm.device_mesh((16, 4), v3)               # on a 4 x 16 torus: axes swapped
+    assert np.array_equal(tall, np.arange(64).reshape(4, 16).T)
+    deep = cm.device_mesh((4, 16, 4), v3)            # 256 devices on 8 x 32: factors of dims
+    assert sorted(deep.ravel()) == list(range(256))
+    assert np.array_equal(cm.device_mesh((3, 5), v3), np.arange(15).reshape(3, 5))   # no fit: row-major
