@@ -44,7 +44,7 @@ class Sharding:
     ids, shape (*tiles per dim, replicas). Build one with Sharding.from_mesh(mesh,
     dims_mapping, shape) or Sharding.from_named(named_sharding, shape); read it in a
     mesh's terms with .spec(mesh) / .describe(mesh). Printed in XLA's notation."""
-    __slots__ = ("tile_assignment", "_coords", "_hash")
+    __slots__ = ("tile_assignment", "_coords", "_key", "_hash")
 
     def __init__(self, tile_assignment):
         arr = np.asarray(tile_assignment, dtype=np.int64)
@@ -56,6 +56,7 @@ class Sharding:
         arr.setflags(write=False)
         self.tile_assignment = arr
         self._coords = None
+        self._key = None
         self._hash = None
 
     # -- constructors -------------------------------------------------------------
@@ -198,17 +199,19 @@ class Sharding:
     def __eq__(self, other):
         if not isinstance(other, Sharding) or self.tile_assignment.shape != other.tile_assignment.shape:
             return False
-        # Hashes are cached: unequal layouts mostly differ there, without an O(N) compare.
-        return self is other or (hash(self) == hash(other)
-                                 and np.array_equal(self.tile_assignment, other.tile_assignment))
+        # Hashes and keys are cached: unequal layouts mostly differ in their hash, equal
+        # ones compare their bytes (propagation compares the same layouts many times).
+        return self is other or (hash(self) == hash(other) and self.order_key() == other.order_key())
 
     def order_key(self) -> tuple:
         """A deterministic sort key (ties between equally cheap layouts)."""
-        return self.tile_assignment.shape, self.tile_assignment.tobytes()
+        if self._key is None:
+            self._key = (self.tile_assignment.shape, self.tile_assignment.tobytes())
+        return self._key
 
     def __hash__(self):
         if self._hash is None:
-            self._hash = hash((self.tile_assignment.shape, self.tile_assignment.tobytes()))
+            self._hash = hash(self.order_key())
         return self._hash
 
     def __repr__(self):

@@ -151,16 +151,20 @@ def analyse(spmd: Program, num_devices: int, hardware: Union[None, str, Hardware
     return report
 
 
-def _walk(program: Program, executions: int, report: Report) -> None:
+def _walk(program: Program, executions: int, report: Report, seen_groups: Optional[dict] = None) -> None:
     """Count each instruction as often as it runs: a loop body's trip count times (once
     when the trip count is not known statically, as for while_loop); every branch of a
     conditional once (what it may cost, not which branch a run takes)."""
+    seen_groups = {} if seen_groups is None else seen_groups
     for instr in program.instrs:
         op = ops.lookup(instr.opcode)
         if op.collective is not None:
-            groups = instr.attrs["pairs"] if "pairs" in instr.attrs else instr.attrs["groups"]
-            report.collectives.append(Collective(instr.opcode, instr.output.nbytes,
-                                                 tuple(map(tuple, np.asarray(groups).tolist())),
+            groups = np.asarray(instr.attrs["pairs"] if "pairs" in instr.attrs else instr.attrs["groups"])
+            # Many collectives share their groups: convert each distinct array once.
+            key = (groups.shape, groups.tobytes())
+            if key not in seen_groups:
+                seen_groups[key] = tuple(map(tuple, groups.tolist()))
+            report.collectives.append(Collective(instr.opcode, instr.output.nbytes, seen_groups[key],
                                                  instr.origin, executions, instr.why, instr.source))
         if op.flops is not None:
             flops = op.flops(instr) * executions
@@ -168,4 +172,4 @@ def _walk(program: Program, executions: int, report: Report) -> None:
             if op.compute is ComputeKind.MEMORY:
                 report.memory_bound_flops += flops
         for sub, times in ops.runs(instr):
-            _walk(sub, executions * times, report)
+            _walk(sub, executions * times, report, seen_groups)
