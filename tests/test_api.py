@@ -84,12 +84,6 @@ def test_demo_matches_one_device(capsys):
     assert "at mlp.py:" in out and "params[0]" in out and "P(None, 'model') over Mesh(data=2, model=4)" in out
 
 
-def test_plan_command_estimates_a_large_run(capsys):
-    assert cli.main(["plan", "--devices", "64", "--layers", "1", "--hardware", "a100"]) == 0
-    out = capsys.readouterr().out
-    assert "Mesh(x=8, y=8)" in out and "estimated step on a100" in out and "all-gather" in out
-
-
 def test_a_failing_partition_rule_names_the_instruction(monkeypatch):
     from gspmd import ops
 

@@ -46,6 +46,22 @@ def test_grad_through_scan():
     assert low.sharding_of(0) == gspmd.Sharding.from_mesh(MESH, [-1, -1, "y"], ws.shape)
 
 
+def test_transposed_scan_carries_no_constant_its_body_ignores():
+    # The backward scan of a relu stack gets a zeros buffer the size of a whole activation
+    # as a constant it never reads; carried, it would stay whole on every device.
+    mesh = gspmd.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
+
+    def loss(ws, x):
+        def body(h, w):
+            return jax.nn.relu(gspmd.mesh_split(h, mesh, ["x", "y"]) @ w), None
+        return jnp.sum(jax.lax.scan(body, x, ws)[0])
+
+    rng = np.random.RandomState(3)
+    low = check(jax.grad(loss), rand(rng, 3, 64, 64) / 8, rand(rng, 16, 64), mesh=mesh)
+    carried = [o.shape for i in low.spmd.instrs if i.opcode == "while" for o in i.operands]
+    assert (16, 64) not in carried, carried
+
+
 def test_while_and_fori_loops():
     def f(x, n):
         x = gspmd.mesh_split(x, MESH, ["y", "x"])

@@ -168,3 +168,26 @@ def test_device_mesh_lays_each_axis_along_the_torus():
     deep = cm.device_mesh((4, 16, 4), v3)            # 256 devices on 8 x 32: factors of dims
     assert sorted(deep.ravel()) == list(range(256))
     assert np.array_equal(cm.device_mesh((3, 5), v3), np.arange(15).reshape(3, 5))   # no fit: row-major
+
+
+def test_collectives_overlap_independent_compute_up_to_the_hardware_share():
+    import dataclasses
+
+    mesh = gspmd.Mesh(np.arange(8), ("x",))
+
+    def f(a, b, w):
+        gathered = gspmd.mesh_split(gspmd.mesh_split(a, mesh, ["x", -1]), mesh, [-1, -1])
+        return gathered, b @ w          # the dot does not wait for the all-gather
+
+    args = [jax.ShapeDtypeStruct(s, np.float32) for s in [(4096, 1024), (1024, 1024), (1024, 1024)]]
+    low = gspmd.jit(f).lower(*args)
+    assert low.report().counts() == {"all-gather": 1}
+
+    def timing(overlap):
+        r = low.report(hardware=dataclasses.replace(cm.PROFILES["tpu-v3"], overlap=overlap))
+        return r.compute_seconds, r.communication_seconds, r.step_seconds
+
+    compute, comm, hidden = timing(1.0)
+    assert hidden == approx(max(compute, comm))
+    assert timing(0.0)[2] == approx(compute + comm)
+    assert timing(0.5)[2] == approx(max(compute + comm / 2, comm))

@@ -86,31 +86,68 @@ def demo(mesh_shape: tuple[int, int] = (2, 4), model: str = "mlp", memory_plot: 
     return diff
 
 
-def plan(devices: int = 2048, hardware: str = "tpu-v3", layers: int = 2) -> None:
-    """Plan a paper-scale dense Transformer train step (Table 1, 2D finalized) for
-    `devices` devices on abstract inputs: no execution, no accelerator needed."""
-    import gspmd
-    from gspmd.models import transformer
+def plan(model: str = "transformer", sizes=None, hardware: str = "tpu-v3", as_json: bool = False) -> None:
+    """Plan a case study (or module:function) on abstract inputs: no execution, no
+    accelerator needed. Prints a summary, or the plan as JSON."""
+    import json
 
-    x = 2 ** (int(np.log2(devices)) // 2)
-    mesh = gspmd.Mesh(np.arange(devices).reshape(x, devices // x), ("x", "y"))
-    cfg = transformer.Config(batch=devices, seq=1024, model=8192, heads=128, head_dim=128, hidden=65536,
-                             layers=layers)
-    print(f"dense Transformer, {layers} layers, M={cfg.model} H={cfg.hidden} N={cfg.heads}x{cfg.head_dim}, "
-          f"batch {cfg.batch} x seq {cfg.seq}, on {mesh}")
-    start = time.perf_counter()
-    lowered = gspmd.jit(transformer.make_train_step(transformer.gspmd_annotate(mesh), cfg), mesh=mesh).lower(
-        *transformer.example_inputs(cfg, abstract=True))
-    print(f"planned in {time.perf_counter() - start:.2f} s: {len(lowered.program.instrs)} instructions\n")
-    report = lowered.report(hardware=hardware)
-    for kind, count in sorted(report.counts().items()):
+    from gspmd import planning
+
+    result = planning.plan(model, sizes or planning.Sizes(), hardware)
+    if as_json:
+        print(json.dumps(result.as_json(), indent=2))
+        return
+    report, case = result.report, result.case
+    where = "" if case.mesh is None else f" on a {'x'.join(map(str, case.mesh.shape))} mesh " \
+        f"({', '.join(case.mesh.axis_names)})"
+    print(f"{case.description}{where}, {result.lowered.num_devices} devices")
+    print(f"planned in {result.planning_seconds:.2f} s: {len(list(result.lowered.program.all_instrs()))} "
+          "instructions\n")
+    for kind, count in sorted(planning._executions(report).items()):
         nbytes = sum(c.bytes * c.executions for c in report.collectives if c.kind == kind)
-        print(f"  {kind:<18} x{count:<4} {nbytes / 2 ** 20:10.1f} MiB per device")
+        print(f"  {kind:<18} x{count:<6} {nbytes / 2 ** 20:12.1f} MiB per device")
     print(f"\npeak memory per device: {report.peak_memory_bytes / 2 ** 30:.2f} GiB; "
           f"flops per device: {report.flops:.3e}")
-    print(f"estimated step on {hardware}: compute {report.compute_seconds * 1e3:.1f} ms + communication "
-          f"{report.communication_seconds * 1e3:.1f} ms = {report.step_seconds * 1e3:.1f} ms; memory "
+    print(f"estimated step on {report.hardware.name}: compute {report.compute_seconds * 1e3:.1f} ms + exposed "
+          f"communication {report.exposed_communication_seconds * 1e3:.1f} ms (of "
+          f"{report.communication_seconds * 1e3:.1f}) = {report.step_seconds * 1e3:.1f} ms; "
+          f"flops utilization {report.flops_utilization:.1%}; memory "
           f"{'fits' if report.fits_in_memory else 'does NOT fit'}")
+    if report.bubble_fraction is not None:
+        print(f"pipeline bubbles: {report.bubble_fraction:.1%} of compute; effective utilization "
+              f"{report.effective_utilization:.1%}")
+
+
+def _mesh_arg(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(s) for s in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--mesh {text!r} must look like 32x64 or 4x16x4") from None
+    if not shape or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"--mesh {text!r} must look like 32x64 or 4x16x4")
+    return shape
+
+
+def _plan_command(parser: argparse.ArgumentParser, args) -> int:
+    import gspmd
+    from gspmd import planning
+
+    mesh = args.mesh
+    if args.devices is not None:
+        if args.mesh is not None:
+            parser.error("give --devices or --mesh, not both")
+        if args.devices < 4 or args.devices & (args.devices - 1):
+            parser.error("--devices must be a power of two, at least 4")
+        x = 2 ** (int(np.log2(args.devices)) // 2)
+        mesh = (x, args.devices // x)
+    fields = {f: getattr(args, f) for f in ("layers", "model_dim", "ffn_dim", "heads", "head_dim", "seq", "vocab",
+                                            "experts", "batch", "stages", "microbatches", "schedule", "repeats",
+                                            "image_size", "remat", "activation_dtype")}
+    try:
+        plan(args.model, planning.Sizes(mesh=mesh, **fields), args.hardware, args.json)
+    except gspmd.ShardingError as e:
+        parser.exit(2, f"gspmd plan: error: {e}\n")
+    return 0
 
 
 def memory(model: str = "transformer", mesh_shape: tuple[int, int] = (2, 4), top: int = 10,
@@ -148,16 +185,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     m.add_argument("--mesh", default="2x4", help="2-D mesh shape (default 2x4)")
     m.add_argument("--top", type=int, default=10, help="how many of the largest buffers to list")
     m.add_argument("--plot", metavar="PNG", help="plot memory per device over the run (needs matplotlib)")
-    p = sub.add_parser("plan", help="plan a paper-scale Transformer step for many devices (no execution)")
-    p.add_argument("--devices", type=int, default=2048, help="a power of two (default 2048)")
-    p.add_argument("--hardware", default="tpu-v3", help="tpu-v3, tpu-v4, a100, h100, h200 or cpu")
-    p.add_argument("--layers", type=int, default=2)
+    p = sub.add_parser("plan", help="plan a paper-scale train step for many devices (no execution)",
+                       description="Plan a case study of the paper, or module:function (the module defines "
+                       "the function and plan_args(), its abstract arguments), without running it.")
+    p.add_argument("model", nargs="?", default="transformer",
+                   help="transformer (default), moe, hybrid-moe, conformer, unet, or module:function")
+    p.add_argument("--devices", type=int, help="transformer: a near-square 2D mesh over this many devices")
+    p.add_argument("--mesh", type=_mesh_arg, help="mesh shape, e.g. 32x64 (X x Y) or 4x16x4 (L x X x Y)")
+    for flag, what in [("layers", "layers"), ("model-dim", "model dim M"), ("ffn-dim", "feed-forward dim H"),
+                       ("heads", "attention heads N"), ("head-dim", "head dim D"), ("seq", "sequence length"),
+                       ("vocab", "vocabulary"), ("experts", "experts E"), ("batch", "global batch"),
+                       ("stages", "pipeline stages L"), ("microbatches", "pipeline microbatches"),
+                       ("repeats", "circular schedule: layers per stage per microbatch pass"),
+                       ("image-size", "U-Net: side of the cubic image")]:
+        p.add_argument(f"--{flag}", type=int, help=what)
+    p.add_argument("--schedule", help="pipeline schedule: gpipe or circular")
+    p.add_argument("--remat", help="rematerialization policy (not supported yet)")
+    p.add_argument("--activation-dtype", help="bfloat16 (default, as the paper) or float32")
+    p.add_argument("--hardware", default="tpu-v3", help="tpu-v3 (default), tpu-v4, a100, h100, h200 or cpu")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = parser.parse_args(argv)
     if args.command == "plan":
-        if args.devices < 4 or args.devices & (args.devices - 1):
-            parser.error("--devices must be a power of two, at least 4")
-        plan(args.devices, args.hardware, args.layers)
-        return 0
+        return _plan_command(parser, args)
     if args.command == "memory":
         memory(args.model, _mesh_shape(parser, args.mesh), args.top, args.plot)
         return 0

@@ -4,7 +4,8 @@
 Each device runs two streams, compute and the network (collectives), and a latency-
 hiding scheduler (as XLA's) keeps both busy: whenever a stream is free it starts the
 first instruction, in program order, whose operands are ready. So a collective overlaps
-with whatever compute does not depend on it. A loop runs its body as often as its trip
+with whatever compute does not depend on it, up to the hardware's `overlap` share of
+its time (the rest contends with compute for the core: DMA issue, reductions, HBM). A loop runs its body as often as its trip
 count, its body's own overlap included; it holds both streams while it runs.
 
 Memory-bound ops are fused as XLA fuses element-wise chains: a value made by one
@@ -30,7 +31,7 @@ class Timing:
 
 def time_program(program: Program, hw: cm.Hardware, num_devices: int) -> Timing:
     durations, streams = _durations(program, hw, num_devices)
-    ends = _schedule(program, durations, streams)
+    ends = _schedule(program, durations, streams, hw.overlap)
     compute = sum(d for d, s in zip(durations, streams) if s is not _NETWORK)
     network = sum(d for d, s in zip(durations, streams) if s is _NETWORK)
     for i, instr in enumerate(program.instrs):   # loops: what their bodies spent on each
@@ -63,10 +64,12 @@ def _durations(program: Program, hw: cm.Hardware, num_devices: int) -> tuple[lis
     return durations, streams
 
 
-def _schedule(program: Program, durations: list[float], streams: list[str]) -> list[float]:
+def _schedule(program: Program, durations: list[float], streams: list[str], overlap: float) -> list[float]:
     """List scheduling on the two streams: whenever a stream is free it starts, of the
     instructions whose operands are ready, the first in program order (a loop takes
-    both streams). Returns each instruction's end time."""
+    both streams). A collective also takes the compute stream for the share of its time
+    that cannot overlap (1 - overlap), as soon as that stream is free, and completes
+    when that is done too. Returns each instruction's end time."""
     producer = {v: i for i, instr in enumerate(program.instrs) for v in instr.outputs}
     users: dict[int, list[int]] = {i: [] for i in range(len(program.instrs))}
     waiting_on = []
@@ -99,6 +102,9 @@ def _schedule(program: Program, durations: list[float], streams: list[str]) -> l
             start = max(start, free[_NETWORK])
             free[_NETWORK] = start + durations[i]
         ends[i] = free[stream] = start + durations[i]
+        if streams[i] is _NETWORK:   # its core work: done on the compute stream before it completes
+            free[_COMPUTE] = max(free[_COMPUTE], start) + (1 - overlap) * durations[i]
+            ends[i] = max(ends[i], free[_COMPUTE])
         left -= 1
         for u in users[i]:
             ready_at[u] = max(ready_at[u], ends[i])

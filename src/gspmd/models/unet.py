@@ -22,10 +22,10 @@ def init_params(rng: np.random.RandomState, channels: int = 2, width: int = 4) -
             "dec": conv(width, 2 * width), "head": conv(1, width, 1)}
 
 
-def forward(params: dict, x, mesh: Mesh, spatial_axes) -> jax.Array:
+def forward(params: dict, x, mesh: Mesh, spatial_axes, batch_axis=-1) -> jax.Array:
     """x: [batch, channels, depth, height, width]; spatial_axes: mesh axes (or -1) for
-    depth, height and width."""
-    x = mesh_split(x, mesh, [-1, -1, *spatial_axes])
+    depth, height and width; batch_axis: the mesh axis of data parallelism (or -1)."""
+    x = mesh_split(x, mesh, [batch_axis, -1, *spatial_axes])
 
     def conv(x, w, **kw):
         return lax.conv_general_dilated(x, w, (1, 1, 1), kw.pop("padding", "SAME"), dimension_numbers=DN, **kw)

@@ -1,0 +1,368 @@
+"""Plans of the paper's case studies at any size, and of a user's own function, on
+abstract inputs: no execution, no accelerator (what `gspmd plan` runs).
+
+Every model's train step is built here from the case-study layers in gspmd.models,
+with the layers stacked and run by one `lax.scan` so that planning 128 layers costs
+what planning one does. As in the paper, parameters are float32 and activations
+bfloat16 (weights are cast where a layer uses them); the update is plain SGD.
+Each model says which sizes it understands; a size it does not is an error, never
+silently ignored.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gspmd.api import Lowered, jit
+from gspmd.analysis import Report
+from gspmd.errors import ShardingError
+from gspmd.mesh import Mesh
+from gspmd.models import moe, transformer, unet
+from gspmd.pipeline import SCHEDULES, pipeline
+from gspmd.spmd.cost import Hardware, device_mesh, profile
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The sizes the paper's tables vary (None: the model's default)."""
+    layers: Optional[int] = None
+    model_dim: Optional[int] = None
+    ffn_dim: Optional[int] = None
+    heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    seq: Optional[int] = None
+    vocab: Optional[int] = None
+    experts: Optional[int] = None
+    batch: Optional[int] = None
+    mesh: Optional[tuple[int, ...]] = None
+    stages: Optional[int] = None
+    microbatches: Optional[int] = None
+    schedule: Optional[str] = None
+    repeats: Optional[int] = None
+    image_size: Optional[int] = None
+    remat: Optional[str] = None
+    activation_dtype: Optional[str] = None
+
+    def given(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+
+@dataclass
+class Case:
+    """A train step ready to lower: its abstract arguments, mesh and what it is."""
+    description: str
+    step: Callable
+    args: tuple
+    mesh: Optional[Mesh]     # None: the meshes the function's annotations name
+    sizes: dict
+    bubble_fraction: Optional[float] = None
+
+
+@dataclass
+class Plan:
+    case: Case
+    lowered: Lowered
+    report: Report
+    planning_seconds: float
+
+    def as_json(self) -> dict:
+        r = self.report
+        mesh = self.case.mesh
+        return {"model": self.case.description, "sizes": {k: v for k, v in self.case.sizes.items() if v is not None},
+                "mesh": None if mesh is None else dict(zip(mesh.axis_names, map(int, mesh.shape))),
+                "devices": int(self.lowered.num_devices), "hardware": r.hardware.name,
+                "planning_seconds": self.planning_seconds,
+                "peak_memory_bytes": int(r.peak_memory_bytes), "fits_in_memory": r.fits_in_memory,
+                "flops_per_device": int(r.flops), "memory_bound_flops_per_device": int(r.memory_bound_flops),
+                "step_seconds": r.step_seconds, "compute_seconds": r.compute_seconds,
+                "communication_seconds": r.communication_seconds,
+                "exposed_communication_seconds": r.exposed_communication_seconds,
+                "flops_utilization": r.flops_utilization, "effective_utilization": r.effective_utilization,
+                "bubble_fraction": r.bubble_fraction, "recompute_fraction": r.recompute_fraction,
+                "collectives": {kind: {"count": n, "bytes_per_device": sum(
+                    c.bytes * c.executions for c in r.collectives if c.kind == kind)}
+                    for kind, n in sorted(_executions(r).items())}}
+
+
+def _executions(report: Report) -> dict:
+    counts: dict = {}
+    for c in report.collectives:
+        counts[c.kind] = counts.get(c.kind, 0) + c.executions
+    return counts
+
+
+def plan(model: str, sizes: Sizes = Sizes(), hardware: Union[str, Hardware] = "tpu-v3") -> Plan:
+    """Lower `model` ("transformer", "moe", "hybrid-moe", "unet", "conformer" or
+    "module:function") at `sizes` and report it on `hardware`."""
+    hw = profile(hardware)
+    start = time.perf_counter()
+    case = build(model, sizes, hw)
+    lowered = jit(case.step, mesh=case.mesh, hardware=hw).lower(*case.args)
+    report = lowered.report()
+    report.bubble_fraction = case.bubble_fraction
+    return Plan(case, lowered, report, time.perf_counter() - start)
+
+
+def build(model: str, sizes: Sizes, hw: Hardware) -> Case:
+    if ":" in model:
+        unknown = set(sizes.given())
+        if unknown:
+            raise ShardingError(f"Sizes {sorted(unknown)} do not apply to a user function ({model}): its "
+                                "plan_args() gives its inputs and its annotations its meshes.")
+        return _user_function(model)
+    if model not in MODELS:
+        raise ShardingError(f"Unknown model {model!r}; choose one of {sorted(MODELS)} or module:function.")
+    spec = MODELS[model]
+    if spec.build is None:
+        raise ShardingError(spec.missing)
+    if sizes.remat is not None:
+        raise ShardingError(f"--remat {sizes.remat}: rematerialization (jax.checkpoint) is not supported yet; "
+                            "plans keep every activation the backward pass needs.")
+    unknown = set(sizes.given()) - set(spec.defaults) - {"remat"}
+    if unknown:
+        raise ShardingError(f"{model} does not vary {', '.join(sorted('--' + u.replace('_', '-') for u in unknown))}"
+                            f"; its sizes are {', '.join('--' + k.replace('_', '-') for k in spec.defaults)}.")
+    resolved = {**spec.defaults, **sizes.given()}
+    return spec.build(resolved, hw)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    build: Optional[Callable[[dict, Hardware], Case]]
+    defaults: dict                  # every size the model understands, with its default
+    missing: str = ""               # why build is None
+
+
+# -- shared pieces ------------------------------------------------------------------------
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+
+
+def _mesh(shape: Sequence[int], names: Sequence[str], hw: Hardware) -> Mesh:
+    if len(shape) != len(names):
+        raise ShardingError(f"--mesh {'x'.join(map(str, shape))} has {len(shape)} dims; this model needs "
+                            f"{len(names)} ({'x'.join(n.upper() for n in names)}).")
+    return Mesh(device_mesh(shape, hw), names)
+
+
+def _dtype(sizes: dict):
+    if sizes["activation_dtype"] not in DTYPES:
+        raise ShardingError(f"--activation-dtype {sizes['activation_dtype']!r}: choose one of {sorted(DTYPES)}.")
+    return DTYPES[sizes["activation_dtype"]]
+
+
+def _spec(shape, dtype=jnp.float32) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(int(d) for d in shape), dtype)
+
+
+def _stack(shapes: dict, *lead: int) -> dict:
+    return {name: _spec(lead + tuple(shape)) for name, shape in shapes.items()}
+
+
+def _cast(params: dict, dtype) -> dict:
+    return {name: w.astype(dtype) for name, w in params.items()}
+
+
+def _sgd(loss: Callable, lr: float = 0.01) -> Callable:
+    def train_step(params, *data):
+        value, grads = jax.value_and_grad(loss)(params, *data)
+        return jax.tree_util.tree_map(lambda p, g: p - lr * g.astype(p.dtype), params, grads), value
+    return train_step
+
+
+def _mse(y, target):
+    return jnp.mean((y.astype(jnp.float32) - target.astype(jnp.float32)) ** 2)
+
+
+def _divide(what: str, total: int, parts: int, by: str) -> int:
+    if parts <= 0 or total % parts:
+        raise ShardingError(f"{what} {total} does not divide into {parts} ({by}).")
+    return total // parts
+
+
+# -- dense Transformer (Tables 2, 3) and its pipelined form (Table 4) -----------------------
+TRANSFORMER = {"layers": 32, "model_dim": 8192, "ffn_dim": 65536, "heads": 128, "head_dim": 256, "seq": 1024,
+               "batch": None, "mesh": (32, 64), "stages": None, "microbatches": None, "schedule": "gpipe",
+               "repeats": 1, "activation_dtype": "bfloat16"}
+
+
+def _transformer_config(s: dict, batch: int) -> transformer.Config:
+    return transformer.Config(batch=batch, seq=s["seq"], model=s["model_dim"], heads=s["heads"],
+                              head_dim=s["head_dim"], hidden=s["ffn_dim"], layers=s["layers"], dtype=_dtype(s))
+
+
+def _layer_shapes(cfg: transformer.Config) -> dict:
+    params, _, _ = transformer.example_inputs(dataclasses.replace(cfg, layers=1), abstract=True)
+    return {name: v.shape for name, v in params[0].items()}
+
+
+def _transformer(s: dict, hw: Hardware) -> Case:
+    if s["stages"] is not None or len(s["mesh"]) == 3:
+        return _pipelined_transformer(s, hw)
+    for flag in ("microbatches",):
+        if s[flag] is not None:
+            raise ShardingError(f"--{flag} applies to pipelines only: give --stages and a 3-D --mesh LxXxY.")
+    mesh = _mesh(s["mesh"], ("x", "y"), hw)
+    batch = s["batch"] or mesh.size // 2
+    cfg, dtype = _transformer_config(s, batch), _dtype(s)
+    annotate = transformer.gspmd_annotate(mesh)
+
+    def loss(stacked, x, target):
+        def body(x, p):
+            return transformer.layer(_cast(p, dtype), x, annotate, transformer.FINALIZED_2D, cfg), None
+        y, _ = jax.lax.scan(body, x, stacked)
+        return _mse(y, target)
+
+    act = _spec((batch, cfg.seq, cfg.model), dtype)
+    return Case(f"dense Transformer, {cfg.layers} layers, M={cfg.model} H={cfg.hidden} N={cfg.heads} "
+                f"D={cfg.head_dim}, batch {batch} x seq {cfg.seq}, 2D finalized sharding",
+                _sgd(loss), (_stack(_layer_shapes(cfg), cfg.layers), act, act), mesh, {**s, "batch": batch})
+
+
+def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
+    """The share of stage-steps that run on padding: gspmd.pipeline runs M*R + L - 1
+    steps of all L stages for L*M*R useful ones."""
+    return (stages - 1) / (microbatches * repeats + stages - 1)
+
+
+def _pipelined_transformer(s: dict, hw: Hardware) -> Case:
+    if len(s["mesh"]) != 3:
+        raise ShardingError("A pipeline needs a 3-D --mesh LxXxY: L stages, X data parallel, Y model parallel.")
+    stages = s["stages"] or s["mesh"][0]
+    if stages != s["mesh"][0]:
+        raise ShardingError(f"--stages {stages} must be the mesh's first dim, got --mesh "
+                            f"{'x'.join(map(str, s['mesh']))}.")
+    if s["schedule"] not in SCHEDULES:
+        raise ShardingError(f"--schedule {s['schedule']!r}: choose one of {SCHEDULES}.")
+    mesh = _mesh(s["mesh"], ("p", "x", "y"), hw)
+    repeats, micro = s["repeats"], s["microbatches"] or 2 * stages
+    batch = s["batch"] or micro * mesh.shape[1]
+    per_stage = _divide("--layers", s["layers"], stages * repeats, f"{stages} stages x {repeats} repeats")
+    mb = _divide("--batch", batch, micro, f"{micro} microbatches")
+    cfg, dtype = _transformer_config(s, mb), _dtype(s)
+    annotate = transformer.gspmd_annotate(mesh)
+
+    def stage_fn(params, x):
+        def body(x, p):
+            return transformer.layer(_cast(p, dtype), x, annotate, transformer.FINALIZED_2D, cfg), None
+        return jax.lax.scan(body, x, params)[0]
+
+    def loss(stacked, microbatches, targets):
+        ys = pipeline(stage_fn, stacked, microbatches, mesh=mesh, stage_axis="p", schedule=s["schedule"],
+                      repeats=repeats)
+        return _mse(ys, targets)
+
+    data = _spec((micro, mb, cfg.seq, cfg.model), dtype)
+    stacked = _stack(_layer_shapes(cfg), stages * repeats, per_stage)
+    return Case(f"pipelined dense Transformer, {s['layers']} layers over {stages} stages ({s['schedule']}, "
+                f"{repeats} repeats), M={cfg.model} H={cfg.hidden} N={cfg.heads} D={cfg.head_dim}, "
+                f"{micro} microbatches of {mb} x seq {cfg.seq}",
+                _sgd(loss), (stacked, data, data), mesh, {**s, "stages": stages, "microbatches": micro,
+                                                         "batch": batch},
+                bubble_fraction=bubble_fraction(stages, micro, repeats))
+
+
+# -- mixture of experts (Table 6) and hybrid sparse/dense (Table 7) -------------------------
+MOE = {"layers": 16, "model_dim": 2048, "ffn_dim": 8192, "heads": 16, "head_dim": 128, "seq": 1024,
+       "experts": None, "batch": None, "mesh": None, "activation_dtype": "bfloat16"}
+HYBRID = {**MOE, "layers": 24, "model_dim": 4096, "ffn_dim": 32768, "heads": 128, "head_dim": 128,
+          "mesh": (8, 4)}
+
+
+def _moe_transformer(s: dict, hw: Hardware, hybrid: bool) -> Case:
+    """Layers in pairs: a dense Transformer layer (attention + feed-forward), then a
+    mixture-of-experts feed-forward layer (top-1 gating, capacity 2 x seq / experts)."""
+    if hybrid:
+        mesh = _mesh(s["mesh"] or (8, 4), ("x", "y"), hw)
+        dense_strategy, expert_axis = transformer.FINALIZED_2D, "y"
+    else:
+        shape = s["mesh"] or (s["experts"] or 32,)
+        mesh = _mesh(shape, ("x",), hw)
+        dense_strategy = {"x": ["x", -1, -1]}    # data parallel; experts split over the same axis
+        expert_axis = None
+    experts = s["experts"] or mesh.shape[0]
+    if experts % mesh.shape[0]:
+        raise ShardingError(f"--experts {experts} must be a multiple of the expert axis ({mesh.shape[0]}).")
+    batch = s["batch"] or 4 * mesh.shape[0]
+    pairs = _divide("--layers", s["layers"], 2, "dense and MoE layers alternate")
+    dtype = _dtype(s)
+    cfg = _transformer_config({**s, "layers": pairs}, batch)
+    mcfg = moe.Config(groups=batch, group_size=s["seq"], model=s["model_dim"], hidden=s["ffn_dim"],
+                      experts=experts, capacity=max(1, math.ceil(2 * s["seq"] / experts)))
+    annotate = transformer.gspmd_annotate(mesh)
+
+    def loss(stacked, x, target):
+        def body(x, p):
+            dense, sparse = p
+            x = transformer.layer(_cast(dense, dtype), x, annotate, dense_strategy, cfg)
+            return moe.moe_layer(_cast(sparse, dtype), x, mesh, "x", mcfg, expert_axis), None
+        y, _ = jax.lax.scan(body, x, stacked)
+        return _mse(y, target)
+
+    expert_shapes = {"w_gate": (mcfg.model, experts), "w_in": (experts, mcfg.model, mcfg.hidden),
+                     "w_out": (experts, mcfg.hidden, mcfg.model)}
+    stacked = (_stack(_layer_shapes(cfg), pairs), _stack(expert_shapes, pairs))
+    act = _spec((batch, s["seq"], s["model_dim"]), dtype)
+    kind = "hybrid sparse/dense MoE (experts over X, expert-internal H over Y)" if hybrid else \
+        "MoE Transformer (experts and batch over one axis)"
+    return Case(f"{kind}, {s['layers']} layers ({pairs} MoE), {experts} experts, M={s['model_dim']} "
+                f"H={s['ffn_dim']} N={s['heads']} D={s['head_dim']}, batch {batch} x seq {s['seq']}",
+                _sgd(loss), (stacked, act, act), mesh, {**s, "experts": experts, "batch": batch,
+                                                        "mesh": tuple(mesh.shape)})
+
+
+# -- 3D U-Net (Table 8) ---------------------------------------------------------------------
+UNET = {"image_size": 128, "batch": 4, "mesh": (1, 16), "model_dim": 128, "activation_dtype": "bfloat16"}
+
+
+def _unet(s: dict, hw: Hardware) -> Case:
+    """Mesh (data, spatial): batch over the first axis, image depth over the second.
+    --model-dim is the width of the first convolution (the model doubles it once)."""
+    mesh = _mesh(s["mesh"], ("data", "spatial"), hw)
+    dtype, size, width = _dtype(s), s["image_size"], s["model_dim"]
+    params = {name: _spec(w.shape) for name, w in unet.init_params(np.random.RandomState(0), 1, width).items()}
+
+    def loss(params, x, y):
+        out = unet.forward(_cast(params, dtype), x, mesh, ("spatial", -1, -1), batch_axis="data")
+        return _mse(out, y)
+
+    image = _spec((s["batch"], 1, size, size, size), dtype)
+    return Case(f"3D U-Net, width {width}, batch {s['batch']} of {size}^3 images", _sgd(loss),
+                (params, image, image), mesh, s)
+
+
+MODELS = {
+    "transformer": ModelSpec(_transformer, TRANSFORMER),
+    "moe": ModelSpec(lambda s, hw: _moe_transformer(s, hw, hybrid=False), MOE),
+    "hybrid-moe": ModelSpec(lambda s, hw: _moe_transformer(s, hw, hybrid=True), HYBRID),
+    "unet": ModelSpec(_unet, UNET),
+    "conformer": ModelSpec(None, {}, missing="The Conformer (paper Table 5) has no case-study model in "
+                           "gspmd.models yet; plan a pipelined transformer (--stages) or your own function "
+                           "(module:function) instead."),
+}
+
+
+# -- a user's function ------------------------------------------------------------------------
+def _user_function(spec: str) -> Case:
+    """`module:function`: the module defines the function (with its mesh_split
+    annotations) and plan_args(), its arguments (jax.ShapeDtypeStruct or arrays)."""
+    module_name, _, fn_name = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ShardingError(f"Cannot import module {module_name!r} for {spec}: {e}.") from None
+    fn: Any = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise ShardingError(f"Module {module_name} has no function {fn_name!r}.")
+    make_args = getattr(module, "plan_args", None)
+    if not callable(make_args):
+        raise ShardingError(f"Module {module_name} must define plan_args() returning the arguments of "
+                            f"{fn_name} (jax.ShapeDtypeStruct or arrays) for `gspmd plan {spec}`.")
+    return Case(spec, fn, tuple(make_args()), None, {})

@@ -1,0 +1,108 @@
+"""`gspmd plan`: the case studies at chosen sizes, a user's module:function, JSON output,
+and clear errors for sizes a model does not vary."""
+import json
+import textwrap
+
+import pytest
+
+from gspmd import cli, planning
+
+SMALL = ["--layers", "2", "--model-dim", "64", "--ffn-dim", "128", "--heads", "4", "--head-dim", "16",
+         "--seq", "32"]
+
+
+def plan_json(capsys, *argv) -> dict:
+    assert cli.main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def plan_error(capsys, *argv) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["plan", *argv])
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_transformer_plan_as_json(capsys):
+    out = plan_json(capsys, "transformer", *SMALL, "--mesh", "2x4", "--batch", "8")
+    for key in ("peak_memory_bytes", "step_seconds", "flops_utilization", "compute_seconds",
+                "communication_seconds", "collectives", "planning_seconds"):
+        assert key in out
+    assert out["devices"] == 8 and out["mesh"] == {"x": 2, "y": 4} and out["hardware"] == "tpu-v3"
+    assert out["sizes"]["layers"] == 2 and out["sizes"]["batch"] == 8
+    assert 0 < out["flops_utilization"] < 1 and out["bubble_fraction"] is None
+    assert {"all-gather", "reduce-scatter"} <= set(out["collectives"])
+    # Layers run in one scan: the body's collectives count once per layer.
+    assert out["collectives"]["all-gather"]["count"] % 2 == 0
+
+
+def test_pipeline_plan_reports_its_bubbles(capsys):
+    out = plan_json(capsys, "transformer", *SMALL, "--mesh", "2x2x2", "--stages", "2", "--microbatches", "4",
+                    "--batch", "8", "--schedule", "gpipe")
+    assert out["bubble_fraction"] == pytest.approx(1 / 5)     # (L - 1) / (M + L - 1)
+    assert out["effective_utilization"] == pytest.approx(out["flops_utilization"] * 4 / 5)
+    assert "collective-permute" in out["collectives"]
+    assert planning.bubble_fraction(4, 16) == pytest.approx(3 / 19)
+    assert planning.bubble_fraction(4, 8, repeats=2) == pytest.approx(3 / 19)
+
+
+@pytest.mark.parametrize("argv, collective", [
+    (["moe", "--layers", "2", "--model-dim", "32", "--ffn-dim", "64", "--heads", "2", "--head-dim", "16",
+      "--seq", "16", "--experts", "8", "--batch", "16"], "all-to-all"),
+    (["hybrid-moe", "--layers", "2", "--model-dim", "32", "--ffn-dim", "64", "--heads", "4", "--head-dim", "8",
+      "--seq", "16", "--mesh", "4x2", "--batch", "8"], "all-to-all"),
+    (["unet", "--mesh", "2x4", "--image-size", "16", "--batch", "2", "--model-dim", "4"], "collective-permute"),
+])
+def test_every_case_study_plans(capsys, argv, collective):
+    out = plan_json(capsys, *argv)
+    assert collective in out["collectives"] and out["step_seconds"] > 0
+
+
+def test_summary_and_the_devices_shortcut(capsys):
+    assert cli.main(["plan", "--devices", "64", "--layers", "1", "--hardware", "a100"]) == 0
+    out = capsys.readouterr().out
+    assert "8x8 mesh (x, y), 64 devices" in out and "estimated step on a100" in out and "all-gather" in out
+    assert "flops utilization" in out
+
+
+def test_a_users_function(capsys, tmp_path, monkeypatch):
+    (tmp_path / "my_model.py").write_text(textwrap.dedent("""
+        import jax, numpy as np, gspmd
+        mesh = gspmd.Mesh(np.arange(8).reshape(2, 4), ("data", "model"))
+
+        def step(x, w):
+            x = gspmd.mesh_split(x, mesh, ["data", -1])
+            w = gspmd.mesh_split(w, mesh, [-1, "model"])
+            return jax.nn.relu(x @ w).sum()
+
+        def plan_args():
+            return (jax.ShapeDtypeStruct((64, 128), np.float32), jax.ShapeDtypeStruct((128, 256), np.float32))
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = plan_json(capsys, "my_model:step")
+    assert out["devices"] == 8 and out["mesh"] is None and out["collectives"]["all-reduce"]["count"] >= 1
+    assert "plan_args" in plan_error(capsys, "my_model:plan_args_missing")
+    (tmp_path / "no_args.py").write_text("def f(x):\n    return x\n")
+    assert "must define plan_args()" in plan_error(capsys, "no_args:f")
+    assert "do not apply to a user function" in plan_error(capsys, "my_model:step", "--layers", "2")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["transformer", "--vocab", "32000"], "does not vary --vocab"),
+    (["transformer", "--image-size", "64"], "does not vary --image-size"),
+    (["unet", "--heads", "8"], "does not vary --heads"),
+    (["transformer", "--remat", "dots_saveable"], "rematerialization"),
+    (["conformer"], "Conformer"),
+    (["resnet"], "Unknown model"),
+    (["transformer", "--mesh", "4x4", "--microbatches", "4"], "pipelines only"),
+    (["transformer", "--mesh", "2x2x2", "--stages", "4"], "first dim"),
+    (["transformer", "--mesh", "2x2x2", "--schedule", "zigzag"], "gpipe"),
+    (["transformer", "--mesh", "2x2x2", "--layers", "3"], "does not divide"),
+    (["moe", "--mesh", "4x2"], "2 dims"),
+    (["transformer", "--activation-dtype", "int8"], "bfloat16"),
+    (["--mesh", "2by4"], "must look like"),
+    (["--devices", "48"], "power of two"),
+    (["--devices", "64", "--mesh", "8x8"], "not both"),
+])
+def test_bad_flags_are_clear_errors(capsys, argv, message):
+    assert message in plan_error(capsys, *argv)
