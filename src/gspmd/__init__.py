@@ -13,6 +13,7 @@ from gspmd.frontend import manual, mesh_split
 from gspmd.mesh import Mesh
 from gspmd.pipeline import pipeline
 from gspmd.sharding import UNSPECIFIED, Sharding
+from gspmd.spmd.cost import Hardware
 
 __all__ = ["Mesh", "Sharding", "ShardingError", "UnpartitionedWarning", "UNSPECIFIED", "mesh_split", "jit",
-           "manual", "pipeline", "visualize", "Partitioned", "Lowered"]
+           "manual", "pipeline", "visualize", "Partitioned", "Lowered", "Hardware"]
