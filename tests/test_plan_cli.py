@@ -46,6 +46,16 @@ def test_pipeline_plan_reports_its_bubbles(capsys):
     assert planning.bubble_fraction(4, 8, repeats=2) == pytest.approx(3 / 19)
 
 
+def test_remat_reports_its_recompute_share(capsys):
+    plain = plan_json(capsys, "transformer", *SMALL, "--mesh", "2x4", "--batch", "8")
+    remat = plan_json(capsys, "transformer", *SMALL, "--mesh", "2x4", "--batch", "8", "--remat", "nothing_saveable")
+    assert plain["recompute_fraction"] is None
+    assert 0.1 < remat["recompute_fraction"] < 0.4                 # the forward pass again, in the backward
+    assert remat["flops_per_device"] > plain["flops_per_device"]
+    assert remat["peak_memory_bytes"] < plain["peak_memory_bytes"]
+    assert remat["effective_utilization"] == pytest.approx(remat["flops_utilization"] * (1 - remat["recompute_fraction"]))
+
+
 @pytest.mark.parametrize("argv, collective", [
     (["moe", "--layers", "2", "--model-dim", "32", "--ffn-dim", "64", "--heads", "2", "--head-dim", "16",
       "--seq", "16", "--experts", "8", "--batch", "16"], "all-to-all"),
@@ -91,7 +101,8 @@ def test_a_users_function(capsys, tmp_path, monkeypatch):
     (["transformer", "--vocab", "32000"], "does not vary --vocab"),
     (["transformer", "--image-size", "64"], "does not vary --image-size"),
     (["unet", "--heads", "8"], "does not vary --heads"),
-    (["transformer", "--remat", "dots_saveable"], "rematerialization"),
+    (["transformer", "--remat", "offload_dot_with_no_batch_dims"], "host memory"),
+    (["unet", "--remat", "nothing_saveable"], "does not vary --remat"),
     (["conformer"], "Conformer"),
     (["resnet"], "Unknown model"),
     (["transformer", "--mesh", "4x4", "--microbatches", "4"], "pipelines only"),

@@ -113,9 +113,11 @@ def plan(model: str = "transformer", sizes=None, hardware: str = "tpu-v3", as_js
           f"{report.communication_seconds * 1e3:.1f}) = {report.step_seconds * 1e3:.1f} ms; "
           f"flops utilization {report.flops_utilization:.1%}; memory "
           f"{'fits' if report.fits_in_memory else 'does NOT fit'}")
-    if report.bubble_fraction is not None:
-        print(f"pipeline bubbles: {report.bubble_fraction:.1%} of compute; effective utilization "
-              f"{report.effective_utilization:.1%}")
+    shares = [f"{name}: {value:.1%} of compute" for name, value in
+              (("pipeline bubbles", report.bubble_fraction), ("recompute", report.recompute_fraction))
+              if value is not None]
+    if shares:
+        print(f"{'; '.join(shares)}; effective utilization {report.effective_utilization:.1%}")
 
 
 def _mesh_arg(text: str) -> tuple[int, ...]:
@@ -200,7 +202,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        ("image-size", "U-Net: side of the cubic image")]:
         p.add_argument(f"--{flag}", type=int, help=what)
     p.add_argument("--schedule", help="pipeline schedule: gpipe or circular")
-    p.add_argument("--remat", help="rematerialization policy (not supported yet)")
+    p.add_argument("--remat", help="rematerialize each layer with a jax.checkpoint policy: nothing_saveable, "
+                   "dots_saveable, dots_with_no_batch_dims_saveable, everything_saveable")
     p.add_argument("--activation-dtype", help="bfloat16 (default, as the paper) or float32")
     p.add_argument("--hardware", default="tpu-v3", help="tpu-v3 (default), tpu-v4, a100, h100, h200 or cpu")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")

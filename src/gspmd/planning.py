@@ -23,7 +23,10 @@ import numpy as np
 
 from gspmd.api import Lowered, jit
 from gspmd.analysis import Report
+from gspmd.analysis.report import flops
 from gspmd.errors import ShardingError
+from gspmd.frontend import trace
+from gspmd.ir.dce import eliminate_dead_code
 from gspmd.mesh import Mesh
 from gspmd.models import moe, transformer, unet
 from gspmd.pipeline import SCHEDULES, pipeline
@@ -108,7 +111,17 @@ def plan(model: str, sizes: Sizes = Sizes(), hardware: Union[str, Hardware] = "t
     lowered = jit(case.step, mesh=case.mesh, hardware=hw).lower(*case.args)
     report = lowered.report()
     report.bubble_fraction = case.bubble_fraction
+    if case.sizes.get("remat") is not None:
+        plain = _traced_flops(build(model, dataclasses.replace(sizes, remat=None), hw))
+        report.recompute_fraction = 1 - plain / flops(lowered.program)
     return Plan(case, lowered, report, time.perf_counter() - start)
+
+
+def _traced_flops(case: Case) -> int:
+    """FLOPs of the whole (unpartitioned) step: traced only."""
+    flat, tree = jax.tree_util.tree_flatten(case.args)
+    program, _ = trace(lambda *a: case.step(*jax.tree_util.tree_unflatten(tree, a)), flat)
+    return flops(eliminate_dead_code(program))
 
 
 def build(model: str, sizes: Sizes, hw: Hardware) -> Case:
@@ -123,10 +136,7 @@ def build(model: str, sizes: Sizes, hw: Hardware) -> Case:
     spec = MODELS[model]
     if spec.build is None:
         raise ShardingError(spec.missing)
-    if sizes.remat is not None:
-        raise ShardingError(f"--remat {sizes.remat}: rematerialization (jax.checkpoint) is not supported yet; "
-                            "plans keep every activation the backward pass needs.")
-    unknown = set(sizes.given()) - set(spec.defaults) - {"remat"}
+    unknown = set(sizes.given()) - set(spec.defaults)
     if unknown:
         raise ShardingError(f"{model} does not vary {', '.join(sorted('--' + u.replace('_', '-') for u in unknown))}"
                             f"; its sizes are {', '.join('--' + k.replace('_', '-') for k in spec.defaults)}.")
@@ -156,6 +166,20 @@ def _dtype(sizes: dict):
     if sizes["activation_dtype"] not in DTYPES:
         raise ShardingError(f"--activation-dtype {sizes['activation_dtype']!r}: choose one of {sorted(DTYPES)}.")
     return DTYPES[sizes["activation_dtype"]]
+
+
+REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "everything_saveable")
+
+
+def _layers(layer: Callable, policy: Optional[str]) -> Callable:
+    """layer(x, params) -> (x, None), under jax.checkpoint with the named saving policy
+    when one is given: the backward pass recomputes what the policy does not save."""
+    if policy is None:
+        return layer
+    if policy not in REMAT_POLICIES:
+        raise ShardingError(f"--remat {policy!r}: choose one of {', '.join(REMAT_POLICIES)} (offload policies "
+                            "move values to host memory, which gspmd does not model).")
+    return jax.checkpoint(layer, policy=getattr(jax.checkpoint_policies, policy))
 
 
 def _spec(shape, dtype=jnp.float32) -> jax.ShapeDtypeStruct:
@@ -190,7 +214,7 @@ def _divide(what: str, total: int, parts: int, by: str) -> int:
 # -- dense Transformer (Tables 2, 3) and its pipelined form (Table 4) -----------------------
 TRANSFORMER = {"layers": 32, "model_dim": 8192, "ffn_dim": 65536, "heads": 128, "head_dim": 256, "seq": 1024,
                "batch": None, "mesh": (32, 64), "stages": None, "microbatches": None, "schedule": "gpipe",
-               "repeats": 1, "activation_dtype": "bfloat16"}
+               "repeats": 1, "remat": None, "activation_dtype": "bfloat16"}
 
 
 def _transformer_config(s: dict, batch: int) -> transformer.Config:
@@ -217,7 +241,7 @@ def _transformer(s: dict, hw: Hardware) -> Case:
     def loss(stacked, x, target):
         def body(x, p):
             return transformer.layer(_cast(p, dtype), x, annotate, transformer.FINALIZED_2D, cfg), None
-        y, _ = jax.lax.scan(body, x, stacked)
+        y, _ = jax.lax.scan(_layers(body, s["remat"]), x, stacked)
         return _mse(y, target)
 
     act = _spec((batch, cfg.seq, cfg.model), dtype)
@@ -252,7 +276,7 @@ def _pipelined_transformer(s: dict, hw: Hardware) -> Case:
     def stage_fn(params, x):
         def body(x, p):
             return transformer.layer(_cast(p, dtype), x, annotate, transformer.FINALIZED_2D, cfg), None
-        return jax.lax.scan(body, x, params)[0]
+        return jax.lax.scan(_layers(body, s["remat"]), x, params)[0]
 
     def loss(stacked, microbatches, targets):
         ys = pipeline(stage_fn, stacked, microbatches, mesh=mesh, stage_axis="p", schedule=s["schedule"],
@@ -271,7 +295,7 @@ def _pipelined_transformer(s: dict, hw: Hardware) -> Case:
 
 # -- mixture of experts (Table 6) and hybrid sparse/dense (Table 7) -------------------------
 MOE = {"layers": 16, "model_dim": 2048, "ffn_dim": 8192, "heads": 16, "head_dim": 128, "seq": 1024,
-       "experts": None, "batch": None, "mesh": None, "activation_dtype": "bfloat16"}
+       "experts": None, "batch": None, "mesh": None, "remat": None, "activation_dtype": "bfloat16"}
 HYBRID = {**MOE, "layers": 24, "model_dim": 4096, "ffn_dim": 32768, "heads": 128, "head_dim": 128,
           "mesh": (8, 4)}
 
@@ -303,7 +327,7 @@ def _moe_transformer(s: dict, hw: Hardware, hybrid: bool) -> Case:
             dense, sparse = p
             x = transformer.layer(_cast(dense, dtype), x, annotate, dense_strategy, cfg)
             return moe.moe_layer(_cast(sparse, dtype), x, mesh, "x", mcfg, expert_axis), None
-        y, _ = jax.lax.scan(body, x, stacked)
+        y, _ = jax.lax.scan(_layers(body, s["remat"]), x, stacked)
         return _mse(y, target)
 
     expert_shapes = {"w_gate": (mcfg.model, experts), "w_in": (experts, mcfg.model, mcfg.hidden),

@@ -151,6 +151,14 @@ def analyse(spmd: Program, num_devices: int, hardware: Union[None, str, Hardware
     return report
 
 
+def flops(program: Program) -> int:
+    """Arithmetic of one run of `program`, loops counted per trip (any program: the
+    whole traced step, or one device's)."""
+    report = Report()
+    _walk(program, 1, report)
+    return report.flops
+
+
 def _walk(program: Program, executions: int, report: Report, seen_groups: Optional[dict] = None) -> None:
     """Count each instruction as often as it runs: a loop body's trip count times (once
     when the trip count is not known statically, as for while_loop); every branch of a
