@@ -28,7 +28,7 @@ from gspmd.errors import ShardingError
 from gspmd.frontend import trace
 from gspmd.ir.dce import eliminate_dead_code
 from gspmd.mesh import Mesh
-from gspmd.models import moe, transformer, unet
+from gspmd.models import conformer, moe, transformer, unet
 from gspmd.pipeline import SCHEDULES, pipeline
 from gspmd.spmd.cost import Hardware, device_mesh, profile
 
@@ -134,8 +134,6 @@ def build(model: str, sizes: Sizes, hw: Hardware) -> Case:
     if model not in MODELS:
         raise ShardingError(f"Unknown model {model!r}; choose one of {sorted(MODELS)} or module:function.")
     spec = MODELS[model]
-    if spec.build is None:
-        raise ShardingError(spec.missing)
     unknown = set(sizes.given()) - set(spec.defaults)
     if unknown:
         raise ShardingError(f"{model} does not vary {', '.join(sorted('--' + u.replace('_', '-') for u in unknown))}"
@@ -146,9 +144,8 @@ def build(model: str, sizes: Sizes, hw: Hardware) -> Case:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    build: Optional[Callable[[dict, Hardware], Case]]
+    build: Callable[[dict, Hardware], Case]
     defaults: dict                  # every size the model understands, with its default
-    missing: str = ""               # why build is None
 
 
 # -- shared pieces ------------------------------------------------------------------------
@@ -215,6 +212,19 @@ def _divide(what: str, total: int, parts: int, by: str) -> int:
 TRANSFORMER = {"layers": 32, "model_dim": 8192, "ffn_dim": 65536, "heads": 128, "head_dim": 256, "seq": 1024,
                "batch": None, "mesh": (32, 64), "stages": None, "microbatches": None, "schedule": "gpipe",
                "repeats": 1, "remat": None, "activation_dtype": "bfloat16"}
+# Table 5's Conformers: 23 M^2 parameters per block; M=2944 makes 32 blocks 6.4B (the paper: 6.47B).
+CONFORMER = {**TRANSFORMER, "layers": 32, "model_dim": 2944, "ffn_dim": 11776, "heads": 23, "head_dim": 128,
+             "seq": 768, "mesh": (8, 1), "stages": 8, "microbatches": 16}
+
+
+@dataclass(frozen=True)
+class LayerStack:
+    """A model made of identical layers: layer(params, x, annotate, strategy, cfg)."""
+    name: str
+    layer: Callable
+    shapes: Callable[[Any], dict]        # cfg -> {weight name: shape}
+    config: Callable[[dict, int], Any]   # (sizes, batch) -> cfg
+    strategy: dict                       # annotations by name, over mesh axes x (and y)
 
 
 def _transformer_config(s: dict, batch: int) -> transformer.Config:
@@ -227,27 +237,37 @@ def _layer_shapes(cfg: transformer.Config) -> dict:
     return {name: v.shape for name, v in params[0].items()}
 
 
-def _transformer(s: dict, hw: Hardware) -> Case:
-    if s["stages"] is not None or len(s["mesh"]) == 3:
-        return _pipelined_transformer(s, hw)
-    for flag in ("microbatches",):
-        if s[flag] is not None:
-            raise ShardingError(f"--{flag} applies to pipelines only: give --stages and a 3-D --mesh LxXxY.")
+DENSE = LayerStack("dense Transformer", transformer.layer, _layer_shapes, _transformer_config,
+                   transformer.FINALIZED_2D)
+CONFORMER_STACK = LayerStack("Conformer", conformer.layer, conformer.shapes,
+                             lambda s, batch: conformer.Config(**vars(_transformer_config(s, batch))),
+                             {"x": ["x", -1, -1]})   # data parallel inside each stage
+
+
+def _layer_stack(stack: LayerStack, s: dict, hw: Hardware) -> Case:
+    if s["stages"] is not None:
+        return _pipelined(stack, s, hw)
+    if s["microbatches"] is not None:
+        raise ShardingError("--microbatches applies to pipelines only: give --stages and a --mesh LxXxY.")
     mesh = _mesh(s["mesh"], ("x", "y"), hw)
     batch = s["batch"] or mesh.size // 2
-    cfg, dtype = _transformer_config(s, batch), _dtype(s)
+    cfg, dtype = stack.config(s, batch), _dtype(s)
     annotate = transformer.gspmd_annotate(mesh)
 
     def loss(stacked, x, target):
         def body(x, p):
-            return transformer.layer(_cast(p, dtype), x, annotate, transformer.FINALIZED_2D, cfg), None
+            return stack.layer(_cast(p, dtype), x, annotate, stack.strategy, cfg), None
         y, _ = jax.lax.scan(_layers(body, s["remat"]), x, stacked)
         return _mse(y, target)
 
     act = _spec((batch, cfg.seq, cfg.model), dtype)
-    return Case(f"dense Transformer, {cfg.layers} layers, M={cfg.model} H={cfg.hidden} N={cfg.heads} "
-                f"D={cfg.head_dim}, batch {batch} x seq {cfg.seq}, 2D finalized sharding",
-                _sgd(loss), (_stack(_layer_shapes(cfg), cfg.layers), act, act), mesh, {**s, "batch": batch})
+    return Case(f"{stack.name}, {cfg.layers} layers, M={cfg.model} H={cfg.hidden} N={cfg.heads} "
+                f"D={cfg.head_dim}, batch {batch} x seq {cfg.seq}",
+                _sgd(loss), (_stack(stack.shapes(cfg), cfg.layers), act, act), mesh, {**s, "batch": batch})
+
+
+def _transformer(s: dict, hw: Hardware) -> Case:
+    return _layer_stack(DENSE, {**s, "stages": s["stages"] or (s["mesh"][0] if len(s["mesh"]) == 3 else None)}, hw)
 
 
 def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
@@ -256,26 +276,30 @@ def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
     return (stages - 1) / (microbatches * repeats + stages - 1)
 
 
-def _pipelined_transformer(s: dict, hw: Hardware) -> Case:
-    if len(s["mesh"]) != 3:
-        raise ShardingError("A pipeline needs a 3-D --mesh LxXxY: L stages, X data parallel, Y model parallel.")
-    stages = s["stages"] or s["mesh"][0]
+def _pipelined(stack: LayerStack, s: dict, hw: Hardware) -> Case:
+    """Stages over the mesh's first axis, data parallel over the second, and (3-D
+    meshes) the strategy's model parallelism over the third."""
+    axes = ("p", "x", "y")[:len(s["mesh"])]
+    if len(s["mesh"]) < 2 or ("y" not in axes and any("y" in spec for spec in stack.strategy.values())):
+        raise ShardingError(f"A pipelined {stack.name} needs a 3-D --mesh LxXxY: L stages, X data parallel, "
+                            "Y model parallel.")
+    stages = s["stages"]
     if stages != s["mesh"][0]:
         raise ShardingError(f"--stages {stages} must be the mesh's first dim, got --mesh "
                             f"{'x'.join(map(str, s['mesh']))}.")
     if s["schedule"] not in SCHEDULES:
         raise ShardingError(f"--schedule {s['schedule']!r}: choose one of {SCHEDULES}.")
-    mesh = _mesh(s["mesh"], ("p", "x", "y"), hw)
+    mesh = _mesh(s["mesh"], axes, hw)
     repeats, micro = s["repeats"], s["microbatches"] or 2 * stages
     batch = s["batch"] or micro * mesh.shape[1]
     per_stage = _divide("--layers", s["layers"], stages * repeats, f"{stages} stages x {repeats} repeats")
     mb = _divide("--batch", batch, micro, f"{micro} microbatches")
-    cfg, dtype = _transformer_config(s, mb), _dtype(s)
+    cfg, dtype = stack.config(s, mb), _dtype(s)
     annotate = transformer.gspmd_annotate(mesh)
 
     def stage_fn(params, x):
         def body(x, p):
-            return transformer.layer(_cast(p, dtype), x, annotate, transformer.FINALIZED_2D, cfg), None
+            return stack.layer(_cast(p, dtype), x, annotate, stack.strategy, cfg), None
         return jax.lax.scan(_layers(body, s["remat"]), x, params)[0]
 
     def loss(stacked, microbatches, targets):
@@ -284,8 +308,8 @@ def _pipelined_transformer(s: dict, hw: Hardware) -> Case:
         return _mse(ys, targets)
 
     data = _spec((micro, mb, cfg.seq, cfg.model), dtype)
-    stacked = _stack(_layer_shapes(cfg), stages * repeats, per_stage)
-    return Case(f"pipelined dense Transformer, {s['layers']} layers over {stages} stages ({s['schedule']}, "
+    stacked = _stack(stack.shapes(cfg), stages * repeats, per_stage)
+    return Case(f"pipelined {stack.name}, {s['layers']} layers over {stages} stages ({s['schedule']}, "
                 f"{repeats} repeats), M={cfg.model} H={cfg.hidden} N={cfg.heads} D={cfg.head_dim}, "
                 f"{micro} microbatches of {mb} x seq {cfg.seq}",
                 _sgd(loss), (stacked, data, data), mesh, {**s, "stages": stages, "microbatches": micro,
@@ -367,9 +391,7 @@ MODELS = {
     "moe": ModelSpec(lambda s, hw: _moe_transformer(s, hw, hybrid=False), MOE),
     "hybrid-moe": ModelSpec(lambda s, hw: _moe_transformer(s, hw, hybrid=True), HYBRID),
     "unet": ModelSpec(_unet, UNET),
-    "conformer": ModelSpec(None, {}, missing="The Conformer (paper Table 5) has no case-study model in "
-                           "gspmd.models yet; plan a pipelined transformer (--stages) or your own function "
-                           "(module:function) instead."),
+    "conformer": ModelSpec(lambda s, hw: _layer_stack(CONFORMER_STACK, s, hw), CONFORMER),
 }
 
 

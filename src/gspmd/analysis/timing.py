@@ -10,7 +10,9 @@ count, its body's own overlap included; it holds both streams while it runs.
 
 Memory-bound ops are fused as XLA fuses element-wise chains: a value made by one
 memory-bound op and used only by others never goes through HBM, so only values that a
-matmul, a collective, a loop or the program's boundary touches are read or written.
+matmul, a collective, a loop or the program's boundary touches are read or written;
+and an op that only feeds matmuls (an operand transpose, slice or convert) is fused into
+them.
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ _COMPUTE, _NETWORK, _BOTH = "compute", "network", "both"
 
 
 def _durations(program: Program, hw: cm.Hardware, num_devices: int) -> tuple[list[float], list[str]]:
-    materialized = _materialized(program)
+    materialized, into_matmul = _materialized(program), _into_matmul(program)
     durations, streams = [], []
     for instr in program.instrs:
         op = ops.lookup(instr.opcode)
@@ -59,7 +61,7 @@ def _durations(program: Program, hw: cm.Hardware, num_devices: int) -> tuple[lis
             durations.append(sum(time_program(p, hw, num_devices).step_seconds * n for p, n in op.runs(instr)))
             streams.append(_BOTH)
         else:
-            durations.append(op_seconds(instr, hw, materialized))
+            durations.append(0.0 if instr in into_matmul else op_seconds(instr, hw, materialized))
             streams.append(_COMPUTE)
     return durations, streams
 
@@ -140,6 +142,33 @@ def _groups(instr: Instr):
 def _fusible(instr: Instr) -> bool:
     op = ops.lookup(instr.opcode)
     return op.compute is not cm.ComputeKind.MATMUL and op.collective is None and op.runs is None
+
+
+def _into_matmul(program: Program) -> set:
+    """Fusible instructions that XLA folds into a dot or convolution: those whose
+    results only matmuls read (through bitcasts: operand slices, converts, transposes),
+    and transposes of a matmul's result that nothing else reads (layout assignment
+    gives the matmul that output layout)."""
+    readers: dict = {}
+    for instr in program.instrs:
+        for v in instr.operands:
+            readers.setdefault(v, []).append(instr)
+    outputs, folded = set(program.outputs), set()
+
+    def matmul(instr) -> bool:
+        return ops.lookup(instr.opcode).compute is cm.ComputeKind.MATMUL
+
+    for instr in reversed(program.instrs):      # readers before the values they read
+        if not _fusible(instr):
+            continue
+        if all(v not in outputs and v in readers and all(matmul(r) or r in folded for r in readers[v])
+               for v in instr.outputs):
+            folded.add(instr)
+    for instr in program.instrs:
+        if ops.lookup(instr.opcode).transposes and all(
+                v.producer is not None and matmul(v.producer) and readers[v] == [instr] for v in instr.operands):
+            folded.add(instr)
+    return folded
 
 
 def _materialized(program: Program) -> set:

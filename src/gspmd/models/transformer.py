@@ -73,7 +73,7 @@ def xla_annotate(mesh: jax.sharding.Mesh) -> Annotate:
     return annotate
 
 
-def _layer_norm(x):
+def layer_norm(x):
     """In float32 whatever x's dtype, returned in x's dtype."""
     y = x.astype(np.float32)
     mean = jnp.mean(y, axis=-1, keepdims=True)
@@ -81,23 +81,35 @@ def _layer_norm(x):
     return ((y - mean) * jax.lax.rsqrt(var + 1e-5)).astype(x.dtype)
 
 
-def layer(params: dict, x, annotate: Annotate, strategy: dict, cfg: Config):
-    """One pre-norm Transformer layer. Annotates each tensor that `strategy` names
-    (the weights, "x" its input, and optionally the ACTIVATIONS_2D points)."""
-    def at(name, value):
-        return annotate(value, strategy[name]) if name in strategy else value
+def annotator(annotate: Annotate, strategy: dict) -> Callable:
+    """at(name, value): `value` annotated as `strategy` says for `name` (if it names it)."""
+    return lambda name, value: annotate(value, strategy[name]) if name in strategy else value
 
-    w = {name: at(name, params[name]).astype(cfg.dtype) for name in WEIGHTS}
-    x = at("x", x.astype(cfg.dtype))
-    h = _layer_norm(x) if cfg.layer_norm else x
+
+def attention(w: dict, x, at: Callable, cfg: Config):
+    """Multi-head self-attention of layer-normed x (weights wq, wk, wv, wo); the
+    softmax in float32."""
+    h = layer_norm(x) if cfg.layer_norm else x
     q, k, v = (at(n, jnp.einsum("bsm,mnd->bsnd", h, w["w" + n])) for n in "qkv")
     logits = jnp.einsum("bsnd,btnd->bnst", q, k) / float(np.sqrt(cfg.head_dim))
     probs = jax.nn.softmax(logits.astype(np.float32), axis=-1).astype(cfg.dtype)
-    attention = jnp.einsum("bnst,btnd->bsnd", probs, v)
-    x = x + at("attention_out", jnp.einsum("bsnd,ndm->bsm", attention, w["wo"]))
-    h = _layer_norm(x) if cfg.layer_norm else x
-    h = at("hidden", jax.nn.relu(jnp.einsum("bsm,mh->bsh", h, w["w_in"])))
-    return at("out", x + at("ffn_out", jnp.einsum("bsh,hm->bsm", h, w["w_out"])))
+    return jnp.einsum("bsnd,ndm->bsm", jnp.einsum("bnst,btnd->bsnd", probs, v), w["wo"])
+
+
+def feed_forward(w_in, w_out, x, at: Callable, cfg: Config):
+    """relu(layer-normed x @ w_in) @ w_out."""
+    h = layer_norm(x) if cfg.layer_norm else x
+    return jnp.einsum("bsh,hm->bsm", at("hidden", jax.nn.relu(jnp.einsum("bsm,mh->bsh", h, w_in))), w_out)
+
+
+def layer(params: dict, x, annotate: Annotate, strategy: dict, cfg: Config):
+    """One pre-norm Transformer layer. Annotates each tensor that `strategy` names
+    (the weights, "x" its input, and optionally the ACTIVATIONS_2D points)."""
+    at = annotator(annotate, strategy)
+    w = {name: at(name, params[name]).astype(cfg.dtype) for name in WEIGHTS}
+    x = at("x", x.astype(cfg.dtype))
+    x = x + at("attention_out", attention(w, x, at, cfg))
+    return at("out", x + at("ffn_out", feed_forward(w["w_in"], w["w_out"], x, at, cfg)))
 
 
 def intended_2d(cfg: "Config") -> dict[tuple[int, ...], list]:

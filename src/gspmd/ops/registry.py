@@ -89,6 +89,7 @@ class OpDef:
     # HBM bytes one execution reads and writes, where not its operands and results
     bytes_accessed: Optional[Callable[[Instr], int]] = None
     collective: Optional[Pattern] = None              # a collective's communication pattern
+    transposes: bool = False      # only permutes dims: layout assignment can absorb it into its producer
     forward_priority: Optional[int] = None    # towards the outputs, when not `priority`
     backward_priority: Optional[int] = None   # towards the operands, when not `priority`
     storage: Storage = Storage.MATERIALIZED

@@ -284,7 +284,8 @@ register("broadcast", converts={"broadcast_in_dim": _convert_broadcast_in_dim}, 
          lower=_lower_broadcast, factors=_broadcast_factors, priority=LAYOUT, forward_priority=EXPAND,
          storage=Storage.REPEATED)
 register("transpose", converts={"transpose": _convert_transpose}, evaluate=_evaluate_transpose,
-         lower=_lower_transpose, factors=_transpose_factors, priority=LAYOUT, storage=Storage.INDEXED)
+         lower=_lower_transpose, factors=_transpose_factors, priority=LAYOUT, storage=Storage.INDEXED,
+         transposes=True)
 register("reshape", converts={"reshape": _convert_reshape, "squeeze": _convert_plain_reshape,
                               "expand_dims": _convert_plain_reshape},
          evaluate=_evaluate_reshape, lower=_lower_reshape, propagate=_reshape_propagate,
