@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import dataclasses
 import os
 
 import jax
@@ -10,6 +11,7 @@ import numpy as np
 
 import gspmd
 from gspmd.frontend.annotation import unpartitioned
+import gspmd.analysis
 
 
 def assert_close(actual, expected, rtol=1e-4, atol=1e-4):
@@ -26,12 +28,21 @@ def assert_close(actual, expected, rtol=1e-4, atol=1e-4):
 BACKENDS = tuple(os.environ.get("GSPMD_TEST_BACKENDS", "sim,jax").split(","))
 
 
-def check(fn, *args, mesh=None, rtol=1e-4, atol=1e-4, backends=BACKENDS) -> gspmd.Lowered:
-    """Run fn partitioned on each backend and on one device; assert equal; return the Lowered."""
+# TPU v3 without latencies: plans priced by their bytes alone. Tests of a strategy that
+# pays off in bandwidth use it with arrays small enough to test quickly, on which a real
+# network's per-collective latency would favour fewer, larger collectives.
+BANDWIDTH_BOUND = dataclasses.replace(gspmd.analysis.PROFILES["tpu-v3"], name="bandwidth-bound",
+                                      interconnect=gspmd.analysis.Torus(45e9, 0.0, devices_per_chip=2),
+                                      collective_overhead_s=0.0)
+
+
+def check(fn, *args, mesh=None, rtol=1e-4, atol=1e-4, backends=BACKENDS, hardware=None) -> gspmd.Lowered:
+    """Run fn partitioned on each backend and on one device; assert equal; return the
+    Lowered. `hardware`: what the partitioner prices its choices on (default tpu-v3)."""
     with unpartitioned():
         expected = jax.jit(fn)(*args)
     for backend in backends:
-        partitioned = gspmd.jit(fn, mesh=mesh, backend=backend)
+        partitioned = gspmd.jit(fn, mesh=mesh, backend=backend, hardware=hardware)
         assert_close(partitioned(*args), expected, rtol, atol)
     return partitioned.lower(*args)
 
