@@ -109,23 +109,11 @@ def _convert_while(b: Conversion, eqn, args: list[Value]) -> list[Value]:
 
 def _convert_scan(b: Conversion, eqn, args: list[Value]) -> list[Value]:
     p = eqn.params
-    length, ncarry, jaxpr = p["length"], p["num_carry"], p["jaxpr"]
-    # Constants the body never reads are not carried (transposed scans keep zeros buffers
-    # the size of a whole activation): carried, they would stay whole on every device.
-    read = {id(v) for e in jaxpr.jaxpr.eqns for v in e.invars} | {id(v) for v in jaxpr.jaxpr.outvars}
-    live = [i for i in range(p["num_consts"]) if id(jaxpr.jaxpr.invars[i]) in read]
-    nconst = len(live)
-    args = [args[i] for i in live] + args[p["num_consts"]:]
+    length, nconst, ncarry, jaxpr = p["length"], p["num_consts"], p["num_carry"], p["jaxpr"]
     nx = len(args) - nconst - ncarry
     y_types = [physical_aval(v.aval) for v in jaxpr.jaxpr.outvars[ncarry:]]
     ys = [b.broadcast_to(b.constant(0, dtype), (length, *shape)) for shape, dtype in y_types]
     carry = [b.constant(0, INDEX)] + args + ys
-
-    def all_consts(carried: list[Value]) -> list:
-        consts: list = [None] * p["num_consts"]
-        for i, v in zip(live, carried):
-            consts[i] = v
-        return consts
 
     def cond(sb, params):
         return [sb.add1("compare", [params[0], sb.constant(length, INDEX)], (), np.bool_, direction="LT")]
@@ -143,7 +131,7 @@ def _convert_scan(b: Conversion, eqn, args: list[Value]) -> list[Value]:
 
         x_t = [sb.add1("reshape", [sb.add1("dynamic-slice", [x, *starts(x.rank)], (1, *x.shape[1:]), x.dtype)],
                        x.shape[1:], x.dtype) for x in xs]
-        outs = sb.inline(jaxpr, all_consts(consts) + c + x_t)
+        outs = sb.inline(jaxpr, consts + c + x_t)
         new_bufs = [sb.add1("dynamic-update-slice",
                             [buf, sb.add1("reshape", [y], (1, *y.shape), y.dtype), *starts(buf.rank)],
                             buf.shape, buf.dtype) for buf, y in zip(bufs, outs[ncarry:])]
