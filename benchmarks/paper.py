@@ -77,7 +77,7 @@ def tables() -> list[Table]:
             "6 x parameters x tokens plus attention reproduces the paper's utilization from its step times "
             "(62.7% at 5.74 s; 47.5% at 7.64 s; 55.6% at 12.66 s).",
             "No embedding or softmax layer (vocabulary not in the study; under 1% of FLOPs at 32K); "
-            "squared-error loss; SGD update (the paper: Adafactor).",
+            "squared-error loss; Adafactor, as the paper.",
             "The (16,32) row's measurements are not in the study.",
         ]),
         Table(3, "Narrower dense Transformer (16B, 64 layers): mesh shapes", [
@@ -287,11 +287,12 @@ What our numbers are today:
   direction, 1 us per hop).
 - **Utilization** = our FLOPs per device / (61.5 TFLOP/s x step): the paper's "raw"
   utilization where pipeline bubbles apply (bubbles count as work, as its profiler does).
-- **Memory is not comparable yet**: plans keep float32 parameters with SGD, rematerialize
-  only where a table says so (Table 4), and use the liveness estimate of `report()`; the
-  memory work of issue 10 (mixed-precision optimizers, memory-aware resharding, a
-  validated liveness model) changes these numbers. They are recorded as they are today.
-- Activations are bfloat16 and parameters float32, as in the paper.
+- **Memory** = `report().peak_memory_bytes`, the liveness model of `analysis/memory.py`
+  (validated against XLA's `memory_analysis()` on CPU) on the plan as partitioned, with
+  no `memory_limit` and rematerialization only where a table says so (Tables 4 and 5):
+  what our plan holds today, not yet what the paper's fits in.
+- Activations are bfloat16 and parameters float32, with Adafactor (the U-Net: SGD), as
+  in the paper.
 """
 
 

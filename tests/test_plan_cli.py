@@ -46,6 +46,14 @@ def test_pipeline_plan_reports_its_bubbles(capsys):
     assert planning.bubble_fraction(4, 8, repeats=2) == pytest.approx(3 / 19)
 
 
+def test_the_optimizer_state_is_planned_too(capsys):
+    sgd = plan_json(capsys, "transformer", *SMALL, "--mesh", "2x4", "--batch", "8", "--optimizer", "sgd")
+    adafactor = plan_json(capsys, "transformer", *SMALL, "--mesh", "2x4", "--batch", "8")
+    adamw = plan_json(capsys, "transformer", *SMALL, "--mesh", "2x4", "--batch", "8", "--optimizer", "adamw")
+    assert adafactor["sizes"]["optimizer"] == "adafactor"           # the paper's, by default
+    assert sgd["peak_memory_bytes"] < adafactor["peak_memory_bytes"] < adamw["peak_memory_bytes"]
+
+
 def test_remat_reports_its_recompute_share(capsys):
     plain = plan_json(capsys, "transformer", *SMALL, "--mesh", "2x4", "--batch", "8")
     remat = plan_json(capsys, "transformer", *SMALL, "--mesh", "2x4", "--batch", "8", "--remat", "nothing_saveable")
@@ -112,6 +120,7 @@ def test_a_users_function(capsys, tmp_path, monkeypatch):
     (["transformer", "--mesh", "2x2x2", "--layers", "3"], "does not divide"),
     (["moe", "--mesh", "4x2"], "2 dims"),
     (["transformer", "--activation-dtype", "int8"], "bfloat16"),
+    (["transformer", "--optimizer", "lion"], "adafactor"),
     (["--mesh", "2by4"], "must look like"),
     (["--devices", "48"], "power of two"),
     (["--devices", "64", "--mesh", "8x8"], "not both"),

@@ -144,7 +144,7 @@ def _plan_command(parser: argparse.ArgumentParser, args) -> int:
         mesh = (x, args.devices // x)
     fields = {f: getattr(args, f) for f in ("layers", "model_dim", "ffn_dim", "heads", "head_dim", "seq", "vocab",
                                             "experts", "batch", "stages", "microbatches", "schedule", "repeats",
-                                            "image_size", "remat", "activation_dtype")}
+                                            "image_size", "remat", "activation_dtype", "optimizer")}
     try:
         plan(args.model, planning.Sizes(mesh=mesh, **fields), args.hardware, args.json)
     except gspmd.ShardingError as e:
@@ -205,6 +205,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--remat", help="rematerialize each layer with a jax.checkpoint policy: nothing_saveable, "
                    "dots_saveable, dots_with_no_batch_dims_saveable, everything_saveable")
     p.add_argument("--activation-dtype", help="bfloat16 (default, as the paper) or float32")
+    p.add_argument("--optimizer", help="adafactor (default, as the paper), adamw or sgd")
     p.add_argument("--hardware", default="tpu-v3", help="tpu-v3 (default), tpu-v4, a100, h100, h200 or cpu")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = parser.parse_args(argv)

@@ -4,7 +4,8 @@ abstract inputs: no execution, no accelerator (what `gspmd plan` runs).
 Every model's train step is built here from the case-study layers in gspmd.models,
 with the layers stacked and run by one `lax.scan` so that planning 128 layers costs
 what planning one does. As in the paper, parameters are float32 and activations
-bfloat16 (weights are cast where a layer uses them); the update is plain SGD.
+bfloat16 (the models' mixed precision); the optimizer is the paper's Adafactor unless
+--optimizer says otherwise (sgd, adamw).
 Each model says which sizes it understands; a size it does not is an error, never
 silently ignored.
 """
@@ -28,7 +29,7 @@ from gspmd.errors import ShardingError
 from gspmd.frontend import trace
 from gspmd.ir.dce import eliminate_dead_code
 from gspmd.mesh import Mesh
-from gspmd.models import conformer, moe, transformer, unet
+from gspmd.models import conformer, moe, optimizers, transformer, unet
 from gspmd.pipeline import SCHEDULES, pipeline
 from gspmd.spmd.cost import Hardware, device_mesh, profile
 
@@ -53,6 +54,7 @@ class Sizes:
     image_size: Optional[int] = None
     remat: Optional[str] = None
     activation_dtype: Optional[str] = None
+    optimizer: Optional[str] = None
 
     def given(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
@@ -188,14 +190,23 @@ def _stack(shapes: dict, *lead: int) -> dict:
 
 
 def _cast(params: dict, dtype) -> dict:
+    """The U-Net's weights in the activation dtype (the other models cast their own)."""
     return {name: w.astype(dtype) for name, w in params.items()}
 
 
-def _sgd(loss: Callable, lr: float = 0.01) -> Callable:
-    def train_step(params, *data):
-        value, grads = jax.value_and_grad(loss)(params, *data)
-        return jax.tree_util.tree_map(lambda p, g: p - lr * g.astype(p.dtype), params, grads), value
-    return train_step
+OPTIMIZERS = {"sgd": lambda: None, "adamw": optimizers.AdamW, "adafactor": optimizers.Adafactor}
+
+
+def _train(loss: Callable, params, data: tuple, s: dict) -> tuple[Callable, tuple]:
+    """The train step of loss(params, *data) with the chosen optimizer, and its abstract
+    arguments: the parameters, the optimizer's state (none for SGD), the data."""
+    if s["optimizer"] not in OPTIMIZERS:
+        raise ShardingError(f"--optimizer {s['optimizer']!r}: choose one of {sorted(OPTIMIZERS)}.")
+    optimizer = OPTIMIZERS[s["optimizer"]]()
+    step = optimizers.make_step(loss, optimizer, lr=0.01)
+    if optimizer is None:
+        return step, (params, *data)
+    return step, (params, jax.eval_shape(optimizer.init, params), *data)
 
 
 def _mse(y, target):
@@ -211,7 +222,7 @@ def _divide(what: str, total: int, parts: int, by: str) -> int:
 # -- dense Transformer (Tables 2, 3) and its pipelined form (Table 4) -----------------------
 TRANSFORMER = {"layers": 32, "model_dim": 8192, "ffn_dim": 65536, "heads": 128, "head_dim": 256, "seq": 1024,
                "batch": None, "mesh": (32, 64), "stages": None, "microbatches": None, "schedule": "gpipe",
-               "repeats": 1, "remat": None, "activation_dtype": "bfloat16"}
+               "repeats": 1, "remat": None, "activation_dtype": "bfloat16", "optimizer": "adafactor"}
 # Table 5's Conformers: 23 M^2 parameters per block; M=2944 makes 32 blocks 6.4B (the paper: 6.47B).
 CONFORMER = {**TRANSFORMER, "layers": 32, "model_dim": 2944, "ffn_dim": 11776, "heads": 23, "head_dim": 128,
              "seq": 768, "mesh": (8, 1), "stages": 8, "microbatches": 16}
@@ -256,14 +267,14 @@ def _layer_stack(stack: LayerStack, s: dict, hw: Hardware) -> Case:
 
     def loss(stacked, x, target):
         def body(x, p):
-            return stack.layer(_cast(p, dtype), x, annotate, stack.strategy, cfg), None
+            return stack.layer(p, x, annotate, stack.strategy, cfg), None
         y, _ = jax.lax.scan(_layers(body, s["remat"]), x, stacked)
         return _mse(y, target)
 
     act = _spec((batch, cfg.seq, cfg.model), dtype)
     return Case(f"{stack.name}, {cfg.layers} layers, M={cfg.model} H={cfg.hidden} N={cfg.heads} "
                 f"D={cfg.head_dim}, batch {batch} x seq {cfg.seq}",
-                _sgd(loss), (_stack(stack.shapes(cfg), cfg.layers), act, act), mesh, {**s, "batch": batch})
+                *_train(loss, _stack(stack.shapes(cfg), cfg.layers), (act, act), s), mesh, {**s, "batch": batch})
 
 
 def _transformer(s: dict, hw: Hardware) -> Case:
@@ -299,7 +310,7 @@ def _pipelined(stack: LayerStack, s: dict, hw: Hardware) -> Case:
 
     def stage_fn(params, x):
         def body(x, p):
-            return stack.layer(_cast(p, dtype), x, annotate, stack.strategy, cfg), None
+            return stack.layer(p, x, annotate, stack.strategy, cfg), None
         return jax.lax.scan(_layers(body, s["remat"]), x, params)[0]
 
     def loss(stacked, microbatches, targets):
@@ -312,14 +323,15 @@ def _pipelined(stack: LayerStack, s: dict, hw: Hardware) -> Case:
     return Case(f"pipelined {stack.name}, {s['layers']} layers over {stages} stages ({s['schedule']}, "
                 f"{repeats} repeats), M={cfg.model} H={cfg.hidden} N={cfg.heads} D={cfg.head_dim}, "
                 f"{micro} microbatches of {mb} x seq {cfg.seq}",
-                _sgd(loss), (stacked, data, data), mesh, {**s, "stages": stages, "microbatches": micro,
+                *_train(loss, stacked, (data, data), s), mesh, {**s, "stages": stages, "microbatches": micro,
                                                          "batch": batch},
                 bubble_fraction=bubble_fraction(stages, micro, repeats))
 
 
 # -- mixture of experts (Table 6) and hybrid sparse/dense (Table 7) -------------------------
 MOE = {"layers": 16, "model_dim": 2048, "ffn_dim": 8192, "heads": 16, "head_dim": 128, "seq": 1024,
-       "experts": None, "batch": None, "mesh": None, "remat": None, "activation_dtype": "bfloat16"}
+       "experts": None, "batch": None, "mesh": None, "remat": None, "activation_dtype": "bfloat16",
+       "optimizer": "adafactor"}
 HYBRID = {**MOE, "layers": 24, "model_dim": 4096, "ffn_dim": 32768, "heads": 128, "head_dim": 128,
           "mesh": (8, 4)}
 
@@ -343,14 +355,14 @@ def _moe_transformer(s: dict, hw: Hardware, hybrid: bool) -> Case:
     dtype = _dtype(s)
     cfg = _transformer_config({**s, "layers": pairs}, batch)
     mcfg = moe.Config(groups=batch, group_size=s["seq"], model=s["model_dim"], hidden=s["ffn_dim"],
-                      experts=experts, capacity=max(1, math.ceil(2 * s["seq"] / experts)))
+                      experts=experts, capacity=max(1, math.ceil(2 * s["seq"] / experts)), dtype=dtype)
     annotate = transformer.gspmd_annotate(mesh)
 
     def loss(stacked, x, target):
         def body(x, p):
             dense, sparse = p
-            x = transformer.layer(_cast(dense, dtype), x, annotate, dense_strategy, cfg)
-            return moe.moe_layer(_cast(sparse, dtype), x, mesh, "x", mcfg, expert_axis), None
+            x = transformer.layer(dense, x, annotate, dense_strategy, cfg)
+            return moe.moe_layer(sparse, x, mesh, "x", mcfg, expert_axis).astype(dtype), None
         y, _ = jax.lax.scan(_layers(body, s["remat"]), x, stacked)
         return _mse(y, target)
 
@@ -362,12 +374,13 @@ def _moe_transformer(s: dict, hw: Hardware, hybrid: bool) -> Case:
         "MoE Transformer (experts and batch over one axis)"
     return Case(f"{kind}, {s['layers']} layers ({pairs} MoE), {experts} experts, M={s['model_dim']} "
                 f"H={s['ffn_dim']} N={s['heads']} D={s['head_dim']}, batch {batch} x seq {s['seq']}",
-                _sgd(loss), (stacked, act, act), mesh, {**s, "experts": experts, "batch": batch,
+                *_train(loss, stacked, (act, act), s), mesh, {**s, "experts": experts, "batch": batch,
                                                         "mesh": tuple(mesh.shape)})
 
 
 # -- 3D U-Net (Table 8) ---------------------------------------------------------------------
-UNET = {"image_size": 128, "batch": 4, "mesh": (1, 16), "model_dim": 128, "activation_dtype": "bfloat16"}
+UNET = {"image_size": 128, "batch": 4, "mesh": (1, 16), "model_dim": 128, "activation_dtype": "bfloat16",
+        "optimizer": "sgd"}
 
 
 def _unet(s: dict, hw: Hardware) -> Case:
@@ -382,8 +395,8 @@ def _unet(s: dict, hw: Hardware) -> Case:
         return _mse(out, y)
 
     image = _spec((s["batch"], 1, size, size, size), dtype)
-    return Case(f"3D U-Net, width {width}, batch {s['batch']} of {size}^3 images", _sgd(loss),
-                (params, image, image), mesh, s)
+    return Case(f"3D U-Net, width {width}, batch {s['batch']} of {size}^3 images",
+                *_train(loss, params, (image, image), s), mesh, s)
 
 
 MODELS = {

@@ -139,8 +139,8 @@ class Hardware:
     collective_overhead_s: float = 5e-6   # fixed cost of launching one collective
     # Share of a collective's time that independent compute can hide; the rest contends
     # with compute for the core (DMA issue, reductions, HBM). 0.5 puts the paper's
-    # Tables 2 and 3 within 24% on tpu-v3, all but the communication-bound (8, 32) mesh
-    # within 8% (1.0: that mesh 31% fast, the rest within 14%); other profiles share it.
+    # Tables 2 and 3 within 22% on tpu-v3, all but the communication-bound (8, 32) mesh
+    # within 7% (1.0: that mesh ~30% fast, the rest within 14%); other profiles share it.
     overlap: float = 0.5
 
     def network(self, num_devices: int) -> Network:
