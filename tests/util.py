@@ -1,8 +1,8 @@
 """Differential testing: a partitioned program must equal the single-device program."""
 from __future__ import annotations
 
-import functools
 import dataclasses
+import functools
 import os
 
 import jax
@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import gspmd
-from gspmd.frontend.annotation import unpartitioned
 import gspmd.analysis
+from gspmd.frontend.annotation import unpartitioned
 
 
 def assert_close(actual, expected, rtol=1e-4, atol=1e-4):
