@@ -263,7 +263,7 @@ class Lowered:
         self.meshes = _unique([partitioned.mesh] + seen.meshes)
         self.mesh = self.meshes[0] if self.meshes else Mesh(np.arange(self.num_devices), ("d",))
         self.completion = propagation.complete(self.program, self.num_devices)
-        self.spmd = partition(self.program, self.num_devices, hardware)
+        self.spmd = partition(self.program, self.num_devices, partitioned.hardware)
         # how the program was fitted to the memory limit (None: no limit given)
         limit = partitioned.memory_limit
         self.memory_budget = None if limit is None else fit_memory(self.spmd, self.num_devices, limit)
