@@ -288,9 +288,10 @@ What our numbers are today:
 - **Utilization** = our FLOPs per device / (61.5 TFLOP/s x step): the paper's "raw"
   utilization where pipeline bubbles apply (bubbles count as work, as its profiler does).
 - **Memory** = `report().peak_memory_bytes`, the liveness model of `analysis/memory.py`
-  (validated against XLA's `memory_analysis()` on CPU) on the plan as partitioned, with
-  no `memory_limit` and rematerialization only where a table says so (Tables 4 and 5):
-  what our plan holds today, not yet what the paper's fits in.
+  (validated against XLA's `memory_analysis()` on CPU) on the plan as partitioned under
+  jit's default memory limit (the profile's 16 GB: gathers held idle across the peak are
+  done again), rematerializing only where a table says so (Tables 4 and 5): what our
+  plan holds today, not yet what the paper's fits in.
 - Activations are bfloat16 and parameters float32, with Adafactor (the U-Net: SGD), as
   in the paper.
 """
