@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 import gspmd
@@ -92,3 +92,152 @@ def test_random_lookups_and_gradients(case):
 
     got = gspmd.jit(step, mesh=mesh)(table, ids)
     np.testing.assert_allclose(got, jax.jit(step)(table, ids), rtol=1e-5, atol=1e-5)
+
+
+# -- batching dims, passthrough dims, fill modes, scatter combiners ------------------------
+def test_take_along_axis_on_batch_split_operand_needs_no_collective():
+    rng = np.random.RandomState(5)
+    logits, labels = rand(rng, 6, 11), rng.randint(0, 11, (6, 3)).astype(np.int32)
+    low = check(lambda l, y: jnp.take_along_axis(gspmd.mesh_split(l, MESH, [("x", "y"), -1]), y, axis=1),
+                logits, labels, mesh=MESH)
+    assert low.report().collectives == []
+
+
+def test_vocab_split_take_with_fill_mode_sums_one_small_result():
+    """jnp.take's default mode fills out-of-range rows with NaN: each device answers for
+    its rows, the first one for rows nobody holds; no table moves."""
+    rng = np.random.RandomState(6)
+    table, ids = rand(rng, 16, 8), np.array([[0, 3, 15, 16, -1, 7], [20, 2, 9, -20, 5, 1]], np.int32)
+    for fill in (None, -3.0):
+        low = check(lambda t, i: jnp.take(gspmd.mesh_split(t, MESH, ["y", "x"]), i, axis=0, fill_value=fill),
+                    table, ids, mesh=MESH)
+        (c,) = low.report().collectives
+        assert c.kind == "all-reduce" and c.bytes == 2 * 6 * (8 // 2) * 4
+
+
+@pytest.mark.parametrize("logits_map", [[("x", "y"), -1], ["x", "y"], [-1, "y"]])
+def test_integer_label_cross_entropy_and_gradient(logits_map):
+    """The LM loss: beyond logsumexp's own all-reduces (max and sum over a split vocab),
+    at most one small all-reduce (the label logits); the gradient adds none."""
+    import optax
+    rng = np.random.RandomState(7)
+    logits, labels = rand(rng, 6, 13), rng.randint(0, 13, (6,)).astype(np.int32)
+
+    def split(l):
+        return gspmd.mesh_split(l, MESH, logits_map)
+
+    def loss(l, y):
+        return optax.softmax_cross_entropy_with_integer_labels(split(l), y).mean()
+
+    def own(l, y):
+        return jax.nn.logsumexp(split(l), axis=-1).mean()
+
+    for fn, extra in ((loss, 1), (jax.grad(loss), 0)):
+        got = check(fn, logits, labels, mesh=MESH).report()
+        base = gspmd.jit(own if fn is loss else jax.grad(own), mesh=MESH).lower(logits, labels).report()
+        assert set(got.counts()) <= {"all-reduce"}, str(got)
+        added = got.counts()["all-reduce"] - base.counts()["all-reduce"]
+        assert added <= extra, (str(got), str(base))
+        assert all(c.bytes <= 6 * 4 for c in got.collectives if c.kind == "all-reduce") or logits_map[1] == -1
+
+
+def test_vmapped_dynamic_slice_keeps_passthrough_dims_split():
+    """vmap(dynamic_slice) gathers with batching dims and indexes a dim it takes whole:
+    both stay split with no communication."""
+    rng = np.random.RandomState(8)
+    x, starts = rand(rng, 5, 9, 6), rng.randint(-2, 11, (5,)).astype(np.int32)
+
+    def f(x, s):
+        x = gspmd.mesh_split(x, MESH, ["x", -1, "y"])
+        return jax.vmap(lambda t, i: jax.lax.dynamic_slice(t, (i, 0), (2, 6)))(x, s)
+    low = check(f, x, starts, mesh=MESH)
+    assert low.report().collectives == []
+    low = check(lambda x, s: jax.grad(lambda x: (f(x, s) ** 2).sum())(x), x, starts, mesh=MESH)
+    assert low.report().collectives == []
+
+
+@pytest.mark.parametrize("op", ["set", "add", "multiply", "min", "max", "subtract"])
+def test_scatter_combiners_on_a_row_split_operand_write_locally(op):
+    rng = np.random.RandomState(9)
+    table, rows, updates = rand(rng, 11, 6), np.array([1, 2, 10, 4, 7], np.int32), rand(rng, 5, 6)
+    for table_map in (["y", -1], ["x", "y"]):
+        low = check(lambda t, i, u: getattr(gspmd.mesh_split(t, MESH, table_map).at[i], op)(u), table, rows, updates,
+                    mesh=MESH)
+        assert low.report().collectives == [], str(low.report())
+
+
+# Random programs over gather and scatter: each family draws shapes, index values (some
+# out of range), a mode, and a layout for every argument.
+def _take_along_axis(draw, rng):
+    shape = [draw(st.sampled_from([1, 3, 4, 7])) for _ in range(draw(st.integers(2, 3)))]
+    axis = draw(st.integers(0, len(shape) - 1))
+    idx_shape = list(shape)
+    idx_shape[axis] = draw(st.sampled_from([1, 2, 3]))
+    mode = draw(st.sampled_from([None, "clip"]))
+    n = shape[axis]
+    args = rand(rng, *shape), rng.randint(-n - 2, n + 2, idx_shape).astype(np.int32)
+    return (lambda x, i: jnp.take_along_axis(x, i, axis=axis, mode=mode)), args, f"take_along_axis {axis=} {mode=}"
+
+
+def _take(draw, rng):
+    v, m = draw(st.sampled_from([1, 5, 8])), draw(st.sampled_from([2, 3, 8]))
+    ids_shape = tuple(draw(st.sampled_from([1, 3, 4])) for _ in range(draw(st.integers(1, 2))))
+    axis, mode = draw(st.integers(0, 1)), draw(st.sampled_from([None, "clip", "fill"]))
+    n = (v, m)[axis]
+    args = rand(rng, v, m), rng.randint(-n - 2, n + 2, ids_shape).astype(np.int32)
+    return (lambda t, i: jnp.take(t, i, axis=axis, mode=mode)), args, f"take {axis=} {mode=}"
+
+
+def _vmapped_dynamic_slice(draw, rng):
+    b, n, m = (draw(st.sampled_from([1, 3, 4, 8])) for _ in range(3))
+    k = draw(st.integers(1, n))
+    args = rand(rng, b, n, m), rng.randint(-2, n + 2, (b,)).astype(np.int32)
+    return jax.vmap(lambda t, i: jax.lax.dynamic_slice(t, (i, 0), (k, m))), args, f"vmap(dynamic_slice) {k=}"
+
+
+def _scatter(draw, rng):
+    v, m, k = draw(st.sampled_from([3, 5, 8])), draw(st.sampled_from([1, 3, 4])), draw(st.sampled_from([1, 2, 3]))
+    op, mode = draw(st.sampled_from(["set", "add", "multiply", "min", "max"])), draw(st.sampled_from(["drop", "clip"]))
+    ids = rng.permutation(v + 2)[:k] - (1 if mode == "drop" else 0)    # unique: `set` order is unspecified
+    if mode == "clip":
+        ids = np.minimum(ids, v - 1)
+        ids = rng.permutation(v)[:k] if op == "set" else ids
+    batched = draw(st.booleans())
+    if batched:   # vmap adds batching dims
+        b = draw(st.sampled_from([2, 3]))
+        args = rand(rng, b, v, m), np.stack([ids] * b).astype(np.int32), rand(rng, b, k, m)
+    else:
+        args = rand(rng, v, m), ids.astype(np.int32), rand(rng, k, m)
+    scatter = lambda t, i, u: getattr(t.at[i], op)(u, mode=mode)   # noqa: E731
+    return (jax.vmap(scatter) if batched else scatter), args, f"scatter {op=} {mode=} {batched=}"
+
+
+@st.composite
+def gather_scatter_programs(draw):
+    mesh = draw(meshes(shapes=[(2, 4), (4, 2), (8,), (2, 2, 2), (3,), (3, 2)]))
+    rng = np.random.RandomState(draw(st.integers(0, 2**31 - 1)))
+    fn, args, what = draw(st.sampled_from([_take_along_axis, _take, _vmapped_dynamic_slice, _scatter]))(draw, rng)
+    maps = [draw(dims_mappings(mesh, a.ndim)) for a in args]
+    differentiate = draw(st.booleans())
+
+    def program(*xs):
+        xs = [gspmd.mesh_split(x, mesh, m) for x, m in zip(xs, maps)]
+        if differentiate:   # the gradient of a gather is a scatter-add (with the same batching dims)
+            return jax.grad(lambda x0: jnp.sum(jnp.nan_to_num(fn(x0, *xs[1:])) ** 2))(xs[0])
+        return fn(*xs)
+    return program, args, mesh, f"{what}, layouts {maps}, {differentiate=}"
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(gather_scatter_programs())
+def test_random_gather_scatter_programs(case):
+    program, args, mesh, what = case
+    note(what)
+    check(program, *args, mesh=mesh)
+
+
+@pytest.mark.slow
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(gather_scatter_programs())
+def test_random_gather_scatter_programs_many(case):
+    test_random_gather_scatter_programs.hypothesis.inner_test(case)

@@ -1,11 +1,19 @@
 """gather and scatter (HLO semantics, index vector in the indices' last dim).
 
-Factors: the indices' batch dims pass through to the gathered dims (or, for scatter,
-are a `reduce` factor: each device scatters its share of the updates and the partial
-results are summed); operand dims taken whole pass through to the window dims. An
-operand dim that is indexed can be split too (an embedding table split on its vocab):
-each device then answers only for the rows it holds — its gather yields zeros for the
-others (summed afterwards), its scatter drops them. Everything else stays whole.
+Factors (Shardy's view of gather/scatter):
+- batching dims (`take_along_axis`, vmapped lookups) pass through operand, indices and
+  result alike: each device gathers from its own batch of the operand;
+- the indices' other batch dims (index passthrough) pass through to the result's batch
+  dims; for a combining scatter they are a `reduce` factor instead: each device scatters
+  its share of the updates into the reducer's identity and the shares combine;
+- operand dims taken whole (operand passthrough; an indexed dim whose window is the whole
+  dim counts, its start can only be 0) pass through to the window dims;
+- an indexed dim whose window is one row can be split too (an embedding table split on
+  its vocab): each device answers only for the rows it holds — its gather yields zeros
+  for the others (summed afterwards: `reduce`), its scatter drops them;
+- everything else stays whole.
+Out-of-range starts clamp (CLIP) or fill the window with `fill_value` / drop the update
+(FILL), both decided against the whole operand, as the unpartitioned op decides.
 """
 from __future__ import annotations
 
@@ -15,9 +23,8 @@ import numpy as np
 from jax import lax
 
 from gspmd.dtypes import is_floating
-from gspmd.errors import ShardingError
 from gspmd.ir import Instr, Value
-from gspmd.ir.reducer import ADD, AND, MAX, MIN, MUL, Reducer
+from gspmd.ir.reducer import ADD, AND, MAX, MIN, MUL, OR, Reducer
 from gspmd.ops.registry import LAYOUT, Storage, register, result_sized_bytes, update_sized_bytes
 from gspmd.sharding import Sharding
 from gspmd.spmd import factors as fx
@@ -28,14 +35,19 @@ CLIP, FILL = "clip", "fill"   # out-of-range starts: clamp, or fill (gather) / d
 
 
 # -- reference semantics ------------------------------------------------------------------
-def _starts(indices: np.ndarray, index_map, operand_shape, sizes, mode):
-    """[N, operand rank] window starts and a [N] in-bounds flag, N = indices batch size."""
+def _starts(indices: np.ndarray, index_map, batching, operand_shape, sizes, mode):
+    """[N, operand rank] window starts and a [N] in-bounds flag, N = number of index
+    vectors. `batching` pairs (operand dim, indices dim): there the window starts at the
+    vector's own position along that indices dim."""
     flat = indices.reshape(-1, indices.shape[-1]).astype(np.int64)
     starts = np.zeros((flat.shape[0], len(operand_shape)), np.int64)
     starts[:, list(index_map)] = flat
+    for operand_dim, indices_dim in batching:
+        starts[:, operand_dim] = np.indices(indices.shape[:-1])[indices_dim].ravel()
     limit = np.asarray(operand_shape) - np.asarray(sizes)
-    valid = np.all((starts >= 0) & (starts <= limit), axis=1)
-    return (np.clip(starts, 0, limit) if mode == CLIP else starts), valid
+    if mode == CLIP:
+        starts = np.clip(starts, 0, limit)
+    return starts, np.all((starts >= 0) & (starts <= limit), axis=1)
 
 
 def _window_index(starts, sizes):
@@ -52,13 +64,14 @@ def _window_index(starts, sizes):
 def _evaluate_gather(instr, args, device):
     operand, indices = args
     a, out = instr.attrs, instr.outputs[0]
-    starts, valid = _starts(indices, a["start_index_map"], operand.shape, a["slice_sizes"], a["mode"])
+    batching = list(zip(a["operand_batching_dims"], a["start_indices_batching_dims"]))
+    starts, valid = _starts(indices, a["start_index_map"], batching, operand.shape, a["slice_sizes"], a["mode"])
     safe = np.clip(starts, 0, np.asarray(operand.shape) - np.asarray(a["slice_sizes"]))
     windows = operand[tuple(_window_index(safe, a["slice_sizes"]))]            # [N, *sizes]
     if a["mode"] == FILL:
         windows = np.where(valid.reshape((-1,) + (1,) * operand.ndim), windows, a["fill_value"])
-    windows = windows.reshape((-1,) + tuple(s for d, s in enumerate(a["slice_sizes"])
-                                            if d not in a["collapsed_slice_dims"]))
+    dropped = set(a["collapsed_slice_dims"]) | set(a["operand_batching_dims"])
+    windows = windows.reshape((-1,) + tuple(s for d, s in enumerate(a["slice_sizes"]) if d not in dropped))
     windows = windows.reshape(indices.shape[:-1] + windows.shape[1:])   # batch dims, then window dims
     batch_pos = [d for d in range(out.rank) if d not in a["offset_dims"]]
     dest = batch_pos + list(a["offset_dims"])
@@ -68,7 +81,8 @@ def _evaluate_gather(instr, args, device):
 def _evaluate_scatter(instr, args, device):
     operand, indices, updates = args
     a = instr.attrs
-    window_dims = [d for d in range(operand.ndim) if d not in a["inserted_window_dims"]]
+    dropped = set(a["inserted_window_dims"]) | set(a["operand_batching_dims"])
+    window_dims = [d for d in range(operand.ndim) if d not in dropped]
     scatter_dims = [d for d in range(updates.ndim) if d not in a["update_window_dims"]]
     # Updates as [N, *window sizes with inserted dims of size 1].
     moved = np.moveaxis(updates, scatter_dims + list(a["update_window_dims"]), range(updates.ndim))
@@ -76,7 +90,8 @@ def _evaluate_scatter(instr, args, device):
     for d, w in zip(window_dims, a["update_window_dims"]):
         sizes[d] = updates.shape[w]
     moved = moved.reshape((-1,) + tuple(sizes))
-    starts, valid = _starts(indices, a["scatter_dims_to_operand_dims"], operand.shape, sizes, a["mode"])
+    batching = list(zip(a["operand_batching_dims"], a["scatter_indices_batching_dims"]))
+    starts, valid = _starts(indices, a["scatter_dims_to_operand_dims"], batching, operand.shape, sizes, a["mode"])
     index = _window_index(starts, sizes)
     inside = valid.reshape((-1,) + (1,) * operand.ndim)
     for d, idx in enumerate(index):   # element-wise bounds too (drop what falls outside)
@@ -93,94 +108,165 @@ def _evaluate_scatter(instr, args, device):
 
 
 # -- factors --------------------------------------------------------------------------
+def _row_dims(index_map, window_sizes) -> list[int]:
+    """Indexed operand dims whose window is one row: split there, each device answers
+    for the rows it holds."""
+    return [d for d in index_map if window_sizes[d] == 1]
+
+
+def _partials_reducer(dtype) -> Reducer:
+    """How zeros from devices not holding a row combine with the row (booleans: or)."""
+    return OR if np.dtype(dtype) == np.bool_ else ADD
+
+
 def _gather_factors(instr: Instr) -> list[Factor]:
+    """Tensors: operand, indices, result."""
     operand, indices = instr.operands
     a, out = instr.attrs, instr.outputs[0]
     batch_pos = [d for d in range(out.rank) if d not in a["offset_dims"]]
-    factors = [Factor(n, (None, i, batch_pos[i])) for i, n in enumerate(indices.shape[:-1])]
+    batching = dict(zip(a["start_indices_batching_dims"], a["operand_batching_dims"]))
+    factors = [Factor(n, (batching.get(i), i, batch_pos[i])) for i, n in enumerate(indices.shape[:-1])]
     factors.append(Factor(indices.shape[-1], (None, indices.rank - 1, None), REPLICATE))
     window = iter(a["offset_dims"])
+    rows = _row_dims(a["start_index_map"], a["slice_sizes"])
     for d, n in enumerate(operand.shape):
-        if d in a["collapsed_slice_dims"]:
-            # One row per index: a split of this dim leaves each device the rows it holds.
-            indexed = d in a["start_index_map"] and a["mode"] == CLIP
-            factors.append(Factor(n, (d, None, None), REDUCE if indexed else REPLICATE))
+        if d in a["operand_batching_dims"]:
             continue
-        o = next(window)
-        if d not in a["start_index_map"] and a["slice_sizes"][d] == n:
+        o = None if d in a["collapsed_slice_dims"] else next(window)
+        if d in rows:
+            factors.append(Factor(n, (d, None, None), REDUCE, _partials_reducer(out.dtype)))
+        elif a["slice_sizes"][d] == n:
             factors.append(Factor(n, (d, None, o)))
+            continue
         else:
-            factors += [Factor(n, (d, None, None), REPLICATE), Factor(out.shape[o], (None, None, o), REPLICATE)]
+            factors.append(Factor(n, (d, None, None), REPLICATE))
+        if o is not None:
+            factors.append(Factor(out.shape[o], (None, None, o), REPLICATE))
     return factors
 
 
 def _scatter_factors(instr: Instr) -> list[Factor]:
+    """Tensors: operand, indices, updates, result. A combining scatter's operand is its
+    reducer's identity (the converter makes it so), so shares of the updates scattered
+    on different devices combine with the reducer."""
     operand, indices, updates = instr.operands
     a = instr.attrs
     scatter_dims = [d for d in range(updates.rank) if d not in a["update_window_dims"]]
-    batch_kind = REDUCE if a["reducer"] is ADD else REPLICATE
-    factors = [Factor(n, (None, i, u, None), batch_kind) for i, (n, u) in
-               enumerate(zip(indices.shape[:-1], scatter_dims))]
+    batching = dict(zip(a["scatter_indices_batching_dims"], a["operand_batching_dims"]))
+    share = (REPLICATE, ADD) if a["reducer"] is None else (REDUCE, a["reducer"])   # kind, reducer
+    factors = [Factor(n, (batching[i], i, u, batching[i])) if i in batching else Factor(n, (None, i, u, None), *share)
+               for i, (n, u) in enumerate(zip(indices.shape[:-1], scatter_dims))]
     factors.append(Factor(indices.shape[-1], (None, indices.rank - 1, None, None), REPLICATE))
     window = iter(a["update_window_dims"])
+    sizes = _scatter_window_sizes(a, operand.rank, updates.shape)
+    rows = _row_dims(a["scatter_dims_to_operand_dims"], sizes)
     for d, n in enumerate(operand.shape):
+        if d in a["operand_batching_dims"]:
+            continue
         w = None if d in a["inserted_window_dims"] else next(window)
-        indexed = d in a["scatter_dims_to_operand_dims"]
-        if w is not None and not indexed and updates.shape[w] == n:
-            factors.append(Factor(n, (d, None, w, d)))
-        elif w is None and indexed:
+        if d in rows:
             factors.append(Factor(n, (d, None, None, d)))    # each device keeps its rows
+        elif sizes[d] == n:
+            factors.append(Factor(n, (d, None, w, d)))
+            continue
         else:
             factors.append(Factor(n, (d, None, None, d), REPLICATE))
-            if w is not None:
-                factors.append(Factor(updates.shape[w], (None, None, w, None), REPLICATE))
+        if w is not None:
+            factors.append(Factor(updates.shape[w], (None, None, w, None), REPLICATE))
     return factors
 
 
+def _scatter_window_sizes(a, rank: int, updates_shape) -> list[int]:
+    """Per operand dim, the update window's size there (1 where inserted or batching)."""
+    sizes = [1] * rank
+    dropped = set(a["inserted_window_dims"]) | set(a["operand_batching_dims"])
+    for d, w in zip([d for d in range(rank) if d not in dropped], a["update_window_dims"]):
+        sizes[d] = updates_shape[w]
+    return sizes
+
+
 # -- partitioning -----------------------------------------------------------------------
+def _index_vector(ctx: DeviceContext, values, like: Value) -> Value:
+    """A constant per index-vector column, broadcast to `like`'s shape."""
+    return ctx.b.add1("broadcast", [ctx.constant(np.asarray(values, INDEX_DTYPE))], like.shape, INDEX_DTYPE,
+                      dims=(like.rank - 1,))
+
+
+def _all_columns(ctx: DeviceContext, flags: Value) -> Value:
+    """[batch] bool: whether every column of an index-vector flag array holds."""
+    return ctx.b.add1("reduce", [flags], flags.shape[:-1], np.bool_, dims=(flags.rank - 1,), reducer=AND)
+
+
+def _in_range(ctx: DeviceContext, idx: Value, lengths) -> Value:
+    b = ctx.b
+    return b.add1("and", [b.add1("compare", [idx, _index_vector(ctx, np.zeros(len(lengths)), idx)], idx.shape,
+                                 np.bool_, direction="GE"),
+                          b.add1("compare", [idx, _index_vector(ctx, lengths, idx)], idx.shape, np.bool_,
+                                 direction="LT")], idx.shape, np.bool_)
+
+
 def _localize(ctx: DeviceContext, instr: Instr, indices: Value, operand: Value, layout: Sharding,
-              index_map, window_sizes) -> tuple[Value, Value]:
-    """Indices relative to the rows of the operand this device holds, and whether each
-    index vector lands inside them ([batch] bool). Clamping, where the op clamps, is
-    done first against the whole operand, as the unpartitioned op would."""
+              index_map, window_sizes) -> tuple[Value, Value, Value]:
+    """Indices relative to the rows of the `operand` shard this device holds (`window_sizes`
+    are the whole op's); whether each index
+    vector lands inside them; whether its starts along the split row dims lie inside the
+    whole operand (each [batch] bool). Clamping, where the op clamps, is done first
+    against the whole operand, as the unpartitioned op would."""
     b, k = ctx.b, indices.shape[-1]
     global_shape = instr.operands[0].shape
-    vector = lambda v: b.add1("broadcast", [ctx.constant(np.asarray(v, INDEX_DTYPE))],   # noqa: E731
-                              indices.shape, INDEX_DTYPE, dims=(indices.rank - 1,))
     idx = indices if indices.dtype == np.dtype(INDEX_DTYPE) else \
         b.add1("convert", [indices], indices.shape, INDEX_DTYPE)
     if instr.attrs["mode"] == CLIP:
         limits = [global_shape[d] - window_sizes[d] for d in index_map]
-        idx = b.add1("minimum", [b.add1("maximum", [idx, vector(np.zeros(k))], idx.shape, INDEX_DTYPE),
-                                 vector(limits)], idx.shape, INDEX_DTYPE)
-    split = [(j, d) for j, d in enumerate(index_map) if layout.tiles[d] > 1]
+        idx = b.add1("minimum", [b.add1("maximum", [idx, _index_vector(ctx, np.zeros(k), idx)], idx.shape,
+                                        INDEX_DTYPE), _index_vector(ctx, limits, idx)], idx.shape, INDEX_DTYPE)
+    rows = set(_row_dims(index_map, window_sizes))
+    split = [(j, d) for j, d in enumerate(index_map) if d in rows and layout.tiles[d] > 1]
     offsets = np.zeros((layout.num_devices, k), INDEX_DTYPE)
-    lengths = np.full(k, np.iinfo(INDEX_DTYPE).max, INDEX_DTYPE)
+    unbounded = np.iinfo(INDEX_DTYPE).max
+    local_lengths, global_lengths = np.full(k, unbounded, INDEX_DTYPE), np.full(k, unbounded, INDEX_DTYPE)
     for j, d in split:
         offsets[:, j] = layout.coords()[:, d] * operand.shape[d]
-        lengths[j] = operand.shape[d]
+        local_lengths[j], global_lengths[j] = operand.shape[d], global_shape[d]
     columns = [b.add1("reshape", [ctx.table_lookup(offsets[:, j])], (1,), INDEX_DTYPE) for j in range(k)]
     offset = b.add1("concatenate", columns, (k,), INDEX_DTYPE, dimension=0)
     offset = b.add1("broadcast", [offset], idx.shape, INDEX_DTYPE, dims=(idx.rank - 1,))
     local = b.add1("subtract", [idx, offset], idx.shape, INDEX_DTYPE)
-    ok = b.add1("and", [b.add1("compare", [local, vector(np.zeros(k))], idx.shape, np.bool_, direction="GE"),
-                        b.add1("compare", [local, vector(lengths)], idx.shape, np.bool_, direction="LT")],
-                idx.shape, np.bool_)
-    inside = b.add1("reduce", [ok], idx.shape[:-1], np.bool_, dims=(idx.rank - 1,), reducer=AND)
-    return local, inside
+    valid = _all_columns(ctx, _in_range(ctx, idx, global_lengths))
+    inside = b.add1("and", [_all_columns(ctx, _in_range(ctx, local, local_lengths)), valid], valid.shape, np.bool_)
+    return local, inside, valid
+
+
+def _split_rows(layout: Sharding, index_map, window_sizes) -> list[int]:
+    return [d for d in _row_dims(index_map, window_sizes) if layout.tiles[d] > 1]
+
+
+def _first_along(ctx: DeviceContext, layout: Sharding, dims, shape) -> Value:
+    """Bool of `shape`: whether this device is the first along every one of `dims`."""
+    first = np.all(layout.coords()[:, list(dims)] == 0, axis=1).astype(INDEX_DTYPE)
+    flag = ctx.b.add1("compare", [ctx.table_lookup(first), ctx.constant(1, INDEX_DTYPE)], (), np.bool_,
+                      direction="EQ")
+    return ctx.b.add1("broadcast", [flag], shape, np.bool_, dims=())
 
 
 def _emit_gather(layout: Sharding, ctx, instr, operands, shapes):
-    """Rows this device does not hold come out as zeros (the partial sums add up)."""
+    """Rows this device does not hold come out as zeros (the partial results add up). A
+    window out of range of the whole operand comes out as the fill value on the first
+    device along the split rows only."""
     operand, indices = operands
     b, (shape,), dtype = ctx.b, shapes, instr.outputs[0].dtype
-    whole = instr.operands[0].shape
+    sizes, whole = instr.attrs["slice_sizes"], instr.operands[0].shape
     # Windows that take a dim whole take this device's whole (local) part of it.
-    a = {**instr.attrs, "slice_sizes": tuple(n if s == w else s for s, w, n in
-                                             zip(instr.attrs["slice_sizes"], whole, operand.shape))}
-    if not any(layout.tiles[d] > 1 for d in a["start_index_map"]):
+    a = {**instr.attrs, "slice_sizes": tuple(n if s == w else s for s, w, n in zip(sizes, whole, operand.shape))}
+    split = _split_rows(layout, a["start_index_map"], sizes)
+    if not split:
         return [b.add1("gather", [operand, indices], shape, dtype, **a)]
-    local, inside = _localize(ctx, instr, indices, operand, layout, a["start_index_map"], a["slice_sizes"])
+    local, inside, valid = _localize(ctx, instr, indices, operand, layout, a["start_index_map"], sizes)
+    if a["mode"] == FILL:   # out of range everywhere: the first device's local gather fills it
+        outside = b.add1("not", [valid], valid.shape, np.bool_)
+        first = _first_along(ctx, layout, split, valid.shape)
+        inside = b.add1("or", [inside, b.add1("and", [outside, first], valid.shape, np.bool_)], valid.shape,
+                        np.bool_)
     gathered = b.add1("gather", [operand, local], shape, dtype, **a)
     batch_pos = tuple(d for d in range(len(shape)) if d not in a["offset_dims"])
     inside = b.add1("broadcast", [inside], shape, np.bool_, dims=batch_pos)
@@ -192,16 +278,14 @@ def _emit_scatter(layout: Sharding, ctx, instr, operands, shapes):
     """Updates for rows this device does not hold are dropped."""
     operand, indices, updates = operands
     a, b = instr.attrs, ctx.b
-    if not any(layout.tiles[d] > 1 for d in a["scatter_dims_to_operand_dims"]):
+    sizes = _scatter_window_sizes(a, operand.rank, instr.operands[2].shape)
+    if not _split_rows(layout, a["scatter_dims_to_operand_dims"], sizes):
         return fx.emit_same_op(ctx, instr, operands, shapes)
-    sizes = [1] * operand.rank
-    window_dims = [d for d in range(operand.rank) if d not in a["inserted_window_dims"]]
-    for d, w in zip(window_dims, a["update_window_dims"]):
-        sizes[d] = updates.shape[w]
-    local, inside = _localize(ctx, instr, indices, operand, layout, a["scatter_dims_to_operand_dims"], sizes)
+    local, inside, _ = _localize(ctx, instr, indices, operand, layout, a["scatter_dims_to_operand_dims"], sizes)
     inside = b.add1("broadcast", [inside], local.shape, np.bool_, dims=tuple(range(local.rank - 1)))
-    nowhere = b.add1("broadcast", [ctx.constant(np.iinfo(INDEX_DTYPE).max, INDEX_DTYPE)], local.shape,
-                     INDEX_DTYPE, dims=())
+    # Just past the shard's end: with INT32_MAX there, XLA:CPU (jax 0.10.2) wrote into a
+    # scatter-mul's operand inside a larger program.
+    nowhere = _index_vector(ctx, [operand.shape[d] for d in a["scatter_dims_to_operand_dims"]], local)
     local = b.add1("select", [inside, local, nowhere], local.shape, INDEX_DTYPE)
     return [b.add1("scatter", [operand, local, updates], shapes[0], instr.outputs[0].dtype, **{**a, "mode": FILL})]
 
@@ -216,15 +300,11 @@ def _partition_with(factor_fn, emit):
 
 
 # -- conversion and lowering --------------------------------------------------------------
-_MODES = {lax.GatherScatterMode.CLIP: CLIP, lax.GatherScatterMode.PROMISE_IN_BOUNDS: CLIP,
-          lax.GatherScatterMode.FILL_OR_DROP: FILL}
+# Indices promised in bounds get HLO's native behaviour: gather clamps, scatter drops.
+_GATHER_MODES = {lax.GatherScatterMode.CLIP: CLIP, lax.GatherScatterMode.PROMISE_IN_BOUNDS: CLIP,
+                 lax.GatherScatterMode.FILL_OR_DROP: FILL}
+_SCATTER_MODES = {**_GATHER_MODES, lax.GatherScatterMode.PROMISE_IN_BOUNDS: FILL}
 _LAX_MODES = {CLIP: lax.GatherScatterMode.CLIP, FILL: lax.GatherScatterMode.FILL_OR_DROP}
-
-
-def _no_batching_dims(eqn, dn, operand_field: str) -> None:
-    if getattr(dn, operand_field):
-        raise ShardingError(f"{eqn.primitive.name} with batching dims ({dn}) is not supported yet; "
-                            "vmap over the lookup outside the partitioned function or use jnp.take_along_axis.")
 
 
 def _fill_value(value, dtype) -> float:
@@ -241,37 +321,45 @@ def _fill_value(value, dtype) -> float:
 
 def _convert_gather(b, eqn, args: list[Value]) -> list[Value]:
     p, dn = eqn.params, eqn.params["dimension_numbers"]
-    _no_batching_dims(eqn, dn, "operand_batching_dims")
     shape, dtype = b.out_aval(eqn)
     return [b.add1("gather", args, shape, dtype, offset_dims=tuple(dn.offset_dims),
                    collapsed_slice_dims=tuple(dn.collapsed_slice_dims), start_index_map=tuple(dn.start_index_map),
-                   slice_sizes=tuple(int(s) for s in p["slice_sizes"]), mode=_MODES[p["mode"]],
+                   operand_batching_dims=tuple(dn.operand_batching_dims),
+                   start_indices_batching_dims=tuple(dn.start_indices_batching_dims),
+                   slice_sizes=tuple(int(s) for s in p["slice_sizes"]), mode=_GATHER_MODES[p["mode"]],
                    fill_value=_fill_value(p["fill_value"], dtype))]
 
 
-def _convert_scatter(reducer: Reducer | None):
+# The element-wise op that applies a reducer, and how scatter-sub becomes a scatter-add.
+_COMBINE = {ADD: "add", MUL: "multiply", MIN: "minimum", MAX: "maximum"}
+
+
+def _convert_scatter(reducer: Reducer | None, combine: str | None = None):
     def convert(b, eqn, args: list[Value]) -> list[Value]:
         p, dn = eqn.params, eqn.params["dimension_numbers"]
-        _no_batching_dims(eqn, dn, "operand_batching_dims")
         operand, indices, updates = args
         attrs = dict(update_window_dims=tuple(dn.update_window_dims),
                      inserted_window_dims=tuple(dn.inserted_window_dims),
                      scatter_dims_to_operand_dims=tuple(dn.scatter_dims_to_operand_dims),
-                     mode=_MODES[p["mode"]], reducer=reducer)
-        if reducer is not ADD:
+                     operand_batching_dims=tuple(dn.operand_batching_dims),
+                     scatter_indices_batching_dims=tuple(dn.scatter_indices_batching_dims),
+                     mode=_SCATTER_MODES[p["mode"]], reducer=reducer)
+        if reducer is None:
             return [b.add1("scatter", args, operand.shape, operand.dtype, **attrs)]
-        # operand + (updates scattered into zeros): the scattered part can then be summed
-        # across devices that each scatter a share of the updates.
-        zeros = b.broadcast_to(b.constant(0, operand.dtype), operand.shape)
-        scattered = b.add1("scatter", [zeros, indices, updates], operand.shape, operand.dtype, **attrs)
-        return [b.add1("add", [operand, scattered], operand.shape, operand.dtype)]
+        # operand (op) updates scattered into the reducer's identity: the scattered part
+        # can then be combined across devices that each scatter a share of the updates.
+        identity = b.broadcast_to(b.constant(reducer.identity(operand.dtype)), operand.shape)
+        scattered = b.add1("scatter", [identity, indices, updates], operand.shape, operand.dtype, **attrs)
+        return [b.add1(combine or _COMBINE[reducer], [operand, scattered], operand.shape, operand.dtype)]
     return convert
 
 
 def _lower_gather(instr, args, lc):
     a = instr.attrs
     dn = lax.GatherDimensionNumbers(offset_dims=a["offset_dims"], collapsed_slice_dims=a["collapsed_slice_dims"],
-                                    start_index_map=a["start_index_map"])
+                                    start_index_map=a["start_index_map"],
+                                    operand_batching_dims=a["operand_batching_dims"],
+                                    start_indices_batching_dims=a["start_indices_batching_dims"])
     return [lax.gather(args[0], args[1], dn, a["slice_sizes"], mode=_LAX_MODES[a["mode"]],
                        fill_value=a["fill_value"])]
 
@@ -284,7 +372,9 @@ def _lower_scatter(instr, args, lc):
     a = instr.attrs
     dn = lax.ScatterDimensionNumbers(update_window_dims=a["update_window_dims"],
                                      inserted_window_dims=a["inserted_window_dims"],
-                                     scatter_dims_to_operand_dims=a["scatter_dims_to_operand_dims"])
+                                     scatter_dims_to_operand_dims=a["scatter_dims_to_operand_dims"],
+                                     operand_batching_dims=a["operand_batching_dims"],
+                                     scatter_indices_batching_dims=a["scatter_indices_batching_dims"])
     return [_LAX_SCATTERS[a["reducer"]](*args, dn, mode=_LAX_MODES[a["mode"]])]
 
 
@@ -293,7 +383,7 @@ register("gather", converts={"gather": _convert_gather}, evaluate=_evaluate_gath
          storage=Storage.REPEATED, expensive=True, bytes_accessed=result_sized_bytes)
 register("scatter",
          converts={"scatter": _convert_scatter(None), "scatter-add": _convert_scatter(ADD),
-                   "scatter-mul": _convert_scatter(MUL),
+                   "scatter-sub": _convert_scatter(ADD, "subtract"), "scatter-mul": _convert_scatter(MUL),
                    "scatter-min": _convert_scatter(MIN), "scatter-max": _convert_scatter(MAX)},
          evaluate=_evaluate_scatter, lower=_lower_scatter, factors=_scatter_factors,
          partition=_partition_with(_scatter_factors, _emit_scatter), priority=LAYOUT,
