@@ -40,7 +40,7 @@ def _partition(program: Program, num_devices: int, in_layouts: Sequence[Sharding
         b.origin, b.source = f"parameter %{p.name}", program.labels.get(p, "")
         env[p] = rs.reshard(ctx, PartitionedValue(local, layout, p.shape), p.sharding)
     for instr in program.instrs:
-        b.origin, b.source = f"%{instr.outputs[0].name} = {instr.opcode}", instr.source
+        b.origin, b.source = _describe(instr), instr.source
         results = _partition_instr(ctx, instr, [env[o] for o in instr.operands])
         for out, pv in zip(instr.outputs, results):
             assert pv.sharding == out.sharding, (instr, pv.sharding, out.sharding)
@@ -66,8 +66,8 @@ def _partition_instr(ctx: DeviceContext, instr, operands: list[PartitionedValue]
     except Exception as e:
         layouts = ", ".join(f"%{o.name}: {o.type_str()} {o.sharding}" for o in instr.operands)
         raise ShardingError(
-            f"Internal error partitioning %{instr.outputs[0].name} = {instr.opcode} (from {instr.origin or '?'}) "
-            f"with operands {layouts} -> {instr.outputs[0].sharding}: {type(e).__name__}: {e}. Please report "
+            f"Internal error partitioning {_describe(instr)} (from {instr.origin or '?'}) "
+            f"with operands {layouts} -> {[o.sharding for o in instr.outputs]}: {type(e).__name__}: {e}. Please report "
             "this program; annotating the operands differently may avoid it.") from e
 
 
@@ -137,3 +137,8 @@ def _gather_again(spmd: Program, num_devices: int, gather: Instr, later: list[In
         for r, operands in before:
             r.operands = operands
     return undo
+
+
+def _describe(instr) -> str:
+    """`%name = opcode`, or the opcode alone for an instruction without results."""
+    return f"%{instr.outputs[0].name} = {instr.opcode}" if instr.outputs else instr.opcode

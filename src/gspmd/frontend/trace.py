@@ -75,6 +75,10 @@ def _convert(b: Conversion, eqn, args: list[Value]) -> list[Value]:
         return _call(b, eqn, args)
     if name in OUT_OF_SCOPE:
         raise ShardingError(f"JAX primitive {name!r} (in `{eqn}`) is out of gspmd's scope: {OUT_OF_SCOPE[name]}")
+    if any(_is_complex(v) for v in [*eqn.invars, *eqn.outvars]):
+        raise ShardingError(
+            f"JAX primitive {name!r} (in `{eqn}`) works on complex numbers, which gspmd does not support; "
+            "carry real and imaginary parts as separate real arrays.")
     convert = PRIMITIVES.get(name)
     if convert is None:
         raise ShardingError(
@@ -83,6 +87,11 @@ def _convert(b: Conversion, eqn, args: list[Value]) -> list[Value]:
     if keys.moves_keys(eqn):
         return keys.convert_per_word(b, eqn, args, convert)
     return convert(b, eqn, args)
+
+
+def _is_complex(var) -> bool:
+    dtype = getattr(var.aval, "dtype", None)
+    return dtype is not None and np.issubdtype(dtype, np.complexfloating)
 
 
 def _call(b: Conversion, eqn, args: list[Value]) -> list[Value]:

@@ -1,7 +1,7 @@
 """Common-subexpression elimination: an instruction with the same opcode, operands and
-attributes as an earlier one computes the same value (every op in the IR is pure, and in
-an SPMD program every device runs the same instructions), so it is dropped and its uses
-read the earlier result.
+attributes as an earlier one computes the same value (every op in the IR is pure but
+those marked with side effects, and in an SPMD program every device runs the same
+instructions), so it is dropped and its uses read the earlier result.
 
 Partition rules reshard an operand wherever an op needs it; after this pass one value
 resharded the same way for several ops (an activation gathered before the Q, K and V
@@ -24,6 +24,9 @@ def eliminate_common_subexpressions(program: Program) -> Program:
     kept = []
     for instr in program.instrs:
         instr.operands = [replaced.get(o, o) for o in instr.operands]
+        if instr.has_side_effect:
+            kept.append(instr)
+            continue
         key = _key(instr)
         earlier = first.setdefault(key, instr)
         if earlier is instr:

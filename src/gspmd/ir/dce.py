@@ -1,7 +1,8 @@
-"""Dead-code elimination: every op in the IR is pure, so an instruction none of whose
-results is used (directly or through others) is dropped. JAX traces keep such values
-(a zeros buffer of a gradient nobody reads); left in, they would be materialized, whole
-and unsplit since no user gives them a sharding, on every device."""
+"""Dead-code elimination: an instruction none of whose results is used (directly or
+through others) is dropped, unless it has side effects (a host callback that prints).
+JAX traces keep such values (a zeros buffer of a gradient nobody reads); left in, they
+would be materialized, whole and unsplit since no user gives them a sharding, on every
+device."""
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -18,7 +19,7 @@ def eliminate_dead_code(program: Program, prune: Optional[Prune] = None) -> Prog
     live = set(program.outputs)
     kept = []
     for instr in reversed(program.instrs):
-        if any(o in live for o in instr.outputs):
+        if instr.has_side_effect or any(o in live for o in instr.outputs):
             if prune is not None:
                 prune(instr, [o in live for o in instr.outputs])
             kept.append(instr)

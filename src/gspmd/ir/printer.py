@@ -30,7 +30,7 @@ def format_instr(instr: Instr, with_sharding: bool = True) -> str:
     outs = ", ".join(_value(o, with_sharding) for o in instr.outputs)
     parts = [f"%{o.name}" for o in instr.operands]
     parts += [f"{k}={_attr(v)}" for k, v in instr.attrs.items() if v is not None]
-    return f"  {outs} = {instr.opcode}({', '.join(parts)})"
+    return f"  {outs + ' = ' if outs else ''}{instr.opcode}({', '.join(parts)})"
 
 
 def format_program(program: Program, with_sharding: bool = True) -> str:

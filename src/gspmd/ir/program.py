@@ -36,6 +36,12 @@ class Value:
         return f"%{self.name}:{self.type_str()}"
 
 
+# The attribute that marks an instruction with effects beyond its results (a host
+# callback that prints): it runs even when nothing reads its results, and two such
+# instructions never merge.
+SIDE_EFFECT = "side_effect"
+
+
 class Instr:
     """One instruction. `origin` says where it came from (the JAX primitive or the
     partition rule that emitted it) and `source` the user's Python line ("train.py:12
@@ -50,6 +56,10 @@ class Instr:
         self.origin = origin
         self.why = None   # collectives: the spmd.context.Why of the rule that made it
         self.source = source
+
+    @property
+    def has_side_effect(self) -> bool:
+        return bool(self.attrs.get(SIDE_EFFECT))
 
     @property
     def output(self) -> Value:

@@ -1,9 +1,12 @@
 """Element-wise ops: every dim is a pass-through factor shared by all operands. Also the
 annotation op `sharding` (from gspmd.mesh_split, jax.lax.with_sharding_constraint and a
-nested jax.jit's in/out shardings) and `copy`, which only change layout.
+nested jax.jit's in/out shardings), `copy` and `optimization-barrier`, which only change
+layout, and `bitcast-convert`, element-wise but for the bytes of one element.
 
 `elementwise(opcode, numpy_fn, lax_fn, primitives)` registers one op in one line: the
 JAX primitives it comes from, its NumPy reference, its jax lowering and its factors.
+Ops NumPy lacks (erf, lgamma, ...) take jax's own kernel, run eagerly, as reference.
+Complex numbers are out of scope (the frontend says so).
 """
 from __future__ import annotations
 
@@ -17,20 +20,23 @@ from jax.sharding import NamedSharding
 
 from gspmd.dtypes import is_floating
 from gspmd.errors import ShardingError
-from gspmd.ir import Value
+from gspmd.ir import Instr, Value
 from gspmd.ops.convert import Conversion, Converter
 from gspmd.ops.registry import ELEMENTWISE, Storage, elementwise_factors, elementwise_flops, register
 from gspmd.sharding import UNSPECIFIED, Sharding, dims_mapping_from_spec
+from gspmd.spmd import factors as fx
 from gspmd.spmd import reshard as rs
 from gspmd.spmd.cost import ComputeKind
 
 
 # -- conversion -----------------------------------------------------------------------
-def convert_as(opcode: str, **attrs) -> Converter:
-    """An equation becomes one `opcode` instruction (scalar operands broadcast)."""
+def convert_as(opcode: str, params: Sequence[str] = (), **attrs) -> Converter:
+    """An equation becomes one `opcode` instruction (scalar operands broadcast); the
+    equation's `params` become attributes of the same names."""
     def convert(b, eqn, args):
         shape, dtype = b.out_aval(eqn)
-        return [b.add1(opcode, [b.broadcast_to(a, shape) for a in args], shape, dtype, **attrs)]
+        return [b.add1(opcode, [b.broadcast_to(a, shape) for a in args], shape, dtype,
+                       **{p: eqn.params[p] for p in params}, **attrs)]
     return convert
 
 
@@ -44,40 +50,52 @@ def _widen(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float32) if is_floating(x.dtype) and x.dtype.itemsize < 4 else x
 
 
-def _evaluate_with(fn: Callable) -> Callable:
+def _named(instr, params: Sequence[str]) -> dict:
+    return {p: instr.attrs[p] for p in params}
+
+
+def _evaluate_with(fn: Callable, params: Sequence[str] = ()) -> Callable:
     def evaluate(instr, args, device):
         out = instr.outputs[0]
         with np.errstate(all="ignore"):
-            return [np.asarray(fn(*map(_widen, args))).astype(out.dtype, copy=False).reshape(out.shape)]
+            y = fn(*map(_widen, args), **_named(instr, params))
+            return [np.asarray(y).astype(out.dtype, copy=False).reshape(out.shape)]
     return evaluate
 
 
-def _evaluate_eagerly(lax_fn: Callable) -> Callable:
-    """The reference of ops NumPy lacks (erf, lgamma, ...): jax's own kernel, eagerly."""
+def _evaluate_eagerly(lax_fn: Callable, params: Sequence[str] = ()) -> Callable:
+    """The reference of ops NumPy lacks (erf, lgamma, ...): jax's own kernel, eagerly (it
+    computes narrow floats as XLA does; NaN in the padding stays there)."""
     def evaluate(instr, args, device):
-        return [np.asarray(lax_fn(*args)).astype(instr.outputs[0].dtype, copy=False)]
+        out = instr.outputs[0]
+        args = [np.broadcast_to(a, out.shape) for a in args]
+        return [np.asarray(lax_fn(*args, **_named(instr, params))).astype(out.dtype, copy=False)]
     return evaluate
 
 
-def _lower_with(fn: Callable) -> Callable:
+def _lower_with(fn: Callable, params: Sequence[str] = ()) -> Callable:
     def lower(instr, args, lc):
         out = instr.outputs[0]
         # Scalars broadcast implicitly (as in the NumPy reference).
         args = [lax.broadcast(a, out.shape) if a.ndim == 0 and out.rank else a for a in args]
-        return [lax.convert_element_type(fn(*args), out.dtype)]
+        return [lax.convert_element_type(fn(*args, **_named(instr, params)), out.dtype)]
     return lower
 
 
 def elementwise(opcode: str, numpy_fn: Optional[Callable], lax_fn: Callable, primitives: Sequence[str] = (),
-                converts: Optional[dict[str, Converter]] = None, **fields) -> None:
+                converts: Optional[dict[str, Converter]] = None, params: Sequence[str] = (),
+                evaluate: Optional[Callable] = None, **fields) -> None:
     """Register element-wise `opcode`: each JAX primitive in `primitives` becomes it
-    (more converters in `converts`); numpy_fn None: the reference runs lax_fn eagerly.
-    One operation per element unless `flops` says otherwise."""
+    (more converters in `converts`), its `params` becoming attributes that numpy_fn and
+    lax_fn take by name; numpy_fn None: the reference runs lax_fn eagerly (or is
+    `evaluate`, a whole reference of its own). One operation per element unless `flops`
+    says otherwise."""
     fields.setdefault("flops", elementwise_flops)
-    register(opcode, converts={**{p: convert_as(opcode) for p in primitives}, **(converts or {})},
-             evaluate=_evaluate_eagerly(lax_fn) if numpy_fn is None else _evaluate_with(numpy_fn),
-             lower=_lower_with(lax_fn), factors=elementwise_factors, priority=ELEMENTWISE,
-             **{"storage": Storage.ELEMENTWISE, **fields})
+    if evaluate is None:
+        evaluate = _evaluate_eagerly(lax_fn, params) if numpy_fn is None else _evaluate_with(numpy_fn, params)
+    register(opcode, converts={**{p: convert_as(opcode, params) for p in primitives}, **(converts or {})},
+             evaluate=evaluate, lower=_lower_with(lax_fn, params), factors=elementwise_factors,
+             priority=ELEMENTWISE, **{"storage": Storage.ELEMENTWISE, **fields})
 
 
 # -- HLO semantics where NumPy differs ------------------------------------------------------
@@ -99,10 +117,70 @@ def _round_even(x):
     return lax.round(x, lax.RoundingMethod.TO_NEAREST_EVEN)
 
 
-def _integer_pow(b, eqn, args):
-    shape, dtype = b.out_aval(eqn)
-    exponent = b.broadcast_to(b.constant(eqn.params["y"], dtype), shape)
-    return [b.add1("power", [args[0], exponent], shape, dtype)]
+def _round_away(x):
+    whole = np.floor(np.abs(x))
+    return np.copysign(whole + (np.abs(x) - whole >= 0.5), x)   # exact: no x + 0.5 rounding
+
+
+def _round(b, eqn, args):
+    away = eqn.params["rounding_method"] == lax.RoundingMethod.AWAY_FROM_ZERO
+    return convert_as("round-nearest-afz" if away else "round-nearest-even")(b, eqn, args)
+
+
+def _bits(x: np.ndarray) -> int:
+    return 8 * x.dtype.itemsize
+
+
+def _unsigned(x: np.ndarray) -> np.ndarray:
+    return x.view(f"u{x.dtype.itemsize}")
+
+
+def _signed(x: np.ndarray) -> np.ndarray:
+    return x.view(f"i{x.dtype.itemsize}")
+
+
+def _shift_count(x, s):
+    """HLO shifts by s (read unsigned) of at least the bit width shift everything out."""
+    s = _unsigned(np.asarray(s, x.dtype))
+    return np.minimum(s, _bits(x) - 1).astype(x.dtype), s >= _bits(x)
+
+
+def _shift_left(x, s):
+    count, out = _shift_count(x, s)
+    return np.where(out, 0, np.left_shift(x, count)).astype(x.dtype)
+
+
+def _shift_right_logical(x, s):
+    count, out = _shift_count(x, s)
+    return np.where(out, 0, _unsigned(x) >> _unsigned(count)).astype(_unsigned(x).dtype).view(x.dtype)
+
+
+def _shift_right_arithmetic(x, s):
+    count, _ = _shift_count(x, s)   # shifting by width - 1 already leaves only the sign
+    return (_signed(x) >> _signed(count)).view(x.dtype)
+
+
+def _population_count(x):
+    return np.bitwise_count(_unsigned(x)).astype(x.dtype)
+
+
+def _clamp(low, x, high):
+    return np.minimum(np.maximum(x, low), high)
+
+
+def _convert_value(x: np.ndarray, dtype) -> np.ndarray:
+    """XLA's conversion: floats to integers truncate and saturate, NaN becomes 0; floats
+    to narrower floats (float16, bfloat16, float8) round to nearest even."""
+    dtype = np.dtype(dtype)
+    if is_floating(x.dtype) and dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        x = np.clip(np.nan_to_num(x.astype(np.float64), nan=0.0), info.min, info.max)
+    return x.astype(dtype)
+
+
+def _evaluate_convert(instr, args, device):
+    with np.errstate(all="ignore"):
+        return [_convert_value(args[0], instr.outputs[0].dtype)]
 
 
 def _square(b, eqn, args):
@@ -123,7 +201,9 @@ elementwise("multiply", np.multiply, lax.mul, ["mul"], converts={"square": _squa
 elementwise("divide", _divide, lax.div, ["div"], expensive=_float_division)
 elementwise("maximum", np.maximum, lax.max, ["max"])
 elementwise("minimum", np.minimum, lax.min, ["min"])
-elementwise("power", np.power, lax.pow, ["pow"], converts={"integer_pow": _integer_pow}, expensive=True)
+elementwise("power", np.power, lax.pow, ["pow"], expensive=True)
+elementwise("integer-power", lambda x, y: np.power(x, y), lax.integer_pow, ["integer_pow"], params=("y",),
+            expensive=True)   # integers too
 elementwise("remainder", np.fmod, lax.rem, ["rem"], expensive=_float_division)
 elementwise("atan2", np.arctan2, lax.atan2, ["atan2"], expensive=True)
 elementwise("and", np.bitwise_and, lax.bitwise_and, ["and"])
@@ -147,12 +227,44 @@ elementwise("sine", np.sin, lax.sin, ["sin"])
 elementwise("exponential-minus-one", np.expm1, lax.expm1, ["expm1"], expensive=True)
 elementwise("log-plus-one", np.log1p, lax.log1p, ["log1p"], expensive=True)
 elementwise("is-finite", np.isfinite, lax.is_finite, ["is_finite"])
-elementwise("round-nearest-even", np.round, _round_even, ["round"])
-# Random numbers: bits to floats (jax.random.uniform), normals, truncated normals.
-elementwise("shift-right-logical", None, lax.shift_right_logical, ["shift_right_logical"])
-elementwise("erf", None, lax.erf, ["erf"])
-elementwise("erf-inv", None, lax.erf_inv, ["erf_inv"])
-elementwise("next-after", None, lax.nextafter, ["nextafter"])
+elementwise("round-nearest-even", np.round, _round_even, converts={"round": _round})
+elementwise("round-nearest-afz", _round_away, lax.round)
+elementwise("tan", np.tan, lax.tan, ["tan"], expensive=True)
+elementwise("asin", np.arcsin, lax.asin, ["asin"], expensive=True)
+elementwise("acos", np.arccos, lax.acos, ["acos"], expensive=True)
+elementwise("atan", np.arctan, lax.atan, ["atan"], expensive=True)
+elementwise("sinh", np.sinh, lax.sinh, ["sinh"], expensive=True)
+elementwise("cosh", np.cosh, lax.cosh, ["cosh"], expensive=True)
+elementwise("asinh", np.arcsinh, lax.asinh, ["asinh"], expensive=True)
+elementwise("acosh", np.arccosh, lax.acosh, ["acosh"], expensive=True)
+elementwise("atanh", np.arctanh, lax.atanh, ["atanh"], expensive=True)
+elementwise("cbrt", np.cbrt, lax.cbrt, ["cbrt"], expensive=True)
+elementwise("exponential2", np.exp2, lax.exp2, ["exp2"], expensive=True)
+elementwise("clamp", _clamp, lax.clamp, ["clamp"])
+# Special functions: jax's kernels are the reference.
+elementwise("erf", None, lax.erf, ["erf"], expensive=True)
+elementwise("erfc", None, lax.erfc, ["erfc"], expensive=True)
+elementwise("erf-inv", None, lax.erf_inv, ["erf_inv"], expensive=True)
+elementwise("lgamma", None, lax.lgamma, ["lgamma"], expensive=True)
+elementwise("digamma", None, lax.digamma, ["digamma"], expensive=True)
+elementwise("polygamma", None, lax.polygamma, ["polygamma"], expensive=True)
+elementwise("zeta", None, lax.zeta, ["zeta"], expensive=True)
+elementwise("igamma", None, lax.igamma, ["igamma"], expensive=True)
+elementwise("igammac", None, lax.igammac, ["igammac"], expensive=True)
+elementwise("igamma-grad-a", None, lax.igamma_grad_a, ["igamma_grad_a"], expensive=True)
+elementwise("regularized-incomplete-beta", None, lax.betainc, ["regularized_incomplete_beta"], expensive=True)
+elementwise("bessel-i0e", None, lax.bessel_i0e, ["bessel_i0e"], expensive=True)
+elementwise("bessel-i1e", None, lax.bessel_i1e, ["bessel_i1e"], expensive=True)
+elementwise("next-after", None, lax.nextafter, ["nextafter"])   # NumPy's would step in float32
+elementwise("reduce-precision", None, lax.reduce_precision, ["reduce_precision"],
+            params=("exponent_bits", "mantissa_bits"))
+# Bits (HLO semantics on two's complement; shift counts read unsigned).
+elementwise("popcnt", _population_count, lax.population_count, ["population_count"])
+elementwise("count-leading-zeros", None, lax.clz, ["clz"])
+elementwise("shift-left", _shift_left, lax.shift_left, ["shift_left"])
+elementwise("shift-right-logical", _shift_right_logical, lax.shift_right_logical, ["shift_right_logical"])
+elementwise("shift-right-arithmetic", _shift_right_arithmetic, lax.shift_right_arithmetic,
+            ["shift_right_arithmetic"])
 
 
 # -- compare, select, convert --------------------------------------------------------------
@@ -213,44 +325,8 @@ def _narrowing_float(instr) -> bool:
     return is_floating(src) and is_floating(dst) and dst.itemsize < src.itemsize
 
 
-elementwise("convert", lambda x: x, lambda x: x, converts={"convert_element_type": _convert},
+elementwise("convert", None, lambda x: x, converts={"convert_element_type": _convert}, evaluate=_evaluate_convert,
             expensive=_narrowing_float)
-
-
-def _reduce_precision(instr, x):
-    return lax.reduce_precision(x, instr.attrs["exponent_bits"], instr.attrs["mantissa_bits"])
-
-
-def _convert_reduce_precision(b, eqn, args):
-    p = eqn.params
-    return [b.add1("reduce-precision", args, *b.out_aval(eqn), exponent_bits=p["exponent_bits"],
-                   mantissa_bits=p["mantissa_bits"])]
-
-
-register("reduce-precision", converts={"reduce_precision": _convert_reduce_precision},
-         evaluate=lambda instr, args, device: [np.asarray(_reduce_precision(instr, args[0]))],
-         lower=lambda instr, args, lc: [_reduce_precision(instr, args[0])],
-         factors=elementwise_factors, priority=ELEMENTWISE, storage=Storage.ELEMENTWISE, flops=elementwise_flops)
-
-
-def _bitcast_convert(b, eqn, args):
-    shape, dtype = b.out_aval(eqn)
-    if shape != args[0].shape:
-        raise ShardingError(f"`{eqn}` reinterprets {args[0].dtype} as {dtype}, of another width; gspmd supports "
-                            "bitcasts between types of one width (uint32 -> float32, ...).")
-    return [b.add1("bitcast-convert", args, shape, dtype)]
-
-
-def _evaluate_bitcast(instr, args, device):
-    return [args[0].view(instr.outputs[0].dtype)]
-
-
-def _lower_bitcast(instr, args, lc):
-    return [lax.bitcast_convert_type(args[0], instr.outputs[0].dtype)]
-
-
-register("bitcast-convert", converts={"bitcast_convert_type": _bitcast_convert}, evaluate=_evaluate_bitcast,
-         lower=_lower_bitcast, factors=elementwise_factors, priority=ELEMENTWISE)
 
 
 # -- layout only: annotations and copies ---------------------------------------------------
@@ -360,3 +436,32 @@ elementwise("optimization-barrier", lambda x: x, lax.optimization_barrier, stora
             compute=ComputeKind.FREE,
             converts={"optimization_barrier": _convert_optimization_barrier, "remat2": _convert_remat,
                       "device_put": _convert_device_put, "name": _identity_each})
+
+
+# -- bitcasts: element-wise, but an element of a wider type is a minor dim of a narrower one
+def _bitcast_convert(b, eqn, args):
+    shape, dtype = b.out_aval(eqn)
+    if args[0].dtype == dtype:
+        return [args[0]]
+    return [b.add1("bitcast-convert", args, shape, dtype)]
+
+
+def _bitcast_factors(instr: Instr) -> list[fx.Factor]:
+    x, out = instr.operands[0], instr.outputs[0]
+    shared = min(x.rank, out.rank)
+    factors = [fx.Factor(n, (d, d)) for d, n in enumerate(out.shape[:shared])]
+    if x.rank != out.rank:   # the narrower type's elements of one wide element stay together
+        n = max(x, out, key=lambda v: v.rank).shape[-1]
+        factors.append(fx.Factor(n, (x.rank - 1 if x.rank > shared else None, out.rank - 1 if out.rank > shared
+                                     else None), fx.REPLICATE))
+    return factors
+
+
+def _evaluate_bitcast(instr, args, device):
+    out = instr.outputs[0]
+    return [np.ascontiguousarray(args[0]).view(out.dtype).reshape(out.shape)]
+
+
+register("bitcast-convert", converts={"bitcast_convert_type": _bitcast_convert}, evaluate=_evaluate_bitcast,
+         lower=lambda instr, args, lc: [lax.bitcast_convert_type(args[0], instr.outputs[0].dtype)],
+         factors=_bitcast_factors, priority=ELEMENTWISE, storage=Storage.BITCAST)

@@ -1,0 +1,68 @@
+"""Host callbacks: jax.debug.print, jax.debug.callback, jax.pure_callback, io_callback.
+
+A callback sees the global values it sees under jax.jit: its operands are gathered first
+(the one op whose rule is "gather, run whole": the host function reads the whole value).
+The host function runs once per execution of the instruction — the sim backend calls it
+from the interpreter with device 0's copy; the jax backend binds JAX's own primitive
+inside the shard_map on device 0 only (an ordered io_callback keeps its order) and
+hands device 0's results to every device. Results are replicated values, split
+afterwards without communication where their users want them split.
+
+Debug prints and io callbacks have side effects: no pass drops or merges them (an
+unused pure_callback may go, as under jax.jit). `partitioned=True` debug callbacks
+also see the global value, which JAX allows (it promises nothing about the shards).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from gspmd.ir.program import SIDE_EFFECT
+from gspmd.ops.registry import register, replicate_fallback
+
+
+@dataclass(frozen=True, eq=False)
+class HostCall:
+    """The JAX primitive of a callback with its parameters (the host function in them)."""
+    primitive: object
+    params: dict
+
+    def __call__(self, *args) -> list:
+        return list(self.primitive.bind(*args, **self.params))
+
+    def __repr__(self):
+        return self.primitive.name
+
+
+def _convert(side_effect: bool):
+    def convert(b, eqn, args):
+        out_types = [b.out_aval(eqn, i) for i in range(len(eqn.outvars))]
+        attrs = {SIDE_EFFECT: True} if side_effect else {}
+        return b.add("host-callback", args, out_types, call=HostCall(eqn.primitive, dict(eqn.params)), **attrs)
+    return convert
+
+
+def _evaluate_all(instr, per_device: list[list[np.ndarray]]) -> list[list[np.ndarray]]:
+    """Once, with device 0's operands (every device holds the whole value)."""
+    results = instr.attrs["call"](*per_device[0])
+    results = [np.asarray(r).astype(o.dtype, copy=False) for r, o in zip(results, instr.outputs)]
+    return [results for _ in per_device]
+
+
+def _lower(instr, args, lc):
+    def on_device_0():
+        return [jnp.asarray(r, o.dtype) for r, o in zip(instr.attrs["call"](*args), instr.outputs)]
+
+    def elsewhere():
+        return [jnp.zeros(o.shape, o.dtype) for o in instr.outputs]
+    results = lax.cond(lc.axis_index() == 0, on_device_0, elsewhere)
+    return [lax.all_gather(r, lc.axis)[0] for r in results]   # device 0's results, everywhere
+
+
+register("host-callback",
+         converts={"debug_print": _convert(True), "debug_callback": _convert(True), "io_callback": _convert(True),
+                   "pure_callback": _convert(False)},
+         evaluate_all=_evaluate_all, lower=_lower, partition=replicate_fallback)
