@@ -116,6 +116,25 @@ def test_side_effects_are_neither_dropped_nor_merged_and_unused_pure_callbacks_g
         calls.clear()
 
 
+def test_callbacks_in_a_manual_region_run_per_device():
+    """As in jax.shard_map: per-device code calls the host once per device, with its shard."""
+    calls = []
+
+    def f(x):
+        def body(local):
+            jax.debug.callback(lambda v: calls.append(np.asarray(v)), local)
+            return local * 2
+        return gspmd.manual(body, MESH, in_specs=[["x", "y"]], out_specs=["x", "y"])(x)
+
+    x = np.arange(32, dtype=np.float32).reshape(4, 8)
+    for backend in BACKENDS:
+        assert_close(gspmd.jit(f, mesh=MESH, backend=backend)(x), x * 2)
+        jax.effects_barrier()
+        assert sorted(c.tolist() for c in calls) == sorted(x[i:i + 2, j:j + 2].tolist() for i in (0, 2)
+                                                           for j in (0, 2, 4, 6)), backend
+        calls.clear()
+
+
 @st.composite
 def callback_cases(draw):
     mesh = draw(meshes(shapes=[(2,), (3,), (2, 4), (4, 2), (8,), (2, 2, 2)]))

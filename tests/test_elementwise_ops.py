@@ -129,23 +129,17 @@ def layouts(draw, ranks):
     return mesh, shape, [draw(dims_mappings(mesh, len(shape))) for _ in range(ranks)]
 
 
-def _run(name, case, seed):
-    fn, makers, tol = OPS[name]
-    mesh, shape, maps = case
-    rng = np.random.RandomState(seed)
-    args = [make(rng, shape) for make in makers]
-
-    def program(*xs):
-        return fn(*(gspmd.mesh_split(x, mesh, m) for x, m in zip(xs, maps)))
-    check(program, *args, mesh=mesh, rtol=tol, atol=tol)
-
-
 @pytest.mark.parametrize("name", list(OPS))
 @settings(max_examples=1, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_elementwise_op_on_random_layouts(name, data):
-    case = data.draw(layouts(len(OPS[name][1])))
-    _run(name, case, data.draw(st.integers(0, 2**31 - 1)))
+    fn, makers, tol = OPS[name]
+    mesh, shape, maps = data.draw(layouts(len(makers)))
+    rng = np.random.RandomState(data.draw(st.integers(0, 2**31 - 1)))
+
+    def program(*xs):
+        return fn(*(gspmd.mesh_split(x, mesh, m) for x, m in zip(xs, maps)))
+    check(program, *[make(rng, shape) for make in makers], mesh=mesh, rtol=tol, atol=tol)
 
 
 @pytest.mark.slow
@@ -153,8 +147,7 @@ def test_elementwise_op_on_random_layouts(name, data):
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_elementwise_op_on_random_layouts_many(name, data):
-    case = data.draw(layouts(len(OPS[name][1])))
-    _run(name, case, data.draw(st.integers(0, 2**31 - 1)))
+    test_elementwise_op_on_random_layouts.hypothesis.inner_test(name, data)
 
 
 def test_element_wise_ops_partition_without_communication():

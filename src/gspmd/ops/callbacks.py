@@ -8,6 +8,9 @@ inside the shard_map on device 0 only (an ordered io_callback keeps its order) a
 hands device 0's results to every device. Results are replicated values, split
 afterwards without communication where their users want them split.
 
+Inside a manual region (gspmd.manual, shard_map) the code is per-device, and so is the
+callback, as in jax.shard_map: each device calls it with its own values.
+
 Debug prints and io callbacks have side effects: no pass drops or merges them (an
 unused pure_callback may go, as under jax.jit). `partitioned=True` debug callbacks
 also see the global value, which JAX allows (it promises nothing about the shards).
@@ -41,24 +44,33 @@ def _convert(side_effect: bool):
     def convert(b, eqn, args):
         out_types = [b.out_aval(eqn, i) for i in range(len(eqn.outvars))]
         attrs = {SIDE_EFFECT: True} if side_effect else {}
-        return b.add("host-callback", args, out_types, call=HostCall(eqn.primitive, dict(eqn.params)), **attrs)
+        return b.add("host-callback", args, out_types, call=HostCall(eqn.primitive, dict(eqn.params)),
+                     per_device=bool(b.manual_meshes), **attrs)
     return convert
 
 
+def _call(instr, args) -> list:
+    return [np.asarray(r).astype(o.dtype, copy=False) for r, o in zip(instr.attrs["call"](*args), instr.outputs)]
+
+
 def _evaluate_all(instr, per_device: list[list[np.ndarray]]) -> list[list[np.ndarray]]:
-    """Once, with device 0's operands (every device holds the whole value)."""
-    results = instr.attrs["call"](*per_device[0])
-    results = [np.asarray(r).astype(o.dtype, copy=False) for r, o in zip(results, instr.outputs)]
+    """Once, with device 0's operands (every device holds the whole value); in a manual
+    region once per device."""
+    if instr.attrs["per_device"]:
+        return [_call(instr, args) for args in per_device]
+    results = _call(instr, per_device[0])
     return [results for _ in per_device]
 
 
 def _lower(instr, args, lc):
-    def on_device_0():
+    def call():
         return [jnp.asarray(r, o.dtype) for r, o in zip(instr.attrs["call"](*args), instr.outputs)]
+    if instr.attrs["per_device"]:
+        return call()
 
     def elsewhere():
         return [jnp.zeros(o.shape, o.dtype) for o in instr.outputs]
-    results = lax.cond(lc.axis_index() == 0, on_device_0, elsewhere)
+    results = lax.cond(lc.axis_index() == 0, call, elsewhere)
     return [lax.all_gather(r, lc.axis)[0] for r in results]   # device 0's results, everywhere
 
 
