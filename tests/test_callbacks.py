@@ -135,6 +135,19 @@ def test_callbacks_in_a_manual_region_run_per_device():
         calls.clear()
 
 
+def test_ordered_debug_callbacks_keep_order_on_sim_and_say_why_not_on_jax(capsys):
+    def f(x):
+        x = gspmd.mesh_split(x, MESH, ["x", "y"])
+        jax.debug.print("first {}", x.sum(), ordered=True)
+        jax.debug.callback(lambda v: print("second", v), x.max(), ordered=True)
+        return x
+    x = np.arange(15, dtype=np.float32).reshape(3, 5)
+    gspmd.jit(f, mesh=MESH)(x)
+    assert capsys.readouterr().out.splitlines() == ["first 105.0", "second 14.0"]
+    with pytest.raises(gspmd.ShardingError, match="ordered=False"):
+        gspmd.jit(f, mesh=MESH, backend="jax")(x)
+
+
 @st.composite
 def callback_cases(draw):
     mesh = draw(meshes(shapes=[(2,), (3,), (2, 4), (4, 2), (8,), (2, 2, 2)]))

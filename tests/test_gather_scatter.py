@@ -197,6 +197,22 @@ def _take(draw, rng):
     return (lambda t, i: jnp.take(t, i, axis=axis, mode=mode)), args, f"take {axis=} {mode=}"
 
 
+def _point_gather(draw, rng):
+    """x[i, j] with index arrays on two of x's dims (an index vector of length 2)."""
+    shape = [draw(st.sampled_from([1, 3, 4, 7])) for _ in range(draw(st.integers(2, 3)))]
+    first, second = sorted(draw(st.permutations(range(len(shape))))[:2])
+    ids_shape = (draw(st.sampled_from([1, 2, 5])),)
+    mode = draw(st.sampled_from(["fill", "clip"]))
+    index = [slice(None)] * len(shape)
+
+    def get(x, i, j):
+        index[first], index[second] = i, j
+        return x.at[tuple(index)].get(mode=mode)
+    args = (rand(rng, *shape), *(rng.randint(-shape[d] - 1, shape[d] + 1, ids_shape).astype(np.int32)
+                                 for d in (first, second)))
+    return get, args, f"x[i, j] on dims {first, second} {mode=}"
+
+
 def _vmapped_dynamic_slice(draw, rng):
     b, n, m = (draw(st.sampled_from([1, 3, 4, 8])) for _ in range(3))
     k = draw(st.integers(1, n))
@@ -225,7 +241,7 @@ def _scatter(draw, rng):
 def gather_scatter_programs(draw):
     mesh = draw(meshes(shapes=[(2, 4), (4, 2), (8,), (2, 2, 2), (3,), (3, 2)]))
     rng = np.random.RandomState(draw(st.integers(0, 2**31 - 1)))
-    fn, args, what = draw(st.sampled_from([_take_along_axis, _take, _vmapped_dynamic_slice, _scatter]))(draw, rng)
+    fn, args, what = draw(st.sampled_from([_take_along_axis, _take, _point_gather, _vmapped_dynamic_slice, _scatter]))(draw, rng)
     maps = [draw(dims_mappings(mesh, a.ndim)) for a in args]
     differentiate = draw(st.booleans())
 

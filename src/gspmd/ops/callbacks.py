@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from gspmd.errors import ShardingError
 from gspmd.ir.program import SIDE_EFFECT
 from gspmd.ops.registry import register, replicate_fallback
 
@@ -49,6 +50,14 @@ def _convert(side_effect: bool):
     return convert
 
 
+def _ordered_debug(call: HostCall) -> bool:
+    """jax.debug.print/callback(ordered=True), which JAX runs on one device only (an
+    ordered io_callback is fine)."""
+    if call.primitive.name == "debug_print":
+        return call.params["ordered"]
+    return type(call.params.get("effect")).__name__ == "OrderedDebugEffect"
+
+
 def _call(instr, args) -> list:
     return [np.asarray(r).astype(o.dtype, copy=False) for r, o in zip(instr.attrs["call"](*args), instr.outputs)]
 
@@ -63,6 +72,11 @@ def _evaluate_all(instr, per_device: list[list[np.ndarray]]) -> list[list[np.nda
 
 
 def _lower(instr, args, lc):
+    if _ordered_debug(instr.attrs["call"]):
+        raise ShardingError(
+            f"{instr.attrs['call']!r}(ordered=True) cannot run on the jax backend: JAX supports ordered debug "
+            "effects on one device only. Pass ordered=False (the call still runs once, with the global value) "
+            "or run with backend='sim', which keeps the order.")
     def call():
         return [jnp.asarray(r, o.dtype) for r, o in zip(instr.attrs["call"](*args), instr.outputs)]
     if instr.attrs["per_device"]:
