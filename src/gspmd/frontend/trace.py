@@ -91,7 +91,7 @@ def _convert(b: Conversion, eqn, args: list[Value]) -> list[Value]:
 
 def _is_complex(var) -> bool:
     dtype = getattr(var.aval, "dtype", None)
-    return dtype is not None and np.issubdtype(dtype, np.complexfloating)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, np.complexfloating)   # keys have dtypes too
 
 
 def _call(b: Conversion, eqn, args: list[Value]) -> list[Value]:
