@@ -1,12 +1,13 @@
-"""Pipelining reduced to sharding: GPipe and circular schedules equal the layers applied
-in order, forward and backward."""
+"""Pipelining reduced to sharding: GPipe, circular and 1F1B schedules equal the layers
+applied in order, forward and backward, whatever the stages compute on the bubble;
+one collective-permute per step each way; reports carry the schedule's bubble."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import gspmd
-from util import check, rand
+from util import BACKENDS, check, rand
 
 MESH = gspmd.Mesh(np.arange(8).reshape(4, 2), ("p", "d"))
 
@@ -15,63 +16,200 @@ def stage_fn(w, x):
     return jnp.tanh(x @ w)
 
 
-def sequential(ws, xs):
+def rms_stage(w, x):
+    """NaN on the zero-filled bubble input (0 * rsqrt(0) = 0 * inf)."""
+    return jnp.tanh((x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True))) @ w)
+
+
+def loss_fn(y, t):
+    return jnp.mean((y - t) ** 2)
+
+
+def sequential(stage, ws, xs):
     def one(x):
         for w in ws:
-            x = stage_fn(w, x)
+            x = stage(w, x)
         return x
     return jnp.stack([one(x) for x in xs])
 
 
-@pytest.mark.parametrize("schedule,repeats,microbatches", [("gpipe", 1, 6), ("gpipe", 1, 3), ("circular", 2, 8)])
-def test_pipeline_equals_layers_in_order(schedule, repeats, microbatches):
+@pytest.mark.parametrize("schedule,repeats,microbatches,backends", [   # jax devices where a schedule first appears
+    ("gpipe", 1, 6, BACKENDS), ("gpipe", 1, 3, ("sim",)), ("circular", 2, 8, BACKENDS), ("circular", 2, 6, ("sim",)),
+    ("circular", 2, 3, ("sim",))])
+def test_pipeline_equals_layers_in_order(schedule, repeats, microbatches, backends):
     rng = np.random.RandomState(0)
     ws, xs = rand(rng, 4 * repeats, 8, 8) / 3, rand(rng, microbatches, 2, 8)
 
     def f(ws, xs):
         return gspmd.pipeline(stage_fn, ws, xs, mesh=MESH, stage_axis="p", schedule=schedule, repeats=repeats)
 
-    np.testing.assert_allclose(jax.jit(f)(ws, xs), sequential(ws, xs), rtol=1e-5, atol=1e-5)
-    low = check(f, ws, xs, mesh=MESH)
+    np.testing.assert_allclose(jax.jit(f)(ws, xs), sequential(stage_fn, ws, xs), rtol=1e-5, atol=1e-5)
+    low = check(f, ws, xs, mesh=MESH, backends=backends)
     if repeats == 1:   # the layer stack stays split by stage: no device holds another stage's layers
         assert low.program.params[0].sharding.tiles[0] == 4
 
 
-def test_pipeline_gradients():
+@pytest.mark.parametrize("schedule,repeats,microbatches,backends", [
+    ("gpipe", 1, 5, BACKENDS), ("circular", 2, 6, ("sim",)), ("1f1b", 1, 5, ("sim",)), ("1f1b", 2, 6, BACKENDS)])
+def test_bubbles_give_finite_gradients_equal_to_the_sequential_model(schedule, repeats, microbatches, backends):
+    """The stage is NaN on zeros, which the bubble slots compute on; microbatch counts
+    that the 4 stages do not divide."""
     rng = np.random.RandomState(1)
-    ws, xs = rand(rng, 4, 8, 8) / 3, rand(rng, 4, 2, 8)
+    ws, xs, ts = rand(rng, 4 * repeats, 8, 8) / 3, rand(rng, microbatches, 2, 8), rand(rng, microbatches, 2, 8)
 
-    def step(ws, xs):
-        loss = lambda w: jnp.sum(gspmd.pipeline(stage_fn, w, xs, mesh=MESH, stage_axis="p") ** 2)
+    def loss(ws, xs, ts):
+        return gspmd.pipeline_loss(rms_stage, loss_fn, ws, xs, ts, mesh=MESH, stage_axis="p", schedule=schedule,
+                                   repeats=repeats)
+
+    def reference(ws, xs, ts):
+        return jnp.sum(jax.vmap(loss_fn)(sequential(rms_stage, ws, xs), ts))
+
+    grad = jax.value_and_grad(loss, argnums=(0, 1, 2))
+    got, want = jax.jit(grad)(ws, xs, ts), jax.value_and_grad(reference, argnums=(0, 1, 2))(ws, xs, ts)
+    assert all(np.all(np.isfinite(g)) for g in jax.tree_util.tree_leaves(got))
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+    check(grad, ws, xs, ts, mesh=MESH, rtol=1e-4, atol=1e-5, backends=backends)
+
+
+def _train_step(schedule, repeats=1, stage_major=False):
+    """SGD on the stacked layers; microbatches split over "d" (data parallel)."""
+    def step(ws, xs, ts):
+        xs = gspmd.mesh_split(xs, MESH, [-1, "d", -1])
+
+        def loss(ws):
+            return gspmd.pipeline_loss(rms_stage, loss_fn, ws, xs, ts, mesh=MESH, stage_axis="p",
+                                       schedule=schedule, repeats=repeats, stage_major=stage_major)
         return ws - 0.1 * jax.grad(loss)(ws)
+    return step
 
-    check(step, ws, xs, mesh=MESH)
+
+@pytest.mark.parametrize("schedule,repeats", [("gpipe", 1), ("circular", 2), ("1f1b", 1), ("1f1b", 2)])
+def test_one_collective_permute_per_step_each_way_and_gradients_reduced_once(schedule, repeats):
+    rng = np.random.RandomState(2)
+    ws, xs, ts = rand(rng, 4 * repeats, 8, 8) / 3, rand(rng, 8, 4, 8), rand(rng, 8, 4, 8)
+    low = gspmd.jit(_train_step(schedule, repeats, stage_major=True), mesh=MESH).lower(ws, xs, ts)
+    report = low.report()
+    steps = report.pipelines[0].steps
+    permutes = [c for c in report.collectives if c.kind == "collective-permute"]
+    forward = {(int(a), int(b)) for a, b in permutes[0].groups}
+    assert forward == {(0, 2), (2, 4), (4, 6), (6, 0), (1, 3), (3, 5), (5, 7), (7, 1)}   # the ring over "p"
+    backward = [c for c in permutes if {(int(a), int(b)) for a, b in c.groups} == {(b, a) for a, b in forward}]
+    # One shift per step each way: gpipe/circular in the forward and the backward loop, 1f1b
+    # in each of its three phases (forward slots in the first two, backward in the last two).
+    assert sum(c.executions for c in permutes) == 2 * steps, report
+    assert sum(c.executions for c in backward) == steps, report
+    assert all(c.bytes == 4 // 2 * 8 * 4 for c in permutes)       # one microbatch (split over "d")
+    # The data-parallel weight-gradient all-reduce runs once, after the loop; no gathers.
+    data_groups = {(0, 1), (2, 3), (4, 5), (6, 7)}
+    reductions = [c for c in report.collectives if c.kind == "all-reduce" and set(c.groups) == data_groups]
+    assert reductions and all(c.executions == 1 for c in reductions), report
+    assert "all-gather" not in report.counts(), report
+    # Stacked parameters and their update stay split by stage (circular: stage-major order).
+    assert low.program.params[0].sharding.tiles[0] == 4 and low.program.outputs[0].sharding.tiles[0] == 4
+
+
+def test_circular_in_layer_order_still_equals_the_sequential_model():
+    """Layer-ordered stacks work too; their stage split is not contiguous, so it costs a
+    gather (stage_major_order avoids it)."""
+    rng = np.random.RandomState(3)
+    ws, xs, ts = rand(rng, 8, 8, 8) / 3, rand(rng, 4, 4, 8), rand(rng, 4, 4, 8)
+    major = gspmd.jit(_train_step("circular", 2, stage_major=True), mesh=MESH)(
+        gspmd.stage_major_order(ws, 4, 2), xs, ts)
+    check(_train_step("circular", 2), ws, xs, ts, mesh=MESH, backends=("sim",))
+    np.testing.assert_allclose(major, gspmd.stage_major_order(jax.jit(_train_step("circular", 2))(ws, xs, ts), 4, 2),
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("schedule,repeats,microbatches", [
+    ("gpipe", 1, 4), ("gpipe", 1, 8), ("circular", 2, 8), ("circular", 3, 4), ("circular", 2, 6), ("1f1b", 1, 4),
+    ("1f1b", 2, 8), ("1f1b", 2, 5)])
+def test_bubble_fraction_is_the_schedules(schedule, repeats, microbatches):
+    L = 4
+    ws = jax.ShapeDtypeStruct((L * repeats, 8, 8), np.float32)
+    xs = jax.ShapeDtypeStruct((microbatches, 2, 8), np.float32)
+    report = gspmd.jit(_train_step(schedule, repeats), mesh=MESH).lower(ws, xs, xs).report()
+    (p,) = report.pipelines
+    assert (p.name, p.stages, p.microbatches, p.repeats) == (schedule, L, microbatches, repeats)
+    # Microbatches enter in rounds of L; the last one, if short, is padded.
+    last = microbatches - 1
+    steps = (last // L) * L * repeats + last % L + L * repeats
+    assert p.steps == steps and report.bubble_fraction == pytest.approx(1 - microbatches * repeats / steps)
+    if microbatches % L == 0 or repeats == 1:
+        assert report.bubble_fraction == pytest.approx((L - 1) / (microbatches * repeats + L - 1))
+
+
+def test_1f1b_activation_memory_does_not_grow_with_microbatches():
+    """GPipe keeps every step's stage inputs: its peak grows with M beyond the inputs
+    themselves. 1F1B keeps at most 2LR - 1 stage inputs per stage: its peak grows only by
+    the microbatches and targets passed in."""
+    def peaks(schedule):
+        out = []
+        for m in (4, 8, 16):
+            ws = jax.ShapeDtypeStruct((4, 16, 16), np.float32)
+            xs = jax.ShapeDtypeStruct((m, 4, 16), np.float32)
+            low = gspmd.jit(_train_step(schedule), mesh=MESH).lower(ws, xs, xs)
+            out.append((low.report().peak_memory_bytes, sum(p.nbytes for p in low.spmd.params)))
+        return out
+
+    one_f_one_b, gpipe = peaks("1f1b"), peaks("gpipe")
+    for (peak, args), (peak4, args4) in zip(one_f_one_b[1:], one_f_one_b[:1] * 2):
+        assert peak - peak4 <= 2 * (args - args4), one_f_one_b
+    growth = gpipe[2][0] - gpipe[0][0]
+    assert growth > 2 * (gpipe[2][1] - gpipe[0][1]) and growth > one_f_one_b[2][0] - one_f_one_b[0][0], gpipe
+
+
+def test_recompute_fraction_and_utilization():
+    rng = np.random.RandomState(4)
+    ws, xs = rand(rng, 4, 8, 8), rand(rng, 8, 2, 8)
+    reports = {}
+    for remat in (True, False):
+        def step(ws, xs):
+            return jax.grad(lambda w: jnp.sum(gspmd.pipeline(stage_fn, w, xs, mesh=MESH, stage_axis="p",
+                                                             remat=remat) ** 2))(ws)
+        reports[remat] = gspmd.jit(step, mesh=MESH).lower(ws, xs).report(hardware="tpu-v3")
+    # The stage's forward dot runs again before its two backward dots.
+    assert reports[True].recompute_fraction == pytest.approx(1 / 4) and reports[False].recompute_fraction is None
+    # Raw utilization counts bubble and recompute as work; effective does not.
+    r = reports[True]
+    assert r.bubble_fraction == pytest.approx(3 / 11)
+    assert r.effective_utilization == pytest.approx(r.flops_utilization * (1 - 3 / 11) * (1 - 1 / 4))
+
+
+def test_data_pipeline_and_model_parallel_mesh():
+    """2 stages x 2 data x 2 model: Megatron-style stage (hidden split over "y"), batch
+    over "x", 3 microbatches over 2 stages."""
+    mesh = gspmd.Mesh(np.arange(8).reshape(2, 2, 2), ("p", "x", "y"))
+
+    def mlp(w, x):
+        x = gspmd.mesh_split(x, mesh, ["x", -1])
+        h = jax.nn.relu(x @ gspmd.mesh_split(w["in"], mesh, [-1, "y"]))
+        return x + h @ gspmd.mesh_split(w["out"], mesh, ["y", -1])
+
+    def step(w, xs, ts):
+        def loss(w):
+            return gspmd.pipeline_loss(mlp, loss_fn, w, xs, ts, mesh=mesh, stage_axis="p")
+        return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, w, jax.grad(loss)(w))
+
+    rng = np.random.RandomState(5)
+    w = {"in": rand(rng, 2, 8, 16) / 3, "out": rand(rng, 2, 16, 8) / 3}
+    low = check(step, w, rand(rng, 3, 4, 8), rand(rng, 3, 4, 8), mesh=mesh, rtol=1e-4, atol=1e-5)
+    assert low.program.params[0].sharding.tiles == (2, 1, 2)    # stage x hidden over "y"
+    assert "all-gather" not in low.report().counts()
 
 
 def test_pipeline_rejects_bad_configurations():
     ws, xs = np.zeros((8, 4, 4), np.float32), np.zeros((6, 2, 4), np.float32)
     with pytest.raises(gspmd.ShardingError, match="repeats"):
         gspmd.pipeline(stage_fn, ws, xs, mesh=MESH, stage_axis="p", schedule="gpipe", repeats=2)
-    with pytest.raises(gspmd.ShardingError, match="multiple of 4"):
-        gspmd.pipeline(stage_fn, ws, xs, mesh=MESH, stage_axis="p", schedule="circular", repeats=2)
     with pytest.raises(gspmd.ShardingError, match="leading layer dim"):
         gspmd.pipeline(stage_fn, ws[:5], xs, mesh=MESH, stage_axis="p")
     with pytest.raises(gspmd.ShardingError, match="schedule"):
+        gspmd.pipeline(stage_fn, ws[:4], xs, mesh=MESH, stage_axis="p", schedule="zero-bubble")
+    with pytest.raises(gspmd.ShardingError, match="pipeline_loss"):
         gspmd.pipeline(stage_fn, ws[:4], xs, mesh=MESH, stage_axis="p", schedule="1f1b")
-
-
-def test_shift_is_one_collective_permute_per_step():
-    rng = np.random.RandomState(2)
-    ws, xs = rand(rng, 4, 8, 8) / 3, rand(rng, 6, 2, 8)
-    f = lambda ws, xs: gspmd.pipeline(stage_fn, ws, xs, mesh=MESH, stage_axis="p")   # noqa: E731
-    report = gspmd.jit(f, mesh=MESH).lower(ws, xs).report()
-    permutes = [c for c in report.collectives if c.kind == "collective-permute"]
-    assert len(permutes) == 1 and permutes[0].executions == 6 + 4 - 1, report
-    assert permutes[0].bytes == 2 * 8 * 4                      # one microbatch per device
-    assert "all-gather" not in report.counts(), report
-    # The ring: the device of stage s sends to the device of stage s+1 (same "d" column).
-    assert {(int(a), int(b)) for a, b in permutes[0].groups} == {(0, 2), (2, 4), (4, 6), (6, 0), (1, 3), (3, 5),
-                                                                 (5, 7), (7, 1)}
+    with pytest.raises(gspmd.ShardingError, match="at least one microbatch"):
+        gspmd.pipeline(stage_fn, ws[:4], xs[:0], mesh=MESH, stage_axis="p")
 
 
 def test_pipelined_transformer_train_step():
@@ -82,6 +220,7 @@ def test_pipelined_transformer_train_step():
                 rtol=1e-3, atol=1e-4)
     report = low.report()
     shifts = [c for c in report.collectives if c.kind == "collective-permute"]
-    assert shifts and all(c.executions == 4 + 4 - 1 for c in shifts)   # forward and backward shifts
+    assert sum(c.executions for c in shifts) == 2 * (4 + 4 - 1)          # one shift per step each way
     assert "all-gather" not in report.counts(), report                  # no stage ever gathers the buffer
+    assert all(c.executions == 1 for c in report.collectives if c.kind == "all-reduce")
     assert low.program.params[0].sharding.tiles[0] == 4    # each stage holds only its layer

@@ -11,9 +11,10 @@ from gspmd.drawing import visualize
 from gspmd.errors import ShardingError, UnpartitionedWarning
 from gspmd.frontend import manual, mesh_split
 from gspmd.mesh import Mesh
-from gspmd.pipeline import pipeline
+from gspmd.pipeline import pipeline, pipeline_loss, stage_major_order
 from gspmd.sharding import UNSPECIFIED, Sharding
 from gspmd.spmd.cost import Hardware
 
 __all__ = ["Mesh", "Sharding", "ShardingError", "UnpartitionedWarning", "UNSPECIFIED", "mesh_split", "jit",
-           "manual", "pipeline", "visualize", "Partitioned", "Lowered", "Hardware"]
+           "manual", "pipeline", "pipeline_loss", "stage_major_order", "visualize", "Partitioned", "Lowered",
+           "Hardware"]

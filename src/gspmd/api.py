@@ -460,8 +460,9 @@ class Lowered:
         if not chains:
             lines.append("  no annotation reaches it: replicated")
         for (annotated, first), *rest in chains:
-            lines.append(f"  from annotation %{annotated.name} = mesh_split({self.label(first.instr.operands[0])})"
-                         f"{_at(first.instr)}: {self.describe(first.sharding)}")
+            source = (f"annotation %{annotated.name} = mesh_split({self.label(first.instr.operands[0])})"
+                      if propagation.is_annotation(first.instr) else f"the specs of {first.instr.opcode} %{annotated.name}")
+            lines.append(f"  from {source}{_at(first.instr)}: {self.describe(first.sharding)}")
             for u, step in rest:
                 way = "forward" if u in step.instr.outputs else "backward"
                 lines.append(f"    -> {step.instr.opcode} ({way} from %{step.source.name}){_at(step.instr)}: "
@@ -534,7 +535,7 @@ def _layouts_named(instr) -> list[Sharding]:
 
 
 def _device_count(program: Program, mesh: Optional[Mesh]) -> int:
-    counts = {s.num_devices for i in program.all_instrs() for s in _layouts_named(i)}
+    counts = {s.num_devices for i in program.all_instrs(into_regions=False) for s in _layouts_named(i)}
     if mesh is not None:
         counts.add(mesh.size)
     if len(counts) > 1:

@@ -2,7 +2,9 @@
 partition rule for per-device code; the result is one program for all devices."""
 from __future__ import annotations
 
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
+
+import numpy as np
 
 from gspmd import ops
 from gspmd.analysis import memory
@@ -21,19 +23,29 @@ def partition(program: Program, num_devices: int, hardware: Union[None, str, cm.
     """The per-device program; choices between plans are priced on `hardware` (the
     default profile when None)."""
     with cm.pricing(hardware):
-        return _partition(program, num_devices, [p.sharding for p in program.params],
+        spmd = _partition(program, num_devices, [p.sharding for p in program.params],
                           [o.sharding for o in program.outputs])
+    spmd.schedules = list(program.schedules)
+    return spmd
 
 
 def _partition(program: Program, num_devices: int, in_layouts: Sequence[Sharding],
-               out_layouts: Sequence[Sharding]) -> Program:
+               out_layouts: Sequence[Sharding], subgroups: Optional[np.ndarray] = None) -> Program:
     """Per-device code for `program` whose parameters arrive laid out as `in_layouts`
-    and whose results must leave as `out_layouts` (a loop body's carry, say)."""
+    and whose results must leave as `out_layouts` (a loop body's carry, say); inside a
+    manual region, for the virtual devices of every subgroup (`subgroups` [G, K])."""
     spmd = Program(f"{program.name}.spmd")
     b = Builder(spmd)
     env: dict = {}
-    ctx = DeviceContext(b, num_devices, partition_subprogram=lambda sub, ins, outs: _partition(sub, num_devices, ins, outs),
-                        partitioned=env.__getitem__)
+
+    def partition_subprogram(sub, ins, outs, region_subgroups=None):
+        """A loop body in the same devices, or a manual region's body in its subgroups."""
+        if region_subgroups is None:
+            return _partition(sub, num_devices, ins, outs, subgroups)
+        return _partition(sub, region_subgroups.shape[1], ins, outs, region_subgroups)
+
+    ctx = DeviceContext(b, num_devices, partition_subprogram=partition_subprogram, partitioned=env.__getitem__,
+                        subgroups=subgroups)
     for p, layout in zip(program.params, in_layouts):
         local = b.param(layout.shard_shape(p.shape), p.dtype, hint=p.name)
         local.sharding = layout
@@ -41,11 +53,12 @@ def _partition(program: Program, num_devices: int, in_layouts: Sequence[Sharding
         env[p] = rs.reshard(ctx, PartitionedValue(local, layout, p.shape), p.sharding)
     for instr in program.instrs:
         b.origin, b.source = _describe(instr), instr.source
+        b.recomputed = instr.recomputed
         results = _partition_instr(ctx, instr, [env[o] for o in instr.operands])
         for out, pv in zip(instr.outputs, results):
             assert pv.sharding == out.sharding, (instr, pv.sharding, out.sharding)
             env[out] = pv
-    b.origin = f"{program.name} results"
+    b.origin, b.recomputed = f"{program.name} results", False
     spmd.outputs = []
     for o, layout in zip(program.outputs, out_layouts):
         b.source = program.labels.get(o, "")

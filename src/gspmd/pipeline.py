@@ -3,10 +3,27 @@
 L stages run as ONE vectorized computation over a stage dim split on a mesh axis: a
 state buffer [L, *microbatch] holds what each stage works on. Every step all stages run
 at once (vmap of the stage function), then the buffer shifts by one stage along the ring
-(a rotation, which partitions into a collective-permute between neighbours); stage 0
-takes a new microbatch in. GPipe runs each microbatch through the L stages once; the
-circular schedule sends it R times around the ring, stage s holding layers s, L+s, ...
-Both are a single loop of M*R + L - 1 steps.
+(a rotation: one collective-permute between neighbours, and one for its gradient);
+stage 0 takes a new microbatch in.
+
+Schedules, for L stages, M microbatches and R repeats:
+- gpipe: each microbatch runs through the L stages once, M + L - 1 steps.
+- circular: layer i runs on stage i % L; microbatches enter in rounds of L and go R
+  times around the ring (a short last round is padded): M*R + L - 1 steps when L
+  divides M. gpipe and circular keep every step's stage inputs for the backward pass,
+  which recomputes the stage (remat), so activation memory grows with M.
+- 1f1b (`pipeline_loss`): forward and backward slots of different microbatches run in
+  the same loop, the backward written with jax.vjp of the stage; a stage holds at most
+  2*L*R - 1 stage inputs whatever M. With repeats > 1 it is the interleaved variant:
+  R times more steps of useful work for the same L - 1 steps of bubble.
+
+Slots where a stage has no microbatch (the bubble) compute on zeros; their results and
+gradients are masked to exactly zero, whatever the stage computes there. Inputs and
+outputs live in per-stage buffers [L, M, ...] split like the state, so that reading a
+fresh microbatch and storing a finished one stay local: the only per-step collective is
+the shift. Parameters are [L*R, ...] stacks in layer order, or with `stage_major=True`
+in stage order (index s*R + r holds layer r*L + s), which keeps circular parameters,
+their gradients and optimizer state split by stage (see `stage_major_order`).
 """
 from __future__ import annotations
 
@@ -15,87 +32,353 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from gspmd.errors import ShardingError
-from gspmd.frontend import mesh_split
+from gspmd.frontend import manual, mesh_split, record_schedule
+from gspmd.ir.schedule import PipelineSchedule
 from gspmd.mesh import Mesh, as_mesh
 from gspmd.sharding import UNSPECIFIED
 
-SCHEDULES = ("gpipe", "circular")
+SCHEDULES = ("gpipe", "circular", "1f1b")
 
 
 def pipeline(stage_fn: Callable, stacked_params, microbatches, *, mesh: Mesh, stage_axis: str,
-             schedule: str = "gpipe", repeats: int = 1):
+             schedule: str = "gpipe", repeats: int = 1, stage_major: bool = False, remat: bool = True,
+             manual_stages: bool = False):
     """Apply the L*R layers of `stacked_params` (a pytree whose leaves have a leading
-    layer dim, layers in order) to each of the M microbatches (leading dim of
-    `microbatches`): ys[m] == layer_{LR-1}(... layer_0(microbatches[m])), where
-    layer_i(x) = stage_fn(params_i, x). L = the size of `stage_axis`. `mesh`: a
-    gspmd.Mesh or jax Mesh."""
-    mesh = as_mesh(mesh, "for gspmd.pipeline")
-    stages = mesh.shape[mesh.axis_index(stage_axis)]
-    m = np.shape(microbatches)[0]
-    _validate(stacked_params, m, stages, schedule, repeats)
-    per_stage = jax.tree_util.tree_map(lambda p: _by_stage(p, stages, repeats, mesh, stage_axis), stacked_params)
-    state_spec = [stage_axis] + [UNSPECIFIED] * (np.ndim(microbatches) - 1)
-    run_stages = jax.vmap(stage_fn)
-    stage = jnp.arange(stages)
-
-    def work(t, s):
-        """At step t, stage s runs microbatch `mb` on repeat `r` (if `valid`)."""
-        u = t - s                                       # how long ago that work entered
-        r = (u % (stages * repeats)) // stages
-        mb = (u // (stages * repeats)) * stages + u % stages
-        return (u >= 0) & (u < m * repeats), r, jnp.clip(mb, 0, m - 1)
-
-    def step(carry, t):
-        state, outputs = carry
-        _, r, _ = work(t, stage)
-        _, first_r, first_mb = work(t, 0)
-        fresh = jnp.take(microbatches, first_mb, axis=0)
-        rotated = jnp.roll(state, 1, axis=0)            # stage s takes stage s-1's output
-        take_fresh = _expand((stage == 0) & (first_r == 0), state)
-        state = mesh_split(jnp.where(take_fresh, fresh[None], rotated), mesh, state_spec)
-        layer = jax.tree_util.tree_map(lambda p: _select_repeat(p, r), per_stage)
-        state = mesh_split(run_stages(layer, state), mesh, state_spec)
-        last_valid, last_r, last_mb = work(t, stages - 1)
-        last = jnp.sum(jnp.where(_expand(stage == stages - 1, state), state, 0), axis=0)
-        done = last_valid & (last_r == repeats - 1)
-        current = jnp.take(outputs, last_mb, axis=0)
-        outputs = jax.lax.dynamic_update_index_in_dim(outputs, jnp.where(done, last, current), last_mb, 0)
-        return (state, outputs), None
-
-    state = mesh_split(jnp.zeros((stages,) + np.shape(microbatches)[1:], microbatches.dtype), mesh, state_spec)
-    steps = jnp.arange(m * repeats + stages - 1)
-    (_, outputs), _ = jax.lax.scan(step, (state, jnp.zeros_like(microbatches)), steps)
-    return outputs
+    layer dim) to each of the M microbatches (leading dim of `microbatches`):
+    ys[m] == layer_{LR-1}(... layer_0(microbatches[m])), layer_i(x) = stage_fn(params_i, x).
+    L = the size of `stage_axis` of `mesh` (a gspmd.Mesh or jax Mesh). remat: the backward pass recomputes each stage from
+    its kept input instead of keeping the stage's intermediates. manual_stages: the
+    stages run as a manual region over the stage axis (paper 3.4) instead of a vmap;
+    stage_fn's annotations over the other axes partition it inside."""
+    if schedule == "1f1b":
+        raise ShardingError("The 1f1b schedule interleaves backward slots with forward slots, so it needs the "
+                            "loss: use gspmd.pipeline_loss(stage_fn, loss_fn, ...) instead of gspmd.pipeline.")
+    run = _Pipeline(stage_fn, stacked_params, microbatches, mesh, stage_axis, schedule, repeats, stage_major,
+                    manual_stages)
+    record_schedule(run.timing.schedule(schedule))
+    return run.forward(stacked_params, microbatches, remat)
 
 
-def _validate(stacked_params, m: int, stages: int, schedule: str, repeats: int) -> None:
-    if schedule not in SCHEDULES:
-        raise ShardingError(f"Unknown pipeline schedule {schedule!r}; choose one of {SCHEDULES}.")
-    if schedule == "gpipe" and repeats != 1:
-        raise ShardingError(f"The gpipe schedule runs each layer once (repeats=1), got repeats={repeats}; "
-                            "use schedule='circular' for repeats > 1.")
-    if repeats > 1 and m % stages:
-        raise ShardingError(f"The circular schedule feeds microbatches in rounds of {stages} (one per stage): "
-                            f"{m} microbatches is not a multiple of {stages}; pad the microbatch count.")
-    for leaf in jax.tree_util.tree_leaves(stacked_params):
-        if np.shape(leaf)[:1] != (stages * repeats,):
-            raise ShardingError(f"Stacked parameter of shape {np.shape(leaf)} must have a leading layer dim of "
-                                f"{stages} stages x {repeats} repeats = {stages * repeats}.")
+def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stacked_params, microbatches, targets, *, mesh: Mesh,
+                  stage_axis: str, schedule: str = "1f1b", repeats: int = 1, stage_major: bool = False,
+                  manual_stages: bool = False):
+    """sum over m of loss_fn(ys[m], targets[m]) with ys as `pipeline` computes them.
+    jax.grad of it (with respect to parameters, microbatches or targets) runs the
+    schedule's backward pass; with schedule="1f1b" that is interleaved with the forward
+    pass in one loop, whose activation memory does not grow with the microbatches."""
+    if schedule != "1f1b":
+        ys = pipeline(stage_fn, stacked_params, microbatches, mesh=mesh, stage_axis=stage_axis, schedule=schedule,
+                      repeats=repeats, stage_major=stage_major, manual_stages=manual_stages)
+        return jnp.sum(jax.vmap(loss_fn)(ys, targets))
+    run = _Pipeline(stage_fn, stacked_params, microbatches, mesh, stage_axis, schedule, repeats, stage_major,
+                    manual_stages)
+    record_schedule(run.timing.schedule(schedule))
+    return run.one_f_one_b(loss_fn, stacked_params, microbatches, targets)
 
 
-def _by_stage(p, stages: int, repeats: int, mesh: Mesh, stage_axis: str):
-    """[L*R, ...] in layer order -> [L, R, ...]: stage s holds layers s, L+s, 2L+s, ..."""
-    p = jnp.swapaxes(jnp.reshape(p, (repeats, stages) + np.shape(p)[1:]), 0, 1)
-    return mesh_split(p, mesh, [stage_axis] + [UNSPECIFIED] * (p.ndim - 1))
+def stage_major_order(stacked_params, stages: int, repeats: int):
+    """Layer-ordered stacks [L*R, ...] in stage order (index s*R + r holds layer r*L + s),
+    as `pipeline(..., stage_major=True)` takes them: a stage's layers are contiguous, so
+    splitting the leading dim over the stage axis gives each stage its own."""
+    def reorder(p):
+        shape = jnp.shape(p)
+        return jnp.reshape(jnp.swapaxes(jnp.reshape(p, (repeats, stages) + shape[1:]), 0, 1), shape)
+    return jax.tree_util.tree_map(reorder, stacked_params)
 
 
-def _select_repeat(p, r):
-    """Per stage, its layer for repeat r[s] (a one-hot contraction keeps it local)."""
-    onehot = jax.nn.one_hot(r, p.shape[1], dtype=p.dtype)
-    return jnp.einsum("lr...,lr->l...", p, onehot)
+class _Timing:
+    """Which microbatch and repeat each stage works on at each step. Microbatches enter
+    in rounds of L, one per step; a round goes R times around the ring before the next
+    enters. The forward of layer l = r*L + s of microbatch m runs on stage s at step
+    enter(m) + l, enter(m) = (m // L)*L*R + m % L. Its backward (1f1b) runs at step
+    enter(m) + 2(L*R - 1) - l: the last layer's in the step of its forward, each
+    earlier layer one step after the next one."""
+
+    def __init__(self, stages: int, microbatches: int, repeats: int):
+        self.L, self.M, self.R = stages, microbatches, repeats
+        self.layers = stages * repeats
+        last = microbatches - 1
+        self.forward_steps = (last // stages) * self.layers + last % stages + self.layers
+
+    def forward(self, t, s):
+        """(valid, repeat, microbatch) of stage s's forward slot at step t."""
+        u = t - s
+        w = u % self.layers
+        m = (u // self.layers) * self.L + w % self.L
+        return (u >= 0) & (m < self.M), w // self.L, jnp.clip(m, 0, self.M - 1)
+
+    def backward(self, t, s):
+        """(valid, repeat, microbatch) of stage s's backward slot at step t: the forward
+        slot pattern over the layers in reverse, L*R - 1 steps later."""
+        valid, r, m = self.forward(t - (self.layers - 1), self.L - 1 - s)
+        return valid, self.R - 1 - r, m
+
+    def schedule(self, name: str) -> PipelineSchedule:
+        return PipelineSchedule(name, self.L, self.M, self.R, self.forward_steps)
 
 
 def _expand(mask, like):
-    return jnp.reshape(mask, mask.shape + (1,) * (like.ndim - 1))
+    """A [L] mask broadcastable against [L, ...] values."""
+    return jnp.reshape(mask, mask.shape + (1,) * (like.ndim - mask.ndim))
+
+
+def _mask(valid, x):
+    """x where the stage's slot is valid, else exactly zero (NaN and Inf included)."""
+    return jnp.where(_expand(valid, x), x, jnp.zeros_like(x))
+
+
+def _mask_tree(valid, tree):
+    return jax.tree_util.tree_map(lambda x: _mask(valid, x), tree)
+
+
+class _Pipeline:
+    def __init__(self, stage_fn, stacked_params, microbatches, mesh: Mesh, stage_axis: str, schedule: str,
+                 repeats: int, stage_major: bool, manual_stages: bool):
+        if schedule not in SCHEDULES:
+            raise ShardingError(f"Unknown pipeline schedule {schedule!r}; choose one of {SCHEDULES}.")
+        if schedule == "gpipe" and repeats != 1:
+            raise ShardingError(f"The gpipe schedule runs each layer once (repeats=1), got repeats={repeats}; "
+                                "use schedule='circular' (or '1f1b') for repeats > 1.")
+        mesh = as_mesh(mesh, "for gspmd.pipeline")
+        stages = mesh.shape[mesh.axis_index(stage_axis)]
+        m = np.shape(microbatches)[0] if np.ndim(microbatches) else 0
+        if m < 1 or repeats < 1:
+            raise ShardingError(f"A pipeline needs at least one microbatch (the leading dim of microbatches of shape "
+                                f"{np.shape(microbatches)}) and repeats >= 1 (got {repeats}).")
+        for leaf in jax.tree_util.tree_leaves(stacked_params):
+            if np.shape(leaf)[:1] != (stages * repeats,):
+                raise ShardingError(f"Stacked parameter of shape {np.shape(leaf)} must have a leading layer dim of "
+                                    f"{stages} stages x {repeats} repeats = {stages * repeats} (stage axis "
+                                    f"{stage_axis!r} of {mesh}).")
+        self.stage_fn, self.mesh, self.axis, self.stage_major = stage_fn, mesh, stage_axis, stage_major
+        self.manual_stages = manual_stages
+        self.L, self.R = stages, repeats
+        self.timing = _Timing(stages, m, repeats)
+        self.stage = jnp.arange(stages)
+
+    # -- layouts --------------------------------------------------------------------
+    def split(self, x):
+        """x with its leading dim split over the stage axis, the rest left to propagation."""
+        return mesh_split(x, self.mesh, [self.axis] + [UNSPECIFIED] * (jnp.ndim(x) - 1))
+
+    def by_stage(self, p):
+        """A [L*R, ...] stack as [L, R, ...]: stage s holds layers s, L+s, 2L+s, ..."""
+        rest = jnp.shape(p)[1:]
+        if self.stage_major:
+            return self.split(jnp.reshape(self.split(p), (self.L, self.R) + rest))
+        return self.split(jnp.swapaxes(jnp.reshape(p, (self.R, self.L) + rest), 0, 1))
+
+    def from_stages(self, p):
+        """Inverse of by_stage."""
+        rest = jnp.shape(p)[2:]
+        if self.stage_major:
+            return self.split(jnp.reshape(p, (self.L * self.R,) + rest))
+        return jnp.reshape(jnp.swapaxes(p, 0, 1), (self.L * self.R,) + rest)
+
+    def per_stage_buffer(self, xs):
+        """[M, ...] -> [L, M, ...] split by stage: every stage holds the whole array, and
+        reading or writing one microbatch of it is local."""
+        return self.split(jnp.broadcast_to(xs[None], (self.L,) + jnp.shape(xs)))
+
+    def layer(self, per_stage, r):
+        """Per stage, its layer for repeat r[s] (a one-hot contraction keeps it local)."""
+        if self.R == 1:
+            return jax.tree_util.tree_map(lambda p: p[:, 0], per_stage)
+        onehot = jax.nn.one_hot(r, self.R)
+        return jax.tree_util.tree_map(lambda p: jnp.einsum("lr...,lr->l...", p, onehot.astype(p.dtype)), per_stage)
+
+    # -- pieces of a step -------------------------------------------------------------
+    def stage_inputs(self, t, read, previous):
+        """What each stage's forward slot reads at step t: stage 0 a fresh microbatch
+        (read(m)) on its first repeat, every other slot what the stage before produced."""
+        _, r0, m0 = self.timing.forward(t, 0)
+        fresh = read(m0)
+        take_fresh = (self.stage == 0) & (r0 == 0)
+        return jnp.where(_expand(take_fresh, previous), fresh, previous)
+
+    def store(self, buffer, m, keep, value):
+        """buffer[:, m] = value where keep (a scalar or [L] mask), a local update."""
+        current = _index(buffer, m, axis=1)
+        new = jnp.where(_expand(jnp.broadcast_to(keep, (self.L,)), value), value, current)
+        return jax.lax.dynamic_update_index_in_dim(buffer, new, m, axis=1)
+
+    def all_stages(self):
+        """(layers [L, ...], inputs [L, ...]) -> outputs [L, ...]: every stage at once."""
+        if not self.manual_stages:
+            return jax.vmap(self.stage_fn)
+
+        def one_stage(layer, x):    # a stage's piece, with its unit stage dim
+            return self.stage_fn(jax.tree_util.tree_map(lambda p: p[0], layer), x[0])[None]
+
+        def run(layer, x):
+            leaves, structure = jax.tree_util.tree_flatten(layer)
+            specs = [[self.axis] + [-1] * (jnp.ndim(v) - 1) for v in (*leaves, x)]
+            region = manual(lambda *a: one_stage(jax.tree_util.tree_unflatten(structure, a[:-1]), a[-1]), self.mesh,
+                            in_specs=specs, out_specs=specs[-1], manual_axes=(self.axis,))
+            return region(*leaves, x)
+        return run
+
+    def run_stages(self, per_stage, r, x, valid):
+        """All stages' forward slots at once, bubble slots masked in value and gradient."""
+        return _masked_stages(self.all_stages())(self.layer(per_stage, r), x, valid)
+
+    # -- gpipe and circular -------------------------------------------------------------
+    def forward(self, stacked_params, microbatches, remat: bool):
+        per_stage = jax.tree_util.tree_map(self.by_stage, stacked_params)
+        inputs = self.per_stage_buffer(microbatches)
+        run = jax.checkpoint(self.run_stages) if remat else self.run_stages
+        last = self.L - 1
+
+        def step(carry, t):
+            state, outputs = carry
+            valid, r, _ = self.timing.forward(t, self.stage)
+            x = self.split(self.stage_inputs(t, lambda m: _index(inputs, m, axis=1), shift_right(state)))
+            state = self.split(run(per_stage, r, x, valid))
+            done, r_last, m_last = self.timing.forward(t, last)
+            return (state, self.store(outputs, m_last, done & (r_last == self.R - 1), state)), None
+
+        state = self.split(jnp.zeros((self.L,) + jnp.shape(microbatches)[1:], microbatches.dtype))
+        steps = jnp.arange(self.timing.forward_steps)
+        (_, outputs), _ = jax.lax.scan(step, (state, self.split(jnp.zeros_like(inputs))), steps)
+        return self.from_stage(outputs, last)
+
+    def from_stage(self, buffer, s: int):
+        """buffer[s] of a per-stage buffer, as one reduction over the stages (an all-reduce,
+        or a reduce-scatter if the result is wanted split), once after the loop."""
+        return jnp.sum(_mask(self.stage == s, buffer), axis=0)
+
+    # -- 1f1b -----------------------------------------------------------------------
+    def one_f_one_b(self, loss_fn, stacked_params, microbatches, targets):
+        """The summed loss. Its gradient comes from the fused forward-backward loop, scaled
+        by the incoming cotangent; without differentiation only the forward runs."""
+        def primal(params, xs, ys):
+            return jnp.sum(jax.vmap(loss_fn)(self.forward(params, xs, remat=False), ys))
+
+        def fwd(params, xs, ys):
+            values = [jax.tree_util.tree_map(lambda a: a.value, x, is_leaf=_is_primal) for x in (params, xs, ys)]
+            wanted = [any(a.perturbed for a in jax.tree_util.tree_leaves(x, is_leaf=_is_primal)) for x in (xs, ys)]
+            return self.fused(loss_fn, *values, *wanted)
+
+        def bwd(grads, ct):
+            ct = jnp.zeros(()) if isinstance(ct, SymbolicZero) else ct
+            return jax.tree_util.tree_map(lambda g: (ct * g).astype(g.dtype), grads)
+
+        run = jax.custom_vjp(primal)
+        run.defvjp(fwd, bwd, symbolic_zeros=True)
+        return run(stacked_params, microbatches, targets)
+
+    def fused(self, loss_fn, stacked_params, xs, ys, want_d_xs: bool, want_d_ys: bool):
+        """(loss, (d params, d xs, d ys)) from one loop in three phases: forward slots only,
+        both, backward slots only. Besides parameters and their gradients, a stage holds
+        its in-flight inputs (the stash) and per-microbatch buffers only for the
+        gradients asked for."""
+        per_stage = jax.tree_util.tree_map(self.by_stage, stacked_params)
+        timing, L, R = self.timing, self.L, self.R
+        depth = 2 * timing.layers - 1          # stash slots: a stage input lives < 2LR - 1 steps
+        run_stages, run_loss = self.all_stages(), jax.vmap(loss_fn)
+        state = self.split(jnp.zeros((L,) + jnp.shape(xs)[1:], xs.dtype))
+        ends = self.stage == L - 1     # where the last layer of a repeat runs
+
+        def forward_slot(t, c):
+            valid, r, _ = timing.forward(t, self.stage)
+            x = _mask(valid, self.split(self.stage_inputs(t, lambda m: _index(xs, m), jnp.roll(c["act"], 1, 0))))
+            c["stash"] = jax.lax.dynamic_update_index_in_dim(c["stash"], x, t % depth, axis=1)
+            y = self.split(_mask(valid, run_stages(self.layer(per_stage, r), x)))
+            # The last layer's output meets its loss in this very step.
+            last = valid & ends & (r == R - 1)
+            done, _, m = timing.forward(t, L - 1)
+            target = jnp.broadcast_to(_index(ys, m), (L,) + jnp.shape(ys)[1:])
+            loss, loss_vjp = (jax.vjp(run_loss, y, target) if want_d_ys else
+                              jax.vjp(lambda y: run_loss(y, target), y))
+            d_y, *d_target = _mask_tree(last, loss_vjp(jnp.ones_like(loss)))
+            c["loss"] = c["loss"] + _mask(last, loss)
+            if want_d_ys:
+                c["d_ys"] = self.store(c["d_ys"], m, last & done, d_target[0])
+            c["act"], c["d_last"] = y, d_y
+            return c
+
+        def backward_slot(t, c):
+            valid, r, _ = timing.backward(t, self.stage)
+            ct = jnp.where(_expand(ends & (r == R - 1), state), c["d_last"], jnp.roll(c["ct"], -1, axis=0))
+            stashed = (t - 2 * (timing.layers - 1) + 2 * (self.stage + r * L)) % depth   # the step it was stashed
+            x = jnp.sum(_mask(jax.nn.one_hot(stashed, depth, dtype=bool), c["stash"]), axis=1)
+            _, vjp = jax.vjp(jax.checkpoint(lambda p, x: run_stages(self.layer(p, r), x)), per_stage, x)
+            d_params, d_x = vjp(_mask(valid, self.split(ct)))
+            c["grads"] = jax.tree_util.tree_map(lambda a, g: a + _mask(valid, g), c["grads"], d_params)
+            c["ct"] = self.split(_mask(valid, d_x))
+            if want_d_xs:
+                _, _, m0 = timing.backward(t, 0)
+                c["d_xs"] = self.store(c["d_xs"], m0, valid & (self.stage == 0) & (r == 0), c["ct"])
+            return c
+
+        def phase(forward: bool, backward: bool):
+            def step(t, c):
+                c = forward_slot(t, dict(c)) if forward else c
+                return backward_slot(t, dict(c)) if backward else c
+            return step
+
+        loss_type = jax.eval_shape(loss_fn, xs[0], ys[0])
+        carry = {"act": state, "ct": state, "d_last": state,
+                 "stash": self.split(jnp.zeros((L, depth) + jnp.shape(xs)[1:], xs.dtype)),
+                 "loss": self.split(jnp.zeros((L,), loss_type.dtype)),
+                 "grads": jax.tree_util.tree_map(lambda p: self.split(jnp.zeros_like(p)), per_stage)}
+        if want_d_xs:
+            carry["d_xs"] = self.split(jnp.zeros((L,) + jnp.shape(xs), xs.dtype))
+        if want_d_ys:
+            carry["d_ys"] = self.split(jnp.zeros((L,) + jnp.shape(ys), ys.dtype))
+        first_backward, last_forward = timing.layers - 1, timing.forward_steps
+        for start, stop, f, b in ((0, first_backward, True, False), (first_backward, last_forward, True, True),
+                                  (last_forward, last_forward + timing.layers - 1, False, True)):
+            carry = jax.lax.fori_loop(start, stop, phase(f, b), carry)
+        grads = (jax.tree_util.tree_map(self.from_stages, carry["grads"]),
+                 self.from_stage(carry["d_xs"], 0) if want_d_xs else jnp.zeros_like(xs),
+                 self.from_stage(carry["d_ys"], L - 1) if want_d_ys else jnp.zeros_like(ys))
+        return jnp.sum(carry["loss"]), grads
+
+
+def _index(x, m, axis: int = 0):
+    return jax.lax.dynamic_index_in_dim(x, m, axis=axis, keepdims=False)
+
+
+def _is_primal(x) -> bool:
+    return isinstance(x, CustomVJPPrimal)
+
+
+def _roll(k: int):
+    return lambda x: jnp.roll(x, k, axis=0)
+
+
+@jax.custom_vjp
+def shift_right(x):
+    """Stage s takes stage s-1's value along the ring: one collective-permute, and one
+    for the gradient (the opposite rotation), where a roll's own transpose would be
+    two halo exchanges."""
+    return _roll(1)(x)
+
+
+shift_right.defvjp(lambda x: (_roll(1)(x), None), lambda _, ct: (_roll(-1)(ct),))
+
+
+def _masked_stages(run):
+    """run (all stages at once) with bubble slots masked: inputs and outputs, and in the
+    backward pass the cotangents of the parameters and inputs too, since the stage's
+    vjp on a bubble slot may be NaN (0 * inf) even for a zero cotangent."""
+
+    def primal(layer, x, valid):
+        return _mask(valid, run(layer, _mask(valid, x)))
+
+    def fwd(layer, x, valid):
+        y, vjp = jax.vjp(run, layer, _mask(valid, x))
+        return _mask(valid, y), (vjp, valid)
+
+    def bwd(res, ct):
+        vjp, valid = res
+        d_layer, d_x = vjp(_mask(valid, ct))
+        return _mask_tree(valid, d_layer), _mask(valid, d_x), None
+
+    masked = jax.custom_vjp(primal)
+    masked.defvjp(fwd, bwd)
+    return masked

@@ -314,8 +314,9 @@ def _pipelined(stack: LayerStack, s: dict, hw: Hardware) -> Case:
         return jax.lax.scan(_layers(body, s["remat"]), x, params)[0]
 
     def loss(stacked, microbatches, targets):
+        # The layers rematerialize as --remat says, not the whole stage (pipeline's own remat).
         ys = pipeline(stage_fn, stacked, microbatches, mesh=mesh, stage_axis="p", schedule=s["schedule"],
-                      repeats=repeats)
+                      repeats=repeats, remat=False)
         return _mse(ys, targets)
 
     data = _spec((micro, mb, cfg.seq, cfg.model), dtype)

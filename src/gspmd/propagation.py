@@ -70,59 +70,81 @@ def is_annotation(instr: Instr) -> bool:
 
 
 def complete(program: Program, num_devices: int) -> Completion:
-    """Give every value of `program` a sharding, in place; returns the provenance."""
+    """Give every value of `program` a sharding, in place; returns the provenance. The
+    bodies of manual regions are completed first, each over its own virtual devices:
+    their layouts then say how values cross the regions' boundaries."""
     completion = Completion()
+    for body in program.regions():
+        completion.provenance.update(complete(body, body.region.num_devices).provenance)
     work = _Worklist(program)
-    for instr in program.all_instrs():
+    for instr in program.all_instrs(into_regions=False):
         if is_annotation(instr):
             instr.output.sharding = instr.attrs["sharding"]
             completion.provenance[instr.output] = [Step(instr, None, instr.output.sharding)]
             work.touch(instr.output)
-    for instr, direction in work:
-        for v in _refine(instr, direction, completion):
+        tensors = ops.tensors(instr)
+        for t, layout in ops.seeds(instr):   # layouts an op fixes by itself (a manual region's specs)
+            if _merge_into(tensors[t], layout, _open_dims(tensors[t])):
+                completion.provenance.setdefault(tensors[t], []).append(Step(instr, None, tensors[t].sharding))
+                work.touch(tensors[t])
+    for instr, direction, changed in work:
+        for v in _refine(instr, direction, completion, work.tensors[instr], changed):
             work.touch(v)
-    for v in program.all_values():
+    for v in program.all_values(into_regions=False):
         if v.sharding is None:
             v.sharding = Sharding.replicated(v.rank, num_devices)
     return completion
 
 
 class _Worklist:
-    """Pending (instruction, direction) items, most urgent first, each queued once."""
+    """Pending (instruction, direction) items, most urgent first, each queued once, with
+    the tensors whose layouts changed since it last ran (only they can teach it more)."""
 
     def __init__(self, program: Program):
-        self.position = {instr: i for i, instr in enumerate(program.all_instrs())}
+        self.position = {instr: i for i, instr in enumerate(program.all_instrs(into_regions=False))}
+        self.tensors = {instr: _Tensors(ops.tensors(instr)) for instr in self.position}
         # Who learns from a value: instructions reading it, and loops tying it to their carry.
         self.users: dict[Value, list[Instr]] = {}
-        for p in (program, *program.subprograms()):
+        for p in (program, *program.subprograms(into_regions=False)):
             for v, readers in p.users().items():
                 self.users.setdefault(v, []).extend(readers)
         for instr in self.position:
             for v in ops.tensors(instr)[len(instr.operands) + len(instr.outputs):]:
                 self.users.setdefault(v, []).append(instr)
         self.heap: list[tuple[int, int, int, int]] = []
-        self.queued: set[tuple[int, int]] = set()
+        self.changed: dict[tuple[int, int], set[Value]] = {}   # queued items and what changed for them
 
-    def push(self, instr: Instr, direction: int) -> None:
+    def push(self, instr: Instr, direction: int, v: Value) -> None:
         pos = self.position[instr]
-        if (pos, direction) in self.queued:
+        changed = self.changed.get((pos, direction))
+        if changed is not None:
+            changed.add(v)
             return
-        self.queued.add((pos, direction))
+        self.changed[(pos, direction)] = {v}
         order = pos if direction == FORWARD else -pos
         heapq.heappush(self.heap, (priority(instr.opcode, direction == FORWARD), direction, order, pos))
 
     def touch(self, v: Value) -> None:
         """v's sharding changed: everything that reads or writes v may learn from it."""
         for instr in ([v.producer] if v.producer is not None else []) + self.users[v]:
-            self.push(instr, FORWARD)
-            self.push(instr, BACKWARD)
+            self.push(instr, FORWARD, v)
+            self.push(instr, BACKWARD, v)
 
-    def __iter__(self) -> Iterator[tuple[Instr, int]]:
+    def __iter__(self) -> Iterator[tuple[Instr, int, set[Value]]]:
         instrs = list(self.position)
         while self.heap:
             _, direction, _, pos = heapq.heappop(self.heap)
-            self.queued.discard((pos, direction))
-            yield instrs[pos], direction
+            yield instrs[pos], direction, self.changed.pop((pos, direction))
+
+
+class _Tensors:
+    """tensors(instr), and where each value appears among them."""
+
+    def __init__(self, tensors: list[Value]):
+        self.values = tensors
+        self.places: dict[Value, list[int]] = {}
+        for i, v in enumerate(tensors):
+            self.places.setdefault(v, []).append(i)
 
 
 def _open_dims(v: Value) -> Optional[tuple[int, ...]]:
@@ -134,28 +156,32 @@ def _open_dims(v: Value) -> Optional[tuple[int, ...]]:
     return None
 
 
-def _refine(instr: Instr, direction: int, completion: Completion) -> list[Value]:
-    """Merge into each target tensor what every other tensor of `instr` implies for it,
-    one source at a time (so each refinement names its source); returns the changed."""
-    tensors = ops.tensors(instr)
-    first = len(instr.operands) if direction == FORWARD else 0
-    last = len(tensors) if direction == FORWARD else len(instr.operands)
+def _refine(instr: Instr, direction: int, completion: Completion, tensors: _Tensors,
+            sources: set[Value]) -> list[Value]:
+    """Merge into each target tensor (outputs and tied values forward, operands backward)
+    what the tensors in `sources` (those that changed) imply for it, one source at a
+    time so that each refinement names its source; returns the changed values.
+    Informants are symmetric: the targets a source informs are its own informants."""
+    n, n_in = len(tensors.values), len(instr.operands)
     changed = []
-    for t in range(first, last):
-        v, open_dims = tensors[t], _open_dims(tensors[t])
-        if open_dims == ():
+    for source in sorted(sources, key=lambda v: tensors.places[v][0]):    # in operand order: deterministic
+        if source.sharding is None or source.sharding.is_replicated:
             continue
-        for s in ops.informants(instr, t, len(tensors)):
-            source = tensors[s]
-            if source is v or source.sharding is None or source.sharding.is_replicated:
-                continue
-            visible: list[Optional[Sharding]] = [None] * len(tensors)
-            visible[s] = source.sharding
-            for proposal in ops.propagate(instr, visible, t):
-                if _merge_into(v, proposal, open_dims):
-                    completion.provenance.setdefault(v, []).append(Step(instr, source, v.sharding))
-                    if v not in changed:
-                        changed.append(v)
+        for s in tensors.places[source]:
+            for t in ops.informants(instr, s, n):
+                v = tensors.values[t]
+                if (t < n_in) != (direction == BACKWARD) or v is source:
+                    continue
+                open_dims = _open_dims(v)
+                if open_dims == ():
+                    continue
+                visible: list[Optional[Sharding]] = [None] * n
+                visible[s] = source.sharding
+                for proposal in ops.propagate(instr, visible, t):
+                    if _merge_into(v, proposal, open_dims):
+                        completion.provenance.setdefault(v, []).append(Step(instr, source, v.sharding))
+                        if v not in changed:
+                            changed.append(v)
     return changed
 
 

@@ -44,7 +44,7 @@ class Sharding:
     ids, shape (*tiles per dim, replicas). Build one with Sharding.from_mesh(mesh,
     dims_mapping, shape) or Sharding.from_named(named_sharding, shape); read it in a
     mesh's terms with .spec(mesh) / .describe(mesh). Printed in XLA's notation."""
-    __slots__ = ("tile_assignment", "_coords", "_key", "_hash")
+    __slots__ = ("tile_assignment", "_coords", "_key", "_hash", "is_replicated")
 
     def __init__(self, tile_assignment):
         arr = np.asarray(tile_assignment, dtype=np.int64)
@@ -58,6 +58,7 @@ class Sharding:
         self._coords = None
         self._key = None
         self._hash = None
+        self.is_replicated = all(t == 1 for t in arr.shape[:-1])
 
     # -- constructors -------------------------------------------------------------
     @classmethod
@@ -127,10 +128,6 @@ class Sharding:
     def num_devices(self) -> int:
         return self.tile_assignment.size
 
-    @property
-    def is_replicated(self) -> bool:
-        return all(t == 1 for t in self.tiles)
-
     def coords(self) -> np.ndarray:
         """(N, rank) array: tile index of device d along each dim."""
         if self._coords is None:
@@ -165,7 +162,9 @@ class Sharding:
             tiles.append(max(a, b))
             cols.append(mine[:, i] if a > 1 else theirs[:, i])
         coords = np.stack(cols, axis=1) if cols else np.zeros((self.num_devices, 0), np.int64)
-        return Sharding.from_coords(coords, tiles)
+        merged = Sharding.from_coords(coords, tiles)
+        # The same object when nothing changed: propagation's "did it refine?" is then `is`.
+        return self if merged == self else other if merged == other else merged
 
     def refines(self, other: "Sharding") -> bool:
         """True if self agrees with `other` and splits at least as much."""

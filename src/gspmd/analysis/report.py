@@ -15,6 +15,7 @@ from gspmd.analysis import memory
 from gspmd.analysis.timing import Timing, time_program
 from gspmd.errors import ShardingError
 from gspmd.ir import Program
+from gspmd.ir.schedule import PipelineSchedule
 from gspmd.spmd.context import Why
 from gspmd.spmd.cost import PROFILES, ComputeKind, GiB, Hardware, Pattern, profile
 
@@ -50,6 +51,8 @@ class Report:
     # on recomputing the forward pass. The raw utilization counts both as useful.
     bubble_fraction: Optional[float] = None
     recompute_fraction: Optional[float] = None
+    recompute_flops: int = 0   # of `flops`: forward computation repeated by a backward pass (remat)
+    pipelines: list[PipelineSchedule] = field(default_factory=list)   # pipeline schedules in the program
 
     @property
     def compute_seconds(self) -> float:
@@ -122,6 +125,9 @@ class Report:
         if self.memory_budget is not None:
             lines.append(str(self.memory_budget))
         lines.append(f"flops per device: {self.flops:,} ({self.memory_bound_flops:,} memory-bound)")
+        for p in self.pipelines:
+            lines.append(f"pipeline {p.name}: {p.stages} stages x {p.microbatches} microbatches x {p.repeats} "
+                         f"repeats in {p.steps} steps, bubble {p.bubble_fraction:.1%}")
         if self.hardware is not None:
             lines.append(f"on {self.hardware.name}: compute {self.compute_seconds * 1e3:.3f} ms + exposed communication "
                          f"{self.exposed_communication_seconds * 1e3:.3f} ms (of {self.communication_seconds * 1e3:.3f})"
@@ -143,12 +149,20 @@ def analyse(spmd: Program, num_devices: int, hardware: Union[None, str, Hardware
             donated: Sequence[int] = ()) -> Report:
     """`donated`: indices of parameters whose buffers the results may reuse."""
     held = memory.profile(spmd, memory.donation_aliases(spmd, donated))
-    report = Report(peak_memory_bytes=held.peak_bytes, memory=held)
+    report = Report(peak_memory_bytes=held.peak_bytes, memory=held, pipelines=list(spmd.schedules))
     if hardware is not None:
         report.hardware = profile(hardware)
         report.timing = time_program(spmd, report.hardware, num_devices)
     _walk(spmd, 1, report)
+    report.bubble_fraction = _bubble_fraction(report.pipelines)
+    report.recompute_fraction = report.recompute_flops / report.flops if report.recompute_flops else None
     return report
+
+
+def _bubble_fraction(pipelines: Sequence[PipelineSchedule]) -> Optional[float]:
+    """The share of the pipelines' stage-steps that compute on padding (None without one)."""
+    slots = sum(p.slots for p in pipelines)
+    return 1 - sum(p.busy_slots for p in pipelines) / slots if slots else None
 
 
 def flops(program: Program) -> int:
@@ -177,6 +191,7 @@ def _walk(program: Program, executions: int, report: Report, seen_groups: Option
         if op.flops is not None:
             flops = op.flops(instr) * executions
             report.flops += flops
+            report.recompute_flops += flops if instr.recomputed else 0
             if op.compute is ComputeKind.MEMORY:
                 report.memory_bound_flops += flops
         for sub, times in ops.runs(instr):

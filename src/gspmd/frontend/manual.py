@@ -4,10 +4,12 @@ Inside `fn` every value is one manual partition's piece: a dim mapped to manual 
 axes by its spec is divided by their sizes, and JAX's collectives over those axis names
 (psum, pmax, pmin, all_gather, psum_scatter, all_to_all, ppermute, axis_index) talk to
 the other partitions. Mesh axes that are not manual stay automatic: specs may not name
-them and the subgraph is replicated over them (each such subgroup runs it alike).
+them, and inside the subgraph values are partitioned over them as its own mesh_split
+annotations (over those axes only) and propagation say (ops/manual.py).
 
-Run by plain JAX, the subgraph is vmapped over the manual axes with those axis names; in
-gspmd its per-device code is placed into the SPMD program as it is (ops/manual.py).
+Run by plain JAX, the subgraph is vmapped over the manual axes with those axis names.
+Its gradient is a manual region too: the forward region also returns each partition's
+residuals of the subgraph's vjp, and the backward region applies that vjp.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive, jaxpr_as_fun
-from jax.interpreters import ad, mlir
+from jax.interpreters import mlir
 
 from gspmd.errors import ShardingError
 from gspmd.mesh import Mesh, as_mesh
@@ -45,19 +47,96 @@ def manual(fn: Callable, mesh: Mesh, in_specs: Sequence, out_specs: Sequence,
             raise ShardingError(f"gspmd.manual got {len(args)} arguments but {len(in_specs)} in_specs.")
         in_norm = tuple(_spec(mesh, axes, s, np.shape(x), f"argument {i}") for i, (x, s) in
                         enumerate(zip(args, in_specs)))
-        local = [jax.ShapeDtypeStruct(_local_shape(mesh, s, np.shape(x)), jnp.result_type(x))
-                 for x, s in zip(args, in_norm)]
-        closed = jax.make_jaxpr(lambda *a: _as_tuple(fn(*a)),
-                                axis_env=[(a, _size(mesh, a)) for a in axes])(*local)
-        if len(closed.out_avals) != len(out_specs):
-            raise ShardingError(f"gspmd.manual: fn returns {len(closed.out_avals)} values but "
-                                f"{len(out_specs)} out_specs were given.")
         out_norm = tuple(_spec(mesh, axes, s, None, f"result {i}") for i, s in enumerate(out_specs))
-        out_shapes = tuple(_global_shape(mesh, s, a.shape) for s, a in zip(out_norm, closed.out_avals))
-        outs = manual_p.bind(*args, body=closed, mesh=mesh, axes=axes, in_specs=in_norm, out_specs=out_norm,
-                             out_shapes=out_shapes)
+        outs = _Region(fn, mesh, axes, in_norm, out_norm).differentiable()(*args)
         return outs[0] if single else tuple(outs)
     return wrapped
+
+
+class _Region:
+    """One gspmd.manual call: the region, and its gradient as a manual region too (the
+    forward region also returns the per-partition residuals of the body's vjp, the
+    backward region applies the vjp to them)."""
+
+    def __init__(self, fn: Callable, mesh: Mesh, axes: tuple, in_specs: tuple, out_specs: tuple):
+        self.fn, self.mesh, self.axes, self.in_specs, self.out_specs = fn, mesh, axes, in_specs, out_specs
+
+    def bind(self, body: Callable, args, in_specs, out_specs: Callable[[list], Sequence]):
+        """manual_p over `body` (per partition); out_specs(its local results) -> their specs."""
+        local = [jax.ShapeDtypeStruct(_local_shape(self.mesh, s, np.shape(x)), jnp.result_type(x))
+                 for x, s in zip(args, in_specs)]
+        closed = jax.make_jaxpr(lambda *a: _as_tuple(body(*a)),
+                                axis_env=[(a, _size(self.mesh, a)) for a in self.axes])(*local)
+        specs = tuple(out_specs(closed.out_avals))
+        out_shapes = tuple(_global_shape(self.mesh, s, a.shape) for s, a in zip(specs, closed.out_avals))
+        return manual_p.bind(*args, body=closed, mesh=self.mesh, axes=self.axes, in_specs=tuple(in_specs),
+                             out_specs=specs, out_shapes=out_shapes)
+
+    def results(self, avals) -> tuple:
+        if len(avals) != len(self.out_specs):
+            raise ShardingError(f"gspmd.manual: fn returns {len(avals)} values but {len(self.out_specs)} out_specs "
+                                "were given.")
+        return self.out_specs
+
+    def unsplit_axes(self, spec) -> tuple:
+        """The manual axes a spec does not split over."""
+        return tuple(a for a in self.axes if all(a not in names for names in spec))
+
+    def replicas(self, spec) -> int:
+        return math.prod(_size(self.mesh, a) for a in self.unsplit_axes(spec))
+
+    def sum_replicas(self, g, spec):
+        axes = self.unsplit_axes(spec)
+        return jax.lax.psum(g, axes) if axes else g
+
+    def residual_spec(self, aval) -> tuple:
+        """A residual of one partition gets a leading unit dim per manual axis, split over it."""
+        return tuple((a,) for a in self.axes) + ((),) * (len(aval.shape) - len(self.axes))
+
+    def differentiable(self) -> Callable:
+        vjp_structure = []
+
+        def run(*args):
+            return tuple(self.bind(self.fn, args, self.in_specs, self.results))
+
+        def fwd(*args):
+            def body(*a):
+                outs, vjp = jax.vjp(lambda *b: _as_tuple(self.fn(*b)), *a)
+                residuals, structure = jax.tree_util.tree_flatten(vjp)
+                vjp_structure.append(structure)
+                return (*outs, *[jnp.reshape(r, (1,) * len(self.axes) + jnp.shape(r)) for r in residuals])
+
+            def specs(avals):
+                n = len(self.out_specs)
+                return self.results(avals[:n]) + tuple(self.residual_spec(a) for a in avals[n:])
+            outs = self.bind(body, args, self.in_specs, specs)
+            n = len(self.out_specs)
+            return tuple(outs[:n]), (tuple(outs[n:]), tuple(jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+                                                             for x in args))
+
+        def bwd(saved, cts):
+            residuals, differentiable = saved
+            structure = vjp_structure[-1]
+
+            def body(*a):
+                rs, cts = a[:len(residuals)], a[len(residuals):]
+                vjp = jax.tree_util.tree_unflatten(structure, [jnp.reshape(r, jnp.shape(r)[len(self.axes):])
+                                                               for r in rs])
+                # A result not split over a manual axis is the same in every partition along
+                # it: each takes an equal share of its cotangent. An argument not split over
+                # one was the same in all of them: its cotangent is the sum of theirs.
+                grads = vjp(tuple(ct / self.replicas(spec) for ct, spec in zip(cts, self.out_specs)))
+                return tuple(self.sum_replicas(g, spec) for g, spec, d in zip(grads, self.in_specs, differentiable)
+                             if d)
+
+            in_specs = tuple(self.residual_spec(r) for r in residuals) + self.out_specs
+            grad_specs = tuple(s for s, d in zip(self.in_specs, differentiable) if d)
+            grads = iter(self.bind(body, (*residuals, *cts), in_specs, lambda avals: grad_specs))
+            return tuple(next(grads) if d else None for d in differentiable)
+
+        region = jax.custom_vjp(run)
+        region.defvjp(fwd, bwd)
+        return region
 
 
 def _as_tuple(x):
@@ -143,12 +222,6 @@ def _abstract(*args, body, out_shapes, **_):
     return [jax.core.ShapedArray(shape, a.dtype) for shape, a in zip(out_shapes, body.out_avals)]
 
 
-def _no_differentiation(*args, **kwargs):
-    raise ShardingError("Gradients through gspmd.manual are not supported yet: differentiate inside the "
-                        "manual function, or write the region with mesh_split annotations.")
-
-
 manual_p.def_impl(_reference)
 manual_p.def_abstract_eval(_abstract)
 mlir.register_lowering(manual_p, mlir.lower_fun(_reference, multiple_results=True))
-ad.primitive_jvps[manual_p] = _no_differentiation

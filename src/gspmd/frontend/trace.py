@@ -4,6 +4,7 @@ inlined; literals and closed-over arrays become constants."""
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from typing import Optional
 
 import jax
@@ -24,14 +25,31 @@ from gspmd.ops.convert import Conversion
 CALLS = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "remat", "checkpoint", "closed_call",
          "core_call")
 _BODY_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+# JAX's name for the forward computation a differentiated jax.checkpoint repeats.
+_RECOMPUTE_SCOPE = "rematted_computation"
+# Pipeline schedules recorded while a function is traced for gspmd (see record_schedule).
+_schedules: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("gspmd_schedules", default=None)
+
+
+def record_schedule(schedule) -> None:
+    """Library code run while tracing (gspmd.pipeline) notes its loop structure on the
+    program being traced, for reports; outside gspmd.jit this does nothing."""
+    recorded = _schedules.get()
+    if recorded is not None:
+        recorded.append(schedule)
 
 
 def trace(fn, flat_avals, name: str = "main", mesh: Optional[Mesh] = None) -> tuple[Program, object]:
     """Trace fn(*flat_args) into a Program; returns it and the output pytree def. With
     `mesh` (gspmd.jit's) and no jax mesh set, bare PartitionSpecs in fn refer to it."""
-    with _as_jax_context(mesh):
-        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*flat_avals)
-    program = Program(name)
+    schedules = _schedules.set([])
+    try:
+        with _as_jax_context(mesh):
+            closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*flat_avals)
+        program = Program(name)
+        program.schedules = _schedules.get()
+    finally:
+        _schedules.reset(schedules)
     b = Conversion(program, _inline, mesh=mesh)
     params = [b.param(v.aval.shape, v.aval.dtype, hint="arg") for v in closed.jaxpr.invars]
     program.outputs = _inline(b, closed, params)
@@ -50,7 +68,7 @@ def _as_jax_context(mesh: Optional[Mesh]):
 
 def _inline(b: Conversion, closed, args: list[Value]) -> list[Value]:
     """Convert the equations of `closed` (a closed or open jaxpr) with `args` as inputs."""
-    origin = b.origin
+    origin, recomputed = b.origin, b.recomputed
     jaxpr = closed.jaxpr if hasattr(closed, "jaxpr") else closed
     consts = closed.consts if hasattr(closed, "consts") else []
     env: dict = {var: b.constant(keys.constant(c)) for var, c in zip(jaxpr.constvars, consts)}
@@ -63,9 +81,10 @@ def _inline(b: Conversion, closed, args: list[Value]) -> list[Value]:
 
     for eqn in jaxpr.eqns:
         b.origin, b.source = eqn.primitive.name, source_line(eqn)
+        b.recomputed = recomputed or _RECOMPUTE_SCOPE in str(eqn.source_info.name_stack)
         outs = _convert(b, eqn, [read(a) for a in eqn.invars])
         env.update(zip(eqn.outvars, outs))
-    b.origin = origin
+    b.origin, b.recomputed = origin, recomputed
     return [read(v) for v in jaxpr.outvars]
 
 

@@ -14,8 +14,9 @@ Prune = Callable[[Instr, list[bool]], None]
 
 
 def eliminate_dead_code(program: Program, prune: Optional[Prune] = None) -> Program:
-    """Rewrite `program` in place. Sub-programs are left whole unless `prune` shrinks
-    their instruction to the results in use (a loop's unused carries)."""
+    """Rewrite `program` and the sub-programs of what it keeps in place (all of a
+    sub-program's results stay: its op uses them), unless `prune` shrinks an
+    instruction to the results in use (a loop's unused carries)."""
     live = set(program.outputs)
     kept = []
     for instr in reversed(program.instrs):
@@ -25,4 +26,9 @@ def eliminate_dead_code(program: Program, prune: Optional[Prune] = None) -> Prog
             kept.append(instr)
             live.update(instr.operands)
     program.instrs = kept[::-1]
+    for instr in program.instrs:
+        for attr in instr.attrs.values():
+            for sub in (attr if isinstance(attr, tuple) else (attr,)):
+                if isinstance(sub, Program):
+                    eliminate_dead_code(sub, prune)
     return program

@@ -45,8 +45,10 @@ SIDE_EFFECT = "side_effect"
 class Instr:
     """One instruction. `origin` says where it came from (the JAX primitive or the
     partition rule that emitted it) and `source` the user's Python line ("train.py:12
-    (loss)") or, at parameters and results, the pytree path; for reports and explain."""
-    __slots__ = ("opcode", "operands", "attrs", "outputs", "origin", "why", "source")
+    (loss)") or, at parameters and results, the pytree path; for reports and explain.
+    `recomputed` marks the rematerialized forward computation a backward pass repeats
+    (jax.checkpoint)."""
+    __slots__ = ("opcode", "operands", "attrs", "outputs", "origin", "why", "source", "recomputed")
 
     def __init__(self, opcode: str, operands: Sequence[Value], attrs: dict, origin: str = "", source: str = ""):
         self.opcode = opcode
@@ -56,6 +58,7 @@ class Instr:
         self.origin = origin
         self.why = None   # collectives: the spmd.context.Why of the rule that made it
         self.source = source
+        self.recomputed = False
 
     @property
     def has_side_effect(self) -> bool:
@@ -80,6 +83,10 @@ class Program:
         self.outputs: list[Value] = []
         self.labels: dict[Value, str] = {}   # parameters and results: the user's pytree path
         self._names = parent._names if parent is not None else itertools.count()
+        self.schedules: list = []   # pipelines traced into it (ir.schedule.PipelineSchedule), for reports
+        # The body of a manual region (gspmd.region.ManualRegion): its values are per
+        # manual partition and their layouts are over the region's virtual devices.
+        self.region = None
 
     def fresh_name(self, hint: str = "v") -> str:
         return f"{hint}.{next(self._names)}"
@@ -89,25 +96,31 @@ class Program:
         for instr in self.instrs:
             yield from instr.outputs
 
-    def subprograms(self):
+    def subprograms(self, into_regions: bool = True):
         """Programs nested in this one's instructions (loop bodies, a conditional's
-        tuple of branches), depth first."""
+        tuple of branches, manual regions' bodies unless not `into_regions`), depth first."""
         for instr in self.instrs:
             for attr in instr.attrs.values():
                 for sub in (attr if isinstance(attr, tuple) else (attr,)):
-                    if isinstance(sub, Program):
+                    if isinstance(sub, Program) and (into_regions or sub.region is None):
                         yield sub
-                        yield from sub.subprograms()
+                        yield from sub.subprograms(into_regions)
 
-    def all_instrs(self):
+    def regions(self):
+        """Bodies of the manual regions in this program (not nested in another region)."""
+        for p in (self, *self.subprograms(into_regions=False)):
+            for instr in p.instrs:
+                yield from (a for a in instr.attrs.values() if isinstance(a, Program) and a.region is not None)
+
+    def all_instrs(self, into_regions: bool = True):
         """Every instruction of this program and of the programs nested in it."""
         yield from self.instrs
-        for sub in self.subprograms():
+        for sub in self.subprograms(into_regions):
             yield from sub.instrs
 
-    def all_values(self):
+    def all_values(self, into_regions: bool = True):
         yield from self.values()
-        for sub in self.subprograms():
+        for sub in self.subprograms(into_regions):
             yield from sub.values()
 
     def find(self, name: str) -> Value:
@@ -133,6 +146,7 @@ class Builder:
         self.program = program
         self.origin = origin
         self.source = source
+        self.recomputed = False   # instructions added now repeat a forward computation (remat)
 
     def param(self, shape, dtype, hint: str = "p") -> Value:
         v = Value(self.program.fresh_name(hint), shape, dtype)
@@ -142,6 +156,7 @@ class Builder:
     def add(self, opcode: str, operands: Sequence[Value], out_types: Sequence[tuple[Sequence[int], Any]],
             **attrs) -> list[Value]:
         instr = Instr(opcode, operands, attrs, self.origin, self.source)
+        instr.recomputed = self.recomputed
         for shape, dtype in out_types:
             instr.outputs.append(Value(self.program.fresh_name(_hint(opcode)), shape, dtype, instr))
         self.program.instrs.append(instr)

@@ -18,9 +18,10 @@ from gspmd.errors import ShardingError
 from gspmd.ir import Instr, Value
 from gspmd.ir.reducer import ADD, AND, MAX, MIN, OR, Reducer
 from gspmd.mesh import Mesh
-from gspmd.ops.registry import KernelLayout, major_first, register
+from gspmd.ops.registry import KernelLayout, elementwise_factors, major_first, register
 from gspmd.spmd.context import DeviceContext
 from gspmd.spmd.cost import ComputeKind, Pattern
+from gspmd.spmd.factors import PASS, REPLICATE, Factor
 
 
 # -- reference semantics ----------------------------------------------------------------
@@ -73,10 +74,10 @@ def _evaluate_collective_permute(instr, per_device):
 
 # -- JAX's named-axis collectives inside manual regions -----------------------------------
 def _manual_mesh(b, eqn) -> Mesh:
-    if not b.manual_meshes:
+    if not b.manual_regions:
         raise ShardingError(f"`{eqn.primitive.name}` over a named axis is only meaningful inside gspmd.manual "
                             "or jax.shard_map; move it into a manual function.")
-    return b.manual_meshes[-1]
+    return b.manual_regions[-1].mesh
 
 
 def _named_groups(b, eqn, names) -> np.ndarray:
@@ -138,6 +139,17 @@ def _convert_axis_index(b, eqn, args):
     coords = np.empty(mesh.size, np.int32)
     coords[mesh.devices] = np.indices(mesh.shape)[mesh.axis_index(eqn.params["axis_name"])]
     return [DeviceContext(b, mesh.size).table_lookup(coords)]
+
+
+# -- inside a manual region's body, partitioned over its automatic axes --------------------
+# A collective over manual axes runs between manual partitions, on each device's tile of
+# the automatic layout: dims it gathers, scatters or exchanges along must be whole there.
+def _whole_along(*dims_attrs: str):
+    def factors(instr: Instr) -> list[Factor]:
+        whole = {instr.attrs[a] for a in dims_attrs}
+        out = instr.outputs[0]
+        return [Factor(size, (d, d), REPLICATE if d in whole else PASS) for d, size in enumerate(out.shape)]
+    return factors
 
 
 # -- jax lowering: grouped collectives over the shard_map axis ----------------------------
@@ -270,16 +282,16 @@ register("partition-id", converts={"axis_index": _convert_axis_index}, evaluate=
          lower=_lower_partition_id, compute=ComputeKind.FREE)
 register("all-reduce", converts={"psum": _convert_psum(ADD), "psum_invariant": _convert_psum(ADD),
                                  "pmax": _convert_psum(MAX), "pmin": _convert_psum(MIN)},
-         evaluate_all=_evaluate_all_reduce, lower=_empty_safe(_lower_all_reduce), collective=Pattern.ALL_REDUCE)
+         evaluate_all=_evaluate_all_reduce, lower=_empty_safe(_lower_all_reduce), collective=Pattern.ALL_REDUCE,
+         factors=elementwise_factors)
 register("all-gather", converts={"all_gather": _convert_all_gather, "all_gather_invariant": _convert_all_gather},
          evaluate_all=_evaluate_all_gather, lower=_empty_safe(_lower_all_gather), layout=_along_dim,
-         collective=Pattern.ALL_GATHER,
-         repeat=_gather_apart)
+         collective=Pattern.ALL_GATHER, repeat=_gather_apart, factors=_whole_along("dim"))
 register("reduce-scatter", converts={"reduce_scatter": _convert_reduce_scatter},
          evaluate_all=_evaluate_reduce_scatter, lower=_empty_safe(_lower_reduce_scatter), layout=_along_dim,
-         collective=Pattern.REDUCE_SCATTER)
+         collective=Pattern.REDUCE_SCATTER, factors=_whole_along("dim"))
 register("all-to-all", converts={"all_to_all": _convert_all_to_all}, evaluate_all=_evaluate_all_to_all,
          lower=_empty_safe(_lower_all_to_all), scratch=_all_to_all_pieces,
-         collective=Pattern.ALL_TO_ALL)
+         collective=Pattern.ALL_TO_ALL, factors=_whole_along("split_dim", "concat_dim"))
 register("collective-permute", converts={"ppermute": _convert_ppermute}, evaluate_all=_evaluate_collective_permute,
-         lower=_empty_safe(_lower_collective_permute), collective=Pattern.PERMUTE)
+         lower=_empty_safe(_lower_collective_permute), collective=Pattern.PERMUTE, factors=elementwise_factors)

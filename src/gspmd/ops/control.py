@@ -28,6 +28,7 @@ from gspmd.errors import ShardingError
 from gspmd.ir import Instr, Program, Value
 from gspmd.ir.dce import eliminate_dead_code
 from gspmd.ops.convert import Conversion, physical_aval
+from gspmd.ops.loop_motion import defer_reductions, finish_reductions
 from gspmd.ops.registry import ELEMENTWISE, Storage, prune, register
 from gspmd.spmd import reshard as rs
 from gspmd.spmd.partitioned import PartitionedValue
@@ -70,13 +71,16 @@ def _evaluate_while(instr: Instr, per_device: list[list[np.ndarray]], run) -> li
 
 
 def _partition_while(ctx, instr: Instr, operands: list[PartitionedValue], targets) -> list[PartitionedValue]:
-    """The carry keeps the loop results' layouts on every iteration."""
+    """The carry keeps the loop results' layouts on every iteration; sums of all-reduced
+    values that only the code after the loop reads are reduced once, after it."""
     body, cond = instr.attrs["body"], instr.attrs["cond"]
     carry = [rs.reshard(ctx, o, t) for o, t in zip(operands, targets)]
     local_body = ctx.partition_subprogram(body, targets, targets)
     local_cond = ctx.partition_subprogram(cond, targets, [cond.outputs[0].sharding])
-    outs = ctx.b.add("while", [c.local for c in carry], [(p.shape, p.dtype) for p in local_body.params],
+    init, deferred = defer_reductions(ctx, local_body, local_cond, [c.local for c in carry])
+    outs = ctx.b.add("while", init, [(p.shape, p.dtype) for p in local_body.params],
                      body=local_body, cond=local_cond, trip_count=instr.attrs.get("trip_count"))
+    outs = finish_reductions(ctx, outs, deferred)
     return [PartitionedValue(v, t, o.shape) for v, t, o in zip(outs, targets, instr.outputs)]
 
 

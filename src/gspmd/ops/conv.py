@@ -79,6 +79,14 @@ def _depthwise(instr) -> bool:
     return g > 1 and instr.operands[0].shape[lf] == g == instr.operands[1].shape[ro]
 
 
+def _depthwise_gradient(instr) -> bool:
+    """A depthwise convolution's weight gradient: each batch group (one channel) meets
+    its own output feature."""
+    (lb, *_), (ro, *_), _ = _dims(instr)
+    bg = instr.attrs["batch_group_count"]
+    return bg > 1 and instr.operands[0].shape[lb] == bg == instr.operands[1].shape[ro]
+
+
 def conv_factors(instr, modes: Optional[list[Optional[str]]] = None) -> list[fx.Factor]:
     """Factors of a convolution; `modes` says per spatial dim whether it is split by
     outputs, by window, or kept whole (None)."""
@@ -88,7 +96,10 @@ def conv_factors(instr, modes: Optional[list[Optional[str]]] = None) -> list[fx.
     b, f, o = lhs.shape[lb], lhs.shape[lf], rhs.shape[ro]
     grouped = fx.REPLICATE if bg > 1 else fx.PASS
     factors = [fx.Factor(b, (lb, None, ob), grouped)]
-    if g == 1:
+    if _depthwise_gradient(instr):   # channels pass through as batch groups
+        factors = [fx.Factor(b, (lb, ro, of)), fx.Factor(1, (None, None, ob), fx.REPLICATE)]
+        factors.append(fx.Factor(f, (lf, ri, None), fx.REDUCE if g == 1 else fx.REPLICATE))
+    elif g == 1:
         factors += [fx.Factor(f, (lf, ri, None), fx.REDUCE), fx.Factor(o, (None, ro, of), grouped)]
     elif _depthwise(instr):   # channels pass through, each its own group
         factors += [fx.Factor(f, (lf, ro, of)), fx.Factor(1, (None, ri, None), fx.REPLICATE)]
@@ -152,7 +163,7 @@ def _partition_conv(ctx, instr, operands, targets):
 def _local_conv(instr, plans: dict[int, DimPlan], spatial: Sharding):
     """Emitter of the per-device convolution: planned spatial dims use their local
     window; a depthwise group count follows the local channels."""
-    (_, lf, *ls), (_, _, *rsp), (_, _, *osp) = _dims(instr)
+    (lb, lf, *ls), (_, _, *rsp), (_, _, *osp) = _dims(instr)
     out, a = instr.outputs[0], instr.attrs
 
     def emit(ctx, _instr, locals_, shapes):
@@ -165,6 +176,8 @@ def _local_conv(instr, plans: dict[int, DimPlan], spatial: Sharding):
         attrs = dict(a, **window_attrs(windows))
         if _depthwise(instr):   # channels are the groups, split like the features
             attrs["feature_group_count"] = lhs_l.shape[lf]
+        if _depthwise_gradient(instr):   # channels are the batch groups, split like the batch
+            attrs["batch_group_count"] = lhs_l.shape[lb]
         y = ctx.b.add1("convolution", [lhs_l, rhs_l], shape, out.dtype, **attrs)
         y = slice_outputs(ctx, y, {osp[j]: p for j, p in plans.items()}, spatial, {osp[j]: ls[j] for j in plans})
         return [y]

@@ -28,14 +28,15 @@ class Conversion(Builder):
     """A Builder for one (sub-)program being converted from a jaxpr."""
 
     def __init__(self, program: Program, inline: Inline, origin: str = "",
-                 manual_meshes: Optional[list] = None, mesh: Optional[Mesh] = None,
+                 manual_regions: Optional[list] = None, mesh: Optional[Mesh] = None,
                  meshes: Optional[list] = None):
         super().__init__(program, origin)
         self._inline = inline
         self.mesh = mesh   # gspmd.jit(mesh=...)
-        # Meshes of the manual regions being converted, innermost last: collectives over
-        # named axes inside them resolve their device groups here.
-        self.manual_meshes = [] if manual_meshes is None else manual_meshes
+        # The manual regions being converted (gspmd.region.ManualRegion), innermost last:
+        # collectives over named axes inside them resolve their device groups on its mesh,
+        # and annotations there are over its virtual devices.
+        self.manual_regions = [] if manual_regions is None else manual_regions
         self.meshes = [] if meshes is None else meshes   # every mesh mesh_of resolved
 
     def inline(self, jaxpr, args: Sequence[Value]) -> list[Value]:
@@ -44,7 +45,9 @@ class Conversion(Builder):
 
     def on(self, program: Program) -> "Conversion":
         """A Conversion onto another program (a loop body) sharing this one's state."""
-        return Conversion(program, self._inline, self.origin, self.manual_meshes, self.mesh, self.meshes)
+        on = Conversion(program, self._inline, self.origin, self.manual_regions, self.mesh, self.meshes)
+        on.recomputed = self.recomputed
+        return on
 
     def mesh_of(self, jax_mesh) -> Mesh:
         """The gspmd Mesh of a jax mesh named in the program (a NamedSharding's, a
@@ -66,6 +69,11 @@ class Conversion(Builder):
             f"A PartitionSpec names the mesh axes {dict(axes)}, but no mesh with these axes is known: call the "
             "function under `with jax.set_mesh(mesh):`, or pass gspmd.jit(mesh=...) with these axes, or use "
             "NamedSharding(mesh, spec).")
+
+    def local_layout(self, sharding, what: str):
+        """A layout written over a whole mesh, as the program being converted sees it:
+        inside a manual region, over the region's virtual devices."""
+        return self.manual_regions[-1].local_layout(sharding, what) if self.manual_regions else sharding
 
     def subprogram(self, name: str, params: Sequence[Value], build: Callable, hint: str = "carry") -> Program:
         """A nested program (loop body, branch) with parameters typed like `params`,

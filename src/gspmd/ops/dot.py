@@ -9,7 +9,7 @@ import numpy as np
 from jax import lax
 
 from gspmd.dtypes import is_floating
-from gspmd.ops.registry import CONTRACTION, KernelLayout, register, same_layout
+from gspmd.ops.registry import CONTRACTION, KernelLayout, linear_in, register, same_layout
 from gspmd.spmd.cost import ComputeKind
 from gspmd.spmd.factors import REDUCE, Factor
 
@@ -95,4 +95,4 @@ def _layout(instr) -> KernelLayout:
 
 register("dot", converts={"dot_general": _convert_dot_general}, evaluate=_evaluate_dot,
          lower=_lower_dot, factors=_dot_factors, priority=CONTRACTION, flops=_dot_flops, layout=_layout,
-         compute=ComputeKind.MATMUL)
+         compute=ComputeKind.MATMUL, linear=linear_in((0,), (1,)))

@@ -22,7 +22,8 @@ from gspmd.dtypes import is_floating
 from gspmd.errors import ShardingError
 from gspmd.ir import Instr, Value
 from gspmd.ops.convert import Conversion, Converter
-from gspmd.ops.registry import ELEMENTWISE, Storage, elementwise_factors, elementwise_flops, register
+from gspmd.ops.registry import (ELEMENTWISE, Storage, elementwise_factors, elementwise_flops, jointly_linear, linear_in,
+                                register)
 from gspmd.sharding import UNSPECIFIED, Sharding, dims_mapping_from_spec
 from gspmd.spmd import factors as fx
 from gspmd.spmd import reshard as rs
@@ -195,10 +196,10 @@ def _float_division(instr) -> bool:
 
 
 # Binary ops (bitwise on integers, logical on booleans, as in HLO).
-elementwise("add", np.add, lax.add, ["add", "add_any"])
-elementwise("subtract", np.subtract, lax.sub, ["sub"])
-elementwise("multiply", np.multiply, lax.mul, ["mul"], converts={"square": _square})
-elementwise("divide", _divide, lax.div, ["div"], expensive=_float_division)
+elementwise("add", np.add, lax.add, ["add", "add_any"], linear=jointly_linear)
+elementwise("subtract", np.subtract, lax.sub, ["sub"], linear=jointly_linear)
+elementwise("multiply", np.multiply, lax.mul, ["mul"], converts={"square": _square}, linear=linear_in((0,), (1,)))
+elementwise("divide", _divide, lax.div, ["div"], expensive=_float_division, linear=linear_in((0,)))
 elementwise("maximum", np.maximum, lax.max, ["max"])
 elementwise("minimum", np.minimum, lax.min, ["min"])
 elementwise("power", np.power, lax.pow, ["pow"], expensive=True)
@@ -211,7 +212,7 @@ elementwise("or", np.bitwise_or, lax.bitwise_or, ["or"])
 elementwise("xor", np.bitwise_xor, lax.bitwise_xor, ["xor"])
 # Unary ops.
 elementwise("not", np.invert, lax.bitwise_not, ["not"])
-elementwise("negate", np.negative, lax.neg, ["neg"])
+elementwise("negate", np.negative, lax.neg, ["neg"], linear=jointly_linear)
 elementwise("exponential", np.exp, lax.exp, ["exp"], expensive=True)
 elementwise("log", np.log, lax.log, ["log"], expensive=True)
 elementwise("tanh", np.tanh, lax.tanh, ["tanh"], expensive=True)
@@ -309,7 +310,8 @@ def _evaluate_select(instr, args, device):
 
 
 register("select", converts={"select_n": _select_n}, evaluate=_evaluate_select, lower=_lower_with(lax.select),
-         factors=elementwise_factors, priority=ELEMENTWISE, storage=Storage.ELEMENTWISE, flops=elementwise_flops)
+         factors=elementwise_factors, priority=ELEMENTWISE, storage=Storage.ELEMENTWISE, flops=elementwise_flops,
+         linear=linear_in((1, 2)))
 
 
 def _convert(b, eqn, args):
@@ -325,8 +327,13 @@ def _narrowing_float(instr) -> bool:
     return is_floating(src) and is_floating(dst) and dst.itemsize < src.itemsize
 
 
+def _float_to_float(instr) -> list:
+    """A conversion between floating dtypes is linear (up to rounding)."""
+    return jointly_linear(instr) if is_floating(instr.operands[0].dtype) and is_floating(instr.outputs[0].dtype) else []
+
+
 elementwise("convert", None, lambda x: x, converts={"convert_element_type": _convert}, evaluate=_evaluate_convert,
-            expensive=_narrowing_float)
+            expensive=_narrowing_float, linear=_float_to_float)
 
 
 # -- layout only: annotations and copies ---------------------------------------------------
@@ -337,8 +344,8 @@ def _reshard_to_target(ctx, instr, operands, targets):
 
 def _annotation(b, eqn, args):
     shape, dtype = b.out_aval(eqn)
-    return [b.add1("sharding", args, shape, dtype, sharding=eqn.params["sharding"],
-                   unspecified=eqn.params["unspecified"])]
+    sharding = b.local_layout(eqn.params["sharding"], f"the value {args[0].type_str()}")
+    return [b.add1("sharding", args, shape, dtype, sharding=sharding, unspecified=eqn.params["unspecified"])]
 
 
 def annotate(b: Conversion, x: Value, sharding, unconstrained=(), only_named: bool = False) -> Value:
@@ -352,8 +359,8 @@ def annotate(b: Conversion, x: Value, sharding, unconstrained=(), only_named: bo
     mapping = [UNSPECIFIED if d in unconstrained or (only_named and e is None) else e for d, e in enumerate(mapping)]
     if all(e is UNSPECIFIED for e in mapping):
         return x
-    return b.add1("sharding", [x], x.shape, x.dtype,
-                  sharding=Sharding.from_mesh(b.mesh_of(sharding.mesh), mapping, x.shape),
+    layout = b.local_layout(Sharding.from_mesh(b.mesh_of(sharding.mesh), mapping, x.shape), f"the value {x.type_str()}")
+    return b.add1("sharding", [x], x.shape, x.dtype, sharding=layout,
                   unspecified=tuple(d for d, e in enumerate(mapping) if e is UNSPECIFIED))
 
 
@@ -383,7 +390,7 @@ elementwise("sharding", lambda x: x, lambda x: x, partition=_reshard_to_target, 
 # "pvary" marks a value in a shard_map body as varying over axes (check_vma).
 elementwise("copy", lambda x: x, lambda x: x, flops=None,
             converts={p: _identity for p in ("copy", "copy_p", "stop_gradient", "pvary")},
-            partition=_reshard_to_target)
+            partition=_reshard_to_target, linear=jointly_linear)
 
 
 # -- optimization barriers and rematerialization -------------------------------------------

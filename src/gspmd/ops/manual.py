@@ -1,82 +1,131 @@
-"""`manual` regions (gspmd.manual, jax.shard_map): per-device code placed into the SPMD program as it is.
+"""`manual` regions (gspmd.manual, jax.shard_map; paper 3.4, manual subgroups).
 
-Operands are laid out as the region's in_specs ask, the body's instructions are copied
-with the local operands in place of its parameters, and its results are laid out as the
-out_specs say. The body is not partitioned further (auto axes replicate it)."""
+The body is per-manual-partition code: its values are each manual partition's piece,
+and its named-axis collectives run between manual partitions. Over the mesh's other
+(automatic) axes it is an ordinary program: completed by the same propagation (its own
+annotations, over the region's virtual devices, gspmd.region) and partitioned by the
+same partitioner, for the virtual devices of all subgroups at once.
+
+At the boundary a value is split by its spec over the manual axes and, inside each
+piece, by the layout the body gave it: `ManualRegion.compose`. Those layouts seed the
+enclosing program's propagation like annotations, and its partition rule reshards
+operands to them, partitions the body and places the result in the program."""
 from __future__ import annotations
 
+from gspmd.errors import ShardingError
 from gspmd.ir import Instr, Program, Value
 from gspmd.mesh import Mesh
 from gspmd.ops.registry import CONTRACTION, register
+from gspmd.region import ManualRegion
 from gspmd.sharding import Sharding, dims_mapping_from_spec
 from gspmd.spmd import reshard as rs
+from gspmd.spmd.context import Why
 from gspmd.spmd.partitioned import PartitionedValue
 
 
+def _inside_layouts(instr: Instr) -> list[Sharding]:
+    """Per operand, then per result: its layout inside the body, split only where the
+    piece's split is a split of the whole (uneven splits stay inside)."""
+    body, region, a = instr.attrs["body"], instr.attrs["region"], instr.attrs
+    inside = body.params + body.outputs
+    specs = list(a["in_specs"]) + list(a["out_specs"])
+    return [region.nesting(spec, v.sharding or Sharding.replicated(v.rank, region.num_devices), t.shape)
+            for v, spec, t in zip(inside, specs, instr.operands + instr.outputs)]
+
+
+def _boundary_layouts(instr: Instr) -> list[Sharding]:
+    """Per operand, then per result: its layout over the whole mesh."""
+    region, a = instr.attrs["region"], instr.attrs
+    specs = list(a["in_specs"]) + list(a["out_specs"])
+    return [region.compose(spec, inside, t.shape)
+            for spec, inside, t in zip(specs, _inside_layouts(instr), instr.operands + instr.outputs)]
+
+
 def _propagate_manual(instr: Instr, shardings, target: int) -> list:
-    """The specs fix the layouts at the region's boundary."""
-    n = len(instr.operands)
-    return [instr.attrs["in_shardings"][target] if target < n else instr.attrs["out_shardings"][target - n]]
+    return [_boundary_layouts(instr)[target]]
+
+
+def _seed_manual(instr: Instr) -> list:
+    return list(enumerate(_boundary_layouts(instr)))
 
 
 def _partition_manual(ctx, instr: Instr, operands, targets) -> list[PartitionedValue]:
-    body, a = instr.attrs["body"], instr.attrs
-    local = {p: rs.reshard(ctx, o, s).local for p, o, s in zip(body.params, operands, a["in_shardings"])}
-    for inner in body.instrs:
-        outs = ctx.b.add(inner.opcode, [local[v] for v in inner.operands],
+    body, region = instr.attrs["body"], instr.attrs["region"]
+    n = len(operands)
+    inside, boundary = _inside_layouts(instr), _boundary_layouts(instr)
+    args = [rs.reshard(ctx, o, layout).local for o, layout in zip(operands, boundary[:n])]
+    local = ctx.partition_subprogram(body, inside[:n], inside[n:], region.subgroups)
+    outs = _place(ctx, local, args)
+    return [rs.reshard(ctx, PartitionedValue(v, layout, o.shape), t)
+            for v, layout, o, t in zip(outs, boundary[n:], instr.outputs, targets)]
+
+
+def _place(ctx, local: Program, args: list[Value]) -> list[Value]:
+    """The partitioned body's instructions, in the enclosing program, on `args`."""
+    env = dict(zip(local.params, args))
+    for inner in local.instrs:
+        outs = ctx.b.add(inner.opcode, [env[v] for v in inner.operands],
                          [(v.shape, v.dtype) for v in inner.outputs], **inner.attrs)
-        for out in outs:
-            out.producer.origin = f"{ctx.b.origin} [manual: {inner.origin or inner.opcode}]"
-        local.update(zip(inner.outputs, outs))
-    results = [PartitionedValue(local[v], s, o.shape)
-               for v, s, o in zip(body.outputs, a["out_shardings"], instr.outputs)]
-    return [rs.reshard(ctx, pv, t) for pv, t in zip(results, targets)]
+        placed = outs[0].producer
+        placed.origin = f"{ctx.b.origin} [manual: {inner.origin or inner.opcode}]"
+        placed.why = inner.why or Why.MANUAL
+        placed.recomputed = inner.recomputed
+        env.update(zip(inner.outputs, outs))
+    return [env[v] for v in local.outputs]
 
 
-def _spec_sharding(mesh: Mesh, spec, shape) -> Sharding:
-    """A manual spec (per dim, the tuple of axis names splitting it) as a layout."""
-    return Sharding.from_mesh(mesh, [names if names else -1 for names in spec], shape)
-
-
-def _emit_manual(b, mesh: Mesh, body_jaxpr, args: list[Value], in_specs, out_specs, out_types) -> list[Value]:
-    """A manual region: the body is per-device code already, converted into a
-    sub-program whose named-axis collectives resolve over the region's mesh. Specs give,
-    per dim, the tuple of mesh axis names splitting it; out_types the global results."""
+def _emit_manual(b, mesh: Mesh, axes, body_jaxpr, args: list[Value], in_specs, out_specs, out_types) -> list[Value]:
+    """A manual region over `axes` of `mesh`: the body is per-manual-partition code,
+    converted into a sub-program whose named-axis collectives resolve over the mesh.
+    Specs give, per dim, the tuple of mesh axis names splitting it; out_types the
+    global results."""
+    if b.manual_regions:
+        raise ShardingError(f"A manual region over {tuple(axes)} of {mesh} inside another manual region "
+                            f"({b.manual_regions[-1]}) is not supported; make the outer region manual over all "
+                            "these axes instead.")
+    region = ManualRegion(mesh, axes)
     body = Program(f"{b.program.name}.manual", parent=b.program)
+    body.region = region
     sb = b.on(body)
     sb.origin = "manual"
     jaxpr = body_jaxpr.jaxpr if hasattr(body_jaxpr, "jaxpr") else body_jaxpr
     params = [sb.param(v.aval.shape, v.aval.dtype, hint="local") for v in jaxpr.invars]
-    sb.manual_meshes.append(mesh)
+    sb.manual_regions.append(region)
     try:
         body.outputs = sb.inline(body_jaxpr, params)
     finally:
-        sb.manual_meshes.pop()
-    in_shardings = tuple(_spec_sharding(mesh, s, a.shape) for s, a in zip(in_specs, args))
-    out_shardings = tuple(_spec_sharding(mesh, s, shape) for s, (shape, _) in zip(out_specs, out_types))
-    return b.add("manual", args, out_types, body=body, in_shardings=in_shardings, out_shardings=out_shardings)
+        sb.manual_regions.pop()
+    in_specs, out_specs = tuple(map(tuple, in_specs)), tuple(map(tuple, out_specs))
+    # The layouts the specs name (automatic axes unsplit): what the region's device count is read from.
+    def named(spec, shape):
+        return region.compose(spec, Sharding.replicated(len(shape), region.num_devices), shape)
+    in_shardings = tuple(named(s, a.shape) for s, a in zip(in_specs, args))
+    out_shardings = tuple(named(s, shape) for s, (shape, _) in zip(out_specs, out_types))
+    return b.add("manual", args, out_types, body=body, region=region, in_specs=in_specs, out_specs=out_specs,
+                 in_shardings=in_shardings, out_shardings=out_shardings)
 
 
 def _convert_manual(b, eqn, args: list[Value]) -> list[Value]:
     """gspmd.manual's primitive (its specs are normalized already)."""
     p = eqn.params
     out_types = [(shape, a.dtype) for shape, a in zip(p["out_shapes"], p["body"].out_avals)]
-    return _emit_manual(b, p["mesh"], p["body"], args, p["in_specs"], p["out_specs"], out_types)
+    return _emit_manual(b, p["mesh"], p["axes"], p["body"], args, p["in_specs"], p["out_specs"], out_types)
 
 
 def _convert_shard_map(b, eqn, args: list[Value]) -> list[Value]:
-    """jax.shard_map: a manual region over its mesh. Axes left out of its axis_names stay
-    automatic; as in gspmd.manual the body is replicated over them."""
+    """jax.shard_map: a manual region over its mesh's axes that it makes manual; the
+    others stay automatic."""
     def names(spec, shape):
         return tuple(() if e is None else (e,) if isinstance(e, str) else e
                      for e in dims_mapping_from_spec(spec, shape))
     p = eqn.params
+    mesh = b.mesh_of(p["mesh"])
+    axes = tuple(a for a in mesh.axis_names if a in p.get("newly_manual_axes", mesh.axis_names))
     out_types = [b.out_aval(eqn, i) for i in range(len(eqn.outvars))]
-    return _emit_manual(b, b.mesh_of(p["mesh"]), p["jaxpr"], args,
-                        [names(s, a.shape) for s, a in zip(p["in_specs"], args)],
+    return _emit_manual(b, mesh, axes, p["jaxpr"], args, [names(s, a.shape) for s, a in zip(p["in_specs"], args)],
                         [names(s, shape) for s, (shape, _) in zip(p["out_specs"], out_types)], out_types)
 
 
 # "manual" is gspmd.frontend.manual.manual_p's name.
 register("manual", converts={"manual": _convert_manual, "shard_map": _convert_shard_map}, propagate=_propagate_manual,
-         partition=_partition_manual, priority=CONTRACTION)
+         seed=_seed_manual, partition=_partition_manual, priority=CONTRACTION)

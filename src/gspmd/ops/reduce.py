@@ -92,7 +92,8 @@ register("reduce",
                    "reduce_xor": _convert_reduce(XOR),
                    "argmax": _convert_arg_reduce(MAX), "argmin": _convert_arg_reduce(MIN)},
          evaluate=_evaluate_reduce, lower=_lower_reduce, factors=_reduce_factors, priority=LAYOUT,
-         backward_priority=EXPAND, storage=Storage.INDEXED, expensive=True, flops=operand_flops)
+         backward_priority=EXPAND, storage=Storage.INDEXED, expensive=True, flops=operand_flops,
+         linear=lambda instr: [(0,)] if instr.attrs["reducer"] is ADD else [])
 
 
 # -- variadic-reduce: operands (*xs, *inits) -------------------------------------------------

@@ -104,6 +104,13 @@ class OpDef:
     # repeat(ctx, instr) -> its result computed again by other instructions, which no
     # common-subexpression elimination merges with it (memory-aware partitioning)
     repeat: Optional[Callable[[DeviceContext, Instr], Value]] = None
+    # linear(instr) -> sets of operand indices the op is jointly linear in while its other
+    # operands stay fixed: the op commutes with summing those operands over devices
+    # (loop motion defers an all-reduce past such ops)
+    linear: Optional[Callable[[Instr], Sequence[Sequence[int]]]] = None
+    # seed(instr) -> (index into tensors(instr), layout) pairs the op fixes by itself,
+    # propagated from the start like annotations (a manual region's specs)
+    seed: Optional[Callable[[Instr], Sequence[tuple[int, Sharding]]]] = None
 
 
 Order = tuple[int, ...]   # a tensor's dims as laid out in memory, major to minor
@@ -181,6 +188,12 @@ def runs(instr: Instr) -> list[tuple[Program, int]]:
     return [] if fn is None else fn(instr)
 
 
+def seeds(instr: Instr) -> Sequence[tuple[int, Sharding]]:
+    """Layouts `instr` fixes for its own tensors before any propagation."""
+    fn = lookup(instr.opcode).seed
+    return () if fn is None else fn(instr)
+
+
 def informants(instr: Instr, target: int, count: int) -> Sequence[int]:
     """Which of the `count` tensors(instr) propagation should consult for `target`."""
     fn = lookup(instr.opcode).informants
@@ -241,6 +254,16 @@ def result_sized_bytes(instr: Instr) -> int:
 def update_sized_bytes(update: int) -> Callable[[Instr], int]:
     """In-place updates read and write their update operand's worth (and the indices)."""
     return lambda instr: 2 * instr.operands[update].nbytes + sum(o.nbytes for o in instr.operands[1:update])
+
+
+def jointly_linear(instr: Instr) -> list[tuple[int, ...]]:
+    """Linear in all operands together (add, transpose, concatenate, ...)."""
+    return [tuple(range(len(instr.operands)))]
+
+
+def linear_in(*sets: Sequence[int]) -> Callable[[Instr], Sequence[Sequence[int]]]:
+    """Linear in each of these operand sets, the others fixed (dot: (0,), (1,))."""
+    return lambda instr: sets
 
 
 def elementwise_factors(instr: Instr) -> list[fx.Factor]:

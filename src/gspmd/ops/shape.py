@@ -8,7 +8,7 @@ import numpy as np
 from jax import lax
 from jax import numpy as jnp
 
-from gspmd.ops.registry import EXPAND, LAYOUT, Storage, register
+from gspmd.ops.registry import EXPAND, LAYOUT, Storage, jointly_linear, register
 from gspmd.sharding import Sharding
 from gspmd.spmd import reshard as rs
 from gspmd.spmd.cost import ComputeKind
@@ -282,15 +282,15 @@ def _lower_iota(instr, args, lc):
 
 register("broadcast", converts={"broadcast_in_dim": _convert_broadcast_in_dim}, evaluate=_evaluate_broadcast,
          lower=_lower_broadcast, factors=_broadcast_factors, priority=LAYOUT, forward_priority=EXPAND,
-         storage=Storage.REPEATED)
+         storage=Storage.REPEATED, linear=jointly_linear)
 register("transpose", converts={"transpose": _convert_transpose}, evaluate=_evaluate_transpose,
          lower=_lower_transpose, factors=_transpose_factors, priority=LAYOUT, storage=Storage.INDEXED,
-         transposes=True)
+         transposes=True, linear=jointly_linear)
 register("reshape", converts={"reshape": _convert_reshape, "squeeze": _convert_plain_reshape,
                               "expand_dims": _convert_plain_reshape},
          evaluate=_evaluate_reshape, lower=_lower_reshape, propagate=_reshape_propagate,
          partition=_reshape_partition, priority=LAYOUT, storage=Storage.BITCAST,
-         compute=ComputeKind.FREE)     # a bitcast
+         compute=ComputeKind.FREE, linear=jointly_linear)     # a bitcast
 def _platform_index(b, eqn, args):
     """lax.platform_dependent's branch index: which of its platforms jax runs on, asked
     of jax itself (outside any trace the primitive evaluates on the default device)."""

@@ -18,7 +18,8 @@ from jax import numpy as jnp
 
 from gspmd.ir import Value
 from gspmd.ir.reducer import ADD, OR, Reducer
-from gspmd.ops.registry import LAYOUT, Storage, register, result_sized_bytes, update_sized_bytes
+from gspmd.ops.registry import (LAYOUT, Storage, jointly_linear, linear_in, register, result_sized_bytes,
+                                update_sized_bytes)
 from gspmd.ops.window import pad_array
 from gspmd.sharding import Sharding
 from gspmd.spmd import factors as fx
@@ -191,9 +192,11 @@ def _lower_pad(instr, args, lc):
 
 register("slice", converts={"slice": _convert_slice, "split": _convert_split}, evaluate=_evaluate_slice,
          lower=_lower_slice, factors=_propagation_factors, partition=_partition_pad_or_slice, priority=LAYOUT,
-         storage=Storage.INDEXED, bytes_accessed=result_sized_bytes)
+         storage=Storage.INDEXED, bytes_accessed=result_sized_bytes, linear=jointly_linear)
+# pad(x, value): linear in both (the padding value zero when x is summed)
 register("pad", converts={"pad": _convert_pad}, evaluate=_evaluate_pad, lower=_lower_pad,
-         factors=_propagation_factors, partition=_partition_pad_or_slice, priority=LAYOUT, storage=Storage.INDEXED)
+         factors=_propagation_factors, partition=_partition_pad_or_slice, priority=LAYOUT, storage=Storage.INDEXED,
+         linear=jointly_linear)
 
 
 # -- dynamic-slice and dynamic-update-slice -----------------------------------------------
@@ -341,11 +344,11 @@ def _lower_dynamic_update_slice(instr, args, lc):
 register("dynamic-slice", converts={"dynamic_slice": _convert_as_is("dynamic-slice")},
          evaluate=_evaluate_dynamic_slice, lower=_lower_dynamic_slice, factors=_dynamic_slice_factors,
          partition=_partition_dynamic_slice, priority=LAYOUT, storage=Storage.INDEXED,
-         bytes_accessed=result_sized_bytes)
+         bytes_accessed=result_sized_bytes, linear=linear_in((0,)))
 register("dynamic-update-slice", converts={"dynamic_update_slice": _convert_as_is("dynamic-update-slice")},
          evaluate=_evaluate_dynamic_update_slice, lower=_lower_dynamic_update_slice,
          factors=_dynamic_update_slice_factors, partition=_partition_dynamic_update_slice, priority=LAYOUT,
-         storage=Storage.IN_PLACE, bytes_accessed=update_sized_bytes(1))
+         storage=Storage.IN_PLACE, bytes_accessed=update_sized_bytes(1), linear=linear_in((0, 1)))
 
 
 def _concatenate_factors(instr):
@@ -441,4 +444,4 @@ def _lower_concatenate(instr, args, lc):
 
 register("concatenate", converts={"concatenate": _convert_concatenate}, evaluate=_evaluate_concatenate,
          lower=_lower_concatenate, factors=_propagation_factors, partition=_partition_concatenate, priority=LAYOUT,
-         storage=Storage.INDEXED)
+         storage=Storage.INDEXED, linear=jointly_linear)

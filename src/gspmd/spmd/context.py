@@ -23,39 +23,57 @@ class Why(enum.Enum):
     MANUAL = "manual"                        # written by the user in a manual region
 
 
-# partition_subprogram(program, in_layouts, out_layouts) -> the per-device program
-PartitionSubprogram = Callable[[Program, Sequence, Sequence], Program]
+# partition_subprogram(program, in_layouts, out_layouts, subgroups=None) -> the per-device program
+PartitionSubprogram = Callable[..., Program]
 
 
 class DeviceContext:
-    """The devices one partitioning step sees as partitions. Partition p runs on
-    device `devices[p]`; collectives name device ids."""
+    """The devices one partitioning step sees as partitions: 0..num_devices-1, which are
+    the devices themselves, or inside a manual region (`subgroups` [G, K]: real device
+    of subgroup g's virtual device v) the virtual devices of every subgroup at once.
+    Tables and collective groups are written over virtual devices and emitted over real
+    ones; collectives run within each subgroup."""
 
     def __init__(self, builder: Builder, num_devices: int,
                  partition_subprogram: Optional[PartitionSubprogram] = None,
-                 partitioned: Optional[Callable[[Value], object]] = None):
+                 partitioned: Optional[Callable[[Value], object]] = None,
+                 subgroups: Optional[np.ndarray] = None):
         """The driver's hooks: partition_subprogram partitions loop bodies and conditions;
         partitioned(value) is the PartitionedValue of any value already partitioned (for
         rules that look through their operands' producers)."""
         self.b = builder
         self.num_devices = num_devices
-        self.devices = np.arange(num_devices)
+        self.subgroups = np.arange(num_devices)[None] if subgroups is None else np.asarray(subgroups)
+        self.virtual = np.empty(self.subgroups.size, np.int64)   # real device -> its virtual device
+        self.virtual[self.subgroups] = np.arange(num_devices)
         self._pid: Value | None = None
         self._tables: dict[bytes, Value] = {}
         self.partition_subprogram = partition_subprogram
         self.partitioned = partitioned
 
+    def real_groups(self, groups) -> np.ndarray:
+        """Groups of virtual devices as groups of real devices, in every subgroup."""
+        groups = _groups(groups)
+        return self.subgroups[:, groups].reshape(-1, groups.shape[1])
+
+    def virtual_groups(self, groups) -> np.ndarray:
+        """Inverse of real_groups: the virtual groups of real device groups."""
+        virtual = self.virtual[_groups(groups)]
+        return np.unique(virtual, axis=0) if virtual.size else virtual
+
     # -- partition-dependent scalars ---------------------------------------------
     def partition_id(self) -> Value:
+        """The real device's id (the virtual one is a table lookup)."""
         if self._pid is None:
             self._pid = self.b.add1("partition-id", [], (), INDEX_DTYPE)
         return self._pid
 
     def table_lookup(self, table: Sequence[int]) -> Value:
-        """Scalar `table[partition_id]`, as XLA does it: constant + dynamic-slice."""
+        """Scalar `table[virtual device]`, as XLA does it: constant + dynamic-slice."""
         table = np.asarray(table, INDEX_DTYPE)
         if np.all(table == table[0]):
             return self.constant(table[0])
+        table = table[self.virtual]
         key = table.tobytes()
         if key not in self._tables:
             t = self.constant(table)
@@ -99,17 +117,17 @@ class DeviceContext:
         return out
 
     def all_reduce(self, x: Value, groups: np.ndarray, reducer: Reducer, why: Why, detail: str = "") -> Value:
-        return self._collective("all-reduce", x, x.shape, why, detail, groups=_groups(groups), reducer=reducer)
+        return self._collective("all-reduce", x, x.shape, why, detail, groups=self.real_groups(groups), reducer=reducer)
 
     def all_gather(self, x: Value, dim: int, groups: np.ndarray, why: Why, detail: str = "") -> Value:
-        groups = _groups(groups)
+        groups = self.real_groups(groups)
         shape = list(x.shape)
         shape[dim] *= groups.shape[1]
         return self._collective("all-gather", x, shape, why, detail, dim=dim, groups=groups)
 
     def reduce_scatter(self, x: Value, dim: int, groups: np.ndarray, reducer: Reducer, why: Why,
                        detail: str = "") -> Value:
-        groups = _groups(groups)
+        groups = self.real_groups(groups)
         shape = list(x.shape)
         assert shape[dim] % groups.shape[1] == 0
         shape[dim] //= groups.shape[1]
@@ -117,7 +135,7 @@ class DeviceContext:
 
     def all_to_all(self, x: Value, split_dim: int, concat_dim: int, groups: np.ndarray, why: Why,
                    detail: str = "") -> Value:
-        groups = _groups(groups)
+        groups = self.real_groups(groups)
         k = groups.shape[1]
         shape = list(x.shape)
         assert shape[split_dim] % k == 0
@@ -128,7 +146,7 @@ class DeviceContext:
 
     def collective_permute(self, x: Value, pairs: np.ndarray, why: Why, detail: str = "") -> Value:
         return self._collective("collective-permute", x, x.shape, why, detail,
-                                pairs=np.asarray(pairs, np.int64).reshape(-1, 2))
+                                pairs=self.real_groups(np.asarray(pairs, np.int64).reshape(-1, 2)))
 
 
 def _groups(groups) -> np.ndarray:

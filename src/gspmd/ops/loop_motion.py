@@ -1,0 +1,258 @@
+"""Loop-invariant collective motion: a loop that accumulates all-reduced values
+(acc = acc + all_reduce(x), as the gradient of a scan over data-parallel layers does)
+carries the unreduced partial sums instead and all-reduces once, after the loop.
+
+A carried value qualifies when
+- it is only read after the loop: inside the body its parameter feeds nothing but the
+  expression that becomes its next value, and the loop condition does not read it;
+- that expression is built from the parameter, results of add-all-reduces over one set
+  of device groups G, and zeros, by ops linear in those (their records' `linear`),
+  every other operand being the same on all devices of a group ("uniform").
+Then summing over G commutes with the whole expression, so each device can add its own
+part and the sum happens once. The initial value enters as a partial sum too: whole
+on the first device of each group, zero on the others.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from gspmd.ir import Builder, Instr, Program, Value
+from gspmd.ir.dce import eliminate_dead_code
+from gspmd.ir.reducer import ADD
+from gspmd.ops.registry import lookup
+from gspmd.spmd.context import DeviceContext, Why
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """Carry `index` leaves the loop as partial sums over `groups` (real devices)."""
+    index: int
+    groups: np.ndarray
+
+
+def defer_reductions(ctx: DeviceContext, body: Program, cond: Program, init: list[Value]) -> tuple[list[Value], list[Deferred]]:
+    """Rewrite the partitioned loop `body` so that qualifying carries hold partial sums;
+    returns the loop's initial values (as partial sums where deferred) and what to
+    all-reduce after the loop (`finish_reductions`)."""
+    deferred: list[Deferred] = []
+    uniform = _Uniformity(body, ctx.virtual)
+    for i, (param, out) in enumerate(zip(body.params, body.outputs)):
+        if _reads(cond, cond.params[i]):
+            continue
+        for groups in _reduction_groups(body, out):
+            expr = _partial_expression(body, param, out, groups, uniform)
+            if expr is not None and _only_feeds(body, i, expr):
+                _rewrite(body, i, expr, groups)
+                uniform.exclude(param)
+                init = init[:i] + [_as_partial(ctx, init[i], groups)] + init[i + 1:]
+                deferred.append(Deferred(i, groups))
+                break
+    if deferred:
+        eliminate_dead_code(body)
+    return init, deferred
+
+
+def finish_reductions(ctx: DeviceContext, results: list[Value], deferred: list[Deferred]) -> list[Value]:
+    results = list(results)
+    for d in deferred:
+        results[d.index] = ctx.all_reduce(results[d.index], ctx.virtual_groups(d.groups), ADD, Why.PARTIAL_RESULTS,
+                                          "all-reduce deferred past the loop")
+    return results
+
+
+# -- finding the expression ------------------------------------------------------------------
+def _is_add_all_reduce(instr: Optional[Instr]) -> bool:
+    return instr is not None and instr.opcode == "all-reduce" and instr.attrs["reducer"] is ADD
+
+
+def _reduction_groups(body: Program, out: Value) -> list[np.ndarray]:
+    """Distinct groups of the add-all-reduces `out` depends on within the body."""
+    seen, found, todo = set(), {}, [out]
+    while todo:
+        v = todo.pop()
+        if v in seen or v.producer is None:
+            continue
+        seen.add(v)
+        if _is_add_all_reduce(v.producer):
+            groups = np.asarray(v.producer.attrs["groups"])
+            found.setdefault(_groups_key(groups), groups)
+        elif lookup(v.producer.opcode).linear is not None:
+            todo.extend(v.producer.operands)
+    return list(found.values())
+
+
+def _groups_key(groups: np.ndarray) -> tuple:
+    return tuple(sorted(tuple(sorted(int(d) for d in g)) for g in np.asarray(groups)))
+
+
+def _is_zero(v: Value) -> bool:
+    """A constant zero, or a broadcast of one."""
+    p = v.producer
+    if p is None:
+        return False
+    if p.opcode == "constant":
+        return not np.any(p.attrs["value"])
+    return p.opcode == "broadcast" and _is_zero(p.operands[0])
+
+
+@dataclass
+class _Expression:
+    """Instructions (in program order) whose results are partial sums over the groups;
+    `leaves` maps each all-reduce result used to what it reduced."""
+    instrs: list[Instr]
+    leaves: dict[Value, Value]
+    from_accumulator: set[Value]
+
+
+def _partial_expression(body: Program, param: Value, out: Value, groups: np.ndarray,
+                        uniform: "_Uniformity") -> Optional[_Expression]:
+    """The expression giving `out` as partial sums over `groups`, if there is one."""
+    key = _groups_key(groups)
+    partial: dict[Value, bool] = {param: True}    # value -> derived from the accumulator
+    leaves: dict[Value, Value] = {}
+    instrs: list[Instr] = []
+    for instr in body.instrs:
+        if _is_add_all_reduce(instr) and _groups_key(instr.attrs["groups"]) == key:
+            leaves[instr.output] = instr.operands[0]
+            partial[instr.output] = False
+            continue
+        linear = lookup(instr.opcode).linear
+        if linear is None or len(instr.outputs) != 1:
+            continue
+        summed = {k for k, o in enumerate(instr.operands) if o in partial}
+        if not summed:
+            continue
+        for jointly in linear(instr):
+            fill = set(jointly) - summed
+            if summed <= set(jointly) and all(_is_zero(instr.operands[k]) for k in fill) and all(
+                    uniform(o, groups) for k, o in enumerate(instr.operands) if k not in jointly):
+                partial[instr.output] = any(partial[instr.operands[k]] for k in summed)
+                instrs.append(instr)
+                break
+    if out not in partial or not leaves:
+        return None
+    needed = _cone(out, partial)
+    if not needed & set(leaves):
+        return None
+    return _Expression([i for i in instrs if i.output in needed], {v: x for v, x in leaves.items() if v in needed},
+                       {v for v in needed if partial[v]} | {param})
+
+
+def _cone(out: Value, partial: dict) -> set[Value]:
+    """The partial values `out` is computed from (through partial operands only)."""
+    needed, todo = set(), [out]
+    while todo:
+        v = todo.pop()
+        if v in needed or v not in partial:
+            continue
+        needed.add(v)
+        if v.producer is not None and not _is_add_all_reduce(v.producer):
+            todo.extend(v.producer.operands)
+    return needed
+
+
+def _reads(program: Program, v: Value) -> bool:
+    return any(v in instr.operands for instr in program.instrs) or v in program.outputs
+
+
+def _only_feeds(body: Program, index: int, expr: _Expression) -> bool:
+    """The accumulator and what is computed from it reach nothing but the expression
+    and the body's result `index`."""
+    inside = set(expr.instrs)
+    for instr in body.instrs:
+        if instr not in inside and any(o in expr.from_accumulator for o in instr.operands):
+            return False
+    return all(v not in expr.from_accumulator for k, v in enumerate(body.outputs) if k != index)
+
+
+def _rewrite(body: Program, index: int, expr: _Expression, groups: np.ndarray) -> None:
+    """Append the expression again with each all-reduce replaced by what it reduced."""
+    b = Builder(body)
+    clone: dict[Value, Value] = dict(expr.leaves)
+    for instr in expr.instrs:
+        b.origin, b.recomputed = instr.origin, instr.recomputed
+        operands = [clone.get(o, o) for o in instr.operands]
+        clone[instr.output] = b.add1(instr.opcode, operands, instr.output.shape, instr.output.dtype, **instr.attrs)
+    out = body.outputs[index]
+    body.outputs[index] = clone.get(out, out)
+
+
+def _as_partial(ctx: DeviceContext, init: Value, groups: np.ndarray) -> Value:
+    """init as partial sums over groups: whole on each group's first device, else zero."""
+    if _is_zero(init):
+        return init
+    first = np.zeros(ctx.num_devices, np.int32)
+    first[ctx.virtual_groups(groups)[:, 0]] = 1
+    is_first = ctx.b.add1("compare", [ctx.table_lookup(first), ctx.constant(1, np.int32)], (), np.bool_,
+                          direction="EQ")
+    zero = ctx.b.add1("broadcast", [ctx.constant(0, init.dtype)], init.shape, init.dtype, dims=())
+    pred = ctx.b.add1("broadcast", [is_first], init.shape, np.bool_, dims=())
+    return ctx.b.add1("select", [pred, init, zero], init.shape, init.dtype)
+
+
+# -- uniformity ------------------------------------------------------------------------------
+class _Uniformity:
+    """Whether a body value is the same on every device of each group: constants, loop
+    counters and other carries whose layout gives a group's devices the same tile,
+    partition-id table lookups whose table agrees within groups, collectives over
+    groups that contain them, and what is computed from such values alone."""
+
+    def __init__(self, body: Program, virtual: np.ndarray):
+        self.body = body
+        self.virtual = virtual      # real device -> the device the layouts are written over
+        self.excluded: set[Value] = set()
+        self.memo: dict[tuple, bool] = {}
+
+    def exclude(self, param: Value) -> None:
+        """A carry now holding partial sums."""
+        self.excluded.add(param)
+        self.memo.clear()
+
+    def __call__(self, v: Value, groups: np.ndarray) -> bool:
+        key = (v, _groups_key(groups))
+        if key not in self.memo:
+            self.memo[key] = self._uniform(v, np.asarray(groups))
+        return self.memo[key]
+
+    def _uniform(self, v: Value, groups: np.ndarray) -> bool:
+        p = v.producer
+        if p is None:
+            return (v not in self.excluded and v.sharding is not None
+                    and _same_within(v.sharding.coords()[self.virtual], groups))
+        if p.opcode == "constant":
+            return True
+        if p.opcode == "partition-id":
+            return groups.shape[1] == 1
+        if p.opcode in ("all-reduce", "all-gather"):
+            return _groups_within(groups, np.asarray(p.attrs["groups"]))
+        if p.opcode in ("reduce-scatter", "all-to-all", "collective-permute") or any(
+                isinstance(a, Program) for a in p.attrs.values()):
+            return False
+        if p.opcode == "dynamic-slice" and _is_table_lookup(p):
+            return _same_within(p.operands[0].producer.attrs["value"][:, None], groups)
+        return all(self(o, groups) for o in p.operands)
+
+
+def _is_table_lookup(instr: Instr) -> bool:
+    """dynamic-slice(constant table, partition-id): a per-device scalar."""
+    table, *starts = instr.operands
+    return (table.producer is not None and table.producer.opcode == "constant" and table.rank == 1
+            and len(starts) == 1 and starts[0].producer is not None and starts[0].producer.opcode == "partition-id")
+
+
+def _same_within(per_device: np.ndarray, groups: np.ndarray) -> bool:
+    """per_device[d] (rows) equal for all devices d of each group."""
+    rows = np.asarray(per_device)[groups]
+    return bool(np.all(rows == rows[:, :1]))
+
+
+def _groups_within(groups: np.ndarray, outer: np.ndarray) -> bool:
+    """Every group lies inside one group of `outer`."""
+    owner = np.full(int(outer.max()) + 1, -1)
+    for k, g in enumerate(outer):
+        owner[g] = k
+    members = owner[groups]
+    return bool(np.all(members >= 0) and np.all(members == members[:, :1]))

@@ -1,0 +1,59 @@
+"""Loop-invariant collective motion: sums of all-reduced values that only the code after
+a loop reads are carried unreduced and all-reduced once after the loop."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import gspmd
+from util import check, rand
+
+MESH = gspmd.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
+
+
+def _grad_of(w, x):
+    """A data-parallel weight gradient: the batch dim is split over "x"."""
+    x = gspmd.mesh_split(x, MESH, ["x", -1])
+    return jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+
+
+def _all_reduces(low):
+    return [c for c in low.report().collectives if c.kind == "all-reduce"]
+
+
+def test_accumulated_gradient_is_reduced_once_after_the_loop():
+    def f(w, xs, acc):
+        def step(acc, x):
+            return acc + _grad_of(w, x), None
+        return jax.lax.scan(step, acc, xs)[0]
+
+    rng = np.random.RandomState(0)
+    w, xs = rand(rng, 8, 6), rand(rng, 5, 6, 8)
+    for acc in (np.zeros((8, 6), np.float32), rand(rng, 8, 6)):      # a zero start, and one to carry over
+        low = check(f, w, xs, acc, mesh=MESH)
+        (reduction,) = _all_reduces(low)
+        assert reduction.executions == 1 and "deferred past the loop" in reduction.origin
+
+
+def test_linear_accumulation_through_other_ops_is_deferred_too():
+    """acc = 0.9 * acc + transpose(g): still linear in the partial sums."""
+    def f(w, xs):
+        def step(acc, x):
+            return 0.9 * acc + _grad_of(w, x).T, None
+        return jax.lax.scan(step, jnp.ones((6, 8)), xs)[0]
+
+    rng = np.random.RandomState(1)
+    low = check(f, rand(rng, 8, 6), rand(rng, 3, 6, 8), mesh=MESH)
+    assert [c.executions for c in _all_reduces(low)] == [1]
+
+
+def test_an_accumulator_read_inside_the_loop_keeps_its_reduction():
+    def f(w, xs):
+        def step(carry, x):
+            acc, total = carry
+            acc = acc + _grad_of(w, x)
+            return (acc, total + jnp.sum(acc)), None      # the running sum is read every step
+        return jax.lax.scan(step, (jnp.zeros((8, 6)), 0.0), xs)[0]
+
+    rng = np.random.RandomState(2)
+    low = check(f, rand(rng, 8, 6), rand(rng, 4, 6, 8), mesh=MESH)
+    assert any(c.executions == 4 for c in _all_reduces(low))
