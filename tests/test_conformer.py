@@ -53,7 +53,7 @@ def test_pipelined_conformer_train_step_equals_one_device(mesh_shape, axes, sche
     low = check(step, stacked, xs, ts, mesh=mesh, rtol=1e-4, atol=1e-5, backends=backends)
     report = low.report()
     assert report.pipelines[0].name == schedule and "all-gather" not in report.counts(), report
-    assert all(p.sharding.tiles[0] == stages for p in low.program.params)   # every layer stack split by stage
+    assert all(p.sharding.tiles[0] == stages for p in low.program.params[:-2])   # every layer stack split by stage
     if schedule == "gpipe":   # the same training step as the layers applied in order on one device
         new, loss = jax.jit(step)(stacked, xs, ts)
         want_new, want_loss = jax.jit(conformer.reference_step(cfg))(params, xs, ts)

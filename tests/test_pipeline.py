@@ -168,12 +168,14 @@ def test_recompute_fraction_and_utilization():
             return jax.grad(lambda w: jnp.sum(gspmd.pipeline(stage_fn, w, xs, mesh=MESH, stage_axis="p",
                                                              remat=remat) ** 2))(ws)
         reports[remat] = gspmd.jit(step, mesh=MESH).lower(ws, xs).report(hardware="tpu-v3")
-    # The stage's forward dot runs again before its two backward dots.
-    assert reports[True].recompute_fraction == pytest.approx(1 / 4) and reports[False].recompute_fraction is None
+    # The stage's forward runs again in the backward pass: what remat adds is what is marked recomputed.
+    with_remat, without = reports[True], reports[False]
+    assert with_remat.recompute_flops == pytest.approx(with_remat.flops - without.flops, rel=0.1)
+    assert 0.1 < with_remat.recompute_fraction < 0.3 and without.recompute_fraction is None
     # Raw utilization counts bubble and recompute as work; effective does not.
     r = reports[True]
     assert r.bubble_fraction == pytest.approx(3 / 11)
-    assert r.effective_utilization == pytest.approx(r.flops_utilization * (1 - 3 / 11) * (1 - 1 / 4))
+    assert r.effective_utilization == pytest.approx(r.flops_utilization * (1 - 3 / 11) * (1 - r.recompute_fraction))
 
 
 def test_data_pipeline_and_model_parallel_mesh():
