@@ -147,8 +147,8 @@ MISTAKES = [
     # -- other entry points ----------------------------------------------------------------------------------
     ("pipeline schedule misspelt", lambda: gspmd.pipeline(lambda p, x: x, np.ones((2, 3)), np.ones((4, 3)),
                                                          mesh=gspmd.Mesh(np.arange(8).reshape(2, 4), ("p", "x")),
-                                                         stage_axis="p", schedule="1f1b"),
-     ["'1f1b'", "Unknown pipeline schedule", r"choose one of \('gpipe', 'circular'\)"]),
+                                                         stage_axis="p", schedule="1F1B"),
+     ["'1F1B'", "Unknown pipeline schedule", r"choose one of \('gpipe', 'circular', '1f1b'\)"]),
 ]
 
 

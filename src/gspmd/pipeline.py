@@ -167,14 +167,14 @@ class _Pipeline:
     def by_stage(self, p):
         """A [L*R, ...] stack as [L, R, ...]: stage s holds layers s, L+s, 2L+s, ..."""
         rest = jnp.shape(p)[1:]
-        if self.stage_major:
+        if self.stage_major and self.R > 1:    # (with one repeat both orders are one)
             return self.split(jnp.reshape(self.split(p), (self.L, self.R) + rest))
         return self.split(jnp.swapaxes(jnp.reshape(p, (self.R, self.L) + rest), 0, 1))
 
     def from_stages(self, p):
         """Inverse of by_stage."""
         rest = jnp.shape(p)[2:]
-        if self.stage_major:
+        if self.stage_major and self.R > 1:
             return self.split(jnp.reshape(p, (self.L * self.R,) + rest))
         return jnp.reshape(jnp.swapaxes(p, 0, 1), (self.L * self.R,) + rest)
 
