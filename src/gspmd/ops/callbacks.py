@@ -46,7 +46,7 @@ def _convert(side_effect: bool):
         out_types = [b.out_aval(eqn, i) for i in range(len(eqn.outvars))]
         attrs = {SIDE_EFFECT: True} if side_effect else {}
         return b.add("host-callback", args, out_types, call=HostCall(eqn.primitive, dict(eqn.params)),
-                     per_device=bool(b.manual_meshes), **attrs)
+                     per_device=bool(b.manual_regions), **attrs)
     return convert
 
 
