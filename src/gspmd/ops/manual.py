@@ -66,7 +66,7 @@ def _place(ctx, local: Program, args: list[Value]) -> list[Value]:
     for inner in local.instrs:
         outs = ctx.b.add(inner.opcode, [env[v] for v in inner.operands],
                          [(v.shape, v.dtype) for v in inner.outputs], **inner.attrs)
-        placed = outs[0].producer
+        placed = ctx.b.program.instrs[-1]     # (effects may have no results)
         placed.origin = f"{ctx.b.origin} [manual: {inner.origin or inner.opcode}]"
         placed.why = inner.why or Why.MANUAL
         placed.recomputed = inner.recomputed
