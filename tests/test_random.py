@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import gspmd
 from gspmd.ops.random import threefry2x32
 from strategies import MESH_SHAPES, dims_mappings, meshes
-from util import BACKENDS
+from util import BACKENDS, assert_same
 
 MESH = gspmd.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
 SMALL_MESHES = [s for s in MESH_SHAPES if math.prod(s) <= 8]   # the jax backend has 8 devices
@@ -23,23 +23,6 @@ KEYS = {"raw": lambda seed: jax.random.PRNGKey(seed), "typed": lambda seed: jax.
 
 def split(x, *dims, mesh=MESH):
     return gspmd.mesh_split(x, mesh, list(dims))
-
-
-def assert_same(actual, expected, rtol=0.0, atol=0.0):
-    """Equal leaves, dtypes and key types; bit for bit, but float leaves only to rtol/atol
-    where those are given."""
-    a_leaves, a_tree = jax.tree_util.tree_flatten(actual)
-    e_leaves, e_tree = jax.tree_util.tree_flatten(expected)
-    assert a_tree == e_tree, (a_tree, e_tree)
-    for a, e in zip(a_leaves, e_leaves):
-        assert a.dtype == e.dtype and a.shape == e.shape, (a.dtype, a.shape, e.dtype, e.shape)
-        if jax.dtypes.issubdtype(e.dtype, jax.dtypes.prng_key):
-            a, e = jax.random.key_data(a), jax.random.key_data(e)
-        a, e = np.asarray(a), np.asarray(e)
-        if (rtol or atol) and jax.dtypes.issubdtype(e.dtype, np.floating):
-            np.testing.assert_allclose(a.astype(np.float32), e.astype(np.float32), rtol=rtol, atol=atol)
-        else:
-            np.testing.assert_array_equal(a, e)
 
 
 # The sim backend computes floats with NumPy, one op at a time, where XLA fuses (a*b+c as

@@ -24,6 +24,23 @@ def assert_close(actual, expected, rtol=1e-4, atol=1e-4):
         np.testing.assert_allclose(a, e, rtol=rtol, atol=atol)
 
 
+def assert_same(actual, expected, rtol=0.0, atol=0.0):
+    """Equal leaves, dtypes and key types; bit for bit, but float leaves only to rtol/atol
+    where those are given."""
+    a_leaves, a_tree = jax.tree_util.tree_flatten(actual)
+    e_leaves, e_tree = jax.tree_util.tree_flatten(expected)
+    assert a_tree == e_tree, (a_tree, e_tree)
+    for a, e in zip(a_leaves, e_leaves):
+        assert a.dtype == e.dtype and a.shape == e.shape, (a.dtype, a.shape, e.dtype, e.shape)
+        if jax.dtypes.issubdtype(e.dtype, jax.dtypes.prng_key):
+            a, e = jax.random.key_data(a), jax.random.key_data(e)
+        a, e = np.asarray(a), np.asarray(e)
+        if (rtol or atol) and jax.dtypes.issubdtype(e.dtype, np.floating):
+            np.testing.assert_allclose(a.astype(np.float32), e.astype(np.float32), rtol=rtol, atol=atol)
+        else:
+            np.testing.assert_array_equal(a, e)
+
+
 # Every differential check runs on each of these backends (e.g. GSPMD_TEST_BACKENDS=sim).
 BACKENDS = tuple(os.environ.get("GSPMD_TEST_BACKENDS", "sim,jax").split(","))
 
