@@ -1,5 +1,6 @@
 """The public surface: jit, lower, as_text, sharding_of, explain, report, the CLI."""
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -132,3 +133,14 @@ def test_reports_speak_the_users_terms():
     with pytest.raises(gspmd.ShardingError, match=r"names several values \(params\['w1'\], result\['w1'\]\)"):
         low.explain("w1")
     assert "params['w2']" in low.as_text() and "result['w1']" in low.as_text()
+
+
+def test_collectives_inside_library_functions_name_the_calling_line():
+    """jnp.take runs as a jitted function whose equations carry no line of the caller's
+    code: its all-reduce is charged to the line that called it."""
+    def lookup(table, ids):
+        return jnp.take(gspmd.mesh_split(table, MESH, ["y", None]), ids, axis=0)   # the line of the all-reduce
+
+    low = gspmd.jit(lookup, mesh=MESH).lower(np.ones((10, 4), np.float32), np.zeros(6, np.int32))
+    line = lookup.__code__.co_firstlineno + 1
+    assert [c.source for c in low.report().collectives] == [f"test_api.py:{line} (lookup)"], low.report()

@@ -67,8 +67,10 @@ def _as_jax_context(mesh: Optional[Mesh]):
 
 
 def _inline(b: Conversion, closed, args: list[Value]) -> list[Value]:
-    """Convert the equations of `closed` (a closed or open jaxpr) with `args` as inputs."""
-    origin, recomputed = b.origin, b.recomputed
+    """Convert the equations of `closed` (a closed or open jaxpr) with `args` as inputs.
+    An equation with no line of the user's code in its traceback (inside a jitted library
+    function such as jnp.take, traced once and cached) is charged to the calling line."""
+    origin, recomputed, caller = b.origin, b.recomputed, b.source
     jaxpr = closed.jaxpr if hasattr(closed, "jaxpr") else closed
     consts = closed.consts if hasattr(closed, "consts") else []
     env: dict = {var: b.constant(keys.constant(c)) for var, c in zip(jaxpr.constvars, consts)}
@@ -80,11 +82,11 @@ def _inline(b: Conversion, closed, args: list[Value]) -> list[Value]:
         return env[atom]
 
     for eqn in jaxpr.eqns:
-        b.origin, b.source = eqn.primitive.name, source_line(eqn)
+        b.origin, b.source = eqn.primitive.name, source_line(eqn) or caller
         b.recomputed = recomputed or _RECOMPUTE_SCOPE in str(eqn.source_info.name_stack)
         outs = _convert(b, eqn, [read(a) for a in eqn.invars])
         env.update(zip(eqn.outvars, outs))
-    b.origin, b.recomputed = origin, recomputed
+    b.origin, b.recomputed, b.source = origin, recomputed, caller
     return [read(v) for v in jaxpr.outvars]
 
 
