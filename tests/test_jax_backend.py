@@ -143,6 +143,15 @@ def test_uneven_outputs_are_assembled():
     assert_close(out, jax.jit(_mlp)(*args))
 
 
+def test_uneven_outputs_are_gathered_only_over_their_split():
+    """An output split unevenly over "y" only is gathered among the 4 devices of each
+    row that hold one copy, not among all 8."""
+    a = np.arange(30, dtype=np.float32).reshape(10, 3)
+    low = gspmd.jit(lambda x: gspmd.mesh_split(x * 2, MESH, ["y", None]), mesh=MESH, backend="jax").lower(a)
+    np.testing.assert_array_equal(low.jax_executable()([a])[0], a * 2)
+    assert jax_backend.hlo_collective_bytes(low.jax_executable().compiled.as_text()) == {"all-gather": 4 * 3 * 3 * 4}
+
+
 def test_compiled_once_per_signature_with_native_collectives():
     step = gspmd.jit(_mlp, mesh=MESH, backend="jax")
     args = _mlp_args()

@@ -60,10 +60,11 @@ def is_even(sharding: Sharding, shape: Sequence[int]) -> bool:
 
 
 def _assemble(local, sharding: Sharding, shape: Sequence[int], lc: LowerContext):
-    """Inside the body: the global array from every device's (padded) shard."""
-    gathered = lax.all_gather(local, lc.axis)                             # [N, *local], by mesh position
-    owners = lc.positions(sharding.tile_assignment[..., 0].ravel())       # one device per tile
-    tiles = gathered[owners].reshape(*sharding.tiles, *local.shape)
+    """Inside the body: the global array from the (padded) shards, gathered within each
+    group of devices that holds one whole copy (one replica's tiles, in tile order)."""
+    replicas = sharding.tile_assignment.reshape(-1, sharding.num_replicas).T      # [R, tiles]
+    gathered = lax.all_gather(local, lc.axis, axis_index_groups=lc.positions(replicas).tolist())
+    tiles = gathered.reshape(*sharding.tiles, *local.shape)
     r = len(shape)
     interleaved = tiles.transpose([i for d in range(r) for i in (d, r + d)])
     full = interleaved.reshape([t * n for t, n in zip(sharding.tiles, local.shape)])
