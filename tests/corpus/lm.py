@@ -40,8 +40,12 @@ def layer_norm(x, scale):
     return (x - mean) * jax.lax.rsqrt(var + 1e-5) * scale
 
 
+def project(params, x, name):
+    return jnp.einsum("bsd,dhk->bhsk", x, split(params[name], name))
+
+
 def causal_attention(params, x):
-    q, k, v = (jnp.einsum("bsd,dhk->bhsk", x, split(params[w], w)) for w in ("wq", "wk", "wv"))
+    q, k, v = (project(params, x, w) for w in ("wq", "wk", "wv"))
     scores = jnp.einsum("bhqk,bhsk->bhqs", q, k) / np.sqrt(HEAD_DIM)
     causal = jnp.tril(jnp.ones((SEQ, SEQ), bool))          # iota-built lower triangle
     weights = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)
