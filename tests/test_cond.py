@@ -72,6 +72,25 @@ def test_grad_through_cond():
     assert low.sharding_of(0) == gspmd.Sharding.from_mesh(MESH, [-1, "y"], w.shape)
 
 
+def test_residuals_the_backward_pass_never_reads_are_dropped():
+    """Under grad, JAX's cond hands the backward pass residuals it never reads (zeros a
+    branch makes for relu's derivative); no user gives them a layout, so left in they
+    would be whole on every device. The per-device program has none."""
+    def loss(w1, w2, x):
+        h = split(x, "x", -1) @ split(w1, -1, "y")
+        h = lax.cond(jnp.mean(h) > 0, lambda a: jax.nn.relu(a) @ w2, lambda a: a @ w2, h)
+        return jnp.sum(h ** 2)
+
+    rng = np.random.RandomState(5)
+    low = check(jax.grad(loss), rand(rng, 5, 8), rand(rng, 8, 3), rand(rng, 6, 5), mesh=MESH)
+    whole = (6, 8)
+    conditionals = [i for i in low.spmd.instrs if i.opcode == "conditional"]
+    assert len(conditionals) == 2
+    for instr in conditionals:   # every result and operand is a shard, or small
+        assert all(v.shape != whole for v in instr.outputs + instr.operands), instr
+        assert all(v.shape != whole for b in instr.attrs["branches"] for v in b.params + b.outputs)
+
+
 @pytest.mark.skipif("clamp" not in PRIMITIVES, reason="lax.switch clamps its index (the element-wise tail's clamp)")
 def test_switch_on_an_index_from_split_data():
     def f(x):

@@ -274,7 +274,27 @@ def _run_branch(lc, branch: Program, *args) -> tuple:
     return tuple(lc.run(branch, args))
 
 
+def _prune_conditional(instr: Instr, used: list[bool]) -> None:
+    """Drop the results no one reads, then the operands no branch reads. Under grad,
+    JAX's cond passes the backward pass residuals it may never read (zeros made in a
+    branch); left in, such a buffer would be whole on every device, since no user
+    gives it a layout."""
+    branches = instr.attrs["branches"]
+    kept = [i for i, u in enumerate(used) if u]
+    instr.outputs = [instr.outputs[i] for i in kept]
+    read = set()
+    for branch in branches:
+        branch.outputs = [branch.outputs[i] for i in kept]
+        eliminate_dead_code(branch, prune)
+        read |= {p for p in branch.params if p in branch.outputs} | {v for i in branch.instrs for v in i.operands}
+    needed = [i for i in range(len(instr.operands) - 1) if any(b.params[i] in read for b in branches)]
+    instr.operands = instr.operands[:1] + [instr.operands[1 + i] for i in needed]
+    for branch in branches:
+        branch.params = [branch.params[i] for i in needed]
+
+
 register("conditional", converts={"cond": _convert_cond}, evaluate_programs=_evaluate_conditional,
          lower=_lower_conditional, propagate=_same_layout(_branch_places), tied=_branch_values,
          informants=_branch_places, partition=_partition_conditional,
-         runs=lambda instr: [(branch, 1) for branch in instr.attrs["branches"]], priority=ELEMENTWISE)
+         runs=lambda instr: [(branch, 1) for branch in instr.attrs["branches"]], priority=ELEMENTWISE,
+         prune=_prune_conditional)
