@@ -30,25 +30,25 @@ def meshes(program):
     return program.MESH, contextlib.nullcontext()
 
 
-def run(program, step=None, args=None, backends=BACKENDS) -> gspmd.Lowered:
-    """The program's train step (or `step`) on `args` (default: its example inputs)
-    partitioned on each backend equals jax.jit's on one device; returns the Lowered."""
-    step = program.train_step if step is None else step
-    args = program.example_inputs() if args is None else args
+@functools.cache
+def checked(program) -> gspmd.Lowered:
+    """The program's train step on its example inputs, partitioned on each backend,
+    equals jax.jit's on one device (run once per program); returns the Lowered."""
+    args = program.example_inputs()
     mesh, context = meshes(program)
     with context:
         with unpartitioned():
-            expected = jax.jit(step)(*args)
-        for backend in backends:
-            assert_same(gspmd.jit(step, mesh=mesh, backend=backend)(*args), expected, RTOL, ATOL)
-        return gspmd.jit(step, mesh=mesh).lower(*args)
+            expected = jax.jit(program.train_step)(*args)
+        for backend in BACKENDS:
+            assert_same(gspmd.jit(program.train_step, mesh=mesh, backend=backend)(*args), expected, RTOL, ATOL)
+        return gspmd.jit(program.train_step, mesh=mesh).lower(*args)
 
 
-def lower(program, step=None, args=None) -> gspmd.Lowered:
+def lower(program, step) -> gspmd.Lowered:
+    """`step` (a variant of the program's train step) lowered on its example inputs."""
     mesh, context = meshes(program)
     with context:
-        return gspmd.jit(program.train_step if step is None else step, mesh=mesh).lower(
-            *(program.example_inputs() if args is None else args))
+        return gspmd.jit(step, mesh=mesh).lower(*program.example_inputs())
 
 
 def collectives(low: gspmd.Lowered) -> Counter:
@@ -59,12 +59,6 @@ def collectives(low: gspmd.Lowered) -> Counter:
 
 def counts(low: gspmd.Lowered) -> dict:
     return dict(low.report().counts())
-
-
-@functools.cache
-def checked(program) -> gspmd.Lowered:
-    """The program's train step, run once on each backend and compared with one device."""
-    return run(program)
 
 
 def name(program) -> str:
@@ -79,16 +73,8 @@ def test_every_program_equals_one_device(program):
 # -- dropout: the mask of a split activation is drawn where it lives -------------------------
 @pytest.mark.parametrize("program", [linen_cnn, nnx_mlp, equinox_block], ids=name)
 def test_split_dropout_mask_adds_no_collective(program):
-    with_dropout = program.make_train_step()
-    without = program.make_train_step(0.0)
-    if isinstance(with_dropout, tuple):    # (step, its initial state)
-        (with_dropout, state), (without, state_without) = with_dropout, without
-        args = (state, *program.example_inputs()[1:])
-        args_without = (state_without, *args[1:])
-    else:
-        args = args_without = program.example_inputs()
-    low = lower(program, with_dropout, args)
-    assert collectives(low) == collectives(lower(program, without, args_without))
+    low = checked(program)
+    assert collectives(low) == collectives(lower(program, program.make_train_step(0.0)))
     mask = low.value(-1)      # each step returns its keep mask last: split over both axes
     shard = mask.sharding.shard_shape(mask.shape)
     assert shard[0] < mask.shape[0] and shard[-1] < mask.shape[-1], mask.sharding

@@ -54,8 +54,9 @@ def megatron_layout(block: Block) -> Block:
 
 
 def make_train_step(dropout: float = DROPOUT):
-    """Returns (train_step, the block's arrays). The step returns the keep mask too."""
-    params, static = eqx.partition(Block(dropout, jax.random.key(0)), eqx.is_array)
+    """The step returns the dropout's keep mask too (to compare it bit for bit). The
+    dropout rate is a static field: the block's arrays are the same for every rate."""
+    static = eqx.partition(Block(dropout, jax.random.key(0)), eqx.is_array)[1]
 
     def loss_fn(block, x, y, keys):
         out, kept = jax.vmap(block)(x, keys)
@@ -64,17 +65,18 @@ def make_train_step(dropout: float = DROPOUT):
     def train_step(params, opt_state, x, y, key):
         block = megatron_layout(eqx.combine(params, static))
         x = gspmd.mesh_split(x, MESH, BATCH_SPEC)
-        keys = jax.random.split(key, BATCH)
+        keys = jax.random.split(key, BATCH)    # one per example, split like them
         (loss, kept), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(block, x, y, keys)
         updates, opt_state = OPTIMIZER.update(grads, opt_state, params)
         return eqx.filter(eqx.apply_updates(block, updates), eqx.is_array), opt_state, loss, kept
-    return train_step, params
+    return train_step
 
 
-train_step, _params = make_train_step()
+train_step = make_train_step()
 
 
 def example_inputs(seed: int = 0):
     rng = np.random.RandomState(seed)
+    params = eqx.filter(Block(DROPOUT, jax.random.key(0)), eqx.is_array)
     x, y = (rng.standard_normal((BATCH, SEQ, WIDTH)).astype(np.float32) for _ in range(2))
-    return _params, OPTIMIZER.init(_params), x, y, jax.random.key(seed)
+    return params, OPTIMIZER.init(params), x, y, jax.random.key(seed)

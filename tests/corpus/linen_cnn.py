@@ -19,8 +19,12 @@ IMAGES = P("data", None, None, None)
 OPTIMIZER = optax.adamw(1e-3)
 
 
-def split_over_model(init, *axes):
+def partitioned(init, *axes):
+    """An initializer whose parameter carries a PartitionSpec (mesh axis names per dim)."""
     return nn.with_partitioning(init, axes)
+
+
+LECUN, ZEROS = nn.initializers.lecun_normal(), nn.initializers.zeros
 
 
 class Classifier(nn.Module):
@@ -28,14 +32,18 @@ class Classifier(nn.Module):
 
     @nn.compact
     def __call__(self, images, train: bool):
-        x = nn.Conv(FEATURES, (3, 3), kernel_init=split_over_model(nn.initializers.lecun_normal(), None, None, None, "model"),
-                    bias_init=split_over_model(nn.initializers.zeros, "model"))(images)
+        x = nn.Conv(FEATURES, (3, 3), kernel_init=partitioned(LECUN, None, None, None, "model"),
+                    bias_init=partitioned(ZEROS, "model"))(images)
         x = nn.avg_pool(nn.relu(x), (2, 2), strides=(2, 2))
         x = x.reshape(x.shape[0], -1)
-        x = nn.Dense(HIDDEN, kernel_init=split_over_model(nn.initializers.lecun_normal(), None, "model"),
-                     bias_init=split_over_model(nn.initializers.zeros, "model"))(x)
+        x = nn.Dense(HIDDEN, kernel_init=partitioned(LECUN, None, "model"), bias_init=partitioned(ZEROS, "model"))(x)
         x = nn.Dropout(self.dropout, deterministic=not train)(nn.relu(x))
-        return nn.Dense(CLASSES, kernel_init=split_over_model(nn.initializers.lecun_normal(), "model", None))(x), x != 0
+        return nn.Dense(CLASSES, kernel_init=partitioned(LECUN, "model", None))(x), x != 0
+
+
+# The parameters, and the PartitionSpecs their initializers carry (nn.with_partitioning).
+_boxed = Classifier(DROPOUT).init(jax.random.key(0), np.zeros((BATCH, SIZE, SIZE, CHANNELS), np.float32), train=False)
+PARAMS, PARAM_SPECS = nn.unbox(_boxed)["params"], nn.get_partition_spec(_boxed)["params"]
 
 
 def make_train_step(dropout: float = DROPOUT):
@@ -57,13 +65,10 @@ def make_train_step(dropout: float = DROPOUT):
 
 
 train_step = make_train_step()
-_boxed = Classifier(DROPOUT).init(jax.random.key(0), np.zeros((BATCH, SIZE, SIZE, CHANNELS), np.float32), train=False)
-PARAM_SPECS = nn.get_partition_spec(_boxed)["params"]
-_params = nn.unbox(_boxed)["params"]
 
 
 def example_inputs(seed: int = 0):
     rng = np.random.RandomState(seed)
     images = rng.standard_normal((BATCH, SIZE, SIZE, CHANNELS)).astype(np.float32)
     labels = rng.randint(0, CLASSES, BATCH).astype(np.int32)
-    return _params, OPTIMIZER.init(_params), images, labels, jax.random.key(seed)
+    return PARAMS, OPTIMIZER.init(PARAMS), images, labels, jax.random.key(seed)
