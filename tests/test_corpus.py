@@ -106,11 +106,9 @@ def test_lm_vocab_split_table_is_never_gathered():
     assert [c.bytes for c in lookup] == [lm.BATCH // 2 * lm.SEQ * lm.WIDTH * 4], low.report()   # the activations
 
 
-@pytest.mark.xfail(strict=True, reason="gspmd all-reduces each dot's partial sums where the dot is partitioned: the "
-                   "input gradients through the head-split Q, K and V projections are all-reduced one by one and then "
-                   "added, where one all-reduce of their sum would do (XLA's AllReduceReassociate pass does this "
-                   "after partitioning on TPU and GPU; on CPU XLA leaves three too, the same bytes as gspmd)")
 def test_lm_qkv_input_gradients_are_summed_before_one_all_reduce():
+    """Each head-split projection's input gradient is partial over the heads' axis; their
+    sum is all-reduced once (as XLA's AllReduceReassociate pass does)."""
     activations = lm.BATCH // 2 * lm.SEQ * lm.WIDTH * 4
     report = checked(lm).report()
     through_projections = [c for c in report.collectives if "(project)" in c.source and c.bytes == activations]
