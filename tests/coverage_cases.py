@@ -99,7 +99,8 @@ def _random_cases() -> Iterator[tuple[str, Callable, tuple]]:
         k3 = jax.random.fold_in(k1, 3)
         return (jax.random.normal(k1, (B, D)), jax.random.uniform(k2, (B, D)), jax.random.bernoulli(k3, 0.5, (B, D)),
                 jax.random.categorical(k1, jnp.zeros((B, V))), jax.random.randint(k2, (B,), 0, V),
-                jax.random.truncated_normal(k3, -2, 2, (B, D)), jax.random.permutation(k1, V))
+                jax.random.truncated_normal(k3, -2, 2, (B, D)), jax.random.permutation(k1, V),
+                jax.random.choice(k2, V, (B,), p=jax.nn.softmax(jnp.arange(V, dtype=jnp.float32))))
     yield "jax.random (raw uint32 key)", sample, (KEY,)
     yield "jax.random (typed key)", sample, (TYPED_KEY,)
     yield "jax.random.key from a seed", lambda s: jax.random.key_data(jax.random.key(s)), (ids(),)

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax import lax
+from jax._src.lax import lax as lax_internal   # eq_to, lt_to, le_to have no public wrapper
 
 import gspmd
 from strategies import dims_mappings, meshes
@@ -31,6 +32,17 @@ def special_floats(rng, shape):
     """Finite values of every size, and NaN and infinities."""
     x = rng.standard_normal(shape) * 10.0 ** rng.randint(-3, 11, shape)
     return np.where(rng.uniform(size=shape) < 0.15, rng.choice([np.nan, np.inf, -np.inf], shape), x).astype(np.float32)
+
+
+def signed_specials(rng, shape):
+    """Both zeros and both NaNs among infinities and small integers: what only a total
+    order tells apart."""
+    pool = np.array([0.0, -0.0, np.nan, -np.nan, np.inf, -np.inf, 1.0, -1.0, 2.0], np.float32)
+    return pool[rng.randint(0, len(pool), shape)]
+
+
+def total_order_compares(x, y):
+    return tuple(p.bind(x, y) for p in (lax_internal.eq_to_p, lax_internal.lt_to_p, lax_internal.le_to_p))
 
 
 ANY, UNIT = uniform(-3, 3), uniform(-0.99, 0.99)
@@ -74,6 +86,10 @@ OPS = {
     "clamp with scalar bounds": (lambda x: lax.clamp(-0.5, x, 1.0), [special_floats], 0),
     "clamp with array bounds": (lambda lo, x: lax.clamp(lo, x, lo + 1), [ANY, ANY], 0),
     "nextafter": (lax.nextafter, [ANY, ANY], 0),
+    "total-order compares": (total_order_compares, [signed_specials, signed_specials], 0),
+    "total-order compares of ints": (total_order_compares, [integers(-3, 3), integers(-3, 3)], 0),
+    "random.choice with p": (lambda p: jax.random.choice(jax.random.key(1), p.size, (5,), p=p.ravel() / p.sum()),
+                             [POSITIVE], 0),
     "is_finite": (lax.is_finite, [special_floats], 0),
     "round away from zero": (lax.round, [lambda rng, s: (rng.randint(-8, 8, s) / 2).astype(np.float32)], 0),
     "round to nearest even": (jnp.round, [lambda rng, s: (rng.randint(-8, 8, s) / 2).astype(np.float32)], 0),

@@ -273,15 +273,32 @@ _COMPARE = {"EQ": (np.equal, lax.eq), "NE": (np.not_equal, lax.ne), "LT": (np.le
             "LE": (np.less_equal, lax.le), "GT": (np.greater, lax.gt), "GE": (np.greater_equal, lax.ge)}
 
 
+def _total_order(x, bitcast, where):
+    """Integers ordered as IEEE 754's totalOrder orders floats (-NaN < -inf < ... < -0 <
+    +0 < ... < inf < NaN): a float's bits read as a signed integer, the magnitude bits of
+    negatives flipped. Integers order as they are."""
+    if not is_floating(x.dtype):
+        return x
+    bits = bitcast(x, np.dtype(f"int{8 * np.dtype(x.dtype).itemsize}"))
+    return where(bits < 0, bits ^ np.iinfo(bits.dtype).max, bits)
+
+
 def _evaluate_compare(instr, args, device):
+    if instr.attrs.get("total_order"):
+        args = [_total_order(a, lambda x, t: np.asarray(x).view(t), np.where) for a in args]
     return [_COMPARE[instr.attrs["direction"]][0](*args)]
 
 
 def _lower_compare(instr, args, lc):
+    if instr.attrs.get("total_order"):
+        args = [_total_order(a, lax.bitcast_convert_type, jax.numpy.where) for a in args]
     return [_COMPARE[instr.attrs["direction"]][1](*args)]
 
 
-register("compare", converts={p: convert_as("compare", direction=p.upper()) for p in ("eq", "ne", "lt", "le", "gt", "ge")},
+# eq_to, lt_to, le_to: the total order (jax.random.choice with p= compares with le_to)
+register("compare", converts={**{p: convert_as("compare", direction=p.upper()) for p in ("eq", "ne", "lt", "le", "gt", "ge")},
+                              **{f"{p}_to": convert_as("compare", direction=p.upper(), total_order=True)
+                                 for p in ("eq", "lt", "le")}},
          evaluate=_evaluate_compare, lower=_lower_compare, factors=elementwise_factors, priority=ELEMENTWISE,
          storage=Storage.ELEMENTWISE, flops=elementwise_flops)
 
