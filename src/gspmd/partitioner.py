@@ -12,7 +12,7 @@ from gspmd.errors import ShardingError
 from gspmd.ir import Builder, Instr, Program, Value
 from gspmd.ir.cse import eliminate_common_subexpressions
 from gspmd.ir.dce import eliminate_dead_code
-from gspmd.ops.reassociate import reassociate_reductions
+from gspmd.ops.reassociate import reassociate_all_reduces
 from gspmd.sharding import Sharding
 from gspmd.spmd import cost as cm
 from gspmd.spmd import reshard as rs
@@ -65,7 +65,7 @@ def _partition(program: Program, num_devices: int, in_layouts: Sequence[Sharding
         b.source = program.labels.get(o, "")
         spmd.outputs.append(rs.reshard(ctx, env[o], layout).local)
     eliminate_common_subexpressions(spmd)   # one reshard of a value serves all its users
-    reassociate_reductions(spmd)            # ar(a) + ar(b) -> ar(a + b)
+    reassociate_all_reduces(spmd)            # ar(a) + ar(b) -> ar(a + b)
     eliminate_dead_code(spmd, ops.prune)
     for local, layout in zip(spmd.outputs, out_layouts):
         local.sharding = layout
