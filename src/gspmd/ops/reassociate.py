@@ -21,6 +21,7 @@ from gspmd.ir import Instr, Program, Value
 from gspmd.ir.reducer import ADD
 from gspmd.ops.registry import lookup
 
+
 def reassociate_all_reduces(program: Program) -> Program:
     """Rewrite `program` in place; the all-reduces left unread are for dead-code
     elimination to drop."""
