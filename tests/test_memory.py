@@ -51,6 +51,16 @@ def test_dtypes_are_counted_at_their_width():
     assert narrow * 2 == wide == 3 * 128 * 128 * 4
 
 
+def test_a_transpose_moving_only_size_one_dims_is_a_bitcast():
+    """XLA makes it a bitcast of its operand (no buffer, no copy); a transpose that moves
+    data is stored for the dot that reads it."""
+    n = 256
+    bitcast = _peak(lambda x, w: jnp.transpose(x, (1, 0, 2))[0] @ w, spec(n, 1, n), spec(n, n)).peak_bytes
+    moved = _peak(lambda x, w: jnp.transpose(x, (2, 1, 0))[:, 0] @ w, spec(n, 1, n), spec(n, n)).peak_bytes
+    assert bitcast == 3 * n * n * 4      # x, w and the dot's result
+    assert moved == 4 * n * n * 4        # and the transposed copy
+
+
 def test_dynamic_update_slice_writes_into_a_dying_operand():
     def f(x, y):
         t = x * 2.0                      # a temporary the update may overwrite in place

@@ -214,7 +214,7 @@ def _steps(program: Program) -> tuple[list[_Step], dict[Value, Order]]:
                                    f"layout copy of %{v.name} for {made_by(instr)}"))
             operands[index] = copies[v, order]
         expensive = op.expensive(instr) if callable(op.expensive) else op.expensive
-        steps.append(_Step(instr, operands, list(instr.outputs), op.storage, expensive, made_by(instr),
+        steps.append(_Step(instr, operands, list(instr.outputs), ops.storage(instr), expensive, made_by(instr),
                            op.scratch(instr) if op.scratch else 0))
         if layout is not None and layout.result is not None:
             stored.update((out, layout.result) for out in instr.outputs)
@@ -369,8 +369,9 @@ class _Liveness:
             extra.append((held + step.scratch, loop))
             for index, out in enumerate(step.outputs):
                 end = last if out in self.results else max(self.last_read.get(out, s), s)
-                if self._is_view(step, index):   # the operand itself, under another name
-                    buf = holding[step.operands[index]]
+                viewed = self._viewed(step, index)
+                if viewed is not None:   # that stored value itself, under another name
+                    buf = holding[viewed]
                     end = max(end, buf.end)
                 else:
                     buf = self._reuse(step, index, out, s, holding)
@@ -388,14 +389,20 @@ class _Liveness:
                 buf.kind = RESULT
         return buffers, extra
 
-    def _is_view(self, step: _Step, index: int) -> bool:
-        """Whether output `index` of `step` is its operand's buffer itself: an optimization
-        barrier, a carry the loop passes through unchanged, or a stored reshape (a
-        bitcast) of a value laid out row-major."""
+    def _viewed(self, step: _Step, index: int) -> Optional[Value]:
+        """The stored value whose buffer output `index` of `step` is, if any: an
+        optimization barrier's or a loop's unchanged carry's operand, or what a stored
+        bitcast (a reshape, say) reinterprets, through the fused bitcasts before it, when
+        that value is laid out row-major."""
         if step.storage is Storage.BITCAST:
             v = step.operands[0]
-            return v not in self.fused and same_layout(v.shape, self.stored.get(v), tuple(range(v.rank)))
-        return step.storage is Storage.VIEW or index in _passed_through(step)
+            while v in self.fused and self.producer[v].storage is Storage.BITCAST:
+                v = self.producer[v].operands[0]
+            row_major = v not in self.fused and same_layout(v.shape, self.stored.get(v), tuple(range(v.rank)))
+            return v if row_major else None
+        if step.storage is Storage.VIEW or index in _passed_through(step):
+            return step.operands[index]
+        return None
 
     def _reuse(self, step: _Step, index: int, out: Value, s: int, holding) -> Optional[_Buffer]:
         """The buffer `out` takes over: a dying operand's, or its donated argument's."""

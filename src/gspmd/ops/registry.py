@@ -92,7 +92,8 @@ class OpDef:
     transposes: bool = False      # only permutes dims: layout assignment can absorb it into its producer
     forward_priority: Optional[int] = None    # towards the outputs, when not `priority`
     backward_priority: Optional[int] = None   # towards the operands, when not `priority`
-    storage: Storage = Storage.MATERIALIZED
+    # how its results occupy memory (or storage(instr), where the instruction decides)
+    storage: Union[Storage, Callable[[Instr], Storage]] = Storage.MATERIALIZED
     # too costly to recompute in each user (transcendentals, reductions): XLA fuses it
     # only into a single user that reads each element once
     expensive: Union[bool, Callable[[Instr], bool]] = False
@@ -180,6 +181,12 @@ def tensors(instr: Instr) -> list[Value]:
     """The values whose layouts `instr` relates: operands, outputs, then tied values."""
     tied = lookup(instr.opcode).tied
     return instr.operands + instr.outputs + (tied(instr) if tied else [])
+
+
+def storage(instr: Instr) -> Storage:
+    """How `instr`'s results occupy memory once XLA has compiled it."""
+    kind = lookup(instr.opcode).storage
+    return kind(instr) if callable(kind) else kind
 
 
 def runs(instr: Instr) -> list[tuple[Program, int]]:

@@ -42,6 +42,14 @@ def _evaluate_transpose(instr, args, device):
     return [np.transpose(args[0], instr.attrs["permutation"])]
 
 
+def _transpose_storage(instr) -> Storage:
+    """A transpose that only moves size-1 dims keeps every element where it was: XLA
+    makes it a bitcast. Any other moves data (fusible, each element read once)."""
+    shape = instr.operands[0].shape
+    moved = [d for d in instr.attrs["permutation"] if shape[d] != 1]
+    return Storage.BITCAST if moved == sorted(moved) else Storage.INDEXED
+
+
 # -- reshape ----------------------------------------------------------------------------
 def reshape_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
     """The runs of src dims and dst dims with equal element counts, in order (size-1 dims
@@ -284,7 +292,7 @@ register("broadcast", converts={"broadcast_in_dim": _convert_broadcast_in_dim}, 
          lower=_lower_broadcast, factors=_broadcast_factors, priority=LAYOUT, forward_priority=EXPAND,
          storage=Storage.REPEATED, linear=jointly_linear)
 register("transpose", converts={"transpose": _convert_transpose}, evaluate=_evaluate_transpose,
-         lower=_lower_transpose, factors=_transpose_factors, priority=LAYOUT, storage=Storage.INDEXED,
+         lower=_lower_transpose, factors=_transpose_factors, priority=LAYOUT, storage=_transpose_storage,
          transposes=True, linear=jointly_linear)
 register("reshape", converts={"reshape": _convert_reshape, "squeeze": _convert_plain_reshape,
                               "expand_dims": _convert_plain_reshape},
