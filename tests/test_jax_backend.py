@@ -1,6 +1,8 @@
 """The jax backend: each collective lowering equals the sim's semantics device by device,
 outputs carry our sharding as a NamedSharding, inputs in our layout are used in place,
 one compile per signature, and a clear error for an opcode it cannot lower."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -162,6 +164,28 @@ def test_compiled_once_per_signature_with_native_collectives():
     hlo = compiled.as_text()
     assert "replica_groups={{0,1,2,3},{4,5,6,7}}" in hlo
     assert jax_backend.hlo_collective_bytes(hlo) == {"all-reduce": 4 * 4 * 4}   # [8/2, 4] partial sums
+
+
+def test_independent_reduce_scatters_run_as_one():
+    """Contracting-split dots whose results stay split: two reduce-scatters along
+    different dims, each read at once by a transpose, run as one on the jax backend
+    (XLA:CPU combines no reduce-scatters itself), their readers after it; the one that
+    reads the first's result waits for it. An uneven split (all-reduce) runs alone."""
+    def f(a, b, c, d, e, g):
+        a, c = (gspmd.mesh_split(v, MESH, [-1, "y"]) for v in (a, c))
+        b, d, e, g = (gspmd.mesh_split(v, MESH, ["y", -1]) for v in (b, d, e, g))
+        r1 = gspmd.mesh_split(a @ b, MESH, ["y", -1]).T
+        r2 = gspmd.mesh_split(c @ d, MESH, ["y", -1]).T
+        r3 = gspmd.mesh_split(a @ e, MESH, [-1, "y"]).T * 2.0
+        chained = gspmd.mesh_split(gspmd.mesh_split(r1, MESH, [-1, "y"]) @ g, MESH, [-1, "y"])
+        return r1, r2, r3, chained
+    rng = np.random.RandomState(3)
+    args = (rand(rng, 8, 16), rand(rng, 16, 12), rand(rng, 10, 16), rand(rng, 16, 6), rand(rng, 16, 8),
+            rand(rng, 8, 12))
+    low = check(f, *args, mesh=MESH)
+    assert low.report().counts() == {"reduce-scatter": 3, "all-reduce": 1}, low.report()
+    hlo = low.jax_executable().compiled.as_text()
+    assert len(re.findall(r" reduce-scatter\(", hlo)) == 2, hlo   # r1 and r3 side by side, then the chained one
 
 
 def test_hlo_collective_bytes_reads_tuples_and_async_pairs_once():

@@ -219,6 +219,33 @@ def _lower_reduce_scatter(instr, args, lc):
     return [lax.dynamic_slice_in_dim(full, _rank_in_group(instr, lc) * size, size, axis=dim)]
 
 
+def _scatter_key(instr):
+    """Reduce-scatters summing over the same groups in one dtype may run as one (XLA:CPU
+    has no reduce-scatter combiner: each would be a rendezvous of every device)."""
+    if instr.attrs["reducer"] is not ADD or 0 in instr.operands[0].shape:
+        return None
+    return instr.operands[0].dtype, tuple(map(tuple, np.asarray(instr.attrs["groups"]).tolist()))
+
+
+def _lower_reduce_scatters(instrs, args, lc):
+    """One reduce-scatter of the operands side by side: each operand's scattered dim
+    moved first and split into the group's pieces, [pieces, rest] concatenated along
+    rest, scattered along the pieces; each result cut back out."""
+    if len(instrs) == 1:
+        return [_lower_reduce_scatter(instrs[0], args[0], lc)]
+    n = np.asarray(instrs[0].attrs["groups"]).shape[1]
+    rows = [jnp.moveaxis(x[0], i.attrs["dim"], 0).reshape(n, -1) for i, x in zip(instrs, args)]
+    mine = lax.psum_scatter(jnp.concatenate(rows, 1), lc.axis, scatter_dimension=0,
+                            axis_index_groups=_axis_groups(instrs[0], lc), tiled=True)[0]
+    out, start = [], 0
+    for i, row in zip(instrs, rows):
+        dim, shape = i.attrs["dim"], i.outputs[0].shape
+        piece = mine[start:start + row.shape[1]].reshape((shape[dim],) + shape[:dim] + shape[dim + 1:])
+        out.append([jnp.moveaxis(piece, 0, dim)])
+        start += row.shape[1]
+    return out
+
+
 def _lower_all_to_all(instr, args, lc):
     a = instr.attrs
     return [lax.all_to_all(args[0], lc.axis, a["split_dim"], a["concat_dim"], axis_index_groups=_axis_groups(instr, lc),
@@ -289,6 +316,7 @@ register("all-gather", converts={"all_gather": _convert_all_gather, "all_gather_
          collective=Pattern.ALL_GATHER, repeat=_gather_apart, factors=_whole_along("dim"))
 register("reduce-scatter", converts={"reduce_scatter": _convert_reduce_scatter},
          evaluate_all=_evaluate_reduce_scatter, lower=_empty_safe(_lower_reduce_scatter), layout=_along_dim,
+         lower_together=(_scatter_key, _lower_reduce_scatters),
          collective=Pattern.REDUCE_SCATTER, factors=_whole_along("dim"))
 register("all-to-all", converts={"all_to_all": _convert_all_to_all}, evaluate_all=_evaluate_all_to_all,
          lower=_empty_safe(_lower_all_to_all), scratch=_all_to_all_pieces,

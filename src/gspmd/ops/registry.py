@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Hashable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -72,6 +72,10 @@ class OpDef:
     evaluate_all: Optional[EvaluateAll] = None
     evaluate_programs: Optional[EvaluatePrograms] = None
     lower: Optional[Lower] = None
+    # lower_together = (key, lower_all): instructions with the same key(instr) (None: this
+    # one alone) that no instruction between them reads run as one, lower_all(instrs,
+    # args of each, lc) -> results of each (collectives a backend does not combine itself)
+    lower_together: Optional[tuple[Callable[[Instr], Optional[Hashable]], Callable]] = None
     # values of sub-programs that must share a layout with the op's own (loop carries)
     tied: Optional[Callable[[Instr], list[Value]]] = None
     # the sub-programs one execution runs, each with how often (for reports; a loop's
