@@ -8,6 +8,7 @@ with one transfer each and return the same layouts. Calls alternate between the 
 (interleaved repeats); printed are medians and the median of per-pair ratios.
 
     python benchmarks/dispatch.py [--repeats 15] [--calls 50] [--first 5] [--cases tiny mlp transformer]
+                                  [--separate-reduce-scatters]
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import gspmd  # noqa: E402
+from gspmd import ops  # noqa: E402
 from gspmd.frontend.annotation import mesh_split_as  # noqa: E402
 from gspmd.runtime import jax_backend  # noqa: E402
 
@@ -121,7 +123,11 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--first", type=int, default=5)
     parser.add_argument("--cases", nargs="*", default=list(CASES))
+    parser.add_argument("--separate-reduce-scatters", action="store_true",
+                        help="lower each reduce-scatter alone (as before they ran together)")
     args = parser.parse_args()
+    if args.separate_reduce_scatters:
+        ops.lookup("reduce-scatter").lower_together = None
     print(f"jax {jax.__version__}, {len(jax.devices())} {jax.devices()[0].platform} devices")
     for key in args.cases:
         name, case = CASES[key]
