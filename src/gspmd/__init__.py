@@ -7,6 +7,7 @@
 See help(gspmd.jit), help(gspmd.mesh_split) and docs/ in the repository.
 """
 from gspmd.api import Lowered, Partitioned, jit
+from gspmd.autoshard import Plan, auto
 from gspmd.drawing import visualize
 from gspmd.errors import ShardingError, UnpartitionedWarning
 from gspmd.frontend import manual, mesh_split
@@ -17,4 +18,4 @@ from gspmd.spmd.cost import Hardware
 
 __all__ = ["Mesh", "Sharding", "ShardingError", "UnpartitionedWarning", "UNSPECIFIED", "mesh_split", "jit",
            "manual", "pipeline", "pipeline_loss", "stage_major_order", "visualize", "Partitioned", "Lowered",
-           "Hardware"]
+           "Hardware", "auto", "Plan"]

@@ -175,6 +175,57 @@ def _mesh_shape(parser, text: str) -> tuple[int, ...]:
     return shape
 
 
+def parse_bytes(text: str) -> int:
+    """'16GiB', '512MiB', '1.5GB' or a plain number of bytes."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "kb": 10 ** 3, "mb": 10 ** 6,
+             "gb": 10 ** 9, "tb": 10 ** 12, "b": 1}
+    low = text.strip().lower()
+    for unit, factor in units.items():
+        if low.endswith(unit):
+            return int(float(low[:-len(unit)]) * factor)
+    return int(float(low))
+
+
+def _progress_printer():
+    """A progress callback for gspmd.auto: a rich progress bar when rich is installed,
+    plain lines otherwise; and what to call when done."""
+    try:
+        from rich.progress import Progress
+    except ImportError:
+        def plain(done: int, total: int, what: str) -> None:
+            print(f"[{done}/{total}] {what}", flush=True)
+        return plain, lambda: None
+    bar = Progress(transient=True)
+    bar.start()
+    task = bar.add_task("searching", total=1)
+
+    def update(done: int, total: int, what: str) -> None:
+        bar.update(task, completed=done, total=total, description=what)
+    return update, bar.stop
+
+
+def auto_command(spec: str, devices: Optional[int], mesh_shape: Optional[tuple[int, ...]], hardware: str,
+                 memory_limit: Optional[int]) -> None:
+    """Search annotations for module:function; print the plan and its code."""
+    import gspmd
+    from gspmd import planning
+
+    case = planning.build(spec, planning.Sizes(), planning.profile(hardware))
+    fn, args = case.step, case.args
+    mesh = None
+    if mesh_shape is not None:
+        mesh = gspmd.Mesh(np.arange(int(np.prod(mesh_shape))).reshape(mesh_shape), ("x", "y", "z")[:len(mesh_shape)])
+    update, stop = _progress_printer()
+    try:
+        plan = gspmd.auto(fn, *args, devices=devices, mesh=mesh, hardware=hardware, memory_limit=memory_limit,
+                          progress=update)
+    finally:
+        stop()
+    print(plan)
+    print("\n# --- code ---")
+    print(plan.code())
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="gspmd", description="GSPMD partitioner for JAX programs")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -208,7 +259,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--optimizer", help="adafactor (default, as the paper), adamw or sgd")
     p.add_argument("--hardware", default="tpu-v3", help="tpu-v3 (default), tpu-v4, a100, h100, h200 or cpu")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    a = sub.add_parser("auto", help="search annotations (mesh and strategy) for module:function and print them as code")
+    a.add_argument("function", help="module:function; the module also defines plan_args() (the arguments)")
+    a.add_argument("--devices", type=int, help="device count (the mesh is chosen among its factorizations)")
+    a.add_argument("--mesh", type=_mesh_arg, help="a fixed mesh shape instead, e.g. 2x4 (axes x, y, z)")
+    a.add_argument("--hardware", default="tpu-v3", help="tpu-v3, tpu-v4, a100, h100, h200 or cpu")
+    a.add_argument("--memory-limit", help="bytes per device, e.g. 16GiB (default: the hardware's memory)")
     args = parser.parse_args(argv)
+    if args.command == "auto":
+        from gspmd.errors import ShardingError
+        if args.devices is not None and args.mesh is not None:
+            parser.error("give --devices or --mesh, not both")
+        try:
+            auto_command(args.function, args.devices, args.mesh, args.hardware,
+                         None if args.memory_limit is None else parse_bytes(args.memory_limit))
+        except ShardingError as e:
+            print(f"error: {e}")
+            return 1
+        return 0
     if args.command == "plan":
         return _plan_command(parser, args)
     if args.command == "memory":

@@ -424,5 +424,5 @@ def _user_function(spec: str) -> Case:
     make_args = getattr(module, "plan_args", None)
     if not callable(make_args):
         raise ShardingError(f"Module {module_name} must define plan_args() returning the arguments of "
-                            f"{fn_name} (jax.ShapeDtypeStruct or arrays) for `gspmd plan {spec}`.")
+                            f"{fn_name} (jax.ShapeDtypeStruct or arrays) for `gspmd plan|auto {spec}`.")
     return Case(spec, fn, tuple(make_args()), None, {})

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import numpy as np
@@ -39,9 +39,17 @@ def record_schedule(schedule) -> None:
         recorded.append(schedule)
 
 
-def trace(fn, flat_avals, name: str = "main", mesh: Optional[Mesh] = None) -> tuple[Program, object]:
+# on_equation(index, equation, its operand values, its result values): what each
+# top-level equation became
+OnEquation = Callable[[int, object, list[Value], list[Value]], None]
+
+
+def trace(fn, flat_avals, name: str = "main", mesh: Optional[Mesh] = None,
+          on_equation: Optional[OnEquation] = None) -> tuple[Program, object]:
     """Trace fn(*flat_args) into a Program; returns it and the output pytree def. With
-    `mesh` (gspmd.jit's) and no jax mesh set, bare PartitionSpecs in fn refer to it."""
+    `mesh` (gspmd.jit's) and no jax mesh set, bare PartitionSpecs in fn refer to it.
+    `on_equation` hears where each equation of fn's own jaxpr went (tools that map
+    values back to source lines: gspmd.auto)."""
     schedules = _schedules.set([])
     try:
         with _as_jax_context(mesh):
@@ -52,7 +60,7 @@ def trace(fn, flat_avals, name: str = "main", mesh: Optional[Mesh] = None) -> tu
         _schedules.reset(schedules)
     b = Conversion(program, _inline, mesh=mesh)
     params = [b.param(v.aval.shape, v.aval.dtype, hint="arg") for v in closed.jaxpr.invars]
-    program.outputs = _inline(b, closed, params)
+    program.outputs = _inline(b, closed, params, on_equation)
     for used in b.meshes:      # meshes of jax annotations (with_sharding_constraint, shard_map)
         record_mesh(used, "value annotated with a jax sharding")
     return program, jax.tree_util.tree_structure(out_shape)
@@ -66,7 +74,7 @@ def _as_jax_context(mesh: Optional[Mesh]):
     return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(mesh.shape, mesh.axis_names))
 
 
-def _inline(b: Conversion, closed, args: list[Value]) -> list[Value]:
+def _inline(b: Conversion, closed, args: list[Value], on_equation: Optional[OnEquation] = None) -> list[Value]:
     """Convert the equations of `closed` (a closed or open jaxpr) with `args` as inputs.
     An equation with no line of the user's code in its traceback (inside a jitted library
     function such as jnp.take, traced once and cached) is charged to the calling line."""
@@ -81,11 +89,14 @@ def _inline(b: Conversion, closed, args: list[Value]) -> list[Value]:
             return b.constant(np.asarray(atom.val, atom.aval.dtype))
         return env[atom]
 
-    for eqn in jaxpr.eqns:
+    for index, eqn in enumerate(jaxpr.eqns):
         b.origin, b.source = eqn.primitive.name, source_line(eqn) or caller
         b.recomputed = recomputed or _RECOMPUTE_SCOPE in str(eqn.source_info.name_stack)
-        outs = _convert(b, eqn, [read(a) for a in eqn.invars])
+        operands = [read(a) for a in eqn.invars]
+        outs = _convert(b, eqn, operands)
         env.update(zip(eqn.outvars, outs))
+        if on_equation is not None:
+            on_equation(index, eqn, operands, outs)
     b.origin, b.recomputed, b.source = origin, recomputed, caller
     return [read(v) for v in jaxpr.outvars]
 

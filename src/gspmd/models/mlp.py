@@ -1,6 +1,8 @@
 """A 2-layer MLP train step with data- and model-parallel annotations (paper 3.2)."""
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,15 +17,17 @@ def annotations(data_axis: str, model_axis: str) -> dict[str, list]:
             "w2": [model_axis, -1]}
 
 
-def make_train_step(mesh: Mesh, data_axis: str = "data", model_axis: str = "model", lr: float = 0.1):
+def make_train_step(mesh: Optional[Mesh], data_axis: str = "data", model_axis: str = "model", lr: float = 0.1):
+    """The annotated step; with mesh None, the same step without annotations (for gspmd.auto)."""
     spec = annotations(data_axis, model_axis)
+
+    def split(x, name):
+        return x if mesh is None else mesh_split(x, mesh, spec[name])
 
     def loss(params, x, y):
         w1, w2 = params
-        x = mesh_split(x, mesh, spec["x"])
-        w1 = mesh_split(w1, mesh, spec["w1"])
-        w2 = mesh_split(w2, mesh, spec["w2"])
-        h = mesh_split(jax.nn.relu(x @ w1), mesh, spec["h"])
+        x, w1, w2 = split(x, "x"), split(w1, "w1"), split(w2, "w2")
+        h = split(jax.nn.relu(x @ w1), "h")
         return jnp.mean((h @ w2 - y) ** 2)
 
     def train_step(params, x, y):

@@ -33,14 +33,19 @@ class Config:
     dtype: Any = np.float32         # tokens and einsums in dtype, gating and loss in float32
 
 
-def moe_layer(params: dict, x, mesh: Mesh, axis: str, cfg: Config, expert_axis: Optional[str] = None):
+def moe_layer(params: dict, x, mesh: Optional[Mesh], axis: str, cfg: Config, expert_axis: Optional[str] = None):
     """x [G, S, M] -> [G, S, M]; groups and experts split over mesh axis `axis`. The
     hybrid configuration (paper Table 7, Figure 8b) also splits each expert's hidden dim
-    H over `expert_axis`, for experts too large for one device."""
+    H over `expert_axis`, for experts too large for one device. With mesh None, no
+    annotations (for gspmd.auto)."""
     inner = expert_axis if expert_axis is not None else -1
-    x = mesh_split(x.astype(cfg.dtype), mesh, [axis, -1, -1])
-    w_in = mesh_split(params["w_in"], mesh, [axis, -1, inner]).astype(cfg.dtype)      # E M H
-    w_out = mesh_split(params["w_out"], mesh, [axis, inner, -1]).astype(cfg.dtype)    # E H M
+
+    def split(value, spec):
+        return value if mesh is None else mesh_split(value, mesh, spec)
+
+    x = split(x.astype(cfg.dtype), [axis, -1, -1])
+    w_in = split(params["w_in"], [axis, -1, inner]).astype(cfg.dtype)      # E M H
+    w_out = split(params["w_out"], [axis, inner, -1]).astype(cfg.dtype)    # E H M
     gate_logits = jnp.einsum("gsm,me->gse", x, params["w_gate"].astype(cfg.dtype))
     gates = jax.nn.softmax(gate_logits.astype(np.float32), axis=-1)
     expert = jnp.argmax(gates, axis=-1)
@@ -50,16 +55,17 @@ def moe_layer(params: dict, x, mesh: Mesh, axis: str, cfg: Config, expert_axis: 
     slots = jax.nn.one_hot(position.astype(jnp.int32), cfg.capacity, dtype=x.dtype)   # G S E C
     dispatch = kept[..., None] * slots
     combine = dispatch * jnp.sum(gates * mask, axis=-1).astype(x.dtype)[..., None, None]
-    expert_in = mesh_split(jnp.einsum("gsec,gsm->egcm", dispatch, x), mesh, [axis, -1, -1, -1])
+    expert_in = split(jnp.einsum("gsec,gsm->egcm", dispatch, x), [axis, -1, -1, -1])
     hidden = jax.nn.relu(jnp.einsum("egcm,emh->egch", expert_in, w_in))
-    expert_out = mesh_split(jnp.einsum("egch,ehm->egcm", hidden, w_out), mesh, [axis, -1, -1, -1])
+    expert_out = split(jnp.einsum("egch,ehm->egcm", hidden, w_out), [axis, -1, -1, -1])
     return x + jnp.einsum("gsec,egcm->gsm", combine, expert_out)
 
 
-def make_train_step(mesh: Mesh, axis: str = "x", cfg: Config = Config(), expert_axis: Optional[str] = None,
+def make_train_step(mesh: Optional[Mesh], axis: str = "x", cfg: Config = Config(), expert_axis: Optional[str] = None,
                     optimizer: Optional[Optimizer] = None):
     """step(params, x, target) -> (new params, loss) with plain SGD; with an optimizer,
-    step(params, optimizer state, x, target) -> (new params, new state, loss)."""
+    step(params, optimizer state, x, target) -> (new params, new state, loss). With mesh
+    None, no annotations (for gspmd.auto)."""
     def loss(params, x, target):
         y = moe_layer(params, x, mesh, axis, cfg, expert_axis)
         return jnp.mean((y.astype(np.float32) - target) ** 2)

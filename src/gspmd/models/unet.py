@@ -4,6 +4,8 @@ image is annotated (its depth/height/width split over mesh axes); propagation ca
 the split through every layer, and convolutions and pooling exchange halos."""
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,10 +24,12 @@ def init_params(rng: np.random.RandomState, channels: int = 2, width: int = 4) -
             "dec": conv(width, 2 * width), "head": conv(1, width, 1)}
 
 
-def forward(params: dict, x, mesh: Mesh, spatial_axes, batch_axis=-1) -> jax.Array:
+def forward(params: dict, x, mesh: Optional[Mesh], spatial_axes, batch_axis=-1) -> jax.Array:
     """x: [batch, channels, depth, height, width]; spatial_axes: mesh axes (or -1) for
-    depth, height and width; batch_axis: the mesh axis of data parallelism (or -1)."""
-    x = mesh_split(x, mesh, [batch_axis, -1, *spatial_axes])
+    depth, height and width; batch_axis: the mesh axis of data parallelism (or -1).
+    With mesh None, no annotation (for gspmd.auto)."""
+    if mesh is not None:
+        x = mesh_split(x, mesh, [batch_axis, -1, *spatial_axes])
 
     def conv(x, w, **kw):
         return lax.conv_general_dilated(x, w, (1, 1, 1), kw.pop("padding", "SAME"), dimension_numbers=DN, **kw)
@@ -38,7 +42,7 @@ def forward(params: dict, x, mesh: Mesh, spatial_axes, batch_axis=-1) -> jax.Arr
     return conv(d, params["head"])
 
 
-def make_train_step(mesh: Mesh, spatial_axes, lr: float = 0.1):
+def make_train_step(mesh: Optional[Mesh], spatial_axes=(-1, -1, -1), lr: float = 0.1):
     def loss(params, x, y):
         return jnp.mean((forward(params, x, mesh, spatial_axes) - y) ** 2)
 

@@ -1,0 +1,469 @@
+"""A candidate strategy and what it costs, as the search sees it.
+
+An assignment gives each class of tied nodes (graph.py), for every mesh axis, the
+factor that axis splits: an `Option` (f, g). f is the factor (NONE: the axis splits
+nothing here); a reduce factor's partial results are combined by an all-reduce, or
+(g >= 0) by a reduce-scatter that leaves the axis splitting the result dim of factor g.
+Layouts, costs and peak memory follow from the assignment; `axis_problem` prices
+every choice for one axis with the others held, which is what the solver decides.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+
+from gspmd.autoshard.costs import Layout, Pricing
+from gspmd.autoshard.graph import CARRY, DimMap, Graph, Node
+from gspmd.mesh import Mesh
+from gspmd.sharding import Sharding
+
+NONE = -1
+# What the solver charges for any change of layout along an edge, even a free slice:
+# among equally fast strategies it prefers those whose values keep their layout, which
+# is what sharding completion does with the annotations that express the strategy.
+CHANGE = 1e-9
+Option = tuple            # (factor, reduce-scatter target factor or NONE)
+UNUSED: Option = (NONE, NONE)
+Assignment = list         # per class: a tuple of Options, one per mesh axis
+
+
+@dataclass(eq=False)
+class Copy:
+    """A value resharded from layout `made` to `needed` for the ops that read it so,
+    between program positions `first` and `last`, along class edges `edges` (one per read)."""
+    value: object
+    made: Layout
+    needed: Layout
+    first: int
+    last: int
+    edges: list
+
+
+@dataclass
+class Estimate:
+    """The search's estimate of a whole strategy (one step, per device)."""
+    compute_seconds: float = 0.0
+    collectives: Counter = field(default_factory=Counter)   # (kind, axes, bytes) -> how many
+    communication_seconds: float = 0.0
+    peak_memory_bytes: int = 0
+
+    @property
+    def step_seconds(self) -> float:
+        return self.compute_seconds + self.communication_seconds
+
+    def by_kind(self) -> dict:
+        """kind -> (count, bytes per device)"""
+        out: dict = {}
+        for (kind, _, nbytes), n in self.collectives.items():
+            count, total = out.get(kind, (0, 0))
+            out[kind] = (count + n, total + n * nbytes)
+        return dict(sorted(out.items()))
+
+
+class Model:
+    """One graph priced on one mesh: layouts, per-axis problems, whole estimates."""
+
+    def __init__(self, graph: Graph, mesh: Mesh, pricing: Pricing, allowed: Optional[dict] = None):
+        self.graph, self.mesh, self.pricing = graph, mesh, pricing
+        self.axes = range(mesh.ndim)
+        self.axis_sizes = mesh.shape
+        # class -> per axis: the Options a user's annotation (or fixed=) leaves open
+        self.allowed = dict(allowed or {})
+        self.expressible = True   # False: an annotation in the function cannot be said on this mesh
+        for c, members in enumerate(graph.classes):
+            ann = members[0].annotation
+            if ann is not None:
+                found = annotation_options(ann.attrs["sharding"], ann.attrs["unspecified"], mesh)
+                self.expressible &= found is not None
+                self.allowed[c] = found
+        self._live = _Liveness(graph)
+        self._layouts: dict = {}
+        self._tables: dict = {}   # reshard costs between lists of layouts
+
+    # -- layouts --------------------------------------------------------------------
+    def layout(self, node: Node, options: tuple, dimmap: DimMap, output: bool) -> Layout:
+        key = (options, dimmap, output)
+        cached = self._layouts.get(key)
+        if cached is None:
+            axes_of: dict = {}
+            for a, (f, g) in enumerate(options):
+                if f != NONE:
+                    axes_of.setdefault(f, []).append(a)
+                if output and g != NONE:
+                    axes_of.setdefault(g, []).append(a)
+            cached = self._layouts[key] = tuple(tuple(axes_of.get(f, ())) for f in dimmap)
+        return cached
+
+    def axis_layouts(self, node: Node, held: tuple, axis: int, choices: Sequence[Option], dimmap: DimMap,
+                     output: bool) -> list[Layout]:
+        """The layouts under each choice for `axis` (the others as `held`): the held
+        layout with the axis added where the chosen factor sits."""
+        base = self.layout(node, held, dimmap, output)
+        found = []
+        for f, g in choices:
+            dims = [d for d, h in enumerate(dimmap) if h is not None and f != NONE and (h == f or (output and h == g))]
+            if not dims:
+                found.append(base)
+                continue
+            layout = list(base)
+            for d in dims:
+                layout[d] = tuple(sorted(base[d] + (axis,)))
+            found.append(tuple(layout))
+        return found
+
+    def tiles(self, node: Node, options: tuple, output: bool = False) -> list[int]:
+        tiles = [1] * len(node.sizes)
+        for a, (f, g) in enumerate(options):
+            if f != NONE:
+                tiles[f] *= self.axis_sizes[a]
+            if output and g != NONE:
+                tiles[g] *= self.axis_sizes[a]
+        return tiles
+
+    def options(self, c: int, current: tuple, axis: int) -> list[Option]:
+        """The choices for `axis` in class c with its other axes as in `current`."""
+        node = self.graph.representative(c)
+        held = current[:axis] + (UNUSED,) + current[axis + 1:]
+        tiles, out_tiles = self.tiles(node, held), self.tiles(node, held, output=True)
+        k = self.axis_sizes[axis]
+        outs = self._output_factors(node)
+        found = [UNUSED]
+        for f in range(len(node.sizes)):
+            if not node.splittable(f) or node.sizes[f] % (tiles[f] * k):
+                continue
+            found.append((f, NONE))
+            if node.reduces(f):
+                found += [(f, g) for g in outs if node.sizes[g] % (out_tiles[g] * k) == 0]
+        if c in self.allowed:
+            found = [o for o in found if o in self.allowed[c][axis]]
+        return found
+
+    @staticmethod
+    def _output_factors(node: Node) -> list[int]:
+        if node.instr is None:
+            return []
+        own = node.values[:len(node.instr.outputs)]
+        return sorted({f for _, m in own for f in m if f is not None and node.splittable(f)})
+
+    # -- costs ------------------------------------------------------------------------
+    def node_collectives(self, node: Node, options: tuple) -> list:
+        """Combining partial results of split reduce factors."""
+        if node.instr is None:
+            return []
+        reduce_axes = [(a, g) for a, (f, g) in enumerate(options) if f != NONE and node.reduces(f)]
+        if not reduce_axes:
+            return []
+        scattered = tuple(a for a, g in reduce_axes if g != NONE)
+        summed = tuple(a for a, g in reduce_axes if g == NONE)
+        found = []
+        for v, dimmap in node.values[:len(node.instr.outputs)]:
+            nbytes = self.pricing.local_bytes(self.layout(node, options, dimmap, True), v.shape, v.dtype.itemsize)
+            if scattered:
+                found.append(("reduce-scatter", scattered, nbytes))
+            if summed:
+                found.append(("all-reduce", summed, nbytes))
+        return found
+
+    def compute_seconds(self, node: Node, options: tuple) -> float:
+        if not node.flops:
+            return 0.0
+        return self.pricing.compute_seconds(node.flops / math.prod(self.tiles(node, options)))
+
+    def node_seconds(self, node: Node, options: tuple) -> float:
+        return self.compute_seconds(node, options) + self.pricing.seconds(self.node_collectives(node, options))
+
+    def class_bytes(self, c: int, options: tuple, weights: np.ndarray) -> float:
+        """Bytes per device of class c's values, each weighted (how many members hold it at the peak)."""
+        node = self.graph.representative(c)
+        return sum(w * self.pricing.local_bytes(self.layout(node, options, m, True), v.shape, v.dtype.itemsize)
+                   for (v, m), w in zip(node.values, weights) if w)
+
+    # -- one axis ----------------------------------------------------------------------
+    def axis_problem(self, assignment: Assignment, axis: int, memory_price: float, weights: tuple):
+        """For each class its options for `axis` and their costs (the others held); for
+        each pair of classes joined by values, the cost of every pair of options.
+        Memory at the peak (`weights`: what weights() found live there) costs
+        `memory_price` seconds per byte."""
+        value_weights, copy_weights, shares = weights
+        options, choices, held, node_costs = [], [], [], []
+        for c, members in enumerate(self.graph.classes):
+            node = members[0]
+            held.append(_with(assignment[c], axis, UNUSED))
+            choices.append(self.options(c, assignment[c], axis))
+            full = [_with(assignment[c], axis, o) for o in choices[c]]
+            costs = np.array([len(members) * self.node_seconds(node, f)
+                              + (memory_price * self.class_bytes(c, f, value_weights[c]) if memory_price else 0.0)
+                              for f in full])
+            options.append(full)
+            node_costs.append(costs)
+        pairs: dict = {}
+        for index, e in enumerate(self.graph.edges):
+            u, v = self.graph.representative(e.source), self.graph.representative(e.target)
+            value, out_map = u.values[e.value_index]
+            made = self.axis_layouts(u, held[e.source], axis, choices[e.source], out_map, True)
+            if e.operand_index == CARRY:
+                needed = self.axis_layouts(v, held[e.target], axis, choices[e.target], v.values[0][1], True)
+            else:
+                needed = self.axis_layouts(v, held[e.target], axis, choices[e.target],
+                                           v.operands[e.operand_index][1], False)
+            (made_ids, made_layouts), (needed_ids, needed_layouts) = _factorize(made), _factorize(needed)
+            key = (value.shape, value.dtype.itemsize, tuple(made_layouts), tuple(needed_layouts))
+            table = self._tables.get(key)
+            if table is None:
+                table = self._tables[key] = np.array(
+                    [[self.pricing.reshard_seconds(a, b, value.shape, value.dtype.itemsize) + (a != b) * CHANGE
+                      for b in needed_layouts] for a in made_layouts])
+            table = e.count * shares.get(index, 1.0) * table
+            copies = copy_weights.get(index, 0)
+            if copies and memory_price:     # the resharded copies live at the peak
+                table = table + memory_price * copies * np.array(
+                    [[self.pricing.local_bytes(b, value.shape, value.dtype.itemsize) * (a != b)
+                      for b in needed_layouts] for a in made_layouts])
+            if e.source == e.target:
+                node_costs[e.source] += table[made_ids, needed_ids]
+                continue
+            m = table[np.ix_(made_ids, needed_ids)]
+            key = (e.source, e.target)
+            pairs[key] = pairs[key] + m if key in pairs else m
+        return options, node_costs, [(u, v, m) for (u, v), m in pairs.items()]
+
+    # -- a whole strategy -----------------------------------------------------------------
+    def estimate(self, assignment: Assignment) -> Estimate:
+        """Compute, combining partial results, and resharding: each value once per
+        layout it is needed in, however many ops read it so (the partitioner reshards
+        once). State carried to the next step is not resharded within the step."""
+        est = Estimate()
+        for c, members in enumerate(self.graph.classes):
+            node, n = members[0], len(members)
+            est.compute_seconds += n * self.compute_seconds(node, assignment[c])
+            for col in self.node_collectives(node, assignment[c]):
+                est.collectives[col] += n
+        for copy in self.copies(assignment):
+            for col in self.pricing.reshard(copy.made, copy.needed, copy.value.shape, copy.value.dtype.itemsize):
+                est.collectives[col] += 1
+        est.communication_seconds = sum(n * self.pricing.seconds([col]) for col, n in est.collectives.items())
+        est.peak_memory_bytes = self.peak(assignment)[0]
+        return est
+
+    def value_layouts(self, assignment: Assignment) -> dict:
+        """Every value's layout (values read by one op only take that op's)."""
+        out = {}
+        for v, (node, dimmap) in self.graph.node_of.items():
+            out[v] = self.layout(node, assignment[self.graph.class_of[node.index]], dimmap, True)
+        for v, (reader, i) in self.graph.free.items():
+            _, dimmap = reader.operands[i]
+            if reader.operands[i][0].shape == v.shape:
+                out[v] = self.layout(reader, assignment[self.graph.class_of[reader.index]], dimmap, False)
+        return out
+
+    def peak(self, assignment: Assignment) -> tuple[int, int]:
+        """Peak bytes per device, and when (a position in the program)."""
+        return self._live.peak(*self._intervals(assignment)[:3])
+
+    def _intervals(self, assignment: Assignment):
+        """(births, deaths, bytes) of every value and resharded copy; the copies."""
+        live = self._live
+        slot_bytes = np.array([self.pricing.local_bytes(self.layout(node, assignment[c], m, output), v.shape,
+                                                        v.dtype.itemsize)
+                               for c, node, v, m, output in live.slots] + [0.0])
+        sizes = np.where(live.slot_of >= 0, slot_bytes[live.slot_of], live.whole)
+        copies = self.copies(assignment)
+        births = np.concatenate([live.births, np.array([c.first for c in copies], np.int64)])
+        deaths = np.concatenate([live.deaths, np.array([c.last for c in copies], np.int64)])
+        total = np.concatenate([sizes, np.array([self.pricing.local_bytes(c.needed, c.value.shape,
+                                                                          c.value.dtype.itemsize)
+                                                 for c in copies], np.float64)])
+        return births, deaths, total, copies
+
+    def copies(self, assignment: Assignment) -> list:
+        """The resharded copies the strategy makes: one per value and layout some op
+        reads it in other than the one it is made in, held from the first such reader
+        to the last (the partitioner reshards once for all of them)."""
+        layouts = []
+        for e in self.graph.edges:
+            u, v = self.graph.representative(e.source), self.graph.representative(e.target)
+            made = self.layout(u, assignment[e.source], u.values[e.value_index][1], True)
+            needed = None if e.operand_index == CARRY else \
+                self.layout(v, assignment[e.target], v.operands[e.operand_index][1], False)
+            layouts.append((made, needed))
+        found: dict = {}
+        for value, reader, e in self._live.reads:
+            made, needed = layouts[e]
+            if needed is None or needed == made:
+                continue
+            copy = found.get((value, needed))
+            if copy is None:
+                found[(value, needed)] = Copy(value, made, needed, reader, reader, [e])
+            else:
+                copy.first, copy.last = min(copy.first, reader), max(copy.last, reader)
+                copy.edges.append(e)
+        return list(found.values())
+
+    def sharing(self, assignment: Assignment) -> dict:
+        """Per class edge, the average share of a resharded copy each of its reads pays
+        (1/k when k reads use one copy): the solver prices an edge's reshard at that."""
+        total: dict = {}
+        for copy in self.copies(assignment):
+            for e in copy.edges:
+                share, n = total.get(e, (0.0, 0))
+                total[e] = (share + 1 / len(copy.edges), n + 1)
+        return {e: share / n for e, (share, n) in total.items()}
+
+    def weights(self, assignment: Assignment, times: Sequence[int]) -> tuple[list, dict, dict]:
+        """What axis_problem needs from the current strategy: per class, per value, how
+        many of its members' values are live at `times` (the peaks seen so far; on
+        average over them), and per class edge how many of its resharded copies are;
+        per class edge the share of a copy its reads pay."""
+        weights = [np.zeros(len(members[0].values)) for members in self.graph.classes]
+        copies: dict = {}
+        live = self._live
+        for t in times:
+            alive = (live.births <= t) & (live.deaths >= t)
+            counts = np.bincount(live.slot_of[alive & (live.slot_of >= 0)], minlength=len(live.slots))
+            for (c, i), n in zip(live.slot_index, counts):
+                if i is not None:
+                    weights[c][i] += n / len(times)
+            for copy in self.copies(assignment):
+                if copy.first <= t <= copy.last:
+                    for e in set(copy.edges):
+                        copies[e] = copies.get(e, 0) + 1 / len(times)
+        return weights, copies, self.sharing(assignment)
+
+
+def _value_index(node: Node, v) -> int:
+    return next(i for i, (w, _) in enumerate(node.values) if w is v)
+
+
+def _factorize(items: list) -> tuple[np.ndarray, list]:
+    """(index of each item among the distinct ones, the distinct ones)"""
+    seen: dict = {}
+    ids = np.array([seen.setdefault(x, len(seen)) for x in items])
+    return ids, list(seen)
+
+
+def _with(options: tuple, axis: int, option: Option) -> tuple:
+    return options[:axis] + (option,) + options[axis + 1:]
+
+
+class _Liveness:
+    """Birth and last use of every top-level value, as the report's peak counts them,
+    and where each value's layout comes from: a slot (class, value or operand of its
+    representative), shared by the class's members."""
+
+    def __init__(self, graph: Graph):
+        program = graph.program
+        end = len(program.instrs)
+        self.values = list(program.params)
+        births = [0] * len(program.params)
+        last = {v: end for v in program.params}
+        for i, instr in enumerate(program.instrs):
+            for v in instr.operands:
+                last[v] = max(last.get(v, i), i)
+            for v in instr.outputs:
+                self.values.append(v)
+                births.append(i)
+                last.setdefault(v, i)
+        for v in program.outputs:
+            last[v] = end
+        self.births = np.array(births)
+        self.deaths = np.array([last[v] for v in self.values])
+        self.end = end
+        self.whole = np.array([v.nbytes for v in self.values], np.float64)
+        self.slots: list = []          # (class, representative, value, dim map, as an output?)
+        self.slot_index: list = []     # (class, value index in the representative, or None)
+        ids: dict = {}
+        for node in graph.nodes:
+            c = graph.class_of[node.index]
+            rep = graph.classes[c][0]
+            for i, (v, _) in enumerate(node.values):
+                ids[v] = self._slot(ids, (c, "value", i), (c, rep, *rep.values[i], True), (c, i))
+        for v, (reader, j) in graph.free.items():
+            c = graph.class_of[reader.index]
+            rep = graph.classes[c][0]
+            if rep.operands[j][0].shape == v.shape:
+                ids[v] = self._slot(ids, (c, "operand", j), (c, rep, v, rep.operands[j][1], False), (c, None))
+        self.slot_of = np.array([ids.get(v, -1) for v in self.values], np.int64)
+        self.reads = self._reads(graph)
+
+    @staticmethod
+    def _reads(graph: Graph) -> list:
+        """(value, position of the reading instruction, class edge) for every read along an edge."""
+        position = {instr: i for i, instr in enumerate(graph.program.instrs)}
+        edge_of = {(e.source, e.value_index, e.target, e.operand_index): k for k, e in enumerate(graph.edges)}
+        reads = []
+        for node in graph.nodes:
+            if node.instr is None:
+                continue
+            for j, (v, _) in enumerate(node.operands):
+                if v.rank and v in graph.node_of:
+                    producer = graph.node_of[v][0]
+                    k = edge_of.get((graph.class_of[producer.index], _value_index(producer, v),
+                                     graph.class_of[node.index], j))
+                    if k is not None:
+                        reads.append((v, position[node.instr], k))
+        return reads
+
+    def _slot(self, ids: dict, key, slot, index) -> int:
+        if key not in ids:
+            ids[key] = len(self.slots)
+            self.slots.append(slot)
+            self.slot_index.append(index)
+        return ids[key]
+
+    def peak(self, births: np.ndarray, deaths: np.ndarray, sizes: np.ndarray) -> tuple[int, int]:
+        """The most bytes live at once, and when."""
+        diff = np.zeros(self.end + 2)
+        np.add.at(diff, births, sizes)
+        np.add.at(diff, deaths + 1, -sizes)
+        live = np.cumsum(diff)
+        t = int(np.argmax(live))
+        return int(live[t]), t
+
+
+def layout_of(sharding: Sharding, mesh: Mesh) -> Optional[Layout]:
+    """A sharding as mesh axes per dim (major to minor), or None if this mesh cannot say it."""
+    coords = np.stack(np.unravel_index(np.argsort(mesh.devices.ravel()), mesh.shape), axis=1)   # device -> mesh coords
+    tensor = sharding.coords()
+    used: set = set()
+    layout = []
+    for d, t in enumerate(sharding.tiles):
+        found = _axes_for(tensor[:, d], t, coords, mesh.shape, used)
+        if found is None:
+            return None
+        used.update(found)
+        layout.append(found)
+    return tuple(layout)
+
+
+def _axes_for(column, tiles, coords, sizes, used) -> Optional[tuple]:
+    if tiles == 1:
+        return ()
+    free = [a for a in range(len(sizes)) if a not in used]
+    for r in range(1, len(free) + 1):
+        for combo in itertools.permutations(free, r):
+            if math.prod(sizes[a] for a in combo) != tiles:
+                continue
+            index = np.zeros(len(column), np.int64)
+            for a in combo:
+                index = index * sizes[a] + coords[:, a]
+            if np.array_equal(index, column):
+                return tuple(combo)
+    return None
+
+
+def annotation_options(sharding: Sharding, unspecified: Sequence[int], mesh: Mesh) -> Optional[list]:
+    """Per mesh axis, the Options (over the annotated value's dims as factors) that give
+    the annotated layout; dims left UNSPECIFIED may take any axis the others leave."""
+    layout = layout_of(sharding, mesh)
+    if layout is None:
+        return None
+    fixed = {a: d for d, axes in enumerate(layout) for a in axes}
+    open_dims = [d for d in unspecified if not layout[d]]
+    return [{(fixed[a], NONE)} if a in fixed else {UNUSED, *((d, NONE) for d in open_dims)}
+            for a in range(mesh.ndim)]
+

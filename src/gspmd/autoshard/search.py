@@ -1,0 +1,607 @@
+"""gspmd.auto: search annotations (mesh shape and strategy) for a function.
+
+1. Trace the function once and build the search graph (graph.py): ops as factor
+   spaces, repeated layers tied into one class each.
+2. For each candidate mesh (every factorization of the device count into up to three
+   axes, or the given mesh), decide one mesh axis at a time which factor of every class
+   it splits (solve.py: exact dynamic programming, a beam where the frontier grows),
+   sweeping over the axes until nothing changes. Memory first: while the estimated
+   peak exceeds the limit, memory is priced (Lagrangian) ever higher and the axes are
+   decided again; among plans that fit, estimated step time decides.
+3. The best candidates become annotations (every parameter's layout), are partitioned
+   and reported by gspmd itself, and intermediate values whose completed layout
+   strays from the strategy are annotated too when that makes the real report better.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Optional, Sequence, Union
+
+import jax
+import numpy as np
+
+from gspmd.analysis import Hardware
+from gspmd.analysis.hardware import profile
+from gspmd import propagation
+from gspmd.api import _abstract, jit
+from gspmd.autoshard import plan as plans
+from gspmd.autoshard.costs import Pricing
+from gspmd.autoshard.graph import Graph, build
+from gspmd.autoshard.model import UNUSED, Assignment, Estimate, Model, annotation_options, layout_of
+from gspmd.autoshard.solve import BEAM, solve, solve_exact
+from gspmd.errors import ShardingError
+from gspmd.frontend import trace
+from gspmd.ir import Builder, Program, Value
+from gspmd.ir.cse import eliminate_common_subexpressions
+from gspmd.ir.dce import eliminate_dead_code
+from gspmd.mesh import Mesh
+from gspmd.sharding import UNSPECIFIED, Sharding, dims_mapping_from_spec
+
+AXIS_NAMES = ("x", "y", "z")
+REFINED = 3   # meshes searched again, harder, after all were screened
+SLACK = 1.1   # candidates estimated up to this much over the memory limit are still partitioned
+CALIBRATED = 0.03   # an estimate this close to the report needs no second search
+LARGE = 1500  # instructions from which partitioning for real is worth avoiding
+Progress = Callable[[int, int, str], None]   # (done, total, what) as the search goes
+
+
+@dataclass
+class Candidate:
+    mesh: Mesh
+    model: Model
+    assignment: Assignment
+    estimate: Estimate
+    fits: bool
+    exact: bool
+    price: float = 0.0    # what a byte of peak memory cost when it was found (seconds)
+
+
+@dataclass(frozen=True)
+class Effort:
+    beam: int = BEAM      # partial solutions the dynamic program keeps
+    rounds: int = 2       # sweeps over the axes
+    refine: bool = True   # after memory fits, try pricing it less
+    exact: bool = True    # also solve each axis as an integer program (where small enough)
+    seeds: bool = True    # also search from every parameter split on its first dim
+
+
+SCREEN = Effort(beam=32, rounds=1, refine=False, exact=False, seeds=False)
+EXACT_SIZE = 400_000      # variables up to which an axis is also solved exactly
+EXACT_SECONDS = 10.0
+
+
+def auto(fn: Callable, *args, devices: Optional[int] = None, mesh: Optional[Mesh] = None,
+         hardware: Union[str, Hardware] = "tpu-v3", memory_limit: Optional[int] = None,
+         fixed: Optional[dict] = None, progress: Optional[Progress] = None, effort: Effort = Effort(),
+         verify: Optional[int] = None) -> plans.Plan:
+    """Propose annotations for fn(*args) on `devices` devices (the mesh among the
+    factorizations of that count into up to three axes) or on `mesh`.
+
+    args may be arrays or jax.ShapeDtypeStruct. `fixed` maps parameter paths (as
+    plan.parameters names them, e.g. "params[0]['wq']") to dims_mappings or
+    PartitionSpecs over the mesh's axis names ("x", "y", "z" when gspmd chooses the
+    mesh) that the plan must keep; annotations already inside fn are kept too.
+    Plans whose estimated peak memory per device exceeds `memory_limit` (default: the
+    hardware's memory) are infeasible; among feasible ones the estimated step time on
+    `hardware` decides. `verify` is how many of the best candidates gspmd partitions
+    and reports for real (default: by program size)."""
+    start = time.perf_counter()
+    hw = profile(hardware)
+    limit = hw.memory_bytes if memory_limit is None else int(memory_limit)
+    meshes = candidate_meshes(devices, mesh)
+    progress = progress or (lambda done, total, what: None)
+    abstract = jax.tree_util.tree_map(_abstract, args)
+    paths = plans.parameter_paths(fn, abstract)
+    traced = Traced(fn, abstract, mesh)
+    fixed_params = _fixed_parameters(fixed or {}, paths, traced.program)
+    graph = build(traced.program, {traced.program.params[i]: repr(m) for i, m in fixed_params.items()},
+                  traced.carried_state())
+
+    refined = min(REFINED, len(meshes))
+    total = len(meshes) + refined + 2
+    screened: list[Candidate] = []
+    for i, m in enumerate(meshes):
+        progress(i, total, f"mesh {_mesh_text(m)}")
+        model = Model(graph, m, Pricing(m.shape, hw), _allowed(graph, fixed_params, m))
+        if model.expressible and all(a is not None for a in model.allowed.values()):
+            screened.append(optimize(model, limit, _screening(len(meshes), effort)))
+    if not screened:
+        raise ShardingError(f"No candidate mesh ({', '.join(_mesh_text(m) for m in meshes)}) can express the "
+                            "annotations in the function or in fixed=; name mesh axes that exist "
+                            f"({', '.join(AXIS_NAMES)} when gspmd chooses the mesh) or pass mesh=.")
+    found = sorted(screened, key=_rank)
+    if len(meshes) > refined:     # search the best meshes again, harder, from where screening ended
+        for i, c in enumerate(found[:refined]):
+            progress(len(meshes) + i, total, f"refining mesh {_mesh_text(c.mesh)}")
+            found[i] = min(c, optimize(c.model, limit, effort, c.assignment, c.price), key=_rank)
+        found.sort(key=_rank)
+    worth = [c for c in found if c.estimate.peak_memory_bytes <= limit * SLACK]
+    if not worth:
+        _no_plan_fits(limit, min(c.estimate.peak_memory_bytes for c in found), "estimated")
+    progress(len(meshes) + refined, total, "partitioning the best candidates")
+    count = verify if verify is not None else _how_many_to_verify(traced.program)
+    small = len(traced.program.instrs) < LARGE
+    verified = []
+    for c in worth:   # the best few, and more while none fits
+        if len(verified) >= max(count, 1) and (any(v.fits for v in verified) or len(verified) >= 2 * count):
+            break
+        verified.append(calibrated(c, traced, paths, limit, hw, effort, small))
+    best = min(verified, key=_real_rank)
+    if not best.fits:
+        _no_plan_fits(limit, best.report.peak_memory_bytes, "partitioned")
+    progress(len(meshes) + refined + 1, total, "runner-ups")
+    runner_ups = _runner_ups(best, found, verified, limit)
+    progress(total, total, "done")
+    return plans.Plan(fn, abstract, best.candidate.mesh, best.parameters, best.intermediates, best.report,
+                      best.candidate.estimate, limit, runner_ups, time.perf_counter() - start,
+                      all(c.exact for c in found))
+
+
+def _no_plan_fits(limit: int, smallest: int, how: str):
+    raise ShardingError(
+        f"No plan fits the memory limit of {plans.bytes_text(limit)} per device: the smallest peak found is {plans.bytes_text(smallest)} "
+        f"({how}). Raise memory_limit, use more devices, or make the step smaller (batch, rematerialization).")
+
+
+# -- meshes -------------------------------------------------------------------------------
+def candidate_meshes(devices: Optional[int], mesh: Optional[Mesh]) -> list[Mesh]:
+    if mesh is not None:
+        if not isinstance(mesh, Mesh):
+            raise ShardingError(f"auto(mesh=...) needs a gspmd.Mesh, got {type(mesh).__name__}.")
+        if devices is not None and devices != mesh.size:
+            raise ShardingError(f"auto got devices={devices} and a mesh of {mesh.size}; pass one of them.")
+        return [mesh]
+    n = jax.device_count() if devices is None else devices
+    if not isinstance(n, (int, np.integer)) or n < 1:
+        raise ShardingError(f"auto(devices=...) needs a positive device count, got {devices!r}.")
+    return [Mesh(np.arange(n).reshape(shape), AXIS_NAMES[:len(shape)]) for shape in factorizations(int(n))]
+
+
+def factorizations(n: int, most: int = 3) -> list[tuple[int, ...]]:
+    """n as a product of up to `most` factors of at least 2, largest first (each
+    multiset once: which axis does what is the strategy's choice)."""
+    if n == 1:
+        return [(1,)]
+    found = []
+
+    def extend(rest: int, prefix: tuple, largest: int):
+        if rest == 1:
+            found.append(prefix)
+            return
+        if len(prefix) == most:
+            return
+        for f in range(min(rest, largest), 1, -1):
+            if rest % f == 0:
+                extend(rest // f, prefix + (f,), f)
+    extend(n, (), n)
+    return sorted(found, key=lambda s: (len(s), s))
+
+
+def _mesh_text(mesh: Mesh) -> str:
+    return "x".join(map(str, mesh.shape))
+
+
+# -- the traced function ----------------------------------------------------------------------
+class Traced:
+    """fn traced once: its program, and where each call in its source went (to annotate
+    intermediate values where the source computes them)."""
+
+    def __init__(self, fn: Callable, args: tuple, mesh: Optional[Mesh]):
+        self.fn, self.args = fn, args
+        flat, tree = jax.tree_util.tree_flatten(args)
+        equations: list = []     # per equation of fn's jaxpr: (equation, operand values, result values)
+        self.program, self.out_tree = trace(lambda *a: fn(*jax.tree_util.tree_unflatten(tree, a)), flat,
+                                            getattr(fn, "__name__", "main"), mesh,
+                                            on_equation=lambda i, eqn, ins, outs: equations.append((eqn, ins, outs)))
+        eliminate_dead_code(self.program)
+        # The partitioner merges repeated instructions (a broadcast the gradient repeats)
+        # after partitioning, which keeps the first alive longer; so does the search.
+        eliminate_common_subexpressions(self.program)
+        self.results: dict = {}      # source location -> the values its call computes, each run
+        self.gradients: dict = {}    # source location -> those values' cotangents as read
+        self.what: dict = {}
+        for where, site in plans.call_sites([eqn for eqn, _, _ in equations]).items():
+            self.results[where] = [equations[i][2][j] for i, j in site.results]
+            self.gradients[where] = [equations[i][1][j] for i, j in site.gradients]
+            eqn, _, outs = equations[site.results[0][0]]
+            self.what[where] = f"{eqn.primitive.name} {outs[site.results[0][1]].type_str()}"
+        self.location = {v: where for where, values in self.results.items() for v in values}
+        self.position = {instr: i for i, instr in enumerate(self.program.instrs)}
+
+    def carried_state(self) -> list[tuple]:
+        """(result, parameter) pairs of state fn updates: a result (or an element of a
+        tuple of results) shaped exactly like one of its arguments (new parameters,
+        optimizer state) is that argument's next value."""
+        outs = jax.tree_util.tree_unflatten(self.out_tree, self.program.outputs)
+        parts = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+        ins = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(self.args), self.program.params)
+        free = list(ins)
+        pairs = []
+        for part in parts:
+            for arg in free:
+                if _same_shapes(part, arg):
+                    pairs += list(zip(jax.tree_util.tree_leaves(part), jax.tree_util.tree_leaves(arg)))
+                    free.remove(arg)
+                    break
+        return pairs
+
+    def intermediate(self, where: str, layouts: dict, mesh: Mesh) -> Optional[plans.Intermediate]:
+        """The annotation at `where`, if the strategy lays out every value the call
+        there computes alike (one line of code annotates them all)."""
+        found = {layouts.get(v) for v in self.results[where]}
+        if len(found) != 1 or None in found:
+            return None
+        return plans.Intermediate(where, self.what[where], plans.dims_mapping(found.pop(), mesh),
+                                  len(self.results[where]))
+
+
+def _same_shapes(a, b) -> bool:
+    leaves_a, tree_a = jax.tree_util.tree_flatten(a)
+    leaves_b, tree_b = jax.tree_util.tree_flatten(b)
+    return tree_a == tree_b and bool(leaves_a) and all(
+        (x.shape, x.dtype) == (y.shape, y.dtype) for x, y in zip(leaves_a, leaves_b))
+
+
+# -- one mesh -------------------------------------------------------------------------------
+def optimize(model: Model, limit: int, effort: Effort = Effort(), start: Optional[Assignment] = None,
+             price: float = 0.0) -> Candidate:
+    """The fastest strategy on this mesh whose estimated peak fits `limit` (else the one
+    with the smallest peak found), from `start` with memory priced at `price`; without a
+    start, from nothing split and (with effort.seeds) from every parameter split on its
+    first dim over the largest axis (the axes are decided one at a time, so where the
+    search starts matters)."""
+    if start is None:
+        starts = [_start(model)] + ([_seed(model)] if effort.seeds else [])
+        return min((optimize(model, limit, effort, s, price) for s in starts), key=_rank)
+
+    peaks: list = []    # when the strategies seen so far peak: memory there is priced
+
+    def run(begin: Assignment, at: float) -> Candidate:
+        assignment, exact = descend(model, begin, at, effort.beam, effort.rounds, effort.exact, peaks)
+        est = model.estimate(assignment)
+        when = model.peak(assignment)[1]
+        if when not in peaks:
+            peaks.append(when)
+        return Candidate(model.mesh, model, assignment, est, est.peak_memory_bytes <= limit, exact, at)
+
+    best = run(start, price)
+    if not best.fits:
+        smallest, stuck = best, 0
+        # Start where a peak's worth of bytes costs about a step, or one collective.
+        latency = model.pricing.rate("all-gather", tuple(model.axes))[0]
+        price = price or 0.25 * (best.estimate.step_seconds + latency) / max(best.estimate.peak_memory_bytes, 1)
+        while not best.fits and stuck < 4:   # price memory higher until the peak fits (or stops shrinking)
+            price *= 8
+            cand = run(smallest.assignment, price)
+            if cand.fits:
+                best = cand
+            elif cand.estimate.peak_memory_bytes < smallest.estimate.peak_memory_bytes:
+                smallest, stuck = cand, 0
+            else:
+                stuck += 1
+        if not best.fits:
+            return smallest
+    if effort.refine and best.price:     # a little less weight on memory
+        best = min(best, run(best.assignment, best.price / 2), key=_rank)
+    return best
+
+
+def _seed(model: Model) -> Assignment:
+    """Each parameter split on its first dim the largest axis divides (weight-update
+    sharding, or data parallelism for inputs); the rest as _start."""
+    seed = _start(model)
+    axis = max(model.axes, key=lambda a: model.axis_sizes[a])
+    for c, members in enumerate(model.graph.classes):
+        if members[0].instr is None and c not in model.allowed:
+            choices = [o for o in model.options(c, seed[c], axis) if o != UNUSED]
+            if choices:
+                seed[c] = seed[c][:axis] + (min(choices),) + seed[c][axis + 1:]
+    return seed
+
+
+def _start(model: Model) -> Assignment:
+    """Nothing split, except what annotations fix."""
+    start = []
+    for c in range(len(model.graph.classes)):
+        allowed = model.allowed.get(c)
+        start.append(tuple(UNUSED if allowed is None or UNUSED in allowed[a] else min(allowed[a])
+                           for a in model.axes))
+    return start
+
+
+def descend(model: Model, assignment: Assignment, memory_price: float, beam: int, rounds: int,
+            exact_solver: bool = False, peaks: Optional[list] = None):
+    """Decide the axes one at a time (largest first), others held, until a sweep changes nothing."""
+    assignment = list(assignment)
+    order = _order(model.graph)
+    exact = True
+    axes = sorted(model.axes, key=lambda a: -model.axis_sizes[a])
+    for _ in range(rounds):
+        changed = False
+        for axis in axes:
+            times = []
+            if memory_price:
+                peaks = [] if peaks is None else peaks
+                when = model.peak(assignment)[1]
+                if when not in peaks:
+                    peaks.append(when)
+                times = peaks
+            weights = model.weights(assignment, times)
+            options, node_costs, edges = model.axis_problem(assignment, axis, memory_price, weights)
+            solution = solve(node_costs, edges, order, beam)
+            if exact_solver and sum(m.size for _, _, m in edges) <= EXACT_SIZE:
+                ilp = solve_exact(node_costs, edges, EXACT_SECONDS)
+                if ilp is not None and ilp.cost <= solution.cost:
+                    solution = ilp
+            exact &= solution.exact
+            new = [options[c][k] for c, k in enumerate(solution.choice)]
+            changed |= new != assignment
+            assignment = new
+        if not changed:
+            break
+    return assignment, exact
+
+
+def _order(graph: Graph) -> list[int]:
+    """Classes in program order; a parameter right before the first op that reads it."""
+    key = [float(min(n.position for n in members)) for members in graph.classes]
+    first_read: dict = {}
+    for e in graph.edges:
+        if graph.representative(e.source).instr is None:
+            first_read[e.source] = min(first_read.get(e.source, math.inf), key[e.target] - 0.5)
+    key = [first_read.get(c, k) for c, k in enumerate(key)]
+    return sorted(range(len(key)), key=lambda c: key[c])
+
+
+def _rank(c: Candidate) -> tuple:
+    return (not c.fits, c.estimate.step_seconds if c.fits else c.estimate.peak_memory_bytes)
+
+
+def _screening(meshes: int, effort: Effort) -> Effort:
+    """How hard to search each mesh before the best are searched again: as hard as
+    asked when there are few, the dynamic program alone when there are many."""
+    return effort if meshes <= REFINED else SCREEN if meshes > 2 * REFINED + 1 else replace(SCREEN, exact=True)
+
+
+def _how_many_to_verify(program: Program) -> int:
+    """Partitioning for real costs about as much as the program is long."""
+    return 3 if len(program.instrs) < LARGE else 1
+
+
+# -- fixed layouts ------------------------------------------------------------------------------
+def _fixed_parameters(fixed: dict, paths: list[str], program: Program) -> dict:
+    """Parameter index -> (its dims_mapping with UNSPECIFIED entries, as given)."""
+    out = {}
+    for path, spec in fixed.items():
+        if path not in paths:
+            raise ShardingError(f"fixed names {path!r}, which is not a parameter; parameters are "
+                                f"{', '.join(paths[:8])}{', ...' if len(paths) > 8 else ''}.")
+        i = paths.index(path)
+        shape = program.params[i].shape
+        mapping = dims_mapping_from_spec(spec, shape) if isinstance(spec, jax.sharding.PartitionSpec) else list(spec)
+        if len(mapping) != len(shape):
+            raise ShardingError(f"fixed[{path!r}] = {spec} has {len(mapping)} entries for a value of shape {shape}.")
+        out[i] = mapping
+    return out
+
+
+def _allowed(graph: Graph, fixed_params: dict, mesh: Mesh) -> dict:
+    """Class -> per axis the options `fixed` leaves (None: not expressible on this mesh).
+    Fixed parameters were kept out of other parameters' classes (build's `marks`)."""
+    allowed = {}
+    for i, mapping in fixed_params.items():
+        p = graph.program.params[i]
+        c = graph.class_of[graph.node_of[p][0].index]
+        try:
+            sharding = Sharding.from_mesh(mesh, mapping, p.shape)
+        except ShardingError:
+            allowed[c] = None
+            continue
+        allowed[c] = annotation_options(sharding, [d for d, e in enumerate(mapping) if e is UNSPECIFIED], mesh)
+    return allowed
+
+
+# -- verification and pinning ---------------------------------------------------------------------
+@dataclass
+class Verified:
+    candidate: Candidate
+    parameters: list
+    intermediates: list
+    report: object
+    fits: bool
+
+
+def verify_candidate(c: Candidate, traced: Traced, paths: list[str], limit: int, hw: Hardware,
+                     compare: bool) -> Verified:
+    """Annotate every parameter as the candidate lays it out; where sharding
+    completion then leaves values in other layouts than the candidate's, annotate those
+    too (one source line per repeated layer); partition and report for real. With
+    `compare`, also report the plan without those and keep the better."""
+    layouts = c.model.value_layouts(c.assignment)
+    params = [(path, plans.dims_mapping(layouts[p], c.mesh) if p.rank else None)
+              for path, p in zip(paths, traced.program.params)]
+    specs = [spec for _, spec in params]
+    pins = pins_for(c, traced, layouts, rounds=3 if compare else 1)
+    tries = [pins, []] if compare and pins else [pins]
+    results = []
+    for intermediates in tries:
+        report = jit(plans.annotated(traced.fn, c.mesh, specs, intermediates), mesh=c.mesh).lower(
+            *traced.args).report(hw)
+        results.append(Verified(c, params, intermediates, report, report.peak_memory_bytes <= limit))
+    return min(results, key=_real_rank)
+
+
+def calibrated(c: Candidate, traced: Traced, paths: list[str], limit: int, hw: Hardware, effort: Effort,
+               compare: bool, tries: int = 1) -> Verified:
+    """Verify the candidate; where gspmd's report finds another peak than the search
+    estimated (higher: buffers the estimate does not see; lower: ones it counts that
+    the partitioner avoids), search this mesh again with the limit scaled by that ratio."""
+    v = verify_candidate(c, traced, paths, limit, hw, compare)
+    for _ in range(tries):
+        ratio = v.report.peak_memory_bytes / max(v.candidate.estimate.peak_memory_bytes, 1)
+        if v.fits and ratio > 1 - CALIBRATED:
+            break
+        target = int(limit / ratio)
+        again = optimize(c.model, target, effort, v.candidate.assignment, v.candidate.price)
+        if not again.fits:
+            break
+        v = min(v, verify_candidate(again, traced, paths, limit, hw, compare), key=_real_rank)
+    return v
+
+
+def _real_rank(v: Verified) -> tuple:
+    return (not v.fits, v.report.step_seconds if v.fits else v.report.peak_memory_bytes)
+
+
+def pins_for(c: Candidate, traced: Traced, layouts: dict, rounds: int = 3, most: int = 8) -> list:
+    """Intermediate annotations that make sharding completion reproduce the candidate:
+    annotate the parameters, complete, and annotate the calls in the source whose
+    results came out laid out otherwise, largest first, where the candidate lays out
+    every result of the call alike; complete again with those, up to `rounds` times and
+    `most` source locations."""
+    mesh, graph = c.mesh, c.model.graph
+    pins: dict = {}     # source location -> Intermediate
+    for _ in range(rounds):
+        annotations = {p: _sharding(layouts[p], p, mesh) for p in traced.program.params if p.rank}
+        for where, pin in pins.items():
+            for v in traced.results[where] + traced.gradients[where]:
+                annotations[v] = Sharding.from_mesh(mesh, list(pin.dims_mapping), v.shape)
+        copy, counterpart = annotated_copy(traced.program, annotations)
+        propagation.complete(copy, mesh.size)
+        strays: dict = {}
+        for v, layout in layouts.items():
+            where = traced.location.get(v)
+            if (where is not None and where not in pins and v.rank and v in graph.node_of and v in counterpart
+                    and layout_of(counterpart[v].sharding, mesh) != layout):
+                strays[where] = strays.get(where, 0) + v.nbytes
+        found = [traced.intermediate(where, layouts, mesh) for where in sorted(strays, key=lambda w: -strays[w])]
+        found = [pin for pin in found if pin is not None][:max(most - len(pins), 0)]
+        if not found:
+            break
+        # The earliest stray first (later ones often follow from it), and the largest.
+        first = min(found, key=lambda pin: min(_position(traced, v) for v in traced.results[pin.where]))
+        for pin in [first] + [p for p in found if p is not first][:1]:
+            pins[pin.where] = pin
+    return sorted(pins.values(), key=lambda pin: min(_position(traced, v) for v in traced.results[pin.where]))
+
+
+def _position(traced: Traced, v: Value) -> int:
+    return traced.position.get(v.producer, len(traced.position))
+
+
+def _sharding(layout, v: Value, mesh: Mesh) -> Sharding:
+    return Sharding.from_mesh(mesh, list(plans.dims_mapping(layout, mesh)), v.shape)
+
+
+def annotated_copy(program: Program, annotations: dict) -> tuple[Program, dict]:
+    """A copy of `program`'s top level (sub-programs shared) with each value in
+    `annotations` annotated with its Sharding right where it is made; and each
+    original value's counterpart (the annotated one, where annotated)."""
+    copy = Program(program.name)
+    b = Builder(copy)
+    counterpart: dict = {}
+
+    def place(v: Value, new: Value) -> None:
+        if v in annotations:
+            new = b.add1("sharding", [new], v.shape, v.dtype, sharding=annotations[v], unspecified=())
+        counterpart[v] = new
+
+    for p in program.params:
+        counterpart[p] = b.param(p.shape, p.dtype, hint="arg")
+    for p in program.params:
+        place(p, counterpart[p])
+    for instr in program.instrs:
+        outs = b.add(instr.opcode, [counterpart[o] for o in instr.operands],
+                     [(o.shape, o.dtype) for o in instr.outputs], **instr.attrs)
+        for v, new in zip(instr.outputs, outs):
+            place(v, new)
+    copy.outputs = [counterpart[o] for o in program.outputs]
+    return copy, counterpart
+
+
+# -- runner-ups --------------------------------------------------------------------------------
+def _runner_ups(best: Verified, found: Sequence[Candidate], verified: Sequence[Verified], limit: int,
+                most: int = 4) -> list:
+    """The best plan on each other mesh, and the data-parallel counterfactual (every
+    parameter whole on every device), each with why it lost. Those partitioned for real
+    are compared by gspmd's report, the others by the search's estimate."""
+    out = []
+    seen = {best.candidate.mesh}
+    for v in sorted(verified, key=_real_rank):
+        if v.candidate.mesh not in seen:
+            seen.add(v.candidate.mesh)
+            out.append(plans.RunnerUp(f"best on mesh {_mesh_text(v.candidate.mesh)} (partitioned)", v.candidate.estimate,
+                                      v.report.step_seconds - best.report.step_seconds, why_not_report(v, best, limit)))
+    for c in found:
+        if len(out) >= most - 1:
+            break
+        if c.mesh not in seen:
+            seen.add(c.mesh)
+            out.append(plans.RunnerUp(f"best on mesh {_mesh_text(c.mesh)}", c.estimate,
+                                      c.estimate.step_seconds - best.candidate.estimate.step_seconds,
+                                      why_not(c, best.candidate, limit)))
+    replicated = _parameters_replicated(best.candidate, limit)
+    if replicated is not None:
+        out.append(plans.RunnerUp(f"parameters replicated on mesh {_mesh_text(best.candidate.mesh)} (data parallel)",
+                                  replicated.estimate,
+                                  replicated.estimate.step_seconds - best.candidate.estimate.step_seconds,
+                                  why_not(replicated, best.candidate, limit)))
+    return out[:most]
+
+
+def _parameters_replicated(best: Candidate, limit: int) -> Optional[Candidate]:
+    model = best.model
+    graph = model.graph
+    params = {graph.class_of[graph.node_of[p][0].index] for p in graph.program.params if p in graph.node_of}
+    if not params or all(all(o == UNUSED for o in best.assignment[c]) for c in params):
+        return None
+    allowed = dict(model.allowed)
+    for c in params:
+        allowed.setdefault(c, [{UNUSED} for _ in model.axes])
+    return optimize(Model(graph, model.mesh, model.pricing, allowed), limit, SCREEN)
+
+
+def why_not_report(v: Verified, best: Verified, limit: int) -> str:
+    """Why a plan partitioned for real lost, from gspmd's reports."""
+    if not v.fits:
+        return f"does not fit: peak {plans.bytes_text(v.report.peak_memory_bytes)} > limit {plans.bytes_text(limit)}"
+    a, b = v.report, best.report
+    compute, communication = a.compute_seconds - b.compute_seconds, a.communication_seconds - b.communication_seconds
+    if max(compute, communication) <= 0:
+        return "no faster"
+    if compute > communication:
+        return f"compute +{plans.seconds_text(compute)} (less of the work split)"
+    return (f"communication +{plans.seconds_text(communication)} "
+            f"({_signed_bytes(a.collective_bytes - b.collective_bytes)} per device)")
+
+
+def why_not(c: Candidate, best: Candidate, limit: int) -> str:
+    """The counterfactual's verdict: what it would take, or what it costs more."""
+    if not c.fits:
+        return f"does not fit: estimated peak {plans.bytes_text(c.estimate.peak_memory_bytes)} > limit {plans.bytes_text(limit)}"
+    a, b = c.estimate, best.estimate
+    parts = {"compute": a.compute_seconds - b.compute_seconds}
+    mine, theirs = a.by_kind(), b.by_kind()
+    seconds = _seconds_by_kind(c), _seconds_by_kind(best)
+    for kind in set(mine) | set(theirs):
+        parts[kind] = seconds[0].get(kind, 0.0) - seconds[1].get(kind, 0.0)
+    worst = max(parts, key=lambda k: parts[k])
+    if parts[worst] <= 0:
+        return "no faster"
+    if worst == "compute":
+        return f"compute +{plans.seconds_text(parts[worst])} (less of the work split)"
+    nbytes = mine.get(worst, (0, 0))[1] - theirs.get(worst, (0, 0))[1]
+    return f"{worst} +{plans.seconds_text(parts[worst])} ({_signed_bytes(nbytes)} per device)"
+
+
+def _signed_bytes(nbytes: float) -> str:
+    return ("+" if nbytes >= 0 else "-") + plans.bytes_text(abs(nbytes))
+
+
+def _seconds_by_kind(c: Candidate) -> dict:
+    out: dict = {}
+    for (kind, axes, nbytes), n in c.estimate.collectives.items():
+        out[kind] = out.get(kind, 0.0) + n * c.model.pricing.seconds([(kind, axes, nbytes)])
+    return out

@@ -1,0 +1,191 @@
+"""gspmd.auto: the Plan, the code it writes (which reproduces the plan's report exactly),
+plan.jit(), fixed=, memory limits nothing fits, the search's pieces, and the CLI."""
+from __future__ import annotations
+
+import itertools
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import gspmd
+from gspmd import cli
+from gspmd.autoshard import plan as plans
+from gspmd.autoshard.graph import build
+from gspmd.autoshard.search import Traced, factorizations
+from gspmd.autoshard.solve import solve, solve_exact, total_cost
+from gspmd.models import mlp, moe, transformer
+from util import assert_close
+
+MLP_ARGS = mlp.example_inputs()
+
+
+@pytest.fixture(scope="module")
+def mlp_plan():
+    return gspmd.auto(mlp.make_train_step(None), *MLP_ARGS, devices=8, hardware="cpu", memory_limit=20_000)
+
+
+def _same_report(a, b):
+    assert [(c.kind, c.bytes, c.groups, c.executions) for c in a.collectives] == \
+           [(c.kind, c.bytes, c.groups, c.executions) for c in b.collectives]
+    assert (a.peak_memory_bytes, a.flops) == (b.peak_memory_bytes, b.flops)
+
+
+def test_plan_says_mesh_layouts_costs_and_runner_ups(mlp_plan):
+    plan = mlp_plan
+    assert plan.mesh.size == 8 and 1 <= plan.mesh.ndim <= 3
+    assert [path for path, _ in plan.parameters] == ["params[0]", "params[1]", "x", "y"]
+    assert all(spec is not None and len(spec) == 2 for _, spec in plan.parameters)
+    assert plan.step_seconds == plan.report.step_seconds > 0
+    assert plan.peak_memory_bytes <= plan.memory_limit == 20_000
+    assert plan.collectives == {k: (sum(c.executions for c in plan.report.collectives if c.kind == k),
+                                    sum(c.bytes * c.executions for c in plan.report.collectives if c.kind == k))
+                                for k in plan.report.counts()}
+    assert plan.runner_ups and all(u.reason for u in plan.runner_ups)
+    text = str(plan)
+    assert "runner-ups:" in text and "params[0]" in text
+
+
+def test_code_pasted_reproduces_the_report_exactly(mlp_plan):
+    namespace: dict = {}
+    exec(mlp_plan.code(), namespace)
+    annotate, mesh = namespace["annotate"], namespace["mesh"]
+    step = mlp.make_train_step(None)
+    pasted = gspmd.jit(lambda *args: step(*annotate(*args)), mesh=mesh).lower(*MLP_ARGS).report("cpu")
+    _same_report(pasted, mlp_plan.report)
+
+
+def test_jit_runs_the_plan_and_equals_one_device(mlp_plan):
+    partitioned = mlp_plan.jit()
+    _same_report(partitioned.lower(*MLP_ARGS).report("cpu"), mlp_plan.report)
+    assert_close(partitioned(*MLP_ARGS), jax.jit(mlp.make_train_step(None))(*MLP_ARGS))
+
+
+def test_abstract_arguments_and_a_given_mesh():
+    mesh = gspmd.Mesh(np.arange(8).reshape(2, 4), ("a", "b"))
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), MLP_ARGS)
+    plan = gspmd.auto(mlp.make_train_step(None), *abstract, mesh=mesh, hardware="cpu")
+    assert plan.mesh == mesh
+    assert not plan.runner_ups or all("mesh" not in u.description or "2x4" in u.description for u in plan.runner_ups)
+
+
+def test_fixed_layouts_are_kept():
+    fixed = {"params[0]": [-1, "x"], "x": P("x", None)}
+    plan = gspmd.auto(mlp.make_train_step(None), *MLP_ARGS, devices=8, hardware="cpu", fixed=fixed)
+    layouts = dict(plan.parameters)
+    assert tuple(layouts["params[0]"]) == (-1, "x")
+    assert tuple(layouts["x"]) == ("x", -1)
+    with pytest.raises(gspmd.ShardingError, match="not a parameter"):
+        gspmd.auto(mlp.make_train_step(None), *MLP_ARGS, devices=8, fixed={"params[7]": [-1, -1]})
+
+
+def test_no_plan_fits_says_the_smallest_peak_found():
+    with pytest.raises(gspmd.ShardingError, match=r"smallest peak found is .*(KiB|MiB)"):
+        gspmd.auto(mlp.make_train_step(None), *MLP_ARGS, devices=8, hardware="cpu", memory_limit=1000)
+
+
+def test_moe_plan_with_intermediate_annotations_reproduces_its_report():
+    """Short of memory, the MoE layer's plan annotates values inside the layer (where
+    the source computes them): plan.jit() reproduces the plan's report, and computes
+    what one device does."""
+    cfg = moe.Config(groups=8, group_size=128, model=128, hidden=512, experts=8, capacity=32)
+    args = moe.example_inputs(cfg)
+    mesh = gspmd.Mesh(np.arange(8), ("x",))
+    hand = gspmd.jit(moe.make_train_step(mesh, "x", cfg), mesh=mesh).lower(*args).report("tpu-v3")
+    plan = gspmd.auto(moe.make_train_step(None, "x", cfg), *args, mesh=mesh, hardware="tpu-v3",
+                      memory_limit=int(1.6 * hand.peak_memory_bytes))
+    assert plan.peak_memory_bytes <= 1.6 * hand.peak_memory_bytes and plan.step_seconds <= hand.step_seconds
+    assert plan.intermediates and all("moe.py" in i.where and i.where in plan.code() for i in plan.intermediates)
+    _same_report(plan.jit().lower(*args).report("tpu-v3"), plan.report)
+    assert_close(plan.jit()(*args), jax.jit(moe.make_train_step(None, "x", cfg))(*args))
+
+
+def _two_layer_step(hook):
+    """A train step whose hidden activation passes through hook("hidden", value)."""
+    def loss(params, x):
+        hidden = hook("hidden", jnp.einsum("bm,mh->bh", x, params["w1"]))
+        return jnp.mean(jax.nn.relu(hidden) @ params["w2"])
+
+    def step(params, x):
+        value, grads = jax.value_and_grad(loss)(params, x)
+        return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads), value
+    return step
+
+
+def test_intermediate_annotation_is_what_mesh_split_written_there_does():
+    """An intermediate annotation applies where the source computes the value, gradient
+    included, exactly as mesh_split pasted at that call would."""
+    rng = np.random.RandomState(0)
+    params = {"w1": rng.standard_normal((16, 32)).astype(np.float32),
+              "w2": rng.standard_normal((32, 4)).astype(np.float32)}
+    x = rng.standard_normal((8, 16)).astype(np.float32)
+    mesh = gspmd.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
+    plain = _two_layer_step(lambda name, v: v)
+    traced = Traced(plain, (params, x), None)
+    line = _line_of('hidden = hook(')
+    where = next(w for w in traced.results if f":{line}:" in w)
+    spec = ("x", "y")
+    specs = [(-1, "y"), ("y", -1), ("x", -1)]
+    pasted = _two_layer_step(lambda name, v: gspmd.mesh_split(v, mesh, list(spec)))
+    want = gspmd.jit(plans.annotated(pasted, mesh, specs), mesh=mesh).lower(params, x)
+    got = gspmd.jit(plans.annotated(plain, mesh, specs, [plans.Intermediate(where, "", spec)]), mesh=mesh).lower(
+        params, x)
+    _same_report(got.report(), want.report())
+    assert_close(got(params, x), jax.jit(plain)(params, x))
+
+
+def _line_of(text: str) -> int:
+    import inspect
+    lines, first = inspect.getsourcelines(_two_layer_step)
+    return first + next(i for i, line in enumerate(lines) if text in line)
+
+
+def test_repeated_layers_are_solved_once():
+    one, four = (transformer.example_inputs(transformer.Config(layers=n), abstract=True) for n in (1, 4))
+    graphs = [build(Traced(transformer.make_train_step(None, transformer.Config(layers=len(a[0])), {}), a,
+                           None).program) for a in (one, four)]
+    assert len(graphs[1].nodes) > 3.5 * len(graphs[0].nodes)
+    assert len(graphs[1].classes) < 2.5 * len(graphs[0].classes)
+
+
+def test_meshes_are_factorizations_into_up_to_three_axes():
+    assert factorizations(8) == [(8,), (4, 2), (2, 2, 2)]
+    assert factorizations(12) == [(12,), (4, 3), (6, 2), (3, 2, 2)]
+    assert factorizations(7) == [(7,)]
+    assert len(factorizations(2048)) == 16
+
+
+def test_solvers_find_the_optimum():
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        n = int(rng.integers(2, 6))
+        sizes = [int(rng.integers(1, 4)) for _ in range(n)]
+        nodes = [rng.random(k) for k in sizes]
+        edges = [(int(u), int(v), rng.random((sizes[u], sizes[v])))
+                 for u, v in rng.integers(0, n, (int(rng.integers(0, 8)), 2)) if u != v]
+        best = min(total_cost(c, nodes, edges) for c in itertools.product(*map(range, sizes)))
+        order = list(rng.permutation(n))
+        assert solve(nodes, edges, order).cost == pytest.approx(best)
+        assert solve_exact(nodes, edges).cost == pytest.approx(best)
+        assert solve(nodes, edges, order, beam=1).cost >= best - 1e-12
+
+
+def test_cli_prints_the_plan_and_its_code(tmp_path, monkeypatch, capsys):
+    (tmp_path / "auto_case.py").write_text(textwrap.dedent("""
+        from gspmd.models import mlp
+        step = mlp.make_train_step(None)
+        def plan_args():
+            return mlp.example_inputs()
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert cli.main(["auto", "auto_case:step", "--devices", "8", "--hardware", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "plan for train_step" in out and "def annotate(params, x, y):" in out
+    assert cli.main(["auto", "auto_case:step", "--mesh", "2x4", "--memory-limit", "1KiB"]) == 1
+    assert "smallest peak" in capsys.readouterr().out
+    assert cli.main(["auto", "auto_case:missing", "--devices", "8"]) == 1
+    sys.modules.pop("auto_case", None)
