@@ -162,6 +162,15 @@ def profile(program: Program, aliases: Mapping[int, int] = {}, entry: bool = Tru
     return _Liveness(program, dict(aliases), entry).run()
 
 
+def run_order(program: Program) -> tuple[dict[Value, int], dict[Value, int], set[Value]]:
+    """How XLA runs `program`, for estimates that follow this model (gspmd.auto's): the
+    step that makes each stored value, the last step that reads it, and the values loop
+    fusion computes inside their readers instead of storing."""
+    live = _Liveness(program, {}, True)
+    made = {o: s for s, step in enumerate(live.steps) for o in step.outputs}
+    return made, dict(live.last_read), set(live.fused)
+
+
 def donation_aliases(program: Program, donated: Sequence[int]) -> dict[int, int]:
     """Which result each donated parameter's buffer goes to, as jax pairs them: each
     donated parameter, in order, with the first unclaimed result of its shape and dtype."""

@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from gspmd.analysis.memory import run_order
 from gspmd.autoshard.costs import Layout, Pricing
 from gspmd.autoshard.graph import CARRY, DimMap, Graph, Node
 from gspmd.mesh import Mesh
@@ -34,13 +35,14 @@ Assignment = list         # per class: a tuple of Options, one per mesh axis
 
 @dataclass(eq=False)
 class Copy:
-    """A value resharded from layout `made` to `needed` for the ops that read it so,
-    between program positions `first` and `last`, along class edges `edges` (one per read)."""
+    """A value resharded from layout `made` to `needed` for the ops that read it so, at
+    steps `reads` along class edges `edges` (one per read). It is made once (a copy
+    serves all of them) but held only where read: under a memory limit the partitioner
+    reshards again near later readers rather than hold a copy across the peak."""
     value: object
     made: Layout
     needed: Layout
-    first: int
-    last: int
+    reads: list
     edges: list
 
 
@@ -273,17 +275,15 @@ class Model:
                                for c, node, v, m, output in live.slots] + [0.0])
         sizes = np.where(live.slot_of >= 0, slot_bytes[live.slot_of], live.whole)
         copies = self.copies(assignment)
-        births = np.concatenate([live.births, np.array([c.first for c in copies], np.int64)])
-        deaths = np.concatenate([live.deaths, np.array([c.last for c in copies], np.int64)])
+        held = np.array([r for c in copies for r in c.reads], np.int64)
         total = np.concatenate([sizes, np.array([self.pricing.local_bytes(c.needed, c.value.shape,
                                                                           c.value.dtype.itemsize)
-                                                 for c in copies], np.float64)])
-        return births, deaths, total, copies
+                                                 for c in copies for _ in c.reads], np.float64)])
+        return np.concatenate([live.births, held]), np.concatenate([live.deaths, held]), total, copies
 
     def copies(self, assignment: Assignment) -> list:
         """The resharded copies the strategy makes: one per value and layout some op
-        reads it in other than the one it is made in, held from the first such reader
-        to the last (the partitioner reshards once for all of them)."""
+        reads it in other than the one it is made in."""
         layouts = []
         for e in self.graph.edges:
             u, v = self.graph.representative(e.source), self.graph.representative(e.target)
@@ -298,9 +298,9 @@ class Model:
                 continue
             copy = found.get((value, needed))
             if copy is None:
-                found[(value, needed)] = Copy(value, made, needed, reader, reader, [e])
+                found[(value, needed)] = Copy(value, made, needed, [reader], [e])
             else:
-                copy.first, copy.last = min(copy.first, reader), max(copy.last, reader)
+                copy.reads.append(reader)
                 copy.edges.append(e)
         return list(found.values())
 
@@ -329,9 +329,8 @@ class Model:
                 if i is not None:
                     weights[c][i] += n / len(times)
             for copy in self.copies(assignment):
-                if copy.first <= t <= copy.last:
-                    for e in set(copy.edges):
-                        copies[e] = copies.get(e, 0) + 1 / len(times)
+                for e in {e for r, e in zip(copy.reads, copy.edges) if r == t}:
+                    copies[e] = copies.get(e, 0) + 1 / len(times)
         return weights, copies, self.sharing(assignment)
 
 
@@ -351,27 +350,24 @@ def _with(options: tuple, axis: int, option: Option) -> tuple:
 
 
 class _Liveness:
-    """Birth and last use of every top-level value, as the report's peak counts them,
-    and where each value's layout comes from: a slot (class, value or operand of its
-    representative), shared by the class's members."""
+    """When each stored top-level value is made and last read, in the order XLA runs
+    the program (values loop fusion computes inside their readers are stored nowhere),
+    as the report's memory model counts them; and where each value's layout comes
+    from: a slot (class, value or operand of its representative), shared by the
+    class's members."""
 
     def __init__(self, graph: Graph):
         program = graph.program
-        end = len(program.instrs)
-        self.values = list(program.params)
-        births = [0] * len(program.params)
-        last = {v: end for v in program.params}
-        for i, instr in enumerate(program.instrs):
-            for v in instr.operands:
-                last[v] = max(last.get(v, i), i)
-            for v in instr.outputs:
-                self.values.append(v)
-                births.append(i)
-                last.setdefault(v, i)
-        for v in program.outputs:
-            last[v] = end
-        self.births = np.array(births)
-        self.deaths = np.array([last[v] for v in self.values])
+        made, last_read, fused = run_order(program)
+        self.step = self._steps(program, made)
+        end = max(made.values(), default=0) + 1
+        results = set(program.outputs)
+        self.values = list(program.params) + [v for instr in program.instrs for v in instr.outputs
+                                              if v not in fused]
+        # Arguments and results have allocations of their own, held throughout.
+        self.births = np.array([0 if v.producer is None or v in results else made.get(v, 0) for v in self.values])
+        self.deaths = np.array([end if v.producer is None or v in results else
+                                max(last_read.get(v, made.get(v, end)), made.get(v, 0)) for v in self.values])
         self.end = end
         self.whole = np.array([v.nbytes for v in self.values], np.float64)
         self.slots: list = []          # (class, representative, value, dim map, as an output?)
@@ -391,9 +387,18 @@ class _Liveness:
         self.reads = self._reads(graph)
 
     @staticmethod
-    def _reads(graph: Graph) -> list:
-        """(value, position of the reading instruction, class edge) for every read along an edge."""
-        position = {instr: i for i, instr in enumerate(graph.program.instrs)}
+    def _steps(program, made: dict) -> dict:
+        """The step at which each instruction runs (a fused one: where its reader runs)."""
+        users = program.users()
+        step: dict = {}
+        for instr in reversed(program.instrs):
+            stored = [made[o] for o in instr.outputs if o in made]
+            readers = [step[u] for o in instr.outputs for u in users.get(o, []) if u in step]
+            step[instr] = min(stored or readers or [0])
+        return step
+
+    def _reads(self, graph: Graph) -> list:
+        """(value, step of the reading instruction, class edge) for every read along an edge."""
         edge_of = {(e.source, e.value_index, e.target, e.operand_index): k for k, e in enumerate(graph.edges)}
         reads = []
         for node in graph.nodes:
@@ -405,7 +410,7 @@ class _Liveness:
                     k = edge_of.get((graph.class_of[producer.index], _value_index(producer, v),
                                      graph.class_of[node.index], j))
                     if k is not None:
-                        reads.append((v, position[node.instr], k))
+                        reads.append((v, self.step[node.instr], k))
         return reads
 
     def _slot(self, ids: dict, key, slot, index) -> int:

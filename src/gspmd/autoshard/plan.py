@@ -134,8 +134,9 @@ class Plan:
         return annotated(self.fn, self.mesh, [spec for _, spec in self.parameters], self.intermediates)
 
     def jit(self, backend: str = "sim") -> Partitioned:
-        """gspmd.jit of fn with the plan applied."""
-        return jit(self.function(), mesh=self.mesh, backend=backend)
+        """gspmd.jit of fn with the plan applied (fitted to its memory limit, reported on its hardware)."""
+        return jit(self.function(), mesh=self.mesh, backend=backend, memory_limit=self.memory_limit,
+                   hardware=self.report.hardware)
 
     def code(self) -> str:
         """Python to paste into the model: the mesh, and `annotate(...)` splitting every
@@ -241,6 +242,9 @@ def write_code(plan: Plan) -> str:
         if text != name:
             lines.append(f"    {name} = {text}")
     lines.append(f"    return {', '.join(names)}{',' if len(names) == 1 else ''}")
+    fn_name = getattr(plan.fn, "__name__", "fn")
+    lines += ["", "", f"# Partition with: gspmd.jit({fn_name}, mesh=mesh, memory_limit={plan.memory_limit}, "
+              f"hardware={plan.report.hardware.name!r})"]
     if plan.intermediates:
         lines += ["", "", f"# Inside {getattr(plan.fn, '__name__', 'the function')}, also annotate the result of the "
                   "call at each of these places (file:line:column; every time it runs):"]

@@ -28,7 +28,7 @@ from gspmd import propagation
 from gspmd.api import _abstract, jit
 from gspmd.autoshard import plan as plans
 from gspmd.autoshard.costs import Pricing
-from gspmd.autoshard.graph import Graph, build
+from gspmd.autoshard.graph import CARRY, Graph, build
 from gspmd.autoshard.model import UNUSED, Assignment, Estimate, Model, annotation_options, layout_of
 from gspmd.autoshard.solve import BEAM, solve, solve_exact
 from gspmd.errors import ShardingError
@@ -41,7 +41,7 @@ from gspmd.sharding import UNSPECIFIED, Sharding, dims_mapping_from_spec
 
 AXIS_NAMES = ("x", "y", "z")
 REFINED = 3   # meshes searched again, harder, after all were screened
-SLACK = 1.1   # candidates estimated up to this much over the memory limit are still partitioned
+SLACK = 1.25  # candidates estimated up to this much over the memory limit are still partitioned
 CALIBRATED = 0.03   # an estimate this close to the report needs no second search
 LARGE = 1500  # instructions from which partitioning for real is worth avoiding
 Progress = Callable[[int, int, str], None]   # (done, total, what) as the search goes
@@ -91,19 +91,41 @@ def auto(fn: Callable, *args, devices: Optional[int] = None, mesh: Optional[Mesh
     hw = profile(hardware)
     limit = hw.memory_bytes if memory_limit is None else int(memory_limit)
     meshes = candidate_meshes(devices, mesh)
-    progress = progress or (lambda done, total, what: None)
     abstract = jax.tree_util.tree_map(_abstract, args)
     paths = plans.parameter_paths(fn, abstract)
     traced = Traced(fn, abstract, mesh)
     fixed_params = _fixed_parameters(fixed or {}, paths, traced.program)
     graph = build(traced.program, {traced.program.params[i]: repr(m) for i, m in fixed_params.items()},
                   traced.carried_state())
+    steps = Steps(progress or (lambda done, total, what: None), len(meshes) + min(REFINED, len(meshes)) + 2)
+    found = _search_meshes(graph, meshes, fixed_params, hw, limit, effort, steps)
+    best, verified = _partition_best(found, traced, paths, limit, hw, effort, verify, steps)
+    steps("runner-ups")
+    runner_ups = _runner_ups(best, found, verified, limit)
+    steps("done")
+    return plans.Plan(fn, abstract, best.candidate.mesh, best.parameters, best.intermediates, best.report,
+                      best.candidate.estimate, limit, runner_ups, time.perf_counter() - start,
+                      all(c.exact for c in found))
 
-    refined = min(REFINED, len(meshes))
-    total = len(meshes) + refined + 2
+
+class Steps:
+    """Reports each step of the search to a Progress callback."""
+
+    def __init__(self, progress: Progress, total: int):
+        self.progress, self.total, self.done = progress, total, 0
+
+    def __call__(self, what: str) -> None:
+        self.progress(min(self.done, self.total), self.total, what)
+        self.done += 1
+
+
+def _search_meshes(graph: Graph, meshes: list[Mesh], fixed_params: dict, hw: Hardware, limit: int, effort: Effort,
+                   steps: Steps) -> list[Candidate]:
+    """The best strategy on each mesh, best first: every mesh screened, the best few
+    searched again, harder, from where screening ended."""
     screened: list[Candidate] = []
-    for i, m in enumerate(meshes):
-        progress(i, total, f"mesh {_mesh_text(m)}")
+    for m in meshes:
+        steps(f"mesh {_mesh_text(m)}")
         model = Model(graph, m, Pricing(m.shape, hw), _allowed(graph, fixed_params, m))
         if model.expressible and all(a is not None for a in model.allowed.values()):
             screened.append(optimize(model, limit, _screening(len(meshes), effort)))
@@ -112,37 +134,40 @@ def auto(fn: Callable, *args, devices: Optional[int] = None, mesh: Optional[Mesh
                             "annotations in the function or in fixed=; name mesh axes that exist "
                             f"({', '.join(AXIS_NAMES)} when gspmd chooses the mesh) or pass mesh=.")
     found = sorted(screened, key=_rank)
-    if len(meshes) > refined:     # search the best meshes again, harder, from where screening ended
-        for i, c in enumerate(found[:refined]):
-            progress(len(meshes) + i, total, f"refining mesh {_mesh_text(c.mesh)}")
+    if len(meshes) > REFINED:
+        for i, c in enumerate(found[:REFINED]):
+            steps(f"refining mesh {_mesh_text(c.mesh)}")
             found[i] = min(c, optimize(c.model, limit, effort, c.assignment, c.price), key=_rank)
         found.sort(key=_rank)
+    return found
+
+
+def _partition_best(found: list[Candidate], traced: "Traced", paths: list[str], limit: int, hw: Hardware,
+                    effort: Effort, verify: Optional[int], steps: Steps) -> tuple["Verified", list]:
+    """Partition the best few candidates for real (more while none fits) and keep the
+    fastest that fits by gspmd's own report."""
     worth = [c for c in found if c.estimate.peak_memory_bytes <= limit * SLACK]
     if not worth:
         _no_plan_fits(limit, min(c.estimate.peak_memory_bytes for c in found), "estimated")
-    progress(len(meshes) + refined, total, "partitioning the best candidates")
-    count = verify if verify is not None else _how_many_to_verify(traced.program)
+    steps("partitioning the best candidates")
+    count = max(verify if verify is not None else _how_many_to_verify(traced.program), 1)
     small = len(traced.program.instrs) < LARGE
-    verified = []
-    for c in worth:   # the best few, and more while none fits
-        if len(verified) >= max(count, 1) and (any(v.fits for v in verified) or len(verified) >= 2 * count):
+    verified: list = []
+    for c in worth:
+        if len(verified) >= count and (any(v.fits for v in verified) or len(verified) >= 2 * count):
             break
-        verified.append(calibrated(c, traced, paths, limit, hw, effort, small))
+        verified.append(calibrated(c, traced, paths, limit, hw, effort, small, tries=2 if small else 1))
     best = min(verified, key=_real_rank)
     if not best.fits:
         _no_plan_fits(limit, best.report.peak_memory_bytes, "partitioned")
-    progress(len(meshes) + refined + 1, total, "runner-ups")
-    runner_ups = _runner_ups(best, found, verified, limit)
-    progress(total, total, "done")
-    return plans.Plan(fn, abstract, best.candidate.mesh, best.parameters, best.intermediates, best.report,
-                      best.candidate.estimate, limit, runner_ups, time.perf_counter() - start,
-                      all(c.exact for c in found))
+    return best, verified
 
 
 def _no_plan_fits(limit: int, smallest: int, how: str):
     raise ShardingError(
-        f"No plan fits the memory limit of {plans.bytes_text(limit)} per device: the smallest peak found is {plans.bytes_text(smallest)} "
-        f"({how}). Raise memory_limit, use more devices, or make the step smaller (batch, rematerialization).")
+        f"No plan fits the memory limit of {plans.bytes_text(limit)} per device: the smallest peak found is "
+        f"{plans.bytes_text(smallest)} ({how}). Raise memory_limit, use more devices, or make the step smaller "
+        "(batch, rematerialization).")
 
 
 # -- meshes -------------------------------------------------------------------------------
@@ -259,12 +284,12 @@ def optimize(model: Model, limit: int, effort: Effort = Effort(), start: Optiona
     peaks: list = []    # when the strategies seen so far peak: memory there is priced
 
     def run(begin: Assignment, at: float) -> Candidate:
-        assignment, exact = descend(model, begin, at, effort.beam, effort.rounds, effort.exact, peaks)
+        assignment, solved = descend(model, begin, at, effort.beam, effort.rounds, effort.exact, peaks)
         est = model.estimate(assignment)
         when = model.peak(assignment)[1]
         if when not in peaks:
             peaks.append(when)
-        return Candidate(model.mesh, model, assignment, est, est.peak_memory_bytes <= limit, exact, at)
+        return Candidate(model.mesh, model, assignment, est, est.peak_memory_bytes <= limit, solved, at)
 
     best = run(start, price)
     if not best.fits:
@@ -272,7 +297,7 @@ def optimize(model: Model, limit: int, effort: Effort = Effort(), start: Optiona
         # Start where a peak's worth of bytes costs about a step, or one collective.
         latency = model.pricing.rate("all-gather", tuple(model.axes))[0]
         price = price or 0.25 * (best.estimate.step_seconds + latency) / max(best.estimate.peak_memory_bytes, 1)
-        while not best.fits and stuck < 4:   # price memory higher until the peak fits (or stops shrinking)
+        while not best.fits and stuck < 3:   # price memory higher until the peak fits (or stops shrinking)
             price *= 8
             cand = run(smallest.assignment, price)
             if cand.fits:
@@ -330,11 +355,11 @@ def descend(model: Model, assignment: Assignment, memory_price: float, beam: int
                 times = peaks
             weights = model.weights(assignment, times)
             options, node_costs, edges = model.axis_problem(assignment, axis, memory_price, weights)
-            solution = solve(node_costs, edges, order, beam)
+            solution = None
             if exact_solver and sum(m.size for _, _, m in edges) <= EXACT_SIZE:
-                ilp = solve_exact(node_costs, edges, EXACT_SECONDS)
-                if ilp is not None and ilp.cost <= solution.cost:
-                    solution = ilp
+                solution = solve_exact(node_costs, edges, EXACT_SECONDS)
+            if solution is None:
+                solution = solve(node_costs, edges, order, beam)
             exact &= solution.exact
             new = [options[c][k] for c, k in enumerate(solution.choice)]
             changed |= new != assignment
@@ -427,8 +452,8 @@ def verify_candidate(c: Candidate, traced: Traced, paths: list[str], limit: int,
     tries = [pins, []] if compare and pins else [pins]
     results = []
     for intermediates in tries:
-        report = jit(plans.annotated(traced.fn, c.mesh, specs, intermediates), mesh=c.mesh).lower(
-            *traced.args).report(hw)
+        report = jit(plans.annotated(traced.fn, c.mesh, specs, intermediates), mesh=c.mesh, memory_limit=limit,
+                     hardware=hw).lower(*traced.args).report()
         results.append(Verified(c, params, intermediates, report, report.peak_memory_bytes <= limit))
     return min(results, key=_real_rank)
 
@@ -524,8 +549,8 @@ def annotated_copy(program: Program, annotations: dict) -> tuple[Program, dict]:
 # -- runner-ups --------------------------------------------------------------------------------
 def _runner_ups(best: Verified, found: Sequence[Candidate], verified: Sequence[Verified], limit: int,
                 most: int = 4) -> list:
-    """The best plan on each other mesh, and the data-parallel counterfactual (every
-    parameter whole on every device), each with why it lost. Those partitioned for real
+    """The best plan on each other mesh, and the data-parallel counterfactual (the
+    parameters the function updates whole on every device), each with why it lost. Those partitioned for real
     are compared by gspmd's report, the others by the search's estimate."""
     out = []
     seen = {best.candidate.mesh}
@@ -542,7 +567,7 @@ def _runner_ups(best: Verified, found: Sequence[Candidate], verified: Sequence[V
             out.append(plans.RunnerUp(f"best on mesh {_mesh_text(c.mesh)}", c.estimate,
                                       c.estimate.step_seconds - best.candidate.estimate.step_seconds,
                                       why_not(c, best.candidate, limit)))
-    replicated = _parameters_replicated(best.candidate, limit)
+    replicated = _state_replicated(best.candidate, limit)
     if replicated is not None:
         out.append(plans.RunnerUp(f"parameters replicated on mesh {_mesh_text(best.candidate.mesh)} (data parallel)",
                                   replicated.estimate,
@@ -551,16 +576,17 @@ def _runner_ups(best: Verified, found: Sequence[Candidate], verified: Sequence[V
     return out[:most]
 
 
-def _parameters_replicated(best: Candidate, limit: int) -> Optional[Candidate]:
-    model = best.model
-    graph = model.graph
-    params = {graph.class_of[graph.node_of[p][0].index] for p in graph.program.params if p in graph.node_of}
-    if not params or all(all(o == UNUSED for o in best.assignment[c]) for c in params):
+def _state_replicated(best: Candidate, limit: int) -> Optional[Candidate]:
+    """The best plan on the same mesh with the state the function updates (the
+    parameters it returns anew: weights, optimizer state) whole on every device."""
+    graph = best.model.graph
+    state = {e.target for e in graph.edges if e.operand_index == CARRY}
+    if not state or all(all(o == UNUSED for o in best.assignment[c]) for c in state):
         return None
-    allowed = dict(model.allowed)
-    for c in params:
-        allowed.setdefault(c, [{UNUSED} for _ in model.axes])
-    return optimize(Model(graph, model.mesh, model.pricing, allowed), limit, SCREEN)
+    allowed = dict(best.model.allowed)
+    for c in state:
+        allowed.setdefault(c, [{UNUSED} for _ in best.model.axes])
+    return optimize(Model(graph, best.mesh, best.model.pricing, allowed), limit, SCREEN)
 
 
 def why_not_report(v: Verified, best: Verified, limit: int) -> str:

@@ -103,7 +103,9 @@ def _improve(choice: list[int], node_costs, neighbours, sweeps: int = 10) -> lis
 
 def solve_exact(node_costs: Sequence[np.ndarray], edges: Sequence[tuple[int, int, np.ndarray]],
                 time_limit: float = 20.0) -> Optional[Solution]:
-    """The integer program's optimum (None if HiGHS finds none in time)."""
+    """The integer program's optimum (None if HiGHS finds none in time). Its linear
+    relaxation is solved first: where that is integral (as it mostly is), it is the
+    optimum and the branching is skipped."""
     from scipy import sparse
     from scipy.optimize import Bounds, LinearConstraint, milp
 
@@ -129,10 +131,16 @@ def solve_exact(node_costs: Sequence[np.ndarray], edges: Sequence[tuple[int, int
     a = sparse.csr_array((np.concatenate(values), (np.concatenate(rows), np.concatenate(cols))), shape=(row, col))
     bounds = np.zeros(row)
     bounds[:len(sizes)] = 1
-    integrality = np.zeros(col)
-    integrality[:n_choice] = 1
-    result = milp(np.concatenate(costs), constraints=LinearConstraint(a, bounds, bounds), integrality=integrality,
-                  bounds=Bounds(0, 1), options={"time_limit": time_limit})
+    cost = np.concatenate(costs)
+    constraints = LinearConstraint(a, bounds, bounds)
+    result = milp(cost, constraints=constraints, integrality=np.zeros(col), bounds=Bounds(0, 1),
+                  options={"time_limit": time_limit})
+    integral = result.x is not None and np.allclose(result.x[:n_choice], np.round(result.x[:n_choice]), atol=1e-6)
+    if result.x is not None and not integral:
+        integrality = np.zeros(col)
+        integrality[:n_choice] = 1
+        result = milp(cost, constraints=constraints, integrality=integrality, bounds=Bounds(0, 1),
+                      options={"time_limit": time_limit})
     if result.x is None:
         return None
     picks = result.x[:n_choice]
