@@ -1,5 +1,5 @@
-"""gspmd.auto (this package, so named because gspmd.auto is the function): gspmd proposes the annotations (mesh shape and strategy) and writes them
-as code the user keeps."""
+"""gspmd.auto: gspmd proposes the annotations (mesh shape and strategy) and writes
+them as code the user keeps. (The package is not named auto: gspmd.auto is the function.)"""
 from gspmd.autoshard.plan import Intermediate, Plan, RunnerUp
 from gspmd.autoshard.search import auto
 

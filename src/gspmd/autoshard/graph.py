@@ -250,8 +250,11 @@ def _tie(graph: Graph, rounds: int) -> None:
     """Weisfeiler-Lehman colours: a node's colour is its signature, refined `rounds`
     times with its producers' and readers' colours. Equal colour, one class."""
     nodes = graph.nodes
-    producers = [[(graph.node_of[v][0].index, _value_index(graph, v)) if v in graph.node_of else None
-                  for v, _ in n.operands] for n in nodes]
+    def producer(v):
+        node = graph.node_of[v][0]
+        return node.index, value_index(node, v)
+
+    producers = [[producer(v) if v in graph.node_of else None for v, _ in n.operands] for n in nodes]
     readers = [[] for _ in nodes]
     for n in nodes:
         for i, p in enumerate(producers[n.index]):
@@ -281,12 +284,12 @@ def _carry(graph: Graph, carries: Sequence[tuple[Value, Value]]) -> None:
     for result, param in carries:
         if result.rank and result in graph.node_of and param in graph.node_of:
             source, target = graph.node_of[result][0], graph.node_of[param][0]
-            counts[(graph.class_of[source.index], _value_index(graph, result), graph.class_of[target.index])] += 1
+            counts[(graph.class_of[source.index], value_index(source, result), graph.class_of[target.index])] += 1
     graph.edges += [Edge(cu, vi, cv, CARRY, count) for (cu, vi, cv), count in counts.items()]
 
 
-def _value_index(graph: Graph, v: Value) -> int:
-    node = graph.node_of[v][0]
+def value_index(node: Node, v: Value) -> int:
+    """Where v is among the values `node` lays out."""
     return next(i for i, (w, _) in enumerate(node.values) if w is v)
 
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from gspmd.analysis.memory import run_order
 from gspmd.autoshard.costs import Layout, Pricing
-from gspmd.autoshard.graph import CARRY, DimMap, Graph, Node
+from gspmd.autoshard.graph import CARRY, DimMap, Graph, Node, value_index
 from gspmd.mesh import Mesh
 from gspmd.sharding import Sharding
 
@@ -88,7 +88,9 @@ class Model:
         self._tables: dict = {}   # reshard costs between lists of layouts
 
     # -- layouts --------------------------------------------------------------------
-    def layout(self, node: Node, options: tuple, dimmap: DimMap, output: bool) -> Layout:
+    def layout(self, options: tuple, dimmap: DimMap, output: bool) -> Layout:
+        """The layout of a tensor whose dims occupy `dimmap`'s factors of a node laid
+        out by `options` (an output: reduce-scattered axes included)."""
         key = (options, dimmap, output)
         cached = self._layouts.get(key)
         if cached is None:
@@ -101,11 +103,11 @@ class Model:
             cached = self._layouts[key] = tuple(tuple(axes_of.get(f, ())) for f in dimmap)
         return cached
 
-    def axis_layouts(self, node: Node, held: tuple, axis: int, choices: Sequence[Option], dimmap: DimMap,
+    def axis_layouts(self, held: tuple, axis: int, choices: Sequence[Option], dimmap: DimMap,
                      output: bool) -> list[Layout]:
         """The layouts under each choice for `axis` (the others as `held`): the held
         layout with the axis added where the chosen factor sits."""
-        base = self.layout(node, held, dimmap, output)
+        base = self.layout(held, dimmap, output)
         found = []
         for f, g in choices:
             dims = [d for d, h in enumerate(dimmap) if h is not None and f != NONE and (h == f or (output and h == g))]
@@ -164,7 +166,7 @@ class Model:
         summed = tuple(a for a, g in reduce_axes if g == NONE)
         found = []
         for v, dimmap in node.values[:len(node.instr.outputs)]:
-            nbytes = self.pricing.local_bytes(self.layout(node, options, dimmap, True), v.shape, v.dtype.itemsize)
+            nbytes = self.pricing.local_bytes(self.layout(options, dimmap, True), v.shape, v.dtype.itemsize)
             if scattered:
                 found.append(("reduce-scatter", scattered, nbytes))
             if summed:
@@ -182,7 +184,7 @@ class Model:
     def class_bytes(self, c: int, options: tuple, weights: np.ndarray) -> float:
         """Bytes per device of class c's values, each weighted (how many members hold it at the peak)."""
         node = self.graph.representative(c)
-        return sum(w * self.pricing.local_bytes(self.layout(node, options, m, True), v.shape, v.dtype.itemsize)
+        return sum(w * self.pricing.local_bytes(self.layout(options, m, True), v.shape, v.dtype.itemsize)
                    for (v, m), w in zip(node.values, weights) if w)
 
     # -- one axis ----------------------------------------------------------------------
@@ -207,11 +209,11 @@ class Model:
         for index, e in enumerate(self.graph.edges):
             u, v = self.graph.representative(e.source), self.graph.representative(e.target)
             value, out_map = u.values[e.value_index]
-            made = self.axis_layouts(u, held[e.source], axis, choices[e.source], out_map, True)
+            made = self.axis_layouts(held[e.source], axis, choices[e.source], out_map, True)
             if e.operand_index == CARRY:
-                needed = self.axis_layouts(v, held[e.target], axis, choices[e.target], v.values[0][1], True)
+                needed = self.axis_layouts(held[e.target], axis, choices[e.target], v.values[0][1], True)
             else:
-                needed = self.axis_layouts(v, held[e.target], axis, choices[e.target],
+                needed = self.axis_layouts(held[e.target], axis, choices[e.target],
                                            v.operands[e.operand_index][1], False)
             (made_ids, made_layouts), (needed_ids, needed_layouts) = _factorize(made), _factorize(needed)
             key = (value.shape, value.dtype.itemsize, tuple(made_layouts), tuple(needed_layouts))
@@ -256,11 +258,11 @@ class Model:
         """Every value's layout (values read by one op only take that op's)."""
         out = {}
         for v, (node, dimmap) in self.graph.node_of.items():
-            out[v] = self.layout(node, assignment[self.graph.class_of[node.index]], dimmap, True)
+            out[v] = self.layout(assignment[self.graph.class_of[node.index]], dimmap, True)
         for v, (reader, i) in self.graph.free.items():
             _, dimmap = reader.operands[i]
             if reader.operands[i][0].shape == v.shape:
-                out[v] = self.layout(reader, assignment[self.graph.class_of[reader.index]], dimmap, False)
+                out[v] = self.layout(assignment[self.graph.class_of[reader.index]], dimmap, False)
         return out
 
     def peak(self, assignment: Assignment) -> tuple[int, int]:
@@ -270,9 +272,9 @@ class Model:
     def _intervals(self, assignment: Assignment):
         """(births, deaths, bytes) of every value and resharded copy; the copies."""
         live = self._live
-        slot_bytes = np.array([self.pricing.local_bytes(self.layout(node, assignment[c], m, output), v.shape,
+        slot_bytes = np.array([self.pricing.local_bytes(self.layout(assignment[c], m, output), v.shape,
                                                         v.dtype.itemsize)
-                               for c, node, v, m, output in live.slots] + [0.0])
+                               for c, v, m, output in live.slots] + [0.0])
         sizes = np.where(live.slot_of >= 0, slot_bytes[live.slot_of], live.whole)
         copies = self.copies(assignment)
         held = np.array([r for c in copies for r in c.reads], np.int64)
@@ -287,9 +289,9 @@ class Model:
         layouts = []
         for e in self.graph.edges:
             u, v = self.graph.representative(e.source), self.graph.representative(e.target)
-            made = self.layout(u, assignment[e.source], u.values[e.value_index][1], True)
+            made = self.layout(assignment[e.source], u.values[e.value_index][1], True)
             needed = None if e.operand_index == CARRY else \
-                self.layout(v, assignment[e.target], v.operands[e.operand_index][1], False)
+                self.layout(assignment[e.target], v.operands[e.operand_index][1], False)
             layouts.append((made, needed))
         found: dict = {}
         for value, reader, e in self._live.reads:
@@ -334,10 +336,6 @@ class Model:
         return weights, copies, self.sharing(assignment)
 
 
-def _value_index(node: Node, v) -> int:
-    return next(i for i, (w, _) in enumerate(node.values) if w is v)
-
-
 def _factorize(items: list) -> tuple[np.ndarray, list]:
     """(index of each item among the distinct ones, the distinct ones)"""
     seen: dict = {}
@@ -370,19 +368,19 @@ class _Liveness:
                                 max(last_read.get(v, made.get(v, end)), made.get(v, 0)) for v in self.values])
         self.end = end
         self.whole = np.array([v.nbytes for v in self.values], np.float64)
-        self.slots: list = []          # (class, representative, value, dim map, as an output?)
+        self.slots: list = []          # (class, value, dim map, as an output?)
         self.slot_index: list = []     # (class, value index in the representative, or None)
         ids: dict = {}
         for node in graph.nodes:
             c = graph.class_of[node.index]
             rep = graph.classes[c][0]
             for i, (v, _) in enumerate(node.values):
-                ids[v] = self._slot(ids, (c, "value", i), (c, rep, *rep.values[i], True), (c, i))
+                ids[v] = self._slot(ids, (c, "value", i), (c, *rep.values[i], True), (c, i))
         for v, (reader, j) in graph.free.items():
             c = graph.class_of[reader.index]
             rep = graph.classes[c][0]
             if rep.operands[j][0].shape == v.shape:
-                ids[v] = self._slot(ids, (c, "operand", j), (c, rep, v, rep.operands[j][1], False), (c, None))
+                ids[v] = self._slot(ids, (c, "operand", j), (c, v, rep.operands[j][1], False), (c, None))
         self.slot_of = np.array([ids.get(v, -1) for v in self.values], np.int64)
         self.reads = self._reads(graph)
 
@@ -407,7 +405,7 @@ class _Liveness:
             for j, (v, _) in enumerate(node.operands):
                 if v.rank and v in graph.node_of:
                     producer = graph.node_of[v][0]
-                    k = edge_of.get((graph.class_of[producer.index], _value_index(producer, v),
+                    k = edge_of.get((graph.class_of[producer.index], value_index(producer, v),
                                      graph.class_of[node.index], j))
                     if k is not None:
                         reads.append((v, self.step[node.instr], k))

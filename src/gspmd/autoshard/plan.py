@@ -74,8 +74,8 @@ def call_sites(eqns: Sequence) -> dict[str, Site]:
             eqn, out = sites[where].results[0]
             aval = eqns[eqn].outvars[out].aval
             for i in indices:
-                hits = [j for j, v in enumerate(eqns[i].invars)
-                        if not isinstance(v, jcore.Literal) and (v.aval.shape, v.aval.dtype) == (aval.shape, aval.dtype)]
+                hits = [j for j, v in enumerate(eqns[i].invars) if not isinstance(v, jcore.Literal)
+                        and (v.aval.shape, v.aval.dtype) == (aval.shape, aval.dtype)]
                 if hits:
                     sites[where].gradients.append((i, hits[0]))
                     break

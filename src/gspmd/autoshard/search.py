@@ -4,13 +4,17 @@
    spaces, repeated layers tied into one class each.
 2. For each candidate mesh (every factorization of the device count into up to three
    axes, or the given mesh), decide one mesh axis at a time which factor of every class
-   it splits (solve.py: exact dynamic programming, a beam where the frontier grows),
-   sweeping over the axes until nothing changes. Memory first: while the estimated
-   peak exceeds the limit, memory is priced (Lagrangian) ever higher and the axes are
-   decided again; among plans that fit, estimated step time decides.
-3. The best candidates become annotations (every parameter's layout), are partitioned
-   and reported by gspmd itself, and intermediate values whose completed layout
-   strays from the strategy are annotated too when that makes the real report better.
+   it splits, the others held (solve.py: the integer program, or its linear relaxation
+   where that is integral, where the problem is small; dynamic programming with a beam
+   where not, and to screen many meshes quickly), sweeping over the axes until nothing
+   changes, from two starts. Memory first: while the estimated peak exceeds the limit,
+   the bytes live at the peaks seen so far are priced ever higher (a Lagrangian) and
+   the axes decided again; among plans that fit, the estimated step time decides.
+3. The best candidates become annotations: every parameter's layout, and where
+   sharding completion would lay a call's result out otherwise than the strategy, an
+   annotation at that call in the source. gspmd partitions and reports them for real
+   (fitted to the memory limit); where its peak differs from the estimate, the mesh is
+   searched again with the limit scaled by the difference; the best that fits wins.
 """
 from __future__ import annotations
 
@@ -22,9 +26,9 @@ from typing import Callable, Optional, Sequence, Union
 import jax
 import numpy as np
 
+from gspmd import propagation
 from gspmd.analysis import Hardware
 from gspmd.analysis.hardware import profile
-from gspmd import propagation
 from gspmd.api import _abstract, jit
 from gspmd.autoshard import plan as plans
 from gspmd.autoshard.costs import Pricing
@@ -550,14 +554,16 @@ def annotated_copy(program: Program, annotations: dict) -> tuple[Program, dict]:
 def _runner_ups(best: Verified, found: Sequence[Candidate], verified: Sequence[Verified], limit: int,
                 most: int = 4) -> list:
     """The best plan on each other mesh, and the data-parallel counterfactual (the
-    parameters the function updates whole on every device), each with why it lost. Those partitioned for real
-    are compared by gspmd's report, the others by the search's estimate."""
+    parameters the function updates whole on every device), each with why it lost.
+    Those partitioned for real are compared by gspmd's report, the others by the
+    search's estimate."""
     out = []
     seen = {best.candidate.mesh}
     for v in sorted(verified, key=_real_rank):
         if v.candidate.mesh not in seen:
             seen.add(v.candidate.mesh)
-            out.append(plans.RunnerUp(f"best on mesh {_mesh_text(v.candidate.mesh)} (partitioned)", v.candidate.estimate,
+            out.append(plans.RunnerUp(f"best on mesh {_mesh_text(v.candidate.mesh)} (partitioned)",
+                                      v.candidate.estimate,
                                       v.report.step_seconds - best.report.step_seconds, why_not_report(v, best, limit)))
     for c in found:
         if len(out) >= most - 1:
@@ -606,7 +612,8 @@ def why_not_report(v: Verified, best: Verified, limit: int) -> str:
 def why_not(c: Candidate, best: Candidate, limit: int) -> str:
     """The counterfactual's verdict: what it would take, or what it costs more."""
     if not c.fits:
-        return f"does not fit: estimated peak {plans.bytes_text(c.estimate.peak_memory_bytes)} > limit {plans.bytes_text(limit)}"
+        return (f"does not fit: estimated peak {plans.bytes_text(c.estimate.peak_memory_bytes)} > limit "
+                f"{plans.bytes_text(limit)}")
     a, b = c.estimate, best.estimate
     parts = {"compute": a.compute_seconds - b.compute_seconds}
     mine, theirs = a.by_kind(), b.by_kind()
