@@ -23,7 +23,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import gspmd  # noqa: E402
-from gspmd.analysis.hardware import GiB  # noqa: E402
+from gspmd.spmd.cost import GiB  # noqa: E402
 from gspmd.models import mlp, moe, transformer as T, unet  # noqa: E402
 
 

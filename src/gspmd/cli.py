@@ -214,7 +214,7 @@ def auto_command(spec: str, devices: Optional[int], mesh_shape: Optional[tuple[i
     fn, args = case.step, case.args
     mesh = None
     if mesh_shape is not None:
-        mesh = gspmd.Mesh(np.arange(int(np.prod(mesh_shape))).reshape(mesh_shape), ("x", "y", "z")[:len(mesh_shape)])
+        mesh = gspmd.Mesh(planning.device_mesh(mesh_shape, hardware), ("x", "y", "z")[:len(mesh_shape)])
     update, stop = _progress_printer()
     try:
         plan = gspmd.auto(fn, *args, devices=devices, mesh=mesh, hardware=hardware, memory_limit=memory_limit,

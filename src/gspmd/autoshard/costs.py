@@ -2,34 +2,36 @@
 
 The search compares hundreds of thousands of layouts, so it speaks of mesh axes
 instead of Shardings: a layout is, per tensor dim, the mesh axes that split it (major
-to minor). Collectives are priced by the shared model (analysis/hardware.py) for the
-device groups that one set of axes forms; resharding follows the partitioner's own
-order of strategies (spmd/reshard.py): slices are free, a split that moves to another
-dim is an all-to-all, a split that goes away is an all-gather. The final plan is
-always priced by the real partitioner and report; this layer only ranks candidates.
-
-Replaceable: once spmd/cost.py prices a collective over explicit device groups
-(topology-aware), `Pricing.rate` asks it for the groups of `axes` and nothing else
-here changes.
+to minor). Collectives are priced by the shared cost model (spmd/cost.py, topology
+aware) for the device groups that a set of mesh axes forms on the mesh's devices;
+compute by its roofline; resharding follows the partitioner's own order of
+strategies (spmd/reshard.py): slices are free, a split that moves to another dim is an
+all-to-all, a split that goes away is an all-gather. The final plan is always priced by
+the real partitioner and report; this layer only ranks candidates.
 """
 from __future__ import annotations
 
 import math
 from typing import Sequence
 
-from gspmd.analysis.hardware import Hardware, collective_seconds
+import numpy as np
+
+from gspmd.mesh import Mesh
+from gspmd.spmd import cost
 
 Layout = tuple   # per tensor dim: a tuple of mesh axis indices (major to minor)
 Collective = tuple   # (kind, axes, result bytes per device)
-_PROBE = 1 << 30
 
 
 class Pricing:
-    """Costs on one mesh (its axis sizes) and one hardware profile, memoized."""
+    """Costs on one mesh (its devices) and one hardware profile, memoized."""
 
-    def __init__(self, mesh_shape: Sequence[int], hardware: Hardware):
-        self.sizes = tuple(int(s) for s in mesh_shape)
+    def __init__(self, mesh: Mesh, hardware: cost.Hardware):
+        self.devices = mesh.devices
+        self.sizes = tuple(int(s) for s in mesh.shape)
         self.hardware = hardware
+        # The share of communication a step cannot hide behind independent compute.
+        self.exposed = 1.0 - hardware.overlap
         self._rates: dict = {}
         self._reshards: dict = {}
         self._bytes: dict = {}
@@ -42,9 +44,8 @@ class Pricing:
         """(latency, seconds per result byte) of one collective over the groups `axes` form."""
         key = (kind, axes)
         if key not in self._rates:
-            k = self.group_size(axes)
-            latency = collective_seconds(kind, 0, k, self.hardware)
-            self._rates[key] = (latency, (collective_seconds(kind, _PROBE, k, self.hardware) - latency) / _PROBE)
+            rate = cost.rate(cost.Pattern(kind), axis_groups(self.devices, axes), self.devices.size, self.hardware)
+            self._rates[key] = (rate.latency, rate.per_byte)
         return self._rates[key]
 
     def seconds(self, collectives) -> float:
@@ -54,8 +55,11 @@ class Pricing:
             total += latency + nbytes * per_byte
         return total
 
-    def compute_seconds(self, flops: float) -> float:
-        return flops / self.hardware.flops_per_s
+    def matmul_seconds(self, flops: float, nbytes: float) -> float:
+        return cost.compute_seconds(cost.ComputeKind.MATMUL, flops, nbytes, self.hardware)
+
+    def memory_seconds(self, nbytes: float) -> float:
+        return cost.compute_seconds(cost.ComputeKind.MEMORY, 0.0, nbytes, self.hardware)
 
     def tiles(self, layout: Layout) -> list[int]:
         return [self.group_size(axes) for axes in layout]
@@ -115,3 +119,9 @@ def _common_prefix(a: tuple, b: tuple) -> int:
 def _freeze(layout) -> Layout:
     return tuple(tuple(axes) for axes in layout)
 
+
+
+def axis_groups(devices: np.ndarray, axes: Sequence[int]) -> np.ndarray:
+    """[G, k] device groups of a mesh whose members differ only along `axes` (major to minor)."""
+    rest = [d for d in range(devices.ndim) if d not in axes]
+    return devices.transpose(rest + list(axes)).reshape(-1, math.prod(devices.shape[a] for a in axes))

@@ -49,6 +49,7 @@ class Copy:
 @dataclass
 class Estimate:
     """The search's estimate of a whole strategy (one step, per device)."""
+    exposed: float                  # the share of communication compute does not hide
     compute_seconds: float = 0.0
     collectives: Counter = field(default_factory=Counter)   # (kind, axes, bytes) -> how many
     communication_seconds: float = 0.0
@@ -56,7 +57,7 @@ class Estimate:
 
     @property
     def step_seconds(self) -> float:
-        return self.compute_seconds + self.communication_seconds
+        return self.compute_seconds + self.exposed * self.communication_seconds
 
     def by_kind(self) -> dict:
         """kind -> (count, bytes per device)"""
@@ -174,12 +175,19 @@ class Model:
         return found
 
     def compute_seconds(self, node: Node, options: tuple) -> float:
-        if not node.flops:
-            return 0.0
-        return self.pricing.compute_seconds(node.flops / math.prod(self.tiles(node, options)))
+        """A matmul's share of the work at the hardware's matmul roofline; a memory-bound
+        op's stored results (fused ones never reach memory) through HBM."""
+        if node.flops:
+            operands = sum(self.pricing.local_bytes(self.layout(options, m, False), v.shape, v.dtype.itemsize)
+                           for v, m in node.operands)
+            return self.pricing.matmul_seconds(node.flops / math.prod(self.tiles(node, options)), operands)
+        stored = sum(self.pricing.local_bytes(self.layout(options, m, True), v.shape, v.dtype.itemsize)
+                     for v, m in node.values if v.producer is not None and v not in self._live.fused)
+        return self.pricing.memory_seconds(stored)
 
     def node_seconds(self, node: Node, options: tuple) -> float:
-        return self.compute_seconds(node, options) + self.pricing.seconds(self.node_collectives(node, options))
+        return self.compute_seconds(node, options) + \
+            self.pricing.exposed * self.pricing.seconds(self.node_collectives(node, options))
 
     def class_bytes(self, c: int, options: tuple, weights: np.ndarray) -> float:
         """Bytes per device of class c's values, each weighted (how many members hold it at the peak)."""
@@ -222,7 +230,7 @@ class Model:
                 table = self._tables[key] = np.array(
                     [[self.pricing.reshard_seconds(a, b, value.shape, value.dtype.itemsize) + (a != b) * CHANGE
                       for b in needed_layouts] for a in made_layouts])
-            table = e.count * shares.get(index, 1.0) * table
+            table = e.count * shares.get(index, 1.0) * self.pricing.exposed * table
             copies = copy_weights.get(index, 0)
             if copies and memory_price:     # the resharded copies live at the peak
                 table = table + memory_price * copies * np.array(
@@ -241,7 +249,7 @@ class Model:
         """Compute, combining partial results, and resharding: each value once per
         layout it is needed in, however many ops read it so (the partitioner reshards
         once). State carried to the next step is not resharded within the step."""
-        est = Estimate()
+        est = Estimate(self.pricing.exposed)
         for c, members in enumerate(self.graph.classes):
             node, n = members[0], len(members)
             est.compute_seconds += n * self.compute_seconds(node, assignment[c])
@@ -356,7 +364,8 @@ class _Liveness:
 
     def __init__(self, graph: Graph):
         program = graph.program
-        made, last_read, fused = run_order(program)
+        made, last_read, self.fused = run_order(program)
+        fused = self.fused
         self.step = self._steps(program, made)
         end = max(made.values(), default=0) + 1
         results = set(program.outputs)

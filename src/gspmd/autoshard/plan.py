@@ -12,11 +12,11 @@ from jax.extend import core as jcore
 from jax.extend import source_info_util
 
 from gspmd.analysis import Report
-from gspmd.analysis.hardware import GiB
 from gspmd.api import Partitioned, jit
 from gspmd.autoshard.model import Estimate
 from gspmd.frontend import mesh_split
 from gspmd.mesh import Mesh
+from gspmd.spmd.cost import GiB
 
 DimsMapping = tuple   # per dim: an axis name, a tuple of names (major to minor), or -1
 

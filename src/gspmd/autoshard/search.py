@@ -27,8 +27,7 @@ import jax
 import numpy as np
 
 from gspmd import propagation
-from gspmd.analysis import Hardware
-from gspmd.analysis.hardware import profile
+from gspmd.spmd.cost import Hardware, device_mesh, profile
 from gspmd.api import _abstract, jit
 from gspmd.autoshard import plan as plans
 from gspmd.autoshard.costs import Pricing
@@ -94,9 +93,10 @@ def auto(fn: Callable, *args, devices: Optional[int] = None, mesh: Optional[Mesh
     start = time.perf_counter()
     hw = profile(hardware)
     limit = hw.memory_bytes if memory_limit is None else int(memory_limit)
-    meshes = candidate_meshes(devices, mesh)
-    abstract = jax.tree_util.tree_map(_abstract, args)
-    paths = plans.parameter_paths(fn, abstract)
+    meshes = candidate_meshes(devices, mesh, hw)
+    paths = plans.parameter_paths(fn, args)
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    abstract = jax.tree_util.tree_unflatten(tree, [_abstract(x, path) for x, path in zip(leaves, paths)])
     traced = Traced(fn, abstract, mesh)
     fixed_params = _fixed_parameters(fixed or {}, paths, traced.program)
     graph = build(traced.program, {traced.program.params[i]: repr(m) for i, m in fixed_params.items()},
@@ -130,7 +130,7 @@ def _search_meshes(graph: Graph, meshes: list[Mesh], fixed_params: dict, hw: Har
     screened: list[Candidate] = []
     for m in meshes:
         steps(f"mesh {_mesh_text(m)}")
-        model = Model(graph, m, Pricing(m.shape, hw), _allowed(graph, fixed_params, m))
+        model = Model(graph, m, Pricing(m, hw), _allowed(graph, fixed_params, m))
         if model.expressible and all(a is not None for a in model.allowed.values()):
             screened.append(optimize(model, limit, _screening(len(meshes), effort)))
     if not screened:
@@ -175,7 +175,9 @@ def _no_plan_fits(limit: int, smallest: int, how: str):
 
 
 # -- meshes -------------------------------------------------------------------------------
-def candidate_meshes(devices: Optional[int], mesh: Optional[Mesh]) -> list[Mesh]:
+def candidate_meshes(devices: Optional[int], mesh: Optional[Mesh], hardware: Hardware) -> list[Mesh]:
+    """The given mesh, or each factorization of the device count laid onto the
+    hardware's network as jax's mesh_utils would (spmd.cost.device_mesh)."""
     if mesh is not None:
         if not isinstance(mesh, Mesh):
             raise ShardingError(f"auto(mesh=...) needs a gspmd.Mesh, got {type(mesh).__name__}.")
@@ -185,7 +187,7 @@ def candidate_meshes(devices: Optional[int], mesh: Optional[Mesh]) -> list[Mesh]
     n = jax.device_count() if devices is None else devices
     if not isinstance(n, (int, np.integer)) or n < 1:
         raise ShardingError(f"auto(devices=...) needs a positive device count, got {devices!r}.")
-    return [Mesh(np.arange(n).reshape(shape), AXIS_NAMES[:len(shape)]) for shape in factorizations(int(n))]
+    return [Mesh(device_mesh(shape, hardware), AXIS_NAMES[:len(shape)]) for shape in factorizations(int(n))]
 
 
 def factorizations(n: int, most: int = 3) -> list[tuple[int, ...]]:
@@ -634,7 +636,8 @@ def _signed_bytes(nbytes: float) -> str:
 
 
 def _seconds_by_kind(c: Candidate) -> dict:
+    """kind -> the step time its collectives add (what compute does not hide)."""
     out: dict = {}
     for (kind, axes, nbytes), n in c.estimate.collectives.items():
-        out[kind] = out.get(kind, 0.0) + n * c.model.pricing.seconds([(kind, axes, nbytes)])
+        out[kind] = out.get(kind, 0.0) + n * c.estimate.exposed * c.model.pricing.seconds([(kind, axes, nbytes)])
     return out
