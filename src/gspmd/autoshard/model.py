@@ -28,6 +28,9 @@ NONE = -1
 # among equally fast strategies it prefers those whose values keep their layout, which
 # is what sharding completion does with the annotations that express the strategy.
 CHANGE = 1e-9
+# And what it charges per byte of an argument held on a device: among equally fast
+# strategies, it prefers those that need less memory (splitting a batch it could keep).
+SMALLER = 1e-18
 Option = tuple            # (factor, reduce-scatter target factor or NONE)
 UNUSED: Option = (NONE, NONE)
 Assignment = list         # per class: a tuple of Options, one per mesh axis
@@ -202,6 +205,7 @@ class Model:
         Memory at the peak (`weights`: what weights() found live there) costs
         `memory_price` seconds per byte."""
         value_weights, copy_weights, shares = weights
+        arguments = [np.full(len(members[0].values), len(members)) for members in self.graph.classes]
         options, choices, held, node_costs = [], [], [], []
         for c, members in enumerate(self.graph.classes):
             node = members[0]
@@ -210,6 +214,7 @@ class Model:
             full = [_with(assignment[c], axis, o) for o in choices[c]]
             costs = np.array([len(members) * self.node_seconds(node, f)
                               + (memory_price * self.class_bytes(c, f, value_weights[c]) if memory_price else 0.0)
+                              + (SMALLER * self.class_bytes(c, f, arguments[c]) if node.instr is None else 0.0)
                               for f in full])
             options.append(full)
             node_costs.append(costs)
@@ -316,13 +321,15 @@ class Model:
 
     def sharing(self, assignment: Assignment) -> dict:
         """Per class edge, the average share of a resharded copy each of its reads pays
-        (1/k when k reads use one copy): the solver prices an edge's reshard at that."""
+        (1/k when k reads use one copy): the solver prices an edge's reshard at that.
+        Where the strategy reshards nothing along an edge, as if all of the value's
+        readers shared one copy (the estimate counts what they really share)."""
         total: dict = {}
         for copy in self.copies(assignment):
             for e in copy.edges:
                 share, n = total.get(e, (0.0, 0))
                 total[e] = (share + 1 / len(copy.edges), n + 1)
-        return {e: share / n for e, (share, n) in total.items()}
+        return {**self._live.fanout, **{e: share / n for e, (share, n) in total.items()}}
 
     def weights(self, assignment: Assignment, times: Sequence[int]) -> tuple[list, dict, dict]:
         """What axis_problem needs from the current strategy: per class, per value, how
@@ -392,6 +399,14 @@ class _Liveness:
                 ids[v] = self._slot(ids, (c, "operand", j), (c, v, rep.operands[j][1], False), (c, None))
         self.slot_of = np.array([ids.get(v, -1) for v in self.values], np.int64)
         self.reads = self._reads(graph)
+        readers: dict = {}
+        for value, _, _ in self.reads:
+            readers[value] = readers.get(value, 0) + 1
+        shares: dict = {}
+        for value, _, e in self.reads:
+            total, n = shares.get(e, (0.0, 0))
+            shares[e] = (total + 1 / readers[value], n + 1)
+        self.fanout = {e: total / n for e, (total, n) in shares.items()}   # class edge -> 1/readers, on average
 
     @staticmethod
     def _steps(program, made: dict) -> dict:
