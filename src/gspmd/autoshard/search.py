@@ -46,7 +46,7 @@ AXIS_NAMES = ("x", "y", "z")
 REFINED = 3   # meshes searched again, harder, after all were screened
 SLACK = 1.25  # candidates estimated up to this much over the memory limit are still partitioned
 CALIBRATED = 0.03   # an estimate this close to the report needs no second search
-LARGE = 1500  # instructions from which partitioning for real is worth avoiding
+LARGE = 1500  # instructions from which each candidate is partitioned once (costly)
 Progress = Callable[[int, int, str], None]   # (done, total, what) as the search goes
 
 
@@ -78,7 +78,7 @@ EXACT_SECONDS = 10.0
 def auto(fn: Callable, *args, devices: Optional[int] = None, mesh: Optional[Mesh] = None,
          hardware: Union[str, Hardware] = "tpu-v3", memory_limit: Optional[int] = None,
          fixed: Optional[dict] = None, progress: Optional[Progress] = None, effort: Effort = Effort(),
-         verify: Optional[int] = None) -> plans.Plan:
+         verify: int = 3) -> plans.Plan:
     """Propose annotations for fn(*args) on `devices` devices (the mesh among the
     factorizations of that count into up to three axes) or on `mesh`.
 
@@ -89,7 +89,7 @@ def auto(fn: Callable, *args, devices: Optional[int] = None, mesh: Optional[Mesh
     Plans whose estimated peak memory per device exceeds `memory_limit` (default: the
     hardware's memory) are infeasible; among feasible ones the estimated step time on
     `hardware` decides. `verify` is how many of the best candidates gspmd partitions
-    and reports for real (default: by program size)."""
+    and reports for real (the search's estimate ranks them; gspmd's report decides)."""
     start = time.perf_counter()
     hw = profile(hardware)
     limit = hw.memory_bytes if memory_limit is None else int(memory_limit)
@@ -105,7 +105,7 @@ def auto(fn: Callable, *args, devices: Optional[int] = None, mesh: Optional[Mesh
     found = _search_meshes(graph, meshes, fixed_params, hw, limit, effort, steps)
     best, verified = _partition_best(found, traced, paths, limit, hw, effort, verify, steps)
     steps("runner-ups")
-    runner_ups = _runner_ups(best, found, verified, limit)
+    best, runner_ups = _runner_ups(best, found, verified, traced, paths, limit, hw)
     steps("done")
     return plans.Plan(fn, abstract, best.candidate.mesh, best.parameters, best.intermediates, best.report,
                       best.candidate.estimate, limit, runner_ups, time.perf_counter() - start,
@@ -147,14 +147,14 @@ def _search_meshes(graph: Graph, meshes: list[Mesh], fixed_params: dict, hw: Har
 
 
 def _partition_best(found: list[Candidate], traced: "Traced", paths: list[str], limit: int, hw: Hardware,
-                    effort: Effort, verify: Optional[int], steps: Steps) -> tuple["Verified", list]:
+                    effort: Effort, verify: int, steps: Steps) -> tuple["Verified", list]:
     """Partition the best few candidates for real (more while none fits) and keep the
     fastest that fits by gspmd's own report."""
     worth = [c for c in found if c.estimate.peak_memory_bytes <= limit * SLACK]
     if not worth:
         _no_plan_fits(limit, min(c.estimate.peak_memory_bytes for c in found), "estimated")
     steps("partitioning the best candidates")
-    count = max(verify if verify is not None else _how_many_to_verify(traced.program), 1)
+    count = max(verify, 1)
     small = len(traced.program.instrs) < LARGE
     verified: list = []
     for c in worth:
@@ -396,11 +396,6 @@ def _screening(meshes: int, effort: Effort) -> Effort:
     return effort if meshes <= REFINED else SCREEN if meshes > 2 * REFINED + 1 else replace(SCREEN, exact=True)
 
 
-def _how_many_to_verify(program: Program) -> int:
-    """Partitioning for real costs about as much as the program is long."""
-    return 3 if len(program.instrs) < LARGE else 1
-
-
 # -- fixed layouts ------------------------------------------------------------------------------
 def _fixed_parameters(fixed: dict, paths: list[str], program: Program) -> dict:
     """Parameter index -> (its dims_mapping with UNSPECIFIED entries, as given)."""
@@ -553,35 +548,57 @@ def annotated_copy(program: Program, annotations: dict) -> tuple[Program, dict]:
 
 
 # -- runner-ups --------------------------------------------------------------------------------
-def _runner_ups(best: Verified, found: Sequence[Candidate], verified: Sequence[Verified], limit: int,
-                most: int = 4) -> list:
+def _runner_ups(best: Verified, found: Sequence[Candidate], verified: Sequence[Verified], traced: Traced,
+                paths: list[str], limit: int, hw: Hardware, most: int = 4) -> tuple[Verified, list]:
     """The best plan on each other mesh, and the data-parallel counterfactual (the
     parameters the function updates whole on every device), each with why it lost.
     Those partitioned for real are compared by gspmd's report, the others by the
-    search's estimate."""
+    search's estimate. The counterfactual is partitioned for real where the estimate
+    says it is faster (the search decides axis by axis and can miss it): if gspmd's
+    report agrees, it is the plan, and the search's own plan the runner-up."""
+    replicated = _state_replicated(best.candidate, limit)
+    last = None      # the last runner-up: (description, the counterfactual, partitioned or not)
+    if replicated is not None and replicated.fits and _rank(replicated) < _rank(best.candidate):
+        v = verify_candidate(replicated, traced, paths, limit, hw, compare=False)
+        if _real_rank(v) < _real_rank(best):
+            best, v = v, best
+            last = f"parameters split on mesh {_mesh_text(v.candidate.mesh)} (the search's plan)", v
+        else:
+            last = _replicated_text(replicated), v
+        verified = [*verified, v]
+    elif replicated is not None:
+        last = _replicated_text(replicated), replicated
     out = []
     seen = {best.candidate.mesh}
     for v in sorted(verified, key=_real_rank):
         if v.candidate.mesh not in seen:
             seen.add(v.candidate.mesh)
-            out.append(plans.RunnerUp(f"best on mesh {_mesh_text(v.candidate.mesh)} (partitioned)",
-                                      v.candidate.estimate,
-                                      v.report.step_seconds - best.report.step_seconds, why_not_report(v, best, limit)))
+            out.append(_lost_by_report(f"best on mesh {_mesh_text(v.candidate.mesh)} (partitioned)", v, best, limit))
     for c in found:
         if len(out) >= most - 1:
             break
         if c.mesh not in seen:
             seen.add(c.mesh)
-            out.append(plans.RunnerUp(f"best on mesh {_mesh_text(c.mesh)}", c.estimate,
-                                      c.estimate.step_seconds - best.candidate.estimate.step_seconds,
-                                      why_not(c, best.candidate, limit)))
-    replicated = _state_replicated(best.candidate, limit)
-    if replicated is not None:
-        out.append(plans.RunnerUp(f"parameters replicated on mesh {_mesh_text(best.candidate.mesh)} (data parallel)",
-                                  replicated.estimate,
-                                  replicated.estimate.step_seconds - best.candidate.estimate.step_seconds,
-                                  why_not(replicated, best.candidate, limit)))
-    return out[:most]
+            out.append(_lost_by_estimate(f"best on mesh {_mesh_text(c.mesh)}", c, best.candidate, limit))
+    if last is not None:
+        description, c = last
+        out.append(_lost_by_report(description, c, best, limit) if isinstance(c, Verified)
+                   else _lost_by_estimate(description, c, best.candidate, limit))
+    return best, out[:most]
+
+
+def _lost_by_report(description: str, v: Verified, best: Verified, limit: int) -> plans.RunnerUp:
+    return plans.RunnerUp(description, v.candidate.estimate, v.report.step_seconds - best.report.step_seconds,
+                          why_not_report(v, best, limit))
+
+
+def _lost_by_estimate(description: str, c: Candidate, best: Candidate, limit: int) -> plans.RunnerUp:
+    return plans.RunnerUp(description, c.estimate, c.estimate.step_seconds - best.estimate.step_seconds,
+                          why_not(c, best, limit))
+
+
+def _replicated_text(c: Candidate) -> str:
+    return f"parameters replicated on mesh {_mesh_text(c.mesh)} (data parallel)"
 
 
 def _state_replicated(best: Candidate, limit: int) -> Optional[Candidate]:
