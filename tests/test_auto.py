@@ -46,6 +46,7 @@ def test_plan_says_mesh_layouts_costs_and_runner_ups(mlp_plan):
                                     sum(c.bytes * c.executions for c in plan.report.collectives if c.kind == k))
                                 for k in plan.report.counts()}
     assert plan.runner_ups and all(u.reason for u in plan.runner_ups)
+    assert all(u.extra_seconds >= 0 for u in plan.runner_ups)     # each lost
     text = str(plan)
     assert "runner-ups:" in text and "params[0]" in text
 

@@ -15,6 +15,8 @@
    annotation at that call in the source. gspmd partitions and reports them for real
    (fitted to the memory limit); where its peak differs from the estimate, the mesh is
    searched again with the limit scaled by the difference; the best that fits wins.
+   So does the data-parallel counterfactual (the updated state whole on every device)
+   where the estimate prefers it and gspmd's report agrees.
 """
 from __future__ import annotations
 
