@@ -107,7 +107,8 @@ def auto(fn: Callable, *args, devices: Optional[int] = None, mesh: Optional[Mesh
     found = _search_meshes(graph, meshes, fixed_params, hw, limit, effort, steps)
     best, verified = _partition_best(found, traced, paths, limit, hw, effort, verify, steps)
     steps("runner-ups")
-    best, runner_ups = _runner_ups(best, found, verified, traced, paths, limit, hw)
+    best, counterfactual = _against_data_parallel(best, traced, paths, limit, hw)
+    runner_ups = _runner_ups(best, found, verified, counterfactual, limit)
     steps("done")
     return plans.Plan(fn, abstract, best.candidate.mesh, best.parameters, best.intermediates, best.report,
                       best.candidate.estimate, limit, runner_ups, time.perf_counter() - start,
@@ -550,26 +551,29 @@ def annotated_copy(program: Program, annotations: dict) -> tuple[Program, dict]:
 
 
 # -- runner-ups --------------------------------------------------------------------------------
-def _runner_ups(best: Verified, found: Sequence[Candidate], verified: Sequence[Verified], traced: Traced,
-                paths: list[str], limit: int, hw: Hardware, most: int = 4) -> tuple[Verified, list]:
-    """The best plan on each other mesh, and the data-parallel counterfactual (the
-    parameters the function updates whole on every device), each with why it lost.
-    Those partitioned for real are compared by gspmd's report, the others by the
-    search's estimate. The counterfactual is partitioned for real where the estimate
-    says it is faster (the search decides axis by axis and can miss it): if gspmd's
-    report agrees, it is the plan, and the search's own plan the runner-up."""
+def _against_data_parallel(best: Verified, traced: Traced, paths: list[str], limit: int,
+                           hw: Hardware) -> tuple[Verified, Optional[tuple]]:
+    """The data-parallel counterfactual (the parameters the function updates whole on
+    every device), partitioned for real where the estimate says it is faster (the
+    search decides axis by axis and can miss it): if gspmd's report agrees, it is the
+    plan, and the search's own plan the counterfactual. Returns the plan and the
+    counterfactual as (description, Verified or Candidate), or None."""
     replicated = _state_replicated(best.candidate, limit)
-    last = None      # the last runner-up: (description, the counterfactual, partitioned or not)
-    if replicated is not None and replicated.fits and _rank(replicated) < _rank(best.candidate):
-        v = verify_candidate(replicated, traced, paths, limit, hw, compare=False)
-        if _real_rank(v) < _real_rank(best):
-            best, v = v, best
-            last = f"parameters split on mesh {_mesh_text(v.candidate.mesh)} (the search's plan)", v
-        else:
-            last = _replicated_text(replicated), v
-        verified = [*verified, v]
-    elif replicated is not None:
-        last = _replicated_text(replicated), replicated
+    if replicated is None:
+        return best, None
+    if not replicated.fits or _rank(replicated) >= _rank(best.candidate):
+        return best, (_replicated_text(replicated), replicated)
+    v = verify_candidate(replicated, traced, paths, limit, hw, compare=False)
+    if _real_rank(v) < _real_rank(best):
+        return v, (f"parameters split on mesh {_mesh_text(best.candidate.mesh)} (the search's plan)", best)
+    return best, (_replicated_text(replicated), v)
+
+
+def _runner_ups(best: Verified, found: Sequence[Candidate], verified: Sequence[Verified],
+                counterfactual: Optional[tuple], limit: int, most: int = 4) -> list:
+    """The best plan on each other mesh, and the counterfactual, each with why it lost.
+    Those partitioned for real are compared by gspmd's report, the others by the
+    search's estimate."""
     out = []
     seen = {best.candidate.mesh}
     for v in sorted(verified, key=_real_rank):
@@ -582,11 +586,11 @@ def _runner_ups(best: Verified, found: Sequence[Candidate], verified: Sequence[V
         if c.mesh not in seen:
             seen.add(c.mesh)
             out.append(_lost_by_estimate(f"best on mesh {_mesh_text(c.mesh)}", c, best.candidate, limit))
-    if last is not None:
-        description, c = last
+    if counterfactual is not None:
+        description, c = counterfactual
         out.append(_lost_by_report(description, c, best, limit) if isinstance(c, Verified)
                    else _lost_by_estimate(description, c, best.candidate, limit))
-    return best, out[:most]
+    return out[:most]
 
 
 def _lost_by_report(description: str, v: Verified, best: Verified, limit: int) -> plans.RunnerUp:
