@@ -1,30 +1,40 @@
-"""Resharding between any two shardings of a value, as an ordered list of small
-strategies: dynamic-slice (target subdivides the source: no communication),
-all-to-all (move a split factor to another dim), collective-permute (same tiling, other
-devices), then all-gather down to the layout both share followed by a slice. The last
-one is always correct; when it gathers a dim that the target splits again, its
-collective is labelled a fallback so that reports show it.
+"""Resharding between any two layouts of a value: the cheapest short chain of steps,
+found by a cheapest-first search over layouts (costs compared as `Cost`).
 
-A dim split into t tiles can be coarsened by a factor k (tile c -> c // k): the k
-devices that differ only in c % k hold the pieces, so a k-way all-gather among them
-coarsens and a slice refines. Shards of uneven dims only nest when
-ceil(D/(t/k)) == k * ceil(D/t) (or the coarse layout is the whole dim)."""
+Steps:
+  - cut: each device's target tile lies inside what it holds (dynamic-slice, free);
+  - all-gather of the minor factor k of one dim's split;
+  - all-to-all moving the minor factors of some dims' splits to become minor factors of
+    other dims' splits, several dims in one collective where the device groups allow;
+  - exchange: each device receives exactly the pieces of its target tile that it does
+    not hold, from holders, in a few rounds of collective-permutes (device-order changes,
+    a split count changed on one dim such as 3 -> 2 pieces, cut-and-send).
+A dim split into t tiles is coarsened by k (tile c -> c // k) by the k devices that
+differ only in c % k. Shards of uneven dims only nest when ceil(D/(t/k)) == k*ceil(D/t)
+or the coarse layout is the whole dim; gathers and all-to-alls take part where they
+nest (padding to whole shards, slicing after), exchanges everywhere. A gather of a dim
+that the target splits again is labelled a fallback so that reports show it; the search
+takes it only when nothing cheaper exists."""
 from __future__ import annotations
 
 import functools
+import heapq
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
 
+from gspmd.ir import Value
 from gspmd.sharding import Sharding
-from gspmd.spmd import cost as cm
-from gspmd.spmd.context import DeviceContext, Why
+from gspmd.spmd.context import INDEX_DTYPE, DeviceContext, Why
 from gspmd.spmd.partitioned import PartitionedValue
 
-Cost = float  # estimated seconds on the hardware being planned for (spmd/cost.py)
-FREE: Cost = 0.0
+Cost = tuple  # (bytes moved per device, number of collectives): compared lexicographically
+FREE: Cost = (0.0, 0)
+MAX_ROUNDS = 4    # collective-permutes one exchange may take
+MAX_STEPS = 4     # steps one plan may take
 
 
 def add_costs(*costs: Cost) -> Cost:
@@ -54,10 +64,7 @@ def groups_along(s: Sharding, dims: Sequence[int]) -> np.ndarray:
 
 def minor_groups(s: Sharding, dim: int, k: int) -> np.ndarray:
     """Groups [G, k] of devices that differ only in (tile index along dim) % k."""
-    shape = s.tile_assignment.shape
-    split = s.tile_assignment.reshape(shape[:dim] + (shape[dim] // k, k) + shape[dim + 1:])
-    order = [i for i in range(split.ndim) if i != dim + 1] + [dim + 1]
-    return split.transpose(order).reshape(-1, k)
+    return _move_groups(s, ((dim, None, k),))
 
 
 def _coarsen_to(s: Sharding, tiles: Sequence[int]) -> Sharding:
@@ -73,7 +80,7 @@ def coarsen(s: Sharding, dim: int, k: int) -> Sharding:
 
 def _nests(size: int, fine_tiles: int, k: int) -> bool:
     """Do the shards of a (fine_tiles/k)-way split hold exactly k shards of a
-    fine_tiles-way split each?"""
+    fine_tiles-way split each (or is the coarse split the whole dim)?"""
     coarse = fine_tiles // k
     return coarse == 1 or -(-size // coarse) == k * -(-size // fine_tiles)
 
@@ -84,6 +91,15 @@ def _shard_len(shape, s: Sharding, dim: int) -> int:
 
 def _local_nbytes(shape, s: Sharding, itemsize: int) -> int:
     return math.prod(s.shard_shape(shape)) * itemsize
+
+
+def _subdivides(dst: Sharding, src: Sharding, shape) -> bool:
+    """Does every device's dst tile lie inside its src tile?"""
+    if any(d % s for d, s in zip(dst.tiles, src.tiles)):
+        return False
+    if not all(_nests(n, d, d // s) for n, d, s in zip(shape, dst.tiles, src.tiles)):
+        return False
+    return _coarsen_to(dst, src.tiles) == src
 
 
 # -- steps -----------------------------------------------------------------------------
@@ -106,7 +122,7 @@ class SliceStep:
             k = tgt.tiles[dim] // pv.sharding.tiles[dim]
             sizes.append(size)
             if k == 1:
-                starts.append(ctx.constant(0, np.int32))
+                starts.append(ctx.constant(0, INDEX_DTYPE))
                 continue
             # Pad so that the last sub-tile is in bounds (dynamic-slice would clamp).
             x = ctx.pad_high(x, dim, size * k - x.shape[dim])
@@ -138,115 +154,419 @@ class GatherStep:
         return PartitionedValue(y, result, pv.shape)
 
 
+Move = tuple  # (source dim, destination dim, k): the minor factor k of the source's split
+#               becomes the minor factor of the destination's
+
+
+def _moved_layout(s: Sharding, moves: Sequence[Move]) -> Optional[Sharding]:
+    """The layout after `moves`, applied in order."""
+    coords, tiles = s.coords().copy(), list(s.tiles)
+    for a, b, k in moves:
+        digit = coords[:, a] % k
+        coords[:, a] //= k
+        coords[:, b] = coords[:, b] * k + digit
+        tiles[a] //= k
+        tiles[b] *= k
+    return Sharding.from_coords(coords, tiles)
+
+
+def _move_factors(moves: Sequence[Move], rank: int, side: int) -> list[int]:
+    """Per dim, the product of the factors that leave it (side 0) or arrive (side 1)."""
+    out = [1] * rank
+    for move in moves:
+        out[move[side]] *= move[2]
+    return out
+
+
+def _move_groups(s: Sharding, moves: Sequence[Move]) -> np.ndarray:
+    """Groups [G, prod k] of devices that differ only in the digits the moves take from
+    their source dims, ordered by those digits (first move major). A dim losing several
+    factors gives its minor-most to the first move."""
+    shape, digit_axis = [], {}
+    for d, t in enumerate(s.tile_assignment.shape):
+        mine = [i for i, move in enumerate(moves) if move[0] == d]
+        shape.append(t // math.prod(moves[i][2] for i in mine))
+        for i in reversed(mine):
+            digit_axis[i] = len(shape)
+            shape.append(moves[i][2])
+    digits = [digit_axis[i] for i in range(len(moves))]
+    rest = [ax for ax in range(len(shape)) if ax not in digits]
+    k = math.prod(move[2] for move in moves)
+    return s.tile_assignment.reshape(shape).transpose(rest + digits).reshape(-1, k)
+
+
+def _moves_nest(s: Sharding, moves: Sequence[Move], shape) -> bool:
+    """Uneven dims take part only where the shards before and after nest."""
+    out, into = _move_factors(moves, s.rank, 0), _move_factors(moves, s.rank, 1)
+    return all(_nests(shape[d], s.tiles[d], out[d]) and _nests(shape[d], s.tiles[d] * into[d], into[d])
+               for d in range(s.rank))
+
+
 @dataclass(frozen=True)
 class AllToAllStep:
-    """Move the minor factor k of dim `src`'s split to become the minor factor of dim
-    `dst`'s split, within the k-device groups that hold it."""
-    src: int
-    dst: int
-    k: int
+    """One all-to-all: each move's minor factor leaves its source dim's split and becomes
+    the minor factor of its destination dim's, within the groups of devices that differ
+    only in the moved digits. Destination dims are padded to whole pieces; source dims
+    that end up whole are cut back to their size."""
+    moves: tuple[Move, ...]
     target: Sharding
 
     def result(self, s: Sharding) -> Sharding:
         return self.target
 
+    def _buffer(self, shape, s: Sharding) -> list[int]:
+        into = _move_factors(self.moves, s.rank, 1)
+        return [f * -(-n // (t * f)) for n, t, f in zip(shape, s.tiles, into)]
+
     def cost(self, shape, itemsize, s: Sharding) -> Cost:
-        return priced(cm.Pattern.ALL_TO_ALL, _local_nbytes(shape, self.target, itemsize),
-                      minor_groups(s, self.src, self.k), s.num_devices)
+        group = math.prod(move[2] for move in self.moves)
+        return (moved(math.prod(self._buffer(shape, s)) * itemsize, group), 1)
 
     def apply(self, ctx: DeviceContext, pv: PartitionedValue) -> PartitionedValue:
-        groups = minor_groups(pv.sharding, self.src, self.k)
-        y = ctx.all_to_all(pv.local, self.dst, self.src, groups, Why.RESHARD, "all-to-all")
+        x = pv.local
+        for d, n in enumerate(self._buffer(pv.shape, pv.sharding)):
+            x = ctx.pad_high(x, d, n - x.shape[d])
+        groups = _move_groups(pv.sharding, self.moves)
+        if len(self.moves) == 1:
+            a, b, _ = self.moves[0]
+            y = ctx.all_to_all(x, b, a, groups, Why.RESHARD, "all-to-all")
+        else:
+            y = _multi_all_to_all(ctx, x, self.moves, groups)
+        for d in range(pv.rank):
+            if self.target.tiles[d] == 1:
+                y = ctx.slice_prefix(y, d, pv.shape[d])
         return PartitionedValue(y, self.target, pv.shape)
+
+
+def _multi_all_to_all(ctx: DeviceContext, x: Value, moves: Sequence[Move], groups: np.ndarray) -> Value:
+    """All-to-all for several moves at once: the pieces for each receiver are stacked
+    on a leading dim (receiver's digits, first move major), exchanged, and each
+    sender's piece is put back in its place along the source dims."""
+    b, q, rank = ctx.b, len(moves), x.rank
+    split, chunk_axis = [], {}
+    for d, n in enumerate(x.shape):              # destination dims: (k_first, ..., k_last, rest)
+        mine = [i for i, move in enumerate(moves) if move[1] == d]
+        for i in mine:
+            chunk_axis[i] = len(split)
+            split.append(moves[i][2])
+        split.append(n // math.prod(moves[i][2] for i in mine))
+    chunks = [chunk_axis[i] for i in range(q)]
+    others = [ax for ax in range(len(split)) if ax not in chunks]
+    rest = [split[ax] for ax in others]
+    group = math.prod(move[2] for move in moves)
+    y = _transpose(ctx, b.add1("reshape", [x], tuple(split), x.dtype), chunks + others)
+    y = b.add1("reshape", [y], (group, *rest), x.dtype)
+    y = ctx.all_to_all(y, 0, 0, groups, Why.RESHARD, "all-to-all of several dims")
+    y = b.add1("reshape", [y], tuple(move[2] for move in moves) + tuple(rest), x.dtype)
+    order, merged = [], []
+    for d in range(rank):                         # source dims: (k_last, ..., k_first, rest)
+        mine = [i for i, move in enumerate(moves) if move[0] == d]
+        order += list(reversed(mine)) + [q + d]
+        merged.append(rest[d] * math.prod(moves[i][2] for i in mine))
+    return b.add1("reshape", [_transpose(ctx, y, order)], tuple(merged), x.dtype)
+
+
+def _transpose(ctx: DeviceContext, x: Value, permutation: Sequence[int]) -> Value:
+    if list(permutation) == list(range(x.rank)):
+        return x
+    shape = tuple(x.shape[p] for p in permutation)
+    return ctx.b.add1("transpose", [x], shape, x.dtype, permutation=tuple(permutation))
+
+
+# -- exchange: point-to-point pieces ----------------------------------------------------
+@dataclass(frozen=True)
+class _Round:
+    """One collective-permute of an exchange (pairs None: the pieces devices keep)."""
+    pairs: Optional[np.ndarray]   # (sender, receiver)
+    piece: tuple[int, ...]        # the static shape that travels
+    send_at: np.ndarray           # [N, rank]: where each sender cuts, in its local value
+    recv_at: np.ndarray           # [N, rank]: where each receiver puts it, in its tile
+    recv_len: np.ndarray          # [N, rank]: how much of it is data (0: receives nothing)
+    whole: tuple[bool, ...]       # per dim: every receiver's piece spans its tile's data
 
 
 @dataclass(frozen=True)
-class PermuteStep:
-    """Same tiling, other devices: each device fetches its tile from a holder."""
+class _Pieces:
+    """Per device, the pieces of its target tile: from which source tile, where."""
+    receiver: np.ndarray    # [P]
+    sender: np.ndarray      # [P]: a holder of the source tile (the receiver itself if it holds it)
+    lo: np.ndarray          # [P, rank]: the piece, in global positions
+    hi: np.ndarray          # [P, rank]
+    tile_lo: np.ndarray     # [P, rank]: where the receiver's target tile starts
+    tile_hi: np.ndarray     # [P, rank]: where its data ends
+
+    @property
+    def remote(self) -> np.ndarray:
+        return self.sender != self.receiver
+
+    @property
+    def rounds(self) -> int:
+        """Collective-permutes needed: the most pieces one device sends or receives."""
+        remote = self.remote
+        if not remote.any():
+            return 0
+        return int(max(np.bincount(self.sender[remote]).max(), np.bincount(self.receiver[remote]).max()))
+
+
+@functools.lru_cache(maxsize=4096)
+def _pieces(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> Optional[_Pieces]:
+    """None when some device would need pieces from more than MAX_ROUNDS others."""
+    n, m, size = np.asarray(src.shard_shape(shape)), np.asarray(dst.shard_shape(shape)), np.asarray(shape)
+    tile_lo = dst.coords() * m
+    tile_hi = np.minimum(tile_lo + m, size)
+    first = tile_lo // n
+    count = np.where(tile_hi > tile_lo, -(-tile_hi // n) - first, 0)
+    if np.prod(count, axis=1).max() > MAX_ROUNDS + 1:
+        return None
+    # Every combination of the overlapped source tiles along each dim: [N, C_0, ..., C_r-1].
+    offsets = np.stack(np.meshgrid(*[np.arange(max(1, c)) for c in count.max(axis=0)], indexing="ij"), -1)
+    offsets = offsets.reshape(-1, src.rank)
+    tile = first[:, None, :] + offsets[None]                                   # [N, C, rank]
+    valid = np.all(offsets[None] < count[:, None, :], axis=-1)
+    lo = np.maximum(tile_lo[:, None], tile * n)
+    hi = np.minimum(tile_hi[:, None], (tile + 1) * n)
+    receiver = np.broadcast_to(np.arange(dst.num_devices)[:, None], valid.shape)
+    tile, lo, hi, receiver = tile[valid], lo[valid], hi[valid], receiver[valid]
+    # The receiver keeps what it holds; other pieces come from holders in turn.
+    kept = np.all(tile == src.coords()[receiver], axis=1)
+    tile_id = np.ravel_multi_index(tuple(tile.T), src.tiles) if src.rank else np.zeros(len(tile), np.int64)
+    order = np.lexsort((receiver, kept, tile_id))      # by tile; those that need it first
+    in_order = tile_id[order]
+    turn = np.empty(len(order), np.int64)
+    turn[order] = np.arange(len(order)) - np.searchsorted(in_order, in_order, side="left")
+    holders = src.tile_assignment.reshape(-1, src.num_replicas)
+    sender = np.where(kept, receiver, holders[tile_id, turn % src.num_replicas])
+    return _Pieces(receiver, sender, lo, hi, tile_lo[receiver], tile_hi[receiver])
+
+
+def _exchange_rounds(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> tuple[_Round, ...]:
+    """The pieces in rounds in which each device sends and receives at most one; the
+    first round is what devices keep."""
+    p = _pieces(src, dst, shape)
+    remote = np.flatnonzero(p.remote)
+    colors = _edge_colors(list(zip(p.sender[remote].tolist(), p.receiver[remote].tolist())))
+    starts = src.coords() * np.asarray(src.shard_shape(shape))
+    rounds = [np.flatnonzero(~p.remote)] + [remote[np.asarray(colors) == c] for c in range(max(colors, default=-1) + 1)]
+    return tuple(_round(p, r, starts, local=(i == 0)) for i, r in enumerate(rounds) if len(r))
+
+
+def _edge_colors(edges: list[tuple[int, int]]) -> list[int]:
+    """A round per (sender, receiver) edge such that nobody sends or receives twice in a
+    round, in as many rounds as the busiest device has pieces (Koenig's edge colouring
+    of a bipartite graph: where the two free colours differ, swap them along the
+    alternating path first)."""
+    at: dict[tuple, dict[int, int]] = {}      # node -> colour -> edge
+    colors = [-1] * len(edges)
+    for e, (u, v) in enumerate(edges):
+        nu, nv = at.setdefault(("s", u), {}), at.setdefault(("r", v), {})
+        a = next(c for c in itertools.count() if c not in nu)
+        b = next(c for c in itertools.count() if c not in nv)
+        if a not in nv:
+            b = a
+        else:   # flip a <-> b along the path from v that starts with colour a
+            path, node, c = [], ("r", v), a
+            while c in at.get(node, {}):
+                f = at[node][c]
+                path.append(f)
+                s, r = edges[f]
+                node = ("s", s) if node[0] == "r" else ("r", r)
+                c = b if c == a else a
+            for f in path:
+                s, r = edges[f]
+                for end in (("s", s), ("r", r)):
+                    del at[end][colors[f]]
+            for f in path:
+                colors[f] = b if colors[f] == a else a
+                s, r = edges[f]
+                at[("s", s)][colors[f]] = at[("r", r)][colors[f]] = f
+            b = a
+        colors[e] = b
+        nu[b] = nv[b] = e
+    return colors
+
+
+def _round(p: _Pieces, which: np.ndarray, src_start: np.ndarray, local: bool) -> _Round:
+    num_devices, rank = src_start.shape
+    send_at = np.zeros((num_devices, rank), np.int64)
+    recv_at, recv_len = np.zeros_like(send_at), np.zeros_like(send_at)
+    sender, receiver = p.sender[which], p.receiver[which]
+    send_at[sender] = p.lo[which] - src_start[sender]
+    recv_at[receiver] = p.lo[which] - p.tile_lo[which]
+    recv_len[receiver] = p.hi[which] - p.lo[which]
+    whole = np.all((p.lo[which] == p.tile_lo[which]) & (p.hi[which] == p.tile_hi[which]), axis=0)
+    piece = tuple(int(v) for v in recv_len.max(axis=0))
+    pairs = None if local else np.stack([sender, receiver], axis=1)
+    return _Round(pairs, piece, send_at, recv_at, recv_len, tuple(bool(w) for w in whole))
+
+
+@dataclass(frozen=True)
+class ExchangeStep:
+    """Each device receives the pieces of its target tile that it does not hold (cut by
+    their holders), one collective-permute per round, and keeps its own."""
     target: Sharding
 
     def result(self, s: Sharding) -> Sharding:
         return self.target
 
     def cost(self, shape, itemsize, s: Sharding) -> Cost:
-        return priced(cm.Pattern.PERMUTE, _local_nbytes(shape, self.target, itemsize),
-                      _permute_pairs(s, self.target), s.num_devices)
+        """An upper bound: every round as large as the largest piece."""
+        p = _pieces(s, self.target, tuple(shape))
+        remote = p.remote
+        largest = int(np.prod(p.hi[remote] - p.lo[remote], axis=1).max(initial=0))
+        return (p.rounds * largest * itemsize, p.rounds)
 
     def apply(self, ctx: DeviceContext, pv: PartitionedValue) -> PartitionedValue:
-        y = ctx.collective_permute(pv.local, _permute_pairs(pv.sharding, self.target),
-                                   Why.RESHARD, "collective-permute")
-        return PartitionedValue(y, self.target, pv.shape)
+        tile = self.target.shard_shape(pv.shape)
+        out: Optional[Value] = None
+        for r in _exchange_rounds(pv.sharding, self.target, pv.shape):
+            piece = _cut(ctx, pv.local, r)
+            if r.pairs is not None:
+                piece = ctx.collective_permute(piece, r.pairs, Why.RESHARD, "collective-permute")
+            out = _place(ctx, piece, r, tile, out)
+        return PartitionedValue(out, self.target, pv.shape)
 
 
-def _permute_pairs(src: Sharding, dst: Sharding) -> np.ndarray:
-    """(source, target) pairs; devices that already hold their tile send to themselves."""
-    have = src.tile_assignment.reshape(-1, src.num_replicas)
-    want = dst.tile_assignment.reshape(-1, dst.num_replicas)
-    pairs = []
-    for holders, needers in zip(have, want):
-        stay = sorted(set(holders) & set(needers))
-        senders = stay + [d for d in holders if d not in stay]
-        receivers = stay + [d for d in needers if d not in stay]
-        pairs += list(zip(senders, receivers))
-    return np.asarray(pairs, np.int64)
+def _cut(ctx: DeviceContext, x: Value, r: _Round) -> Value:
+    """Each sender's piece: r.piece elements from r.send_at of its local value."""
+    if r.piece == x.shape and not r.send_at.any():
+        return x
+    for d in range(x.rank):
+        x = ctx.pad_high(x, d, max(0, int((r.send_at[:, d] + r.piece[d]).max()) - x.shape[d]))
+    return ctx.dynamic_slice(x, [ctx.table_lookup(r.send_at[:, d]) for d in range(x.rank)], r.piece)
+
+
+def _place(ctx: DeviceContext, piece: Value, r: _Round, tile: Sequence[int], out: Optional[Value]) -> Value:
+    """`out` with each receiver's piece written at r.recv_at (r.recv_len of it is data;
+    past a tile's data is padding, which may hold anything)."""
+    b, x = ctx.b, piece
+    receivers = r.recv_len.min(axis=1) > 0
+    for d in range(x.rank):
+        if not r.recv_at[:, d].any():
+            x = ctx.pad_high(x, d, tile[d] - x.shape[d])
+        else:   # shift each piece to its place: pad by a tile on each side, cut a tile
+            x = ctx.pad_high(_pad_low(ctx, x, d, tile[d]), d, tile[d])
+            zero, shift = ctx.constant(0, INDEX_DTYPE), ctx.table_lookup(tile[d] - r.recv_at[:, d])
+            x = ctx.dynamic_slice(x, [shift if i == d else zero for i in range(x.rank)],
+                                  [tile[i] if i == d else x.shape[i] for i in range(x.rank)])
+    masked = [d for d in range(x.rank) if not r.whole[d]]
+    if not masked and not receivers.all():
+        masked = [0]
+    if out is None and not masked:
+        return x
+    inside = None
+    for d in masked:
+        pos = b.add1("iota", [], x.shape, INDEX_DTYPE, dimension=d)
+        end = np.where(receivers, r.recv_at[:, d] + (r.recv_len[:, d] if not r.whole[d] else tile[d]), 0)
+        for bound, direction in ((r.recv_at[:, d], "GE"), (end, "LT")):
+            limit = b.add1("broadcast", [ctx.table_lookup(bound)], x.shape, INDEX_DTYPE, dims=())
+            test = b.add1("compare", [pos, limit], x.shape, np.bool_, direction=direction)
+            inside = test if inside is None else b.add1("and", [inside, test], x.shape, np.bool_)
+    if out is None:
+        out = b.add1("broadcast", [ctx.constant(np.zeros((), x.dtype))], x.shape, x.dtype, dims=())
+    return b.add1("select", [inside, x, out], x.shape, x.dtype)
+
+
+def _pad_low(ctx: DeviceContext, x: Value, dim: int, amount: int) -> Value:
+    low, shape = [0] * x.rank, list(x.shape)
+    low[dim], shape[dim] = amount, shape[dim] + amount
+    return ctx.b.add1("pad", [x, ctx.constant(np.zeros((), x.dtype))], tuple(shape), x.dtype, low=tuple(low),
+                      high=(0,) * x.rank, interior=(0,) * x.rank)
 
 
 # -- planning --------------------------------------------------------------------------
-def _subdivides(dst: Sharding, src: Sharding, shape) -> bool:
-    if any(d % s for d, s in zip(dst.tiles, src.tiles)):
-        return False
-    if not all(_nests(n, d, d // s) for n, d, s in zip(shape, dst.tiles, src.tiles)):
-        return False
-    return _coarsen_to(dst, src.tiles) == src
+def _gathers(s: Sharding, shape):
+    for d, t in enumerate(s.tiles):
+        for k in range(2, t + 1):
+            if t % k == 0 and _nests(shape[d], t, k):
+                yield GatherStep(d, k)
 
 
-def _all_to_alls(src: Sharding, shape):
-    """Every single all-to-all from `src`: the minor factor k of dim a's split moves to
-    become the minor factor of dim b's split (evenly dividing dims only)."""
-    for a in range(src.rank):
-        if shape[a] % src.tiles[a]:
-            continue
-        for k in (k for k in range(2, src.tiles[a] + 1) if src.tiles[a] % k == 0):
-            for b in range(src.rank):
-                if b == a or shape[b] % (src.tiles[b] * k):
-                    continue
-                coords = src.coords().copy()
-                coords[:, b] = coords[:, b] * k + coords[:, a] % k
-                coords[:, a] //= k
-                tiles = list(src.tiles)
-                tiles[a] //= k
-                tiles[b] *= k
-                yield AllToAllStep(a, b, k, Sharding.from_coords(coords, tiles))
+def _single_moves(s: Sharding, shape):
+    for a, t in enumerate(s.tiles):
+        for k in (k for k in range(2, t + 1) if t % k == 0):
+            for b in range(s.rank):
+                if b != a and _moves_nest(s, ((a, b, k),), shape):
+                    yield (a, b, k)
 
 
-def _agreement(s: Sharding, dst: Sharding) -> int:
-    """How many of the dims `dst` splits `s` already splits exactly that way."""
-    return sum(dst.tiles[d] > 1 and s.tiles[d] == dst.tiles[d]
-               and np.array_equal(s.coords()[:, d], dst.coords()[:, d]) for d in range(s.rank))
+def _on_track(s: Sharding, dst: Sharding, dim: int) -> bool:
+    """Does dst split `dim` as s does, or refine that split?"""
+    t, u = s.tiles[dim], dst.tiles[dim]
+    return u % t == 0 and np.array_equal(dst.coords()[:, dim] // (u // t), s.coords()[:, dim])
 
 
-def _all_to_all_toward(src: Sharding, dst: Sharding, shape) -> Optional[AllToAllStep]:
-    """An all-to-all that lands on dst, else one that moves a split to a dim dst splits
-    and so matches dst on more dims."""
-    best, score = None, _agreement(src, dst)
-    for step in _all_to_alls(src, shape):
-        if step.target == dst:
-            return step
-        gained = _agreement(step.target, dst)
-        if gained > score and dst.tiles[step.dst] > 1:
-            best, score = step, gained
-    return best
+def _all_to_alls(s: Sharding, dst: Sharding, shape):
+    """Every single move, and every set of moves toward dst that one all-to-all can do
+    together (no dim both gives and receives)."""
+    singles = list(_single_moves(s, shape))
+    combos = set()
+
+    def extend(moves: tuple, layout: Sharding):
+        if len(moves) > 1:
+            combos.add(moves)
+        for m in (singles if not moves else _single_moves(layout, shape)):
+            if m[0] in {x[1] for x in moves} or m[1] in {x[0] for x in moves}:
+                continue
+            after = _moved_layout(layout, (m,))
+            if after is not None and _on_track(after, dst, m[1]) and _moves_nest(s, moves + (m,), shape):
+                extend(moves + (m,), after)
+    extend((), s)
+    for moves in [(m,) for m in singles] + sorted(combos):
+        target = _moved_layout(s, moves)
+        if target is not None:
+            yield AllToAllStep(moves, target)
 
 
-def _common_tiles(src: Sharding, dst: Sharding, dim: int, size: int) -> int:
-    """The finest split of `dim` that both layouts refine, device by device."""
-    ts, td = src.tiles[dim], dst.tiles[dim]
-    for m in range(math.gcd(ts, td), 0, -1):
-        if ts % m or td % m or not (_nests(size, ts, ts // m) and _nests(size, td, td // m)):
-            continue
-        if np.array_equal(src.coords()[:, dim] // (ts // m), dst.coords()[:, dim] // (td // m)):
-            return m
-    return 1
+def _refined(dst: Sharding, src: Sharding, dim: int, k: int) -> Optional[Sharding]:
+    """dst with dim split k times finer among each tile's replicas (a layout one gather
+    of dim turns into dst), giving devices the sub-tile they hold in src where possible."""
+    r = dst.num_replicas
+    if r % k:
+        return None
+    t = dst.tiles[dim] * k
+    dst_c = dst.coords()
+    members = dst.tile_assignment.reshape(-1, r)                  # [groups, r]: one tile's holders
+    held = src.coords()[:, dim] // (src.tiles[dim] // t) if src.tiles[dim] % t == 0 else np.full(len(dst_c), -1)
+    wish = np.where(held // k == dst_c[:, dim], held % k, k)[members]     # k: no wish
+    # Each digit goes to r/k members: first to those who wish it (in order), then to the rest.
+    order = np.argsort(wish, axis=-1, kind="stable")
+    members, wish = np.take_along_axis(members, order, -1), np.take_along_axis(wish, order, -1)
+    rank = np.arange(r) - (wish[:, :, None] > wish[:, None, :]).sum(-1)
+    granted = (wish < k) & (rank < r // k)
+    digits = np.where(granted, wish, -1)
+    spare = r // k - np.stack([(digits == d).sum(1) for d in range(k)], 1)
+    digits[~granted] = np.repeat(np.tile(np.arange(k), len(members)), spare.ravel())
+    coords = dst_c.copy()
+    coords[members.ravel(), dim] = dst_c[members.ravel(), dim] * k + digits.ravel()
+    tiles = list(dst.tiles)
+    tiles[dim] = t
+    return Sharding.from_coords(coords, tiles)
+
+
+def _preimages(src: Sharding, dst: Sharding, shape) -> list[Sharding]:
+    """Layouts one gather or one all-to-all turns into dst: where an exchange from the
+    source should land when the rest is cheaper done on small pieces."""
+    out = []
+    for d, t in enumerate(dst.tiles):
+        for k in range(2, dst.num_replicas + 1):
+            if _nests(shape[d], t * k, k):
+                out.append(_refined(dst, src, d, k))
+        for k in (k for k in range(2, t + 1) if t % k == 0):
+            for a in range(dst.rank):
+                x = _moved_layout(dst, ((d, a, k),)) if a != d else None   # the inverse move
+                if x is not None and _moves_nest(x, ((a, d, k),), shape):
+                    out.append(x)
+    return [x for x in out if x is not None and x not in (src, dst)]
+
+
+def _steps_from(cur: Sharding, src: Sharding, dst: Sharding, shape, preimages: list[Sharding]):
+    for target in [dst] + (preimages if cur == src else []):
+        if _subdivides(target, cur, shape):
+            yield SliceStep(target)
+        elif (p := _pieces(cur, target, shape)) is not None and p.rounds <= MAX_ROUNDS:
+            yield ExchangeStep(target)
+    yield from _gathers(cur, shape)
+    yield from _all_to_alls(cur, dst, shape)
 
 
 def plan(src: Sharding, dst: Sharding, shape: Sequence[int]) -> tuple:
@@ -258,30 +578,75 @@ def plan(src: Sharding, dst: Sharding, shape: Sequence[int]) -> tuple:
 def _plan(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> tuple:
     # Partition rules price the same few transitions over and over (each candidate
     # layout of every op): plans are immutable, so they are computed once.
-    return tuple(_plan_steps(src, dst, shape))
-
-
-def _plan_steps(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> list:
     if src == dst:
-        return []
+        return ()
     if _subdivides(dst, src, shape):
-        return [SliceStep(dst)]
-    step = _all_to_all_toward(src, dst, shape)
-    if step is not None:
-        return [step, *_plan(step.target, dst, shape)]
-    if src.tiles == dst.tiles and src.num_replicas == dst.num_replicas:
-        return [PermuteStep(dst)]
-    steps, cur = [], src
-    for dim in range(src.rank):
-        m = _common_tiles(src, dst, dim, shape[dim])
-        if src.tiles[dim] > m:
-            k = src.tiles[dim] // m
-            steps.append(GatherStep(dim, k, Why.FALLBACK, f"all-gather then slice, {src} -> {dst}")
-                         if dst.tiles[dim] > m else GatherStep(dim, k))
-            cur = steps[-1].result(cur)
-    if cur != dst:
-        steps.append(SliceStep(dst))
-    return steps
+        return (SliceStep(dst),)
+    if 0 in shape:   # nothing to move: gather whatever is split, then cut
+        return tuple(GatherStep(d, t) for d, t in enumerate(src.tiles) if t > 1) + (SliceStep(dst),)
+    direct = _direct(src, dst, shape)
+    return direct if direct is not None else _label_fallbacks(_search(src, dst, shape), src, dst)
+
+
+def _direct(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> Optional[tuple]:
+    """The common one-collective transitions, which nothing beats: a coarser split
+    (each device receives just what it lacks), the same tiles on other devices (it
+    receives its whole tile, or nothing), one all-to-all."""
+    if _subdivides(src, dst, shape):
+        return tuple(GatherStep(d, s // t) for d, (s, t) in enumerate(zip(src.tiles, dst.tiles)) if s > t)
+    if src.tile_assignment.shape == dst.tile_assignment.shape:
+        return (ExchangeStep(dst),)
+    return next(((step,) for step in _all_to_alls(src, dst, shape) if step.target == dst), None)
+
+
+def _lacking(cur: Sharding, dst: Sharding, shape: tuple[int, ...]) -> Cost:
+    """A lower bound of what turning cur into dst costs: the most data any device lacks
+    (what it needs of its dst tile minus what its cur tile holds)."""
+    n, m, size = np.asarray(cur.shard_shape(shape)), np.asarray(dst.shard_shape(shape)), np.asarray(shape)
+    lo_c, lo_d = cur.coords() * n, dst.coords() * m
+    hi_c, hi_d = np.minimum(lo_c + n, size), np.minimum(lo_d + m, size)
+    need = np.prod(np.maximum(hi_d - lo_d, 0), axis=1)
+    have = np.prod(np.maximum(np.minimum(hi_c, hi_d) - np.maximum(lo_c, lo_d), 0), axis=1)
+    lacking = int((need - have).max())
+    return (float(lacking), int(lacking > 0), 0)
+
+
+def _search(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> tuple:
+    """The cheapest chain of at most MAX_STEPS steps (A* over layouts, guided by what
+    devices still lack; at equal cost, fewer collective-permutes). Gathering everything
+    and cutting is always possible, so a plan is always found."""
+    preimages = _preimages(src, dst, shape)
+    start = FREE + (0,)
+    best = {src: start}
+    frontier = [(_lacking(src, dst, shape), 0, start, src, ())]
+    tie = itertools.count(1)
+    while frontier:
+        _, _, so_far, cur, steps = heapq.heappop(frontier)
+        if cur == dst:
+            return steps
+        if so_far > best[cur] or len(steps) == MAX_STEPS:
+            continue
+        for step in _steps_from(cur, src, dst, shape, preimages):
+            nxt = step.result(cur)
+            c = step.cost(shape, 1, cur)
+            total = add_costs(so_far, c) + (so_far[2] + (c[1] if isinstance(step, ExchangeStep) else 0),)
+            if nxt not in best or total < best[nxt]:
+                best[nxt] = total
+                bound = tuple(a + b for a, b in zip(total, _lacking(nxt, dst, shape)))
+                heapq.heappush(frontier, (bound, next(tie), total, nxt, steps + (step,)))
+    raise AssertionError(f"no reshard plan {src} -> {dst} for {shape}")
+
+
+def _label_fallbacks(steps: tuple, src: Sharding, dst: Sharding) -> tuple:
+    """A gather of a dim that the target splits further is data gathered only to be
+    split again: label it so that reports warn."""
+    out, s = [], src
+    for step in steps:
+        if isinstance(step, GatherStep) and dst.tiles[step.dim] > step.result(s).tiles[step.dim]:
+            step = GatherStep(step.dim, step.k, Why.FALLBACK, f"all-gather then slice, {src} -> {dst}")
+        out.append(step)
+        s = step.result(s)
+    return tuple(out)
 
 
 def cost(src: Sharding, dst: Sharding, shape: Sequence[int], itemsize: int) -> Cost:
