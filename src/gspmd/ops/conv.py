@@ -4,7 +4,8 @@ Attrs: lhs_spec (batch, feature, spatial...), rhs_spec (out feature, in feature,
 spatial...), out_spec (batch, feature, spatial...), window_strides, padding, lhs_dilation,
 rhs_dilation, feature_group_count, batch_group_count.
 
-Batch, feature and contracted-feature dims are dimension factors. A split spatial dim is
+Batch, feature and contracted-feature dims are dimension factors; with feature or batch
+groups, the groups are one factor (each device convolves whole groups). A split spatial dim is
 partitioned either by outputs (each partition computes its outputs from its input shard
 plus halos) or, when the window itself is split (weight gradients, whose window is the
 output gradient), by window (each partition convolves its part of the window with the
@@ -14,9 +15,9 @@ factor partitioner then handles batch and feature dims around them (paper 4.4).
 """
 from __future__ import annotations
 
-from typing import Optional
-
+import itertools
 import math
+from typing import Optional
 
 import numpy as np
 from jax import lax
@@ -26,7 +27,8 @@ from gspmd.ops.window import pad_array, window_attrs, windows_of
 from gspmd.sharding import Sharding
 from gspmd.spmd.cost import ComputeKind
 from gspmd.spmd import factors as fx
-from gspmd.spmd.halo import DimPlan, local_base, partition_windowed, plan_dim, slice_outputs
+from gspmd.spmd import reshard as rs
+from gspmd.spmd.halo import DimPlan, local_base, partition_windowed, pinned_space, plan_dim, slice_outputs
 from gspmd.spmd.partitioned import PartitionedValue
 
 OUT, WINDOW = "out", "window"   # how a split spatial dim is partitioned
@@ -73,38 +75,25 @@ def _default_modes(instr) -> list[str]:
     return [OUT if out.shape[o] >= rhs.shape[r] else WINDOW for r, o in zip(rsp, osp)]
 
 
-def _depthwise(instr) -> bool:
-    (_, lf, *_), (ro, _, *_), _ = _dims(instr)
-    g = instr.attrs["feature_group_count"]
-    return g > 1 and instr.operands[0].shape[lf] == g == instr.operands[1].shape[ro]
-
-
-def _depthwise_gradient(instr) -> bool:
-    """A depthwise convolution's weight gradient: each batch group (one channel) meets
-    its own output feature."""
-    (lb, *_), (ro, *_), _ = _dims(instr)
-    bg = instr.attrs["batch_group_count"]
-    return bg > 1 and instr.operands[0].shape[lb] == bg == instr.operands[1].shape[ro]
-
-
 def conv_factors(instr, modes: Optional[list[Optional[str]]] = None) -> list[fx.Factor]:
     """Factors of a convolution; `modes` says per spatial dim whether it is split by
-    outputs, by window, or kept whole (None)."""
+    outputs, by window, or kept whole (None). Grouped convolutions split along the
+    groups: feature group j (the j-th part of the lhs features, of the rhs and result
+    output features) and batch group j (the j-th part of the lhs batch, of the output
+    features) are a group factor, so that each device convolves whole groups."""
     lhs, rhs = instr.operands
     (lb, lf, *ls), (ro, ri, *rsp), (ob, of, *osp) = _dims(instr)
     g, bg = instr.attrs["feature_group_count"], instr.attrs["batch_group_count"]
     b, f, o = lhs.shape[lb], lhs.shape[lf], rhs.shape[ro]
-    grouped = fx.REPLICATE if bg > 1 else fx.PASS
-    factors = [fx.Factor(b, (lb, None, ob), grouped)]
-    if _depthwise_gradient(instr):   # channels pass through as batch groups
-        factors = [fx.Factor(b, (lb, ro, of)), fx.Factor(1, (None, None, ob), fx.REPLICATE)]
-        factors.append(fx.Factor(f, (lf, ri, None), fx.REDUCE if g == 1 else fx.REPLICATE))
-    elif g == 1:
-        factors += [fx.Factor(f, (lf, ri, None), fx.REDUCE), fx.Factor(o, (None, ro, of), grouped)]
-    elif _depthwise(instr):   # channels pass through, each its own group
-        factors += [fx.Factor(f, (lf, ro, of)), fx.Factor(1, (None, ri, None), fx.REPLICATE)]
+    if bg > 1:
+        factors = [fx.Factor(bg, (lb, ro, of), fx.GROUP), fx.Factor(f, (lf, ri, None), fx.REDUCE),
+                   fx.Factor(b // bg, (None, None, ob), fx.REPLICATE)]
+    elif g > 1:
+        factors = [fx.Factor(b, (lb, None, ob)), fx.Factor(g, (lf, ro, of), fx.GROUP),
+                   fx.Factor(f // g, (None, ri, None), fx.REPLICATE)]
     else:
-        factors += [fx.Factor(f, (lf, ri, None), fx.REPLICATE), fx.Factor(o, (None, ro, of), fx.REPLICATE)]
+        factors = [fx.Factor(b, (lb, None, ob)), fx.Factor(f, (lf, ri, None), fx.REDUCE),
+                   fx.Factor(o, (None, ro, of))]
     for mode, l, r, q in zip(modes or _default_modes(instr), ls, rsp, osp):
         size = lhs.shape[l]
         if mode == OUT:
@@ -147,10 +136,9 @@ def _partition_conv(ctx, instr, operands, targets):
     lhs, rhs = operands
     (target,) = targets
     (_, _, *ls), (_, _, *rsp), (ob, of, *osp) = _dims(instr)
-    modes, spatial = _spatial_layout(instr, lhs, rhs, target)
-    windows = windows_of(instr.attrs, [rhs.shape[r] for r in rsp])
-    plans = {j: plan_dim(lhs.shape[ls[j]], windows[j], spatial.tiles[ls[j]], window_parts=(m == WINDOW))
-             for j, m in enumerate(modes) if m is not None}
+    modes, spatial = min(_spatial_options(instr, lhs, rhs, target),
+                         key=lambda option: _estimate(instr, operands, target, *option))
+    plans = _plans(instr, lhs, rhs, modes, spatial)
     factors = conv_factors(instr, modes)
     emit = _local_conv(instr, plans, spatial)
     if not plans:
@@ -160,11 +148,48 @@ def _partition_conv(ctx, instr, operands, targets):
                                spatial, out_map, [ob, of], 0, emit)]
 
 
+def _plans(instr, lhs, rhs, modes, spatial: Sharding) -> dict[int, DimPlan]:
+    (_, _, *ls), (_, _, *rsp), _ = _dims(instr)
+    windows = windows_of(instr.attrs, [rhs.shape[r] for r in rsp])
+    return {j: plan_dim(lhs.shape[ls[j]], windows[j], spatial.tiles[ls[j]], window_parts=(m == WINDOW))
+            for j, m in enumerate(modes) if m is not None}
+
+
+def _spatial_options(instr, lhs, rhs, target):
+    """The spatial splits the operands and target suggest, and the same with any of
+    them given up (resharding an operand to split batch or groups may cost less than
+    exchanging halos or summing partial windows)."""
+    modes, spatial = _spatial_layout(instr, lhs, rhs, target)
+    (_, _, *ls), _, _ = _dims(instr)
+    split = [j for j, m in enumerate(modes) if m is not None]
+    for keep in itertools.product((True, False), repeat=len(split)):
+        kept = [j for j, k in zip(split, keep) if k]
+        yield ([m if j in kept else None for j, m in enumerate(modes)],
+               spatial.keep_dims([ls[j] for j in kept]))
+
+
+def _estimate(instr, operands, target, modes, spatial: Sharding) -> rs.Cost:
+    """What partitioning with these spatial splits costs: the factor partitioner's
+    choice around them, plus the halos of split inputs."""
+    lhs, rhs = operands
+    (_, _, *ls), _, _ = _dims(instr)
+    plans = _plans(instr, lhs, rhs, modes, spatial)
+    factors = conv_factors(instr, modes)
+    pinned = pinned_space(factors, 0, [ls[j] for j in plans], spatial, lhs.rank)
+    cost = fx.cheapest_space(instr, factors, operands, [target], pinned)[1]
+    local = lhs.sharding.shard_shape(lhs.shape)
+    for j, plan in plans.items():
+        if lhs.sharding.tiles[ls[j]] > 1 and plan.count > plan.shard:
+            halo = (plan.count - plan.shard) * math.prod(local) // local[ls[j]] * lhs.dtype.itemsize
+            cost = rs.add_costs(cost, (float(halo), 1))
+    return cost
+
+
 def _local_conv(instr, plans: dict[int, DimPlan], spatial: Sharding):
     """Emitter of the per-device convolution: planned spatial dims use their local
-    window; a depthwise group count follows the local channels."""
+    window; group counts follow the local share of the groups."""
     (lb, lf, *ls), (_, _, *rsp), (_, _, *osp) = _dims(instr)
-    out, a = instr.outputs[0], instr.attrs
+    (lhs, _), out, a = instr.operands, instr.outputs[0], instr.attrs
 
     def emit(ctx, _instr, locals_, shapes):
         lhs_l, rhs_l = locals_
@@ -174,10 +199,11 @@ def _local_conv(instr, plans: dict[int, DimPlan], spatial: Sharding):
         for j, p in plans.items():
             shape[osp[j]] = p.local.out_size(local_base(p))
         attrs = dict(a, **window_attrs(windows))
-        if _depthwise(instr):   # channels are the groups, split like the features
-            attrs["feature_group_count"] = lhs_l.shape[lf]
-        if _depthwise_gradient(instr):   # channels are the batch groups, split like the batch
-            attrs["batch_group_count"] = lhs_l.shape[lb]
+        # Each device convolves whole groups: as many as its share of the grouped dims.
+        if a["feature_group_count"] > 1:
+            attrs["feature_group_count"] = a["feature_group_count"] * lhs_l.shape[lf] // lhs.shape[lf]
+        if a["batch_group_count"] > 1:
+            attrs["batch_group_count"] = a["batch_group_count"] * lhs_l.shape[lb] // lhs.shape[lb]
         y = ctx.b.add1("convolution", [lhs_l, rhs_l], shape, out.dtype, **attrs)
         y = slice_outputs(ctx, y, {osp[j]: p for j, p in plans.items()}, spatial, {osp[j]: ls[j] for j in plans})
         return [y]

@@ -1,13 +1,15 @@
 """Data-formatting ops: pad, slice, dynamic-slice, dynamic-update-slice, concatenate.
 
 Dims an op leaves untouched partition as factors. Along a split dim the op moves data
-along (paper 4.3, 4.6): pad and slice are windows of size 1 planned by spmd/halo.py (a
-slice looks through the pad and slices below it: one halo step per chain); a rotation
-(concatenate(x[k:], x[:k]), as jnp.roll traces) is collective-permutes of whole shards;
-other concatenates into a split result take each operand's window by halo exchange;
-dynamic-slice at a runtime offset sums the partial windows the partitions hold, and
-dynamic-update-slice writes the part of the window each partition holds. Only a
-concatenate whose result is not split there still gathers."""
+along (paper 4.3, 4.6). A pad, slice or concatenate that changes one dim, with the
+chain of pads, slices, concatenates and reverses below it, is one step: each device
+takes the pieces of its tile that it lacks from their holders (ops/formatting.py,
+spmd/segments.py) — a shift, a rotation (concatenate(x[k:], x[:k]), as jnp.roll
+traces), a wrap-around pad. Strided or dilated pads and slices, and those changing
+several dims, are windows of size 1 planned by spmd/halo.py (a slice looks through the
+pad and slices below it: one halo step per chain). dynamic-slice at a runtime offset
+sums the partial windows the partitions hold, and dynamic-update-slice writes the part
+of the window each partition holds."""
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -18,6 +20,7 @@ from jax import numpy as jnp
 
 from gspmd.ir import Value
 from gspmd.ir.reducer import ADD, OR, Reducer
+from gspmd.ops.formatting import partition_in_one_step
 from gspmd.ops.registry import (LAYOUT, Storage, jointly_linear, linear_in, register, result_sized_bytes,
                                 update_sized_bytes)
 from gspmd.ops.window import pad_array
@@ -147,6 +150,9 @@ def _partition_unit(ctx, instr, x: PartitionedValue, windows: list[Window], fill
 
 
 def _partition_pad_or_slice(ctx, instr, operands, targets):
+    merged = partition_in_one_step(ctx, instr, targets[0])
+    if merged is not None:
+        return [merged]
     base, windows, fill = _unit_chain(instr)
     fill_pv = None if fill is None else ctx.partitioned(fill)
     return [_partition_unit(ctx, instr, ctx.partitioned(base), windows, fill_pv, targets[0])]
@@ -356,81 +362,14 @@ def _concatenate_factors(instr):
     return _dim_factors(instr.operands, instr.outputs[0].shape, [d != dim for d in range(instr.outputs[0].rank)])
 
 
-# -- rotation: concatenate(x[k:], x[:k]) -------------------------------------------------
-def _rotation(instr) -> Optional[tuple[Value, int]]:
-    """(x, k) when instr concatenates x[k:] and x[:k] along its dim (jnp.roll)."""
-    dim = instr.attrs["dimension"]
-    if len(instr.operands) != 2 or any(o.producer is None or o.producer.opcode != "slice" for o in instr.operands):
-        return None
-    (tail, head), x = [o.producer for o in instr.operands], instr.operands[0].producer.operands[0]
-    if head.operands[0] is not x or any(s.attrs["strides"] != (1,) * x.rank for s in (tail, head)):
-        return None
-    k = tail.attrs["start"][dim]
-    whole = [d for d in range(x.rank) if d != dim]
-    for s, (lo, hi) in ((tail, (k, x.shape[dim])), (head, (0, k))):
-        if (s.attrs["start"][dim], s.attrs["limit"][dim]) != (lo, hi) or \
-                any(s.attrs["start"][d] != 0 or s.attrs["limit"][d] != x.shape[d] for d in whole):
-            return None
-    return x, k
-
-
-def _fetch_tiles_ahead(ctx, pv: PartitionedValue, dim: int, ahead: int) -> Value:
-    """Each device receives the shard `ahead` tiles further along `dim` (cyclically)."""
-    if ahead % pv.sharding.tiles[dim] == 0:
-        return pv.local
-    layout = pv.sharding.tile_assignment
-    pairs = np.stack([np.roll(layout, -ahead, axis=dim).ravel(), layout.ravel()], axis=1)
-    return ctx.collective_permute(pv.local, pairs, Why.DATA_FORMATTING, "rotation")
-
-
 def _partition_concatenate(ctx, instr, operands, targets):
-    """A rotation along an evenly split dim moves whole shards between neighbours (paper
-    4.6): one collective-permute, or two and a static slice when k is not a multiple of
-    the shard length. Other concatenates partition by their factors."""
-    (target,), rotation, dim = targets, _rotation(instr), instr.attrs["dimension"]
-    out = instr.outputs[0]
-    if target.tiles[dim] == 1 or 0 in out.shape:
-        return fx.partition(ctx, instr, _concatenate_factors(instr), operands, targets)
-    if rotation is None or out.shape[dim] % target.tiles[dim]:
-        return [_realigned_concatenate(ctx, instr, operands, target)]
-    x, k = rotation
-    pv = rs.reshard(ctx, ctx.partitioned(x), target)
-    size = out.shape[dim] // target.tiles[dim]
-    ahead, offset = divmod(k, size)
-    pieces = [_fetch_tiles_ahead(ctx, pv, dim, ahead)]
-    if offset:
-        pieces.append(_fetch_tiles_ahead(ctx, pv, dim, ahead + 1))
-        shape = list(pv.local.shape)
-        shape[dim] *= 2
-        joined = ctx.b.add1("concatenate", pieces, shape, out.dtype, dimension=dim)
-        start, limit = [0] * out.rank, list(pv.local.shape)
-        start[dim], limit[dim] = offset, offset + size
-        pieces = [ctx.b.add1("slice", [joined], pv.local.shape, out.dtype, start=tuple(start),
-                             limit=tuple(limit), strides=(1,) * out.rank)]
-    return [PartitionedValue(pieces[0], target, out.shape)]
-
-
-def _realigned_concatenate(ctx, instr, operands: list[PartitionedValue], target: Sharding) -> PartitionedValue:
-    """Concatenation into a split dim: output partition i takes from every operand the
-    window [i*m - offset, +m) it overlaps (halo exchange from the neighbours holding it;
-    only real elements travel), and a select by position joins the windows."""
-    dim, out = instr.attrs["dimension"], instr.outputs[0]
-    parts = target.tiles[dim]
-    layout = target.keep_dims([dim])
-    m = -(-out.shape[dim] // parts)
-    offsets = np.cumsum([0] + [o.shape[dim] for o in operands])
-    windows = [windowed_ranges(ctx, o, {dim: (np.arange(parts) * m - off, m, False)}, layout, np.zeros((), o.dtype))
-               for o, off in zip(operands, offsets)]
-    starts = layout.coords()[:, dim] * m
-
-    def emit(ctx, _instr, locals_, shapes):
-        y = locals_[0]
-        for x, o, off in zip(locals_[1:], operands[1:], offsets[1:]):
-            y = keep_inside(ctx, x, dim, ctx.table_lookup(starts - off), o.shape[dim], y)
-        return [y]
-    factors = _dim_factors(instr.operands, out.shape, [True] * out.rank)
-    others = [d for d in range(out.rank) if d != dim]
-    return partition_pinned(ctx, instr, windows, target, factors, 0, [dim], layout, {dim: dim}, others, emit)
+    """Along a split concatenated dim, each device takes the pieces of its tile from the
+    operands' holders (a rotation concatenate(x[k:], x[:k]), as jnp.roll traces, moves
+    only what crosses shards); otherwise it is local."""
+    merged = partition_in_one_step(ctx, instr, targets[0])
+    if merged is not None:
+        return [merged]
+    return fx.partition(ctx, instr, _concatenate_factors(instr), operands, targets)
 
 
 def _convert_concatenate(b, eqn, args):

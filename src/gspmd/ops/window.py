@@ -19,6 +19,7 @@ from jax import lax
 
 from gspmd.errors import ShardingError
 from gspmd.ir.reducer import ADD, MAX, MIN, Reducer
+from gspmd.ops.formatting import partition_in_one_step
 from gspmd.ops.registry import LAYOUT, Storage, register
 from gspmd.spmd import factors as fx
 from gspmd.spmd import reshard as rs
@@ -199,10 +200,15 @@ def _evaluate_reverse(instr, args, device):
 
 
 def _partition_reverse(ctx, instr, operands, targets):
-    """Along split dims: partition i takes the shard of its mirror t-1-i (one
-    collective-permute) and reverses it locally. On an uneven dim the data then sits
-    t*n - D elements early (the padding came first), which a halo shift realigns."""
+    """Along one dim: the pieces each device lacks (none when the layouts mirror each
+    other), with the chain below (ops/formatting.py). Along several split dims:
+    partition i takes the shard of its mirror t-1-i (one collective-permute) and
+    reverses it locally; on an uneven dim the data then sits t*n - D elements early
+    (the padding came first), which a halo shift realigns."""
     (x,), (target,) = operands, targets
+    merged = partition_in_one_step(ctx, instr, target)
+    if merged is not None:
+        return [merged]
     dims = instr.attrs["dims"]
     split = [d for d in dims if x.sharding.tiles[d] > 1]
     if not split:

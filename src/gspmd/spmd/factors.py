@@ -31,9 +31,10 @@ class FactorKind(enum.Enum):
     PASS = "pass"              # split freely: each device computes its part
     REDUCE = "reduce"          # split: partial results that a collective combines
     REPLICATE = "replicate"    # must stay whole
+    GROUP = "group"            # like pass, but only into whole groups: size = number of groups
 
 
-PASS, REDUCE, REPLICATE = FactorKind.PASS, FactorKind.REDUCE, FactorKind.REPLICATE
+PASS, REDUCE, REPLICATE, GROUP = FactorKind.PASS, FactorKind.REDUCE, FactorKind.REPLICATE, FactorKind.GROUP
 
 
 @dataclass(frozen=True)
@@ -120,14 +121,29 @@ def choose_space(instr: Instr, factors: Sequence[Factor], operands: Sequence[Par
                  candidates: Sequence[Sharding] = ()) -> Sharding:
     """The cheapest factor-space layout among those each tensor's layout suggests and
     the given `candidates`."""
+    return cheapest_space(instr, factors, operands, targets, pinned, candidates)[0]
+
+
+def cheapest_space(instr: Instr, factors: Sequence[Factor], operands: Sequence[PartitionedValue],
+                   targets: Sequence[Sharding], pinned: Optional[Sharding] = None,
+                   candidates: Sequence[Sharding] = ()) -> tuple[Sharding, rs.Cost]:
+    """choose_space's layout, with what it costs."""
     n_in = len(operands)
     shardings = [o.sharding for o in operands] + list(targets)
     views = [_factor_view(factors, t, s) for t, s in enumerate(shardings)]
     first = [pinned] if pinned is not None else []
     merged = {_greedy_merge(first + [views[lead]] + views[:lead] + views[lead + 1:]) for lead in range(len(views))}
     merged.add(_greedy_merge(first + views[n_in:] + views[:n_in]))
-    merged.update(candidates)
-    return min(merged, key=lambda c: (rs.rounded(cost(factors, c, operands, instr, targets)), c.order_key()))
+    merged = {_whole_groups(factors, c) for c in merged.union(candidates)}
+    costs = {c: cost(factors, c, operands, instr, targets) for c in merged}
+    best = min(merged, key=lambda c: (costs[c], c.order_key()))
+    return best, costs[best]
+
+
+def _whole_groups(factors: Sequence[Factor], space: Sharding) -> Sharding:
+    """space without the splits of group factors that would cut a group."""
+    cut = [f for f, fac in enumerate(factors) if fac.kind == GROUP and fac.size % space.tiles[f]]
+    return space.keep_dims([f for f in range(space.rank) if f not in cut]) if cut else space
 
 
 def cost(factors: Sequence[Factor], space: Sharding, operands: Sequence[PartitionedValue], instr: Instr,

@@ -360,16 +360,21 @@ def partition_windowed(ctx, instr: Instr, operands: list[PartitionedValue], targ
                             out_keep, emit)
 
 
+def pinned_space(factors: list[fx.Factor], index: int, dims: list[int], layout: Sharding, rank: int) -> Sharding:
+    """The factor-space layout that splits the factors of operand `index`'s `dims` as
+    `layout` splits those dims."""
+    factor_of = {fac.dims[index]: f for f, fac in enumerate(factors) if fac.kind != fx.REPLICATE}
+    return layout.remap([factor_of.get(d) if d in dims else None for d in range(rank)], len(factors))
+
+
 def partition_pinned(ctx, instr: Instr, operands: list[PartitionedValue], target: Sharding,
                      factors: list[fx.Factor], index: int, dims: list[int], layout: Sharding,
                      out_map: dict[int, int], out_keep: list[int], emit: fx.LocalEmitter) -> PartitionedValue:
     """The factor partitioner on operands whose `dims` (of operand `index`) already hold
     per-partition windows: those splits are pinned. `out_map` sends such a dim to the
     output dim it splits; the target's splits of the `out_keep` dims are kept too."""
-    factor_of = {fac.dims[index]: f for f, fac in enumerate(factors) if fac.kind != fx.REPLICATE}
-    rank = operands[index].rank
-    pinned = layout.remap([factor_of.get(d) if d in dims else None for d in range(rank)], len(factors))
-    out = instr.outputs[0]
+    rank, out = operands[index].rank, instr.outputs[0]
+    pinned = pinned_space(factors, index, dims, layout, rank)
     out_layout = layout.remap([out_map.get(d) for d in range(rank)], out.rank)
     inner = target.keep_dims(out_keep).merge(out_layout) or out_layout
     (res,) = fx.partition(ctx, instr, factors, operands, [inner], emit_local=emit, pinned=pinned)

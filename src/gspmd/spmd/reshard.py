@@ -27,8 +27,11 @@ from typing import Optional, Sequence
 import numpy as np
 
 from gspmd.ir import Value
+from gspmd.ir.reducer import ADD, OR
 from gspmd.sharding import Sharding
+from gspmd.spmd import pieces
 from gspmd.spmd.context import INDEX_DTYPE, DeviceContext, Why
+from gspmd.spmd.padding import mask_padding
 from gspmd.spmd.partitioned import PartitionedValue
 
 Cost = tuple  # (bytes moved per device, number of collectives): compared lexicographically
@@ -142,8 +145,7 @@ class GatherStep:
         return coarsen(s, self.dim, self.k)
 
     def cost(self, shape, itemsize, s: Sharding) -> Cost:
-        return priced(cm.Pattern.ALL_GATHER, _local_nbytes(shape, self.result(s), itemsize),
-                      minor_groups(s, self.dim, self.k), s.num_devices)
+        return (moved(self.k * _local_nbytes(shape, s, itemsize), self.k), 1)
 
     def apply(self, ctx: DeviceContext, pv: PartitionedValue) -> PartitionedValue:
         s = pv.sharding
@@ -151,6 +153,35 @@ class GatherStep:
         result = self.result(s)
         if result.tiles[self.dim] == 1:
             y = ctx.slice_prefix(y, self.dim, pv.shape[self.dim])
+        return PartitionedValue(y, result, pv.shape)
+
+
+@dataclass(frozen=True)
+class SumGatherStep:
+    """Gather the minor factor k of dim's split by summing (all-reduce) each device's
+    piece placed at its offset in zeros: cheaper than an all-gather where most of the
+    k pieces are padding (a dim shorter than its split), since only the data travels."""
+    dim: int
+    k: int
+
+    def result(self, s: Sharding) -> Sharding:
+        return coarsen(s, self.dim, self.k)
+
+    def cost(self, shape, itemsize, s: Sharding) -> Cost:
+        return (2 * moved(_local_nbytes(shape, self.result(s), itemsize), self.k), 1)
+
+    def apply(self, ctx: DeviceContext, pv: PartitionedValue) -> PartitionedValue:
+        s, result, d = pv.sharding, self.result(pv.sharding), self.dim
+        x = mask_padding(ctx, pv, d, 0).local          # what lies past the dim's end is not data
+        n, shape = x.shape[d], list(x.shape)
+        shape[d] = self.k * n
+        zeros = ctx.b.add1("broadcast", [ctx.constant(np.zeros((), x.dtype))], tuple(shape), x.dtype, dims=())
+        zero = ctx.constant(0, INDEX_DTYPE)
+        at = [ctx.table_lookup(s.coords()[:, d] % self.k * n) if i == d else zero for i in range(x.rank)]
+        placed = ctx.b.add1("dynamic-update-slice", [zeros, x, *at], tuple(shape), x.dtype)
+        placed = ctx.slice_prefix(placed, d, _shard_len(pv.shape, result, d))
+        reducer = OR if x.dtype == np.bool_ else ADD
+        y = ctx.all_reduce(placed, minor_groups(s, d, self.k), reducer, Why.RESHARD, "all-reduce of zero-padded pieces")
         return PartitionedValue(y, result, pv.shape)
 
 
@@ -274,43 +305,10 @@ def _transpose(ctx: DeviceContext, x: Value, permutation: Sequence[int]) -> Valu
 
 
 # -- exchange: point-to-point pieces ----------------------------------------------------
-@dataclass(frozen=True)
-class _Round:
-    """One collective-permute of an exchange (pairs None: the pieces devices keep)."""
-    pairs: Optional[np.ndarray]   # (sender, receiver)
-    piece: tuple[int, ...]        # the static shape that travels
-    send_at: np.ndarray           # [N, rank]: where each sender cuts, in its local value
-    recv_at: np.ndarray           # [N, rank]: where each receiver puts it, in its tile
-    recv_len: np.ndarray          # [N, rank]: how much of it is data (0: receives nothing)
-    whole: tuple[bool, ...]       # per dim: every receiver's piece spans its tile's data
-
-
-@dataclass(frozen=True)
-class _Pieces:
-    """Per device, the pieces of its target tile: from which source tile, where."""
-    receiver: np.ndarray    # [P]
-    sender: np.ndarray      # [P]: a holder of the source tile (the receiver itself if it holds it)
-    lo: np.ndarray          # [P, rank]: the piece, in global positions
-    hi: np.ndarray          # [P, rank]
-    tile_lo: np.ndarray     # [P, rank]: where the receiver's target tile starts
-    tile_hi: np.ndarray     # [P, rank]: where its data ends
-
-    @property
-    def remote(self) -> np.ndarray:
-        return self.sender != self.receiver
-
-    @property
-    def rounds(self) -> int:
-        """Collective-permutes needed: the most pieces one device sends or receives."""
-        remote = self.remote
-        if not remote.any():
-            return 0
-        return int(max(np.bincount(self.sender[remote]).max(), np.bincount(self.receiver[remote]).max()))
-
-
 @functools.lru_cache(maxsize=4096)
-def _pieces(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> Optional[_Pieces]:
-    """None when some device would need pieces from more than MAX_ROUNDS others."""
+def _transfers(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> Optional[pieces.Transfers]:
+    """Per device, the pieces of its dst tile: the one it holds, the others from holders
+    of their src tile in turn. None when some device would need more than MAX_ROUNDS."""
     n, m, size = np.asarray(src.shard_shape(shape)), np.asarray(dst.shard_shape(shape)), np.asarray(shape)
     tile_lo = dst.coords() * m
     tile_hi = np.minimum(tile_lo + m, size)
@@ -318,85 +316,19 @@ def _pieces(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> Optional[_P
     count = np.where(tile_hi > tile_lo, -(-tile_hi // n) - first, 0)
     if np.prod(count, axis=1).max() > MAX_ROUNDS + 1:
         return None
-    # Every combination of the overlapped source tiles along each dim: [N, C_0, ..., C_r-1].
+    # Every combination of the overlapped source tiles along each dim: [N, C, rank].
     offsets = np.stack(np.meshgrid(*[np.arange(max(1, c)) for c in count.max(axis=0)], indexing="ij"), -1)
     offsets = offsets.reshape(-1, src.rank)
-    tile = first[:, None, :] + offsets[None]                                   # [N, C, rank]
+    tile = first[:, None, :] + offsets[None]
     valid = np.all(offsets[None] < count[:, None, :], axis=-1)
     lo = np.maximum(tile_lo[:, None], tile * n)
     hi = np.minimum(tile_hi[:, None], (tile + 1) * n)
     receiver = np.broadcast_to(np.arange(dst.num_devices)[:, None], valid.shape)
     tile, lo, hi, receiver = tile[valid], lo[valid], hi[valid], receiver[valid]
-    # The receiver keeps what it holds; other pieces come from holders in turn.
     kept = np.all(tile == src.coords()[receiver], axis=1)
-    tile_id = np.ravel_multi_index(tuple(tile.T), src.tiles) if src.rank else np.zeros(len(tile), np.int64)
-    order = np.lexsort((receiver, kept, tile_id))      # by tile; those that need it first
-    in_order = tile_id[order]
-    turn = np.empty(len(order), np.int64)
-    turn[order] = np.arange(len(order)) - np.searchsorted(in_order, in_order, side="left")
-    holders = src.tile_assignment.reshape(-1, src.num_replicas)
-    sender = np.where(kept, receiver, holders[tile_id, turn % src.num_replicas])
-    return _Pieces(receiver, sender, lo, hi, tile_lo[receiver], tile_hi[receiver])
-
-
-def _exchange_rounds(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> tuple[_Round, ...]:
-    """The pieces in rounds in which each device sends and receives at most one; the
-    first round is what devices keep."""
-    p = _pieces(src, dst, shape)
-    remote = np.flatnonzero(p.remote)
-    colors = _edge_colors(list(zip(p.sender[remote].tolist(), p.receiver[remote].tolist())))
-    starts = src.coords() * np.asarray(src.shard_shape(shape))
-    rounds = [np.flatnonzero(~p.remote)] + [remote[np.asarray(colors) == c] for c in range(max(colors, default=-1) + 1)]
-    return tuple(_round(p, r, starts, local=(i == 0)) for i, r in enumerate(rounds) if len(r))
-
-
-def _edge_colors(edges: list[tuple[int, int]]) -> list[int]:
-    """A round per (sender, receiver) edge such that nobody sends or receives twice in a
-    round, in as many rounds as the busiest device has pieces (Koenig's edge colouring
-    of a bipartite graph: where the two free colours differ, swap them along the
-    alternating path first)."""
-    at: dict[tuple, dict[int, int]] = {}      # node -> colour -> edge
-    colors = [-1] * len(edges)
-    for e, (u, v) in enumerate(edges):
-        nu, nv = at.setdefault(("s", u), {}), at.setdefault(("r", v), {})
-        a = next(c for c in itertools.count() if c not in nu)
-        b = next(c for c in itertools.count() if c not in nv)
-        if a not in nv:
-            b = a
-        else:   # flip a <-> b along the path from v that starts with colour a
-            path, node, c = [], ("r", v), a
-            while c in at.get(node, {}):
-                f = at[node][c]
-                path.append(f)
-                s, r = edges[f]
-                node = ("s", s) if node[0] == "r" else ("r", r)
-                c = b if c == a else a
-            for f in path:
-                s, r = edges[f]
-                for end in (("s", s), ("r", r)):
-                    del at[end][colors[f]]
-            for f in path:
-                colors[f] = b if colors[f] == a else a
-                s, r = edges[f]
-                at[("s", s)][colors[f]] = at[("r", r)][colors[f]] = f
-            b = a
-        colors[e] = b
-        nu[b] = nv[b] = e
-    return colors
-
-
-def _round(p: _Pieces, which: np.ndarray, src_start: np.ndarray, local: bool) -> _Round:
-    num_devices, rank = src_start.shape
-    send_at = np.zeros((num_devices, rank), np.int64)
-    recv_at, recv_len = np.zeros_like(send_at), np.zeros_like(send_at)
-    sender, receiver = p.sender[which], p.receiver[which]
-    send_at[sender] = p.lo[which] - src_start[sender]
-    recv_at[receiver] = p.lo[which] - p.tile_lo[which]
-    recv_len[receiver] = p.hi[which] - p.lo[which]
-    whole = np.all((p.lo[which] == p.tile_lo[which]) & (p.hi[which] == p.tile_hi[which]), axis=0)
-    piece = tuple(int(v) for v in recv_len.max(axis=0))
-    pairs = None if local else np.stack([sender, receiver], axis=1)
-    return _Round(pairs, piece, send_at, recv_at, recv_len, tuple(bool(w) for w in whole))
+    sender = np.where(kept, receiver, pieces.holders_in_turn(src, tile, receiver, kept))
+    return pieces.Transfers(sender, receiver, lo - src.coords()[sender] * n, lo - tile_lo[receiver], hi - lo,
+                            (lo == tile_lo[receiver]) & (hi == tile_hi[receiver]))
 
 
 @dataclass(frozen=True)
@@ -409,68 +341,12 @@ class ExchangeStep:
         return self.target
 
     def cost(self, shape, itemsize, s: Sharding) -> Cost:
-        """An upper bound: every round as large as the largest piece."""
-        p = _pieces(s, self.target, tuple(shape))
-        remote = p.remote
-        largest = int(np.prod(p.hi[remote] - p.lo[remote], axis=1).max(initial=0))
-        return (p.rounds * largest * itemsize, p.rounds)
+        return _transfers(s, self.target, tuple(shape)).cost(itemsize)
 
     def apply(self, ctx: DeviceContext, pv: PartitionedValue) -> PartitionedValue:
-        tile = self.target.shard_shape(pv.shape)
-        out: Optional[Value] = None
-        for r in _exchange_rounds(pv.sharding, self.target, pv.shape):
-            piece = _cut(ctx, pv.local, r)
-            if r.pairs is not None:
-                piece = ctx.collective_permute(piece, r.pairs, Why.RESHARD, "collective-permute")
-            out = _place(ctx, piece, r, tile, out)
-        return PartitionedValue(out, self.target, pv.shape)
-
-
-def _cut(ctx: DeviceContext, x: Value, r: _Round) -> Value:
-    """Each sender's piece: r.piece elements from r.send_at of its local value."""
-    if r.piece == x.shape and not r.send_at.any():
-        return x
-    for d in range(x.rank):
-        x = ctx.pad_high(x, d, max(0, int((r.send_at[:, d] + r.piece[d]).max()) - x.shape[d]))
-    return ctx.dynamic_slice(x, [ctx.table_lookup(r.send_at[:, d]) for d in range(x.rank)], r.piece)
-
-
-def _place(ctx: DeviceContext, piece: Value, r: _Round, tile: Sequence[int], out: Optional[Value]) -> Value:
-    """`out` with each receiver's piece written at r.recv_at (r.recv_len of it is data;
-    past a tile's data is padding, which may hold anything)."""
-    b, x = ctx.b, piece
-    receivers = r.recv_len.min(axis=1) > 0
-    for d in range(x.rank):
-        if not r.recv_at[:, d].any():
-            x = ctx.pad_high(x, d, tile[d] - x.shape[d])
-        else:   # shift each piece to its place: pad by a tile on each side, cut a tile
-            x = ctx.pad_high(_pad_low(ctx, x, d, tile[d]), d, tile[d])
-            zero, shift = ctx.constant(0, INDEX_DTYPE), ctx.table_lookup(tile[d] - r.recv_at[:, d])
-            x = ctx.dynamic_slice(x, [shift if i == d else zero for i in range(x.rank)],
-                                  [tile[i] if i == d else x.shape[i] for i in range(x.rank)])
-    masked = [d for d in range(x.rank) if not r.whole[d]]
-    if not masked and not receivers.all():
-        masked = [0]
-    if out is None and not masked:
-        return x
-    inside = None
-    for d in masked:
-        pos = b.add1("iota", [], x.shape, INDEX_DTYPE, dimension=d)
-        end = np.where(receivers, r.recv_at[:, d] + (r.recv_len[:, d] if not r.whole[d] else tile[d]), 0)
-        for bound, direction in ((r.recv_at[:, d], "GE"), (end, "LT")):
-            limit = b.add1("broadcast", [ctx.table_lookup(bound)], x.shape, INDEX_DTYPE, dims=())
-            test = b.add1("compare", [pos, limit], x.shape, np.bool_, direction=direction)
-            inside = test if inside is None else b.add1("and", [inside, test], x.shape, np.bool_)
-    if out is None:
-        out = b.add1("broadcast", [ctx.constant(np.zeros((), x.dtype))], x.shape, x.dtype, dims=())
-    return b.add1("select", [inside, x, out], x.shape, x.dtype)
-
-
-def _pad_low(ctx: DeviceContext, x: Value, dim: int, amount: int) -> Value:
-    low, shape = [0] * x.rank, list(x.shape)
-    low[dim], shape[dim] = amount, shape[dim] + amount
-    return ctx.b.add1("pad", [x, ctx.constant(np.zeros((), x.dtype))], tuple(shape), x.dtype, low=tuple(low),
-                      high=(0,) * x.rank, interior=(0,) * x.rank)
+        t = _transfers(pv.sharding, self.target, pv.shape)
+        y = pieces.move(ctx, pv.local, t, self.target.shard_shape(pv.shape), Why.RESHARD, "collective-permute")
+        return PartitionedValue(y, self.target, pv.shape)
 
 
 # -- planning --------------------------------------------------------------------------
@@ -479,6 +355,8 @@ def _gathers(s: Sharding, shape):
         for k in range(2, t + 1):
             if t % k == 0 and _nests(shape[d], t, k):
                 yield GatherStep(d, k)
+                if shape[d] < t:   # some pieces are only padding
+                    yield SumGatherStep(d, k)
 
 
 def _single_moves(s: Sharding, shape):
@@ -563,7 +441,7 @@ def _steps_from(cur: Sharding, src: Sharding, dst: Sharding, shape, preimages: l
     for target in [dst] + (preimages if cur == src else []):
         if _subdivides(target, cur, shape):
             yield SliceStep(target)
-        elif (p := _pieces(cur, target, shape)) is not None and p.rounds <= MAX_ROUNDS:
+        elif (t := _transfers(cur, target, shape)) is not None and t.rounds() <= MAX_ROUNDS:
             yield ExchangeStep(target)
     yield from _gathers(cur, shape)
     yield from _all_to_alls(cur, dst, shape)
@@ -589,10 +467,11 @@ def _plan(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> tuple:
 
 
 def _direct(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> Optional[tuple]:
-    """The common one-collective transitions, which nothing beats: a coarser split
-    (each device receives just what it lacks), the same tiles on other devices (it
-    receives its whole tile, or nothing), one all-to-all."""
-    if _subdivides(src, dst, shape):
+    """The common one-collective transitions, which nothing beats: a coarser split of
+    dims at least as long as their splits (each device receives just what it lacks),
+    the same tiles on other devices (it receives its whole tile, or nothing), one
+    all-to-all."""
+    if _subdivides(src, dst, shape) and all(n >= t for n, t in zip(shape, src.tiles)):
         return tuple(GatherStep(d, s // t) for d, (s, t) in enumerate(zip(src.tiles, dst.tiles)) if s > t)
     if src.tile_assignment.shape == dst.tile_assignment.shape:
         return (ExchangeStep(dst),)

@@ -1,0 +1,201 @@
+"""Point-to-point data movement: each device assembles its tile from pieces that their
+holders cut out of their local values, in rounds of collective-permutes in which
+nobody sends or receives twice. Resharding (exchange steps) and data formatting (pad,
+slice, concatenate, reverse along a split dim) are both described as such pieces."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from gspmd.ir import Value
+from gspmd.sharding import Sharding
+from gspmd.spmd.context import INDEX_DTYPE, DeviceContext, Why
+
+
+@dataclass(frozen=True)
+class Transfers:
+    """Pieces ([P] and [P, rank] arrays): who sends, who receives (the same device for
+    what it keeps), where the sender cuts (in its local value), where the receiver puts
+    it (in its tile), how long it is, and per dim whether it spans all the data of the
+    receiver's tile."""
+    sender: np.ndarray
+    receiver: np.ndarray
+    send_at: np.ndarray
+    recv_at: np.ndarray
+    length: np.ndarray
+    whole: np.ndarray
+
+    @property
+    def remote(self) -> np.ndarray:
+        return self.sender != self.receiver
+
+    def rounds(self) -> int:
+        """Collective-permutes needed: the most pieces one device sends or receives."""
+        remote = self.remote
+        if not remote.any():
+            return 0
+        return int(max(np.bincount(self.sender[remote]).max(), np.bincount(self.receiver[remote]).max()))
+
+    def cost(self, itemsize: int) -> tuple[float, int]:
+        """(bytes, collectives), bytes bounded above by every round being as large as
+        the largest piece."""
+        rounds = self.rounds()
+        largest = int(np.prod(self.length[self.remote], axis=1).max(initial=0))
+        return (float(rounds * largest * itemsize), rounds)
+
+
+def concat_transfers(parts: Sequence[Transfers]) -> Transfers:
+    return Transfers(*(np.concatenate([getattr(p, f) for p in parts]) for f in
+                       ("sender", "receiver", "send_at", "recv_at", "length", "whole")))
+
+
+def holders_in_turn(s: Sharding, tile: np.ndarray, receiver: np.ndarray, kept: np.ndarray) -> np.ndarray:
+    """For each piece, one of the devices holding its tile in s: the receivers of one
+    tile take its holders in turn."""
+    tile_id = np.ravel_multi_index(tuple(tile.T), s.tiles) if s.rank else np.zeros(len(tile), np.int64)
+    order = np.lexsort((receiver, kept, tile_id))      # by tile; those that need it first
+    in_order = tile_id[order]
+    turn = np.empty(len(order), np.int64)
+    turn[order] = np.arange(len(order)) - np.searchsorted(in_order, in_order, side="left")
+    return s.tile_assignment.reshape(-1, s.num_replicas)[tile_id, turn % s.num_replicas]
+
+
+@dataclass(frozen=True)
+class _Round:
+    """One collective-permute (pairs None: the pieces devices keep), per device."""
+    pairs: Optional[np.ndarray]   # (sender, receiver)
+    piece: tuple[int, ...]        # the static shape that travels
+    send_at: np.ndarray           # [N, rank]
+    recv_at: np.ndarray           # [N, rank]
+    recv_len: np.ndarray          # [N, rank]: 0 where nothing arrives
+    whole: tuple[bool, ...]
+
+
+def _rounds(t: Transfers, num_devices: int) -> list[_Round]:
+    remote, kept = np.flatnonzero(t.remote), np.flatnonzero(~t.remote)
+    colors = np.asarray(edge_colors(list(zip(t.sender[remote].tolist(), t.receiver[remote].tolist()))), np.int64)
+    # A device may keep several pieces (of several segments): the n-th of each in one go.
+    nth = np.zeros(len(kept), np.int64)
+    for i, d in enumerate(t.receiver[kept].tolist()):
+        nth[i] = np.count_nonzero(t.receiver[kept[:i]] == d)
+    local = [_round(t, kept[nth == k], num_devices, local=True) for k in range(nth.max(initial=-1) + 1)]
+    return local + [_round(t, remote[colors == c], num_devices, local=False) for c in range(colors.max(initial=-1) + 1)]
+
+
+def _round(t: Transfers, which: np.ndarray, num_devices: int, local: bool) -> _Round:
+    rank = t.send_at.shape[1]
+    send_at = np.zeros((num_devices, rank), np.int64)
+    recv_at, recv_len = np.zeros_like(send_at), np.zeros_like(send_at)
+    sender, receiver = t.sender[which], t.receiver[which]
+    send_at[sender], recv_at[receiver], recv_len[receiver] = t.send_at[which], t.recv_at[which], t.length[which]
+    piece = tuple(int(v) for v in recv_len.max(axis=0))
+    pairs = None if local else np.stack([sender, receiver], axis=1)
+    return _Round(pairs, piece, send_at, recv_at, recv_len, tuple(bool(w) for w in t.whole[which].all(axis=0)))
+
+
+def edge_colors(edges: list[tuple[int, int]]) -> list[int]:
+    """A round per (sender, receiver) edge such that nobody sends or receives twice in a
+    round, in as many rounds as the busiest device has pieces (Koenig's edge colouring
+    of a bipartite graph: where the two free colours differ, swap them along the
+    alternating path first)."""
+    at: dict[tuple, dict[int, int]] = {}      # node -> colour -> edge
+    colors = [-1] * len(edges)
+    for e, (u, v) in enumerate(edges):
+        nu, nv = at.setdefault(("s", u), {}), at.setdefault(("r", v), {})
+        a = next(c for c in itertools.count() if c not in nu)
+        b = next(c for c in itertools.count() if c not in nv)
+        if a in nv:   # flip a <-> b along the path from v that starts with colour a
+            path, node, c = [], ("r", v), a
+            while c in at.get(node, {}):
+                f = at[node][c]
+                path.append(f)
+                node = ("s", edges[f][0]) if node[0] == "r" else ("r", edges[f][1])
+                c = b if c == a else a
+            for f in path:
+                del at[("s", edges[f][0])][colors[f]], at[("r", edges[f][1])][colors[f]]
+            for f in path:
+                colors[f] = b if colors[f] == a else a
+                at[("s", edges[f][0])][colors[f]] = at[("r", edges[f][1])][colors[f]] = f
+        colors[e] = a
+        nu[a] = nv[a] = e
+    return colors
+
+
+def move(ctx: DeviceContext, x: Value, t: Transfers, tile: Sequence[int], why: Why, detail: str,
+         out: Optional[Value] = None, reverse_dim: Optional[int] = None) -> Value:
+    """Each device's tile (shape `tile`) with the pieces of x that `t` sends it written
+    in place over `out` (a value of that shape, or nothing: then positions no piece
+    covers hold zeros). With reverse_dim, pieces arrive reversed along that dim (recv_at
+    is then where the reversed piece starts)."""
+    for r in _rounds(t, ctx.num_devices):
+        piece = _cut(ctx, x, r)
+        if r.pairs is not None:
+            piece = ctx.collective_permute(piece, r.pairs, why, detail)
+        out = _place(ctx, piece, r, tile, out, reverse_dim)
+    return out
+
+
+def _cut(ctx: DeviceContext, x: Value, r: _Round) -> Value:
+    """Each sender's piece: r.piece elements from r.send_at of its local value."""
+    if r.piece == x.shape and not r.send_at.any():
+        return x
+    for d in range(x.rank):
+        x = ctx.pad_high(x, d, max(0, int((r.send_at[:, d] + r.piece[d]).max()) - x.shape[d]))
+    return ctx.dynamic_slice(x, [ctx.table_lookup(r.send_at[:, d]) for d in range(x.rank)], r.piece)
+
+
+def _place(ctx: DeviceContext, piece: Value, r: _Round, tile: Sequence[int], out: Optional[Value],
+           reverse_dim: Optional[int]) -> Value:
+    """`out` with each receiver's piece written at r.recv_at (r.recv_len of it is data;
+    past a tile's data is padding, which may hold anything)."""
+    b, x = ctx.b, piece
+    receivers = r.recv_len.min(axis=1) > 0
+    shift = r.recv_at.copy()
+    if reverse_dim is not None:   # the data is now at the end of the piece
+        x = b.add1("reverse", [x], x.shape, x.dtype, dims=(reverse_dim,))
+        shift[:, reverse_dim] -= np.where(receivers, r.piece[reverse_dim] - r.recv_len[:, reverse_dim], 0)
+    for d in range(x.rank):
+        if not shift[:, d].any():
+            x = ctx.pad_high(x, d, tile[d] - x.shape[d])
+        else:   # shift each piece to its place: pad by a tile on each side, cut a tile
+            x = _pad_both(ctx, x, d, tile[d])
+            zero, start = ctx.constant(0, INDEX_DTYPE), ctx.table_lookup(tile[d] - shift[:, d])
+            x = ctx.dynamic_slice(x, [start if i == d else zero for i in range(x.rank)],
+                                  [tile[i] if i == d else x.shape[i] for i in range(x.rank)])
+    masked = [d for d in range(x.rank) if not r.whole[d]]
+    if not masked and not receivers.all():
+        masked = [0]
+    if out is None and not masked:
+        return x
+    inside = None
+    for d in masked:
+        end = np.where(receivers, r.recv_at[:, d] + (r.recv_len[:, d] if not r.whole[d] else tile[d]), 0)
+        test = within(ctx, x.shape, d, r.recv_at[:, d], end)
+        inside = test if inside is None else b.add1("and", [inside, test], x.shape, np.bool_)
+    if out is None:
+        out = b.add1("broadcast", [ctx.constant(np.zeros((), x.dtype))], x.shape, x.dtype, dims=())
+    return b.add1("select", [inside, x, out], x.shape, x.dtype)
+
+
+def within(ctx: DeviceContext, shape, dim: int, start: np.ndarray, end: np.ndarray) -> Value:
+    """Mask of the positions along dim in [start, end) (per-device tables)."""
+    b = ctx.b
+    pos = b.add1("iota", [], shape, INDEX_DTYPE, dimension=dim)
+    tests = []
+    for bound, direction in ((start, "GE"), (end, "LT")):
+        limit = b.add1("broadcast", [ctx.table_lookup(bound)], shape, INDEX_DTYPE, dims=())
+        tests.append(b.add1("compare", [pos, limit], shape, np.bool_, direction=direction))
+    return b.add1("and", tests, shape, np.bool_)
+
+
+def _pad_both(ctx: DeviceContext, x: Value, dim: int, amount: int) -> Value:
+    lows = [0] * x.rank
+    lows[dim] = amount
+    shape = list(x.shape)
+    shape[dim] += 2 * amount
+    return ctx.b.add1("pad", [x, ctx.constant(np.zeros((), x.dtype))], tuple(shape), x.dtype, low=tuple(lows),
+                      high=tuple(lows), interior=(0,) * x.rank)
+

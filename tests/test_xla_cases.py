@@ -1,0 +1,31 @@
+"""The cases ported from XLA's partitioner tests (tests/xla_cases.py): each equals one
+device on both backends and communicates no more than asserted."""
+import pytest
+from util import check
+from xla_cases import CASES, Case
+
+
+def _param(case: Case):
+    marks = [pytest.mark.xfail(reason=case.xfail, strict=True)] if case.xfail else []
+    return pytest.param(case, id=case.name, marks=marks)
+
+
+@pytest.mark.parametrize("case", [_param(c) for c in CASES])
+def test_ported_xla_case(case: Case):
+    report = check(case.fn, *case.arguments()).report()
+    counts = dict(report.counts())
+    if case.kinds is not None:
+        assert counts == case.kinds, str(report)
+    if case.most is not None:
+        assert len(report.collectives) <= case.most, str(report)
+    assert not set(counts) & set(case.forbid), str(report)
+    if case.below is not None:
+        assert all(c.bytes < case.below for c in report.collectives), str(report)
+    if case.total is not None:
+        assert report.collective_bytes <= case.total, str(report)
+    assert case.fallback or not report.fallbacks, str(report)
+
+
+def test_enough_cases_are_ported():
+    assert len([c for c in CASES if not c.xfail]) >= 80
+    assert len({c.name for c in CASES}) == len(CASES)
