@@ -2,10 +2,13 @@
 transition must produce."""
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gspmd
+from gspmd.spmd import reshard as rs
+from gspmd.spmd.context import Why
 from strategies import dims_mappings, meshes
 
 MESH = gspmd.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
@@ -102,6 +105,96 @@ def test_random_reshards(case):
     dst = gspmd.Sharding.from_mesh(dst_mesh, dst_map, shape)
     if dst.refines(src):
         assert kinds(low) == []   # replicated/partial -> tiled needs no communication
+    assert bool(low.report().fallbacks) == any(getattr(s, "why", None) is Why.FALLBACK for s in rs.plan(src, dst, shape))
+    _no_dearer_than_the_oracle(src, dst, shape)
+
+
+# -- the oracle: reference plans computed from the layouts alone ------------------------------
+def _local(s, shape) -> int:
+    return int(np.prod(s.shard_shape(shape))) * 4
+
+
+def _common_layout(src, dst, shape):
+    """src gathered down, dim by dim, to the finest split that dst refines device by
+    device (shards nesting), and what those gathers move; None when none is left."""
+    cost, cur = 0.0, src
+    for d in range(src.rank):
+        ts, td = src.tiles[d], dst.tiles[d]
+        m = max(m for m in range(1, min(ts, td) + 1) if ts % m == 0 and td % m == 0 and _nested(shape[d], ts, m)
+                and _nested(shape[d], td, m) and np.array_equal(src.coords()[:, d] // (ts // m),
+                                                                dst.coords()[:, d] // (td // m)) or m == 1)
+        if ts > m:
+            cost += (ts // m - 1) * _local(cur, shape)
+            cur = rs.coarsen(cur, d, ts // m)
+    return cur, cost
+
+
+def _nested(size, tiles, coarse):
+    return coarse == 1 or -(-size // coarse) == (tiles // coarse) * -(-size // tiles)
+
+
+def _finish(cur, dst, shape) -> tuple[float, bool]:
+    """(bytes, uses a fallback) of ending at dst from cur: a permute of whole tiles, or
+    gathers to the common layout and a cut (a fallback when the cut splits a gathered dim again)."""
+    options = []
+    if cur.tile_assignment.shape == dst.tile_assignment.shape:
+        options.append((0.0 if cur == dst else float(_local(dst, shape)), False))
+    common, cost = _common_layout(cur, dst, shape)
+    resplit = any(dst.tiles[d] > common.tiles[d] and cur.tiles[d] > common.tiles[d] for d in range(dst.rank))
+    options.append((cost, resplit))
+    return min(options)
+
+
+def _all_to_all_moves(s, shape):
+    """Single all-to-alls between evenly dividing dims: (bytes, layout after)."""
+    for a in range(s.rank):
+        for k in range(2, s.tiles[a] + 1):
+            if s.tiles[a] % k or shape[a] % s.tiles[a]:
+                continue
+            for b in range(s.rank):
+                if b != a and shape[b] % (s.tiles[b] * k) == 0:
+                    coords = s.coords().copy()
+                    coords[:, b] = coords[:, b] * k + coords[:, a] % k
+                    coords[:, a] //= k
+                    tiles = list(s.tiles)
+                    tiles[a], tiles[b] = tiles[a] // k, tiles[b] * k
+                    yield _local(s, shape) * (k - 1) / k, gspmd.Sharding.from_coords(coords, tiles)
+
+
+def _references(src, dst, shape):
+    """(bytes, uses a fallback) of the reference plans: chains of up to two all-to-alls,
+    then a permute or partial gathers and a cut."""
+    plans = [_finish(src, dst, shape)]
+    for c1, mid in _all_to_all_moves(src, shape):
+        plans.append((c1 + _finish(mid, dst, shape)[0], _finish(mid, dst, shape)[1]))
+        for c2, end in _all_to_all_moves(mid, shape):
+            done = _finish(end, dst, shape)
+            plans.append((c1 + c2 + done[0], done[1]))
+    return plans
+
+
+def _no_dearer_than_the_oracle(src, dst, shape):
+    planned = rs.cost(src, dst, shape, 4)[0]
+    references = _references(src, dst, shape)
+    assert planned <= min(r[0] for r in references) + 1e-6, (src, dst, shape, rs.plan(src, dst, shape), references)
+    if any(getattr(s, "why", None) is Why.FALLBACK for s in rs.plan(src, dst, shape)):
+        clean = [cost for cost, fallback in references if not fallback]
+        assert not clean or planned <= min(clean) + 1e-6, (src, dst, shape, rs.plan(src, dst, shape))
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+@given(reshard_cases())
+def test_plans_move_no_more_than_the_oracles_reference_plans(case):
+    src_mesh, src_map, dst_mesh, dst_map, shape = case
+    _no_dearer_than_the_oracle(gspmd.Sharding.from_mesh(src_mesh, src_map, shape),
+                               gspmd.Sharding.from_mesh(dst_mesh, dst_map, shape), shape)
+
+
+@pytest.mark.slow
+@settings(max_examples=5000, deadline=None, suppress_health_check=list(HealthCheck))
+@given(reshard_cases())
+def test_plans_move_no_more_than_the_oracles_reference_plans_slow(case):
+    test_plans_move_no_more_than_the_oracles_reference_plans.hypothesis.inner_test(case)
 
 
 def test_sum_max_min_prod_argmax_over_uneven_sharded_dims():

@@ -356,7 +356,7 @@ _batch_grouped("PartitionConvWithBathGroupCountOutputAlignWithLHS", "devices=[1,
 _batch_grouped("PartitionConvWithBathGroupCountOutputAlignWithRHS", "devices=[1,2,1,1]0,1", "devices=[1,1,1,2]0,1",
                "devices=[2,1,1,1]0,1", most=2, total=nbytes(4, 34, 1, 4) + nbytes(6, 1, 1, 4))
 _batch_grouped("PartitionConvGroupOnBatchGroupCount", "devices=[1,2,1,2]0,1,2,3", "devices=[1,2,1,2]0,1,2,3",
-               "devices=[1,1,1,2,2]0,1,2,3 last_tile_dim_replicate", most=4, forbid=("all-gather",))
+               "devices=[1,1,1,2,2]0,1,2,3 last_tile_dim_replicate", most=5, below=nbytes(4, 17, 1, 4))
 
 # f0b_i0o->0bf, batch_group_count = 64 (scaled to 16), [4,275,64] scaled to [4,35,16]
 BATCH_GROUPED_1D = _conv((2, 0, 1), (2, 0, 1), (1, 2, 0), [(2, 2)], batch_groups=16)
@@ -515,8 +515,8 @@ _dot("Dot2DPartitionedNonContractingAndContracting1", (48, 100), (32, 100), NT, 
 _dot("Dot2DPartitionedNonContractingAndContracting2", (48, 100), (32, 100), NT, replicated(2, 4),
      "devices=[2,2]0,1,2,3", "devices=[2,2]0,1,2,3", most=2, total=nbytes(16, 100) + nbytes(24, 32))
 _dot("Dot2DPartitionedNoncontractingAndContracting3", (23, 24), (23, 32), (((0,), (0,)), ((), ())),
-     "devices=[2,1,2]0,1,2,3 last_tile_dim_replicate", "devices=[2,2]0,1,2,3", "devices=[2,2]1,0,3,2", most=4,
-     below=nbytes(24, 16))
+     "devices=[2,1,2]0,1,2,3 last_tile_dim_replicate", "devices=[2,2]0,1,2,3", "devices=[2,2]1,0,3,2", most=2,
+     total=nbytes(24, 16))
 _dot("Dot2DPartitionedBatchAndNonContracting", (4, 24, 100), (4, 32, 100), (((2,), (2,)), ((0,), (0,))),
      "devices=[2,2,1]0,1,2,3", "devices=[2,2,1]0,1,2,3", "devices=[2,2,1]0,1,2,3", most=2, total=nbytes(2, 32, 100))
 _dot("Dot2DPartitionedBatchAndContracting", (4, 24, 100), (4, 32, 100), (((2,), (2,)), ((0,), (0,))),

@@ -77,22 +77,40 @@ def _reduce_factors(factors, space: Sharding) -> list[int]:
     return [f for f, fac in enumerate(factors) if fac.kind == REDUCE and space.tiles[f] > 1]
 
 
-def _scatter_dim(space: Sharding, red: list[int], out: Sharding, target: Sharding, shape) -> Optional[int]:
-    """Output dim over which a reduce-scatter lands exactly on `target`, if any."""
+def _scattered(space: Sharding, red: list[int], out: Sharding, shape) -> dict[int, Sharding]:
+    """Per output dim, where a reduce-scatter over the reduce groups along it lands (the
+    position in the group becomes the minor factor of the dim's split); dims whose
+    local part does not divide into whole shards are left out."""
     groups = rs.groups_along(space, red)
     k = groups.shape[1]
     position = np.empty(space.num_devices, np.int64)
     position[groups] = np.arange(k)
+    out_layouts = {}
     for d in range(out.rank):
-        if shape[d] % (out.tiles[d] * k):
+        local = -(-shape[d] // out.tiles[d])
+        if local % k or -(-shape[d] // (out.tiles[d] * k)) != local // k:
             continue
         coords = out.coords().copy()
         coords[:, d] = coords[:, d] * k + position
         tiles = list(out.tiles)
         tiles[d] *= k
-        if Sharding.from_coords(coords, tiles) == target:
-            return d
-    return None
+        out_layouts[d] = Sharding.from_coords(coords, tiles)
+    return out_layouts
+
+
+def _combine_plan(space: Sharding, red: list[int], out: Sharding, target: Sharding, shape,
+                  itemsize: int) -> tuple[Optional[int], rs.Cost]:
+    """How to combine partial results on their way to `target`: a reduce-scatter along
+    some dim (then a reshard) or an all-reduce (dim None, then a reshard), whichever
+    costs less; the reduce-scatter where it costs no more."""
+    k = math.prod(space.tiles[f] for f in red)
+    local_bytes = math.prod(out.shard_shape(shape)) * itemsize
+    best = (None, rs.add_costs((2 * rs.moved(local_bytes, k), 1), rs.cost(out, target, shape, itemsize)))
+    for d, landed in _scattered(space, red, out, shape).items():
+        cost = rs.add_costs((rs.moved(local_bytes, k), 1), rs.cost(landed, target, shape, itemsize))
+        if cost <= best[1]:
+            best = (d, cost)
+    return best
 
 
 LocalEmitter = Callable[[DeviceContext, Instr, list[Value], list[tuple[int, ...]]], list[Value]]
@@ -156,15 +174,10 @@ def cost(factors: Sequence[Factor], space: Sharding, operands: Sequence[Partitio
     red = _reduce_factors(factors, space)
     for j, (out, target) in enumerate(zip(instr.outputs, targets)):
         local = tensor_layout(factors, len(operands) + j, space, out.rank)
-        local_bytes = math.prod(local.shard_shape(out.shape)) * out.dtype.itemsize
         if red:
-            groups = rs.groups_along(space, red)
-            if _scatter_dim(space, red, local, target, out.shape) is not None:
-                costs.append(rs.priced(cm.Pattern.REDUCE_SCATTER, local_bytes // groups.shape[1], groups,
-                                       space.num_devices))
-                continue
-            costs.append(rs.priced(cm.Pattern.ALL_REDUCE, local_bytes, groups, space.num_devices))
-        costs.append(rs.cost(local, target, out.shape, out.dtype.itemsize))
+            costs.append(_combine_plan(space, red, local, target, out.shape, out.dtype.itemsize)[1])
+        else:
+            costs.append(rs.cost(local, target, out.shape, out.dtype.itemsize))
     return rs.add_costs(*costs)
 
 
@@ -196,9 +209,9 @@ def run(ctx: DeviceContext, instr: Instr, factors: Sequence[Factor], space: Shar
 
 def _combine_partials(ctx, pv: PartitionedValue, space, red, reducer, target) -> PartitionedValue:
     groups = rs.groups_along(space, red)
-    d = _scatter_dim(space, red, pv.sharding, target, pv.shape)
+    d, _ = _combine_plan(space, red, pv.sharding, target, pv.shape, pv.dtype.itemsize)
     if d is not None:
         y = ctx.reduce_scatter(pv.local, d, groups, reducer, Why.PARTIAL_RESULTS, "reduce-scatter")
-        return PartitionedValue(y, target, pv.shape)
+        return PartitionedValue(y, _scattered(space, red, pv.sharding, pv.shape)[d], pv.shape)
     y = ctx.all_reduce(pv.local, groups, reducer, Why.PARTIAL_RESULTS, "all-reduce")
     return PartitionedValue(y, pv.sharding, pv.shape)
