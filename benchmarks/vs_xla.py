@@ -10,21 +10,31 @@ propagate+partition time for the same program at 8, 64, 512 and 2048 devices (ab
 inputs, nothing executed; best of 5).
 
     python benchmarks/vs_xla.py [--repeats 30] [--cases mlp transformer ...] [--no-scaling]
+
+With --patterns: instead, per case ported from XLA's partitioner tests
+(tests/xla_cases.py), the collective bytes per device of ours and of XLA's classic GSPMD
+partitioner given the same shardings.
+
+    python benchmarks/vs_xla.py --patterns
 """
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Optional
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from jax._src.lib import xla_client  # noqa: E402
+from jax._src.sharding_impls import GSPMDSharding  # noqa: E402
 
 import gspmd  # noqa: E402
 import gspmd.api  # noqa: E402
@@ -215,12 +225,110 @@ def scaling(case: Case) -> None:
         print(f"| {n} | {shape} | {core:.3f} | {total:.3f} | {core / base:.2f}x |")
 
 
+# -- per pattern: the cases ported from XLA's partitioner tests ------------------------------
+@contextmanager
+def _classic_gspmd():
+    """XLA's GSPMD partitioner (the one spmd_partitioner_test.cc tests) instead of
+    Shardy, which cannot take shardings over arbitrary device orders."""
+    before = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", before)
+
+
+def _hlo_sharding(s: gspmd.Sharding) -> GSPMDSharding:
+    """Our sharding as XLA's, over jax.devices()[:n] (device id d is the d-th)."""
+    devices = jax.devices()[:s.num_devices]
+    if s.is_replicated:
+        return GSPMDSharding.get_replicated(devices)
+    dims = list(s.tiles) + ([s.num_replicas] if s.num_replicas > 1 else [])
+    text = (f"{{devices=[{','.join(map(str, dims))}]{','.join(map(str, s.tile_assignment.ravel()))}"
+            f"{' last_tile_dim_replicate' if s.num_replicas > 1 else ''}}}")
+    return GSPMDSharding(devices, xla_client.HloSharding.from_string(text))
+
+
+def _uneven(v) -> bool:
+    return any(n % t for n, t in zip(v.shape, v.sharding.tiles))
+
+
+def _even_boundary(fn: Callable, low: gspmd.Lowered) -> Callable:
+    """fn with the arguments and results that jax cannot pass split (their split does not
+    divide them) passed replicated instead, on both sides alike: replicated arguments
+    are cut for free, replicated results cost both the same final gather."""
+    n = low.num_devices
+    mesh = gspmd.Mesh(np.arange(n), ("all",))
+    args_in = [_uneven(p) for p in low.program.params]
+    results_out = [_uneven(v) for v in low.program.outputs]
+
+    def whole(x):
+        return gspmd.mesh_split(x, mesh, [-1] * np.ndim(x))
+
+    def wrapped(*args):
+        flat, tree = jax.tree_util.tree_flatten(args)
+        flat = [whole(a) if replicate else a for a, replicate in zip(flat, args_in)]
+        outs, out_tree = jax.tree_util.tree_flatten(fn(*jax.tree_util.tree_unflatten(tree, flat)))
+        return jax.tree_util.tree_unflatten(out_tree, [whole(o) if r else o for o, r in zip(outs, results_out)])
+    return wrapped
+
+
+def pattern_bytes(case) -> tuple[int, Optional[int], bool]:
+    """(ours, XLA's or None where XLA fails, whether the boundary was made replicated)
+    collective bytes per device of one ported case, each parsed from its compiled HLO:
+    ours as the jax backend runs it, XLA's from jax.jit with the same annotations as
+    sharding constraints and the same argument and result layouts."""
+    args = case.arguments()
+    fn = case.fn
+    low = gspmd.jit(fn, backend="jax").lower(*args)
+    evened = any(map(_uneven, low.program.params)) or any(map(_uneven, low.program.outputs))
+    if evened:
+        fn = _even_boundary(fn, low)
+        low = gspmd.jit(fn, backend="jax").lower(*args)
+    ours = sum(jax_backend.hlo_collective_bytes(low.jax_executable().compiled.as_text()).values())
+
+    def constraint(x, mesh, dims_mapping):
+        return jax.lax.with_sharding_constraint(x, _hlo_sharding(gspmd.Sharding.from_mesh(mesh, dims_mapping,
+                                                                                            np.shape(x))))
+    ins = tuple(_hlo_sharding(p.sharding) for p in low.program.params)
+    outs = jax.tree_util.tree_unflatten(low.out_tree, [_hlo_sharding(v.sharding) for v in low.program.outputs])
+    try:
+        with _classic_gspmd(), mesh_split_as(constraint):
+            text = jax.jit(fn, in_shardings=ins, out_shardings=outs).lower(*args).compile().as_text()
+    except jax.errors.JaxRuntimeError:
+        return ours, None, evened
+    return ours, sum(jax_backend.hlo_collective_bytes(text).values()), evened
+
+
+def patterns() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from xla_cases import CASES
+    print("\n## Ported XLA partitioner cases: collective bytes per device (compiled HLO)")
+    print("(*: an argument or result that its split does not divide is passed replicated, on both sides)\n")
+    print("| case | gspmd | XLA | ratio |\n|---|---:|---:|---:|")
+    above, ran = [], [c for c in CASES if not c.xfail]
+    for case in ran:
+        ours, xla, evened = pattern_bytes(case)
+        name = case.name + (" *" if evened else "")
+        if xla is None:
+            print(f"| {name} | {ours:,} | XLA fails | - |")
+            continue
+        ratio = ours / xla if xla else (1.0 if not ours else float("inf"))
+        above += [case.name] if ratio > 1.0 else []
+        print(f"| {name} | {ours:,} | {xla:,} | {'-' if not (ours or xla) else f'{ratio:.2f}'} |")
+    print(f"\n{len(above)} of {len(ran)} rows above 1.00: {', '.join(above) or 'none'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--cases", nargs="*", choices=sorted(BUILDERS))
     parser.add_argument("--no-scaling", action="store_true")
+    parser.add_argument("--patterns", action="store_true", help="only the per-pattern table of ported XLA cases")
     args = parser.parse_args()
+    if args.patterns:
+        patterns()
+        return
     cases = available_cases()
     for key, case in cases.items():
         if args.cases and key not in args.cases:

@@ -4,6 +4,7 @@ nobody sends or receives twice. Resharding (exchange steps) and data formatting 
 slice, concatenate, reverse along a split dim) are both described as such pieces."""
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -39,12 +40,39 @@ class Transfers:
             return 0
         return int(max(np.bincount(self.sender[remote]).max(), np.bincount(self.receiver[remote]).max()))
 
-    def cost(self, itemsize: int) -> tuple[float, int]:
-        """(bytes, collectives), bytes bounded above by every round being as large as
-        the largest piece."""
+    @functools.cached_property
+    def colors(self) -> np.ndarray:
+        """The round of each piece that travels: the n-th piece each device receives
+        (or sends) in round n where that has nobody send (or receive) twice in a round
+        and takes no more rounds than needed, else by edge_colors."""
+        sender, receiver = self.sender[self.remote], self.receiver[self.remote]
+        for by, other in ((receiver, sender), (sender, receiver)):
+            nth = _nth(by)
+            if len(np.unique(nth * (other.max(initial=0) + 1) + other)) == len(nth) and \
+                    nth.max(initial=-1) + 1 == self.rounds():
+                return nth
+        return np.asarray(edge_colors(list(zip(sender.tolist(), receiver.tolist()))), np.int64)
+
+    def bound(self, itemsize: int) -> tuple[float, int]:
+        """cost() bounded above without colouring: every round as large as the largest piece."""
         rounds = self.rounds()
-        largest = int(np.prod(self.length[self.remote], axis=1).max(initial=0))
-        return (float(rounds * largest * itemsize), rounds)
+        return (float(rounds * int(np.prod(self.length[self.remote], axis=1).max(initial=0)) * itemsize), rounds)
+
+    def cost(self, itemsize: int) -> tuple[float, int]:
+        """(bytes, collectives): each round is as large as its largest piece."""
+        lengths = self.length[self.remote]
+        rounds = self.colors.max(initial=-1) + 1
+        size = sum(int(np.prod(lengths[self.colors == r].max(axis=0))) for r in range(rounds))
+        return (float(size * itemsize), int(rounds))
+
+
+def _nth(values: np.ndarray) -> np.ndarray:
+    """For each entry, how many equal values come before it."""
+    order = np.argsort(values, kind="stable")
+    in_order = values[order]
+    nth = np.empty(len(values), np.int64)
+    nth[order] = np.arange(len(values)) - np.searchsorted(in_order, in_order)
+    return nth
 
 
 def concat_transfers(parts: Sequence[Transfers]) -> Transfers:
@@ -75,12 +103,8 @@ class _Round:
 
 
 def _rounds(t: Transfers, num_devices: int) -> list[_Round]:
-    remote, kept = np.flatnonzero(t.remote), np.flatnonzero(~t.remote)
-    colors = np.asarray(edge_colors(list(zip(t.sender[remote].tolist(), t.receiver[remote].tolist()))), np.int64)
-    # A device may keep several pieces (of several segments): the n-th of each in one go.
-    nth = np.zeros(len(kept), np.int64)
-    for i, d in enumerate(t.receiver[kept].tolist()):
-        nth[i] = np.count_nonzero(t.receiver[kept[:i]] == d)
+    remote, kept, colors = np.flatnonzero(t.remote), np.flatnonzero(~t.remote), t.colors
+    nth = _nth(t.receiver[kept])   # a device may keep several pieces (of several segments)
     local = [_round(t, kept[nth == k], num_devices, local=True) for k in range(nth.max(initial=-1) + 1)]
     return local + [_round(t, remote[colors == c], num_devices, local=False) for c in range(colors.max(initial=-1) + 1)]
 

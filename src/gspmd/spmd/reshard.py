@@ -343,6 +343,10 @@ class ExchangeStep:
     def cost(self, shape, itemsize, s: Sharding) -> Cost:
         return _transfers(s, self.target, tuple(shape)).cost(itemsize)
 
+    def bound(self, shape, itemsize, s: Sharding) -> Cost:
+        """An upper bound of cost(), quicker (the search compares many)."""
+        return _transfers(s, self.target, tuple(shape)).bound(itemsize)
+
     def apply(self, ctx: DeviceContext, pv: PartitionedValue) -> PartitionedValue:
         t = _transfers(pv.sharding, self.target, pv.shape)
         y = pieces.move(ctx, pv.local, t, self.target.shard_shape(pv.shape), Why.RESHARD, "collective-permute")
@@ -354,9 +358,9 @@ def _gathers(s: Sharding, shape):
     for d, t in enumerate(s.tiles):
         for k in range(2, t + 1):
             if t % k == 0 and _nests(shape[d], t, k):
-                yield GatherStep(d, k)
-                if shape[d] < t:   # some pieces are only padding
+                if shape[d] < t:   # some pieces are only padding; at equal cost, the smaller result
                     yield SumGatherStep(d, k)
+                yield GatherStep(d, k)
 
 
 def _single_moves(s: Sharding, shape):
@@ -507,7 +511,7 @@ def _search(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> tuple:
             continue
         for step in _steps_from(cur, src, dst, shape, preimages):
             nxt = step.result(cur)
-            c = step.cost(shape, 1, cur)
+            c = (step.bound if isinstance(step, ExchangeStep) else step.cost)(shape, 1, cur)
             total = add_costs(so_far, c) + (so_far[2] + (c[1] if isinstance(step, ExchangeStep) else 0),)
             if nxt not in best or total < best[nxt]:
                 best[nxt] = total
