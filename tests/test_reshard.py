@@ -234,3 +234,13 @@ def test_rotation_is_collective_permutes_only():
         np.testing.assert_array_equal(partitioned(X), np.roll(X, shift, axis=0))
         low = partitioned.lower(X)
         assert kinds(low) == ["collective-permute"] * permutes, low.report()
+
+
+def test_partially_replicated_to_more_or_fewer_pieces_on_the_same_dim():
+    x = np.arange(24, dtype=np.float32)
+    two, four = gspmd.Mesh(np.arange(8).reshape(2, 4), ("a", "b")), gspmd.Mesh(np.arange(8).reshape(4, 2), ("a", "b"))
+    assert kinds(lower_and_check(reshard_program(two, ["a"], four, ["a"]), x, mesh=two)) == []   # 2 -> 4: a cut
+    three, pair = gspmd.Mesh(np.arange(6).reshape(3, 2), ("a", "b")), gspmd.Mesh(np.arange(6).reshape(2, 3), ("a", "b"))
+    report = lower_and_check(reshard_program(three, ["a"], pair, ["a"]), x, mesh=three).report()
+    # 3 -> 2: each device cuts its part of the target and gathers the 2 others': half a shard each.
+    assert not report.fallbacks and len(report.collectives) == 1 and report.collective_bytes <= 12 * 4, str(report)

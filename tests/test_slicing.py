@@ -220,3 +220,37 @@ def test_xla_cpu_nested_dynamic_slice_bug():
 def test_random_many(test, cases):
     run = given(cases(), st.integers(0, 2**31 - 1))(test.hypothesis.inner_test)
     settings(max_examples=300, **SETTINGS)(run)()
+
+
+def test_second_half_of_a_split_dim_is_two_rounds_of_pieces_not_a_gather():
+    # x[D//2:]: each output shard is half of one input shard, fetched from afar in one hop.
+    mesh = gspmd.Mesh(np.arange(8), ("a",))
+    x = rand(np.random.RandomState(5), 64, 3)
+    lowered = check(lambda x: gspmd.mesh_split(gspmd.mesh_split(x, mesh, ["a", -1])[32:], mesh, ["a", -1]), x,
+                    mesh=mesh)
+    report = lowered.report()
+    assert set(report.counts()) == {"collective-permute"} and len(report.collectives) <= 2, str(report)
+    assert report.collective_bytes <= 2 * 4 * 3 * 4, str(report)
+
+
+def test_chain_of_pad_slice_concat_reverse_is_one_step():
+    # reverse(concat(pad(x)[1:], x[:3])) along the split dim: pieces move once, in at most
+    # one collective-permute per direction.
+    mesh = gspmd.Mesh(np.arange(4), ("a",))
+    x = rand(np.random.RandomState(6), 16, 5)
+
+    def chain(x):
+        x = gspmd.mesh_split(x, mesh, ["a", -1])
+        shifted = lax.slice(lax.pad(x, np.float32(7), [(2, 0, 0), (0, 0, 0)]), [1, 0], [17, 5])
+        joined = jnp.concatenate([shifted[:-3], x[:3]], axis=0)
+        return gspmd.mesh_split(lax.rev(joined, (0,)), mesh, ["a", -1])
+    report = check(chain, x, mesh=mesh).report()
+    assert set(report.counts()) <= {"collective-permute"} and len(report.collectives) <= 2, str(report)
+
+
+def test_mirrored_reverse_moves_nothing():
+    mesh, mirrored = gspmd.Mesh(np.arange(4), ("a",)), gspmd.Mesh(np.arange(4)[::-1], ("a",))
+    x = rand(np.random.RandomState(7), 12, 2)
+    report = check(lambda x: gspmd.mesh_split(lax.rev(gspmd.mesh_split(x, mesh, ["a", -1]), (0,)), mirrored,
+                                              ["a", -1]), x, mesh=mesh).report()
+    assert not report.collectives, str(report)

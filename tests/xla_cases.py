@@ -336,81 +336,66 @@ def _conv(lhs_spec, rhs_spec, out_spec, padding, feature_groups=1, batch_groups=
     return conv
 
 
-# f01b_i01o->01bf with batch_group_count = batch (depthwise weight gradients), [16,801,1,1024] scaled to [4,33,1,8]
-BATCH_GROUPED = _conv((3, 0, 1, 2), (3, 0, 1, 2), (2, 3, 0, 1), [(2, 2), (0, 0)], batch_groups=8)
-
-
-def _batch_grouped(name, lhs, rhs, out, **expect):
-    case(name, lambda a, b: split(BATCH_GROUPED(split(a, lhs), split(b, rhs)), out), [(4, 33, 1, 8), (4, 33, 1, 8)],
-         **expect)
-
-
-_batch_grouped("PartitionConvWithBathGroupCount", "devices=[1,1,1,2]0,1", "devices=[1,1,1,2]0,1",
-               "devices=[1,1,1,2]0,1", kinds={})
-_batch_grouped("PartitionConvWithBathGroupCountRHSAlignWithLHS", "devices=[1,1,1,2]0,1", "devices=[1,2,1,1]0,1",
-               "devices=[1,1,1,2]0,1", most=1, total=nbytes(4, 34, 1, 4))
-_batch_grouped("PartitionConvWithBathGroupCountLHSAlignWithRHS", "devices=[1,2,1,1]0,1", "devices=[1,1,1,2]0,1",
-               "devices=[1,1,1,2]0,1", most=1, total=nbytes(4, 34, 1, 4))
-_batch_grouped("PartitionConvWithBathGroupCountOutputAlignWithLHS", "devices=[1,1,1,2]0,1", "devices=[1,1,1,2]0,1",
-               "devices=[2,1,1,1]0,1", most=1, total=nbytes(6, 1, 1, 4))
-_batch_grouped("PartitionConvWithBathGroupCountOutputAlignWithRHS", "devices=[1,2,1,1]0,1", "devices=[1,1,1,2]0,1",
-               "devices=[2,1,1,1]0,1", most=2, total=nbytes(4, 34, 1, 4) + nbytes(6, 1, 1, 4))
-_batch_grouped("PartitionConvGroupOnBatchGroupCount", "devices=[1,2,1,2]0,1,2,3", "devices=[1,2,1,2]0,1,2,3",
-               "devices=[1,1,1,2,2]0,1,2,3 last_tile_dim_replicate", most=5, below=nbytes(4, 17, 1, 4))
-
-# f0b_i0o->0bf, batch_group_count = 64 (scaled to 16), [4,275,64] scaled to [4,35,16]
-BATCH_GROUPED_1D = _conv((2, 0, 1), (2, 0, 1), (1, 2, 0), [(2, 2)], batch_groups=16)
-for _name, _lhs, _rhs, _out, _kinds in [
-        ("PartitionConvWithBathGroupAlignWithLHSPartial", f"devices=[2,1,4]{ALL8}", f"devices=[4,1,2]{ALL8}",
-         "devices=[1,4,1,2]0,4,1,5,2,6,3,7 last_tile_dim_replicate", None),
-        ("PartitionConvWithBathGroupCountAlignWithRHSPartial", f"devices=[4,1,2]{ALL8}", f"devices=[2,1,4]{ALL8}",
-         "devices=[1,4,1,2]0,4,1,5,2,6,3,7 last_tile_dim_replicate", None),
-        ("PartitionConvWithBathGroupCountAlignWithOutputPartial", f"devices=[4,1,2]{ALL8}", f"devices=[4,1,2]{ALL8}",
-         "devices=[1,1,4,2]0,4,1,5,2,6,3,7 last_tile_dim_replicate", None)]:
-    case(_name, lambda a, b, lhs=_lhs, rhs=_rhs, out=_out: split(BATCH_GROUPED_1D(split(a, lhs), split(b, rhs)), out),
-         [(4, 35, 16), (4, 35, 16)], most=4, below=nbytes(4, 35, 16))
-
-# b01f_01io->b01f with feature_group_count = features (depthwise), [16,801,1,1024] scaled to [4,33,1,8]
-FEATURE_GROUPED = _conv((0, 3, 1, 2), (3, 2, 0, 1), (0, 3, 1, 2), [(2, 2), (0, 0)], feature_groups=8)
-
-
-def _feature_grouped(name, lhs, rhs, out, out_features=8, **expect):
-    case(name, lambda a, b: split(FEATURE_GROUPED(split(a, lhs), split(b, rhs)), out),
-         [(4, 33, 1, 8), (5, 1, 1, out_features)], **expect)
-
-
-_feature_grouped("PartitionConvWithFeatureGroupCount", "devices=[1,1,1,2]0,1", "devices=[1,1,1,2]0,1",
-                 "devices=[1,1,1,2]0,1", out_features=16, kinds={})
-_feature_grouped("PartitionConvWithFeatureGroupCountRHSAlignWithLHS", "devices=[1,1,1,2]0,1", "devices=[2,1,1,1]0,1",
-                 "devices=[1,1,1,2]0,1", most=1, total=nbytes(5, 1, 1, 8))
-_feature_grouped("PartitionConvWithFeatureGroupCountLHSAlignWithRHS", "devices=[1,2,1,1]0,1", "devices=[1,1,1,2]0,1",
-                 "devices=[1,1,1,2]0,1", most=1, total=nbytes(4, 34, 1, 4))
-_feature_grouped("PartitionConvWithFeatureGroupCountAlignOuputWithLHS", "devices=[1,1,1,2]0,1", "devices=[1,1,1,2]0,1",
-                 "devices=[2,1,1,1]0,1", most=1, total=nbytes(4, 33, 1, 4))
-_feature_grouped("PartitionConvWithFeatureGroupCountAlignOuputWithRHS", "devices=[1,2,1,1]0,1", "devices=[1,1,1,2]0,1",
-                 "devices=[2,1,1,1]0,1", most=2, total=nbytes(4, 34, 1, 4) + nbytes(4, 33, 1, 4))
+# f01b_i01o->01bf with batch_group_count = batch (depthwise weight gradients), [16,801,1,1024] scaled to [4,33,1,8];
+# b01f_01io->b01f with feature_group_count = features (depthwise), [16,801,1,1024] scaled to [4,33,1,8];
+# f0b_i0o->0bf, batch_group_count = 64 (scaled to 16) and b0f_i0o->0bf, feature_group_count = 16, [4,275,64]
+# scaled to [4,35,16].
+BATCH_GROUPED = (_conv((3, 0, 1, 2), (3, 0, 1, 2), (2, 3, 0, 1), [(2, 2), (0, 0)], batch_groups=8),
+                 (4, 33, 1, 8), (4, 33, 1, 8))
+FEATURE_GROUPED = (_conv((0, 3, 1, 2), (3, 2, 0, 1), (0, 3, 1, 2), [(2, 2), (0, 0)], feature_groups=8),
+                   (4, 33, 1, 8), (5, 1, 1, 8))
+FEATURE_GROUPED_2 = (FEATURE_GROUPED[0], (4, 33, 1, 8), (5, 1, 1, 16))   # two output features per group
+BATCH_GROUPED_1D = (_conv((2, 0, 1), (2, 0, 1), (1, 2, 0), [(2, 2)], batch_groups=16), (4, 35, 16), (4, 35, 16))
+FEATURE_GROUPED_1D = (_conv((0, 2, 1), (2, 0, 1), (1, 2, 0), [(2, 2)], feature_groups=16), (4, 35, 16), (1, 35, 16))
+S2 = {name: f"devices={spec}0,1" for name, spec in
+      [("f", "[1,1,1,2]"), ("s", "[1,2,1,1]"), ("b", "[2,1,1,1]"), ("r", "[1,1,2,1]")]}
+P8 = "0,4,1,5,2,6,3,7 last_tile_dim_replicate"
+for _name, (_conv_fn, _lhs_shape, _rhs_shape), _lhs, _rhs, _out, _expect in [
+        ("PartitionConvWithBathGroupCount", BATCH_GROUPED, S2["f"], S2["f"], S2["f"], dict(kinds={})),
+        ("PartitionConvWithBathGroupCountRHSAlignWithLHS", BATCH_GROUPED, S2["f"], S2["s"], S2["f"],
+         dict(most=1, total=nbytes(4, 34, 1, 4))),
+        ("PartitionConvWithBathGroupCountLHSAlignWithRHS", BATCH_GROUPED, S2["s"], S2["f"], S2["f"],
+         dict(most=1, total=nbytes(4, 34, 1, 4))),
+        ("PartitionConvWithBathGroupCountOutputAlignWithLHS", BATCH_GROUPED, S2["f"], S2["f"], S2["b"],
+         dict(most=1, total=nbytes(6, 1, 1, 4))),
+        ("PartitionConvWithBathGroupCountOutputAlignWithRHS", BATCH_GROUPED, S2["s"], S2["f"], S2["b"],
+         dict(most=2, total=nbytes(4, 34, 1, 4) + nbytes(6, 1, 1, 4))),
+        ("PartitionConvGroupOnBatchGroupCount", BATCH_GROUPED, "devices=[1,2,1,2]0,1,2,3", "devices=[1,2,1,2]0,1,2,3",
+         "devices=[1,1,1,2,2]0,1,2,3 last_tile_dim_replicate", dict(most=5, below=nbytes(4, 17, 1, 4))),
+        ("PartitionConvWithBathGroupAlignWithLHSPartial", BATCH_GROUPED_1D, f"devices=[2,1,4]{ALL8}",
+         f"devices=[4,1,2]{ALL8}", f"devices=[1,4,1,2]{P8}", dict(most=4, below=nbytes(4, 35, 16))),
+        ("PartitionConvWithBathGroupCountAlignWithRHSPartial", BATCH_GROUPED_1D, f"devices=[4,1,2]{ALL8}",
+         f"devices=[2,1,4]{ALL8}", f"devices=[1,4,1,2]{P8}", dict(most=4, below=nbytes(4, 35, 16))),
+        ("PartitionConvWithBathGroupCountAlignWithOutputPartial", BATCH_GROUPED_1D, f"devices=[4,1,2]{ALL8}",
+         f"devices=[4,1,2]{ALL8}", f"devices=[1,1,4,2]{P8}", dict(most=4, below=nbytes(4, 35, 16))),
+        ("PartitionConvWithFeatureGroupCount", FEATURE_GROUPED_2, S2["f"], S2["f"], S2["f"], dict(kinds={})),
+        ("PartitionConvWithFeatureGroupCountRHSAlignWithLHS", FEATURE_GROUPED, S2["f"], S2["b"], S2["f"],
+         dict(most=1, total=nbytes(5, 1, 1, 8))),
+        ("PartitionConvWithFeatureGroupCountLHSAlignWithRHS", FEATURE_GROUPED, S2["s"], S2["f"], S2["f"],
+         dict(most=1, total=nbytes(4, 34, 1, 4))),
+        ("PartitionConvWithFeatureGroupCountAlignOuputWithLHS", FEATURE_GROUPED, S2["f"], S2["f"], S2["b"],
+         dict(most=1, total=nbytes(4, 33, 1, 4))),
+        ("PartitionConvWithFeatureGroupCountAlignOuputWithRHS", FEATURE_GROUPED, S2["s"], S2["f"], S2["b"],
+         dict(most=2, total=nbytes(4, 34, 1, 4) + nbytes(4, 33, 1, 4))),
+        ("PartitionConvWithFeatureGroupCountAlignWithLHSPartial", FEATURE_GROUPED_1D,
+         f"devices=[1,1,4,2]{ALL8} last_tile_dim_replicate", f"devices=[1,1,2,4]{ALL8} last_tile_dim_replicate",
+         f"devices=[1,1,2,4]{P8}", dict(most=2, below=nbytes(4, 35, 16))),
+        ("PartitionConvWithFeatureGroupCountAlignWithRHSPartial", FEATURE_GROUPED_1D,
+         f"devices=[1,1,2,4]{ALL8} last_tile_dim_replicate", f"devices=[1,1,4,2]{ALL8} last_tile_dim_replicate",
+         f"devices=[1,1,2,4]{P8}", dict(most=2, below=nbytes(4, 35, 16))),
+        ("PartitionConvWithFeatureGroupCountAlignWithOutputPartial", FEATURE_GROUPED_1D,
+         f"devices=[1,1,2,4]{ALL8} last_tile_dim_replicate", f"devices=[1,1,2,4]{ALL8} last_tile_dim_replicate",
+         f"devices=[1,1,4,2]{P8}", dict(most=2, below=nbytes(4, 35, 16)))]:
+    case(_name, lambda a, b, conv=_conv_fn, lhs=_lhs, rhs=_rhs, out=_out: split(conv(split(a, lhs), split(b, rhs)), out),
+         [_lhs_shape, _rhs_shape], **_expect)
 case("PartitionConvWithFeatureGroupCountBackProp",
      lambda a, b: split(_conv((0, 3, 1, 2), (2, 3, 0, 1), (0, 3, 1, 2), [(2, 2), (0, 0)], feature_groups=8)(
-         split(a, "devices=[1,1,1,2]0,1"), lax.rev(split(b, "devices=[1,1,2,1]0,1"), (0, 1))), "devices=[1,1,1,2]0,1"),
-     [(4, 33, 1, 8), (5, 1, 8, 1)], kinds={})
+         split(a, S2["f"]), lax.rev(split(b, S2["r"]), (0, 1))), S2["f"]), [(4, 33, 1, 8), (5, 1, 8, 1)], kinds={})
 case("PartitionConvWithFeatureGroupCount2",
      lambda a, b: split(_conv((0, 3, 1, 2), (3, 2, 0, 1), (0, 3, 1, 2), [(0, 0), (0, 0)], feature_groups=32)(
          split(a, f"devices=[1,1,1,4,2]{ALL8} last_tile_dim_replicate"),
          split(b, f"devices=[1,1,1,4,2]{ALL8} last_tile_dim_replicate")), "devices=[2,1,1,4]0,4,2,6,1,5,3,7"),
      [(8, 3, 1, 32), (3, 1, 1, 32)], most=1, below=nbytes(8, 1, 1, 8) + 1)
-
-# b0f_i0o->0bf, feature_group_count = 16, [4,275,16] scaled to [4,35,16]
-FEATURE_GROUPED_1D = _conv((0, 2, 1), (2, 0, 1), (1, 2, 0), [(2, 2)], feature_groups=16)
-for _name, _lhs, _rhs, _out in [
-        ("PartitionConvWithFeatureGroupCountAlignWithLHSPartial", f"devices=[1,1,4,2]{ALL8} last_tile_dim_replicate",
-         f"devices=[1,1,2,4]{ALL8} last_tile_dim_replicate", "devices=[1,1,2,4]0,4,1,5,2,6,3,7 last_tile_dim_replicate"),
-        ("PartitionConvWithFeatureGroupCountAlignWithRHSPartial", f"devices=[1,1,2,4]{ALL8} last_tile_dim_replicate",
-         f"devices=[1,1,4,2]{ALL8} last_tile_dim_replicate", "devices=[1,1,2,4]0,4,1,5,2,6,3,7 last_tile_dim_replicate"),
-        ("PartitionConvWithFeatureGroupCountAlignWithOutputPartial",
-         f"devices=[1,1,2,4]{ALL8} last_tile_dim_replicate", f"devices=[1,1,2,4]{ALL8} last_tile_dim_replicate",
-         "devices=[1,1,4,2]0,4,1,5,2,6,3,7 last_tile_dim_replicate")]:
-    case(_name, lambda a, b, lhs=_lhs, rhs=_rhs, out=_out: split(FEATURE_GROUPED_1D(split(a, lhs), split(b, rhs)), out),
-         [(4, 35, 16), (1, 35, 16)], most=2, below=nbytes(4, 35, 16))
 
 # -- gather and scatter with passthrough dims --------------------------------------------------
 def _gather(offset_dims, collapsed, start_map, sizes):
