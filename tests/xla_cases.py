@@ -51,7 +51,6 @@ class Case:
     below: Optional[int] = None
     total: Optional[int] = None
     fallback: bool = False             # a fallback gather is allowed: nothing cheaper exists
-    xfail: Optional[str] = None
 
     def arguments(self) -> tuple:
         rng = np.random.RandomState(0)
@@ -516,11 +515,19 @@ _dot("Dot2DPartitionedBatchAndReshard", (4, 8, 24, 100), (4, 8, 32, 100), (((3,)
      "devices=[2,1,2,1]0,1,2,3", "devices=[2,1,2,1]0,1,2,3", "devices=[1,2,2,1]0,1,2,3", most=2,
      total=nbytes(2, 8, 32, 100) + nbytes(2, 8, 12, 32))
 
-# -- sort (not yet traced: issue 9) ------------------------------------------------------------------
-SORT = "sort is not supported by the frontend yet (issue 9)"
-case("SortShardedOnSortDim_OneOperand",
-     lambda x: split(jnp.sort(split(-x, f"devices=[1,8]{ALL8}"), axis=1), f"devices=[1,8]{ALL8}"), [(16, 64)],
-     xfail=SORT)
+# -- sort ---------------------------------------------------------------------------------------
+S8 = f"devices=[1,8]{ALL8}"
+case("SortShardedOnSortDim_OneOperand", lambda x: split(jnp.sort(split(-x, S8), axis=1), S8), [(16, 64)],
+     kinds={"all-to-all": 2}, total=2 * nbytes(2, 64))
+case("SortShardedOnSortDim_TwoOperands",
+     lambda x: tuple(split(v, S8) for v in lax.sort((split(-x, S8), split(lax.broadcasted_iota(np.int32, (16, 64), 1),
+                                                                          S8)), dimension=1, num_keys=1)),
+     [(16, 64)], kinds={"all-to-all": 4}, total=4 * nbytes(2, 64))
+case("SortShardedOnSortDim_RankOne", lambda x: split(jnp.sort(split(-x, D8)), D8), [(64,)], most=1,
+     total=nbytes(64))
+case("SortShardedOnSortDim_OneFreeDivisibleDim",
+     lambda x: split(jnp.sort(split(-x, f"devices=[1,1,8]{ALL8}"), axis=2), f"devices=[1,1,8]{ALL8}"), [(7, 16, 64)],
+     kinds={"all-to-all": 2}, total=2 * nbytes(7, 2, 64))
 case("SortAlongNonPartitionedDimension",
      lambda x: split(jnp.sort(split(x, "devices=[1,2,1]0,1"), axis=2), "devices=[1,2,1]0,1"), [(8, 14, 17)],
-     kinds={}, xfail=SORT)
+     kinds={})
