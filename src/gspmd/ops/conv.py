@@ -156,14 +156,17 @@ def _plans(instr, lhs, rhs, modes, spatial: Sharding) -> dict[int, DimPlan]:
 
 
 def _spatial_options(instr, lhs, rhs, target):
-    """The spatial splits the operands and target suggest, and the same with any of
-    them given up (resharding an operand to split batch or groups may cost less than
-    exchanging halos or summing partial windows)."""
+    """The spatial splits the operands and target suggest and, where something splits
+    batch, features or groups too, the same with any of them given up (resharding an
+    operand to split those may cost less than exchanging halos or summing partial
+    windows)."""
     modes, spatial = _spatial_layout(instr, lhs, rhs, target)
-    (_, _, *ls), _, _ = _dims(instr)
+    (lb, lf, *ls), (ro, ri, *_), (ob, of, *_) = _dims(instr)
+    others = [lhs.sharding.tiles[d] for d in (lb, lf)] + [rhs.sharding.tiles[d] for d in (ro, ri)] + \
+        [target.tiles[d] for d in (ob, of)]
     split = [j for j, m in enumerate(modes) if m is not None]
-    for keep in itertools.product((True, False), repeat=len(split)):
-        kept = [j for j, k in zip(split, keep) if k]
+    for keep in itertools.product((True, False), repeat=len(split) if max(others) > 1 else 0):
+        kept = [j for j, k in zip(split, keep) if k] if keep else split
         yield ([m if j in kept else None for j, m in enumerate(modes)],
                spatial.keep_dims([ls[j] for j in kept]))
 

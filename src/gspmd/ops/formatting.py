@@ -20,7 +20,9 @@ MAX_SEGMENTS = 16
 
 def changed_dim(instr: Instr) -> Optional[int]:
     """The one dim a stride-1, undilated pad/slice/concatenate/reverse changes."""
-    a, x = instr.attrs, instr.operands[0]
+    a = instr.attrs
+    if instr.opcode in ("pad", "slice"):
+        x = instr.operands[0]
     if instr.opcode == "pad":
         changed = [d for d in range(x.rank) if a["low"][d] or a["high"][d]]
         plain = not any(a["interior"])

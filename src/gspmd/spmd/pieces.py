@@ -80,15 +80,11 @@ def concat_transfers(parts: Sequence[Transfers]) -> Transfers:
                        ("sender", "receiver", "send_at", "recv_at", "length", "whole")))
 
 
-def holders_in_turn(s: Sharding, tile: np.ndarray, receiver: np.ndarray, kept: np.ndarray) -> np.ndarray:
-    """For each piece, one of the devices holding its tile in s: the receivers of one
-    tile take its holders in turn."""
+def holders_in_turn(s: Sharding, tile: np.ndarray) -> np.ndarray:
+    """For each piece that travels, one of the devices holding its tile in s: the pieces
+    of one tile take its holders in turn."""
     tile_id = np.ravel_multi_index(tuple(tile.T), s.tiles) if s.rank else np.zeros(len(tile), np.int64)
-    order = np.lexsort((receiver, kept, tile_id))      # by tile; those that need it first
-    in_order = tile_id[order]
-    turn = np.empty(len(order), np.int64)
-    turn[order] = np.arange(len(order)) - np.searchsorted(in_order, in_order, side="left")
-    return s.tile_assignment.reshape(-1, s.num_replicas)[tile_id, turn % s.num_replicas]
+    return s.tile_assignment.reshape(-1, s.num_replicas)[tile_id, _nth(tile_id) % s.num_replicas]
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,12 @@
 """Resharding between any two layouts of a value: the cheapest short chain of steps,
-found by a cheapest-first search over layouts (costs compared as `Cost`).
+found by a cheapest-first search over layouts (A*, guided by the most data any device
+still lacks; costs compared as `Cost`). The common one-collective transitions are
+recognised directly.
 
 Steps:
   - cut: each device's target tile lies inside what it holds (dynamic-slice, free);
-  - all-gather of the minor factor k of one dim's split;
+  - all-gather of the minor factor k of one dim's split (or, where most of the pieces
+    are padding, an all-reduce of the pieces placed in zeros);
   - all-to-all moving the minor factors of some dims' splits to become minor factors of
     other dims' splits, several dims in one collective where the device groups allow;
   - exchange: each device receives exactly the pieces of its target tile that it does
@@ -21,7 +24,7 @@ import functools
 import heapq
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import numpy as np
@@ -163,6 +166,8 @@ class SumGatherStep:
     k pieces are padding (a dim shorter than its split), since only the data travels."""
     dim: int
     k: int
+    why: Why = Why.RESHARD
+    detail: str = "all-reduce of zero-padded pieces"
 
     def result(self, s: Sharding) -> Sharding:
         return coarsen(s, self.dim, self.k)
@@ -181,7 +186,7 @@ class SumGatherStep:
         placed = ctx.b.add1("dynamic-update-slice", [zeros, x, *at], tuple(shape), x.dtype)
         placed = ctx.slice_prefix(placed, d, _shard_len(pv.shape, result, d))
         reducer = OR if x.dtype == np.bool_ else ADD
-        y = ctx.all_reduce(placed, minor_groups(s, d, self.k), reducer, Why.RESHARD, "all-reduce of zero-padded pieces")
+        y = ctx.all_reduce(placed, minor_groups(s, d, self.k), reducer, self.why, self.detail)
         return PartitionedValue(y, result, pv.shape)
 
 
@@ -326,7 +331,8 @@ def _transfers(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> Optional
     receiver = np.broadcast_to(np.arange(dst.num_devices)[:, None], valid.shape)
     tile, lo, hi, receiver = tile[valid], lo[valid], hi[valid], receiver[valid]
     kept = np.all(tile == src.coords()[receiver], axis=1)
-    sender = np.where(kept, receiver, pieces.holders_in_turn(src, tile, receiver, kept))
+    sender = receiver.copy()
+    sender[~kept] = pieces.holders_in_turn(src, tile[~kept])
     return pieces.Transfers(sender, receiver, lo - src.coords()[sender] * n, lo - tile_lo[receiver], hi - lo,
                             (lo == tile_lo[receiver]) & (hi == tile_hi[receiver]))
 
@@ -525,8 +531,8 @@ def _label_fallbacks(steps: tuple, src: Sharding, dst: Sharding) -> tuple:
     split again: label it so that reports warn."""
     out, s = [], src
     for step in steps:
-        if isinstance(step, GatherStep) and dst.tiles[step.dim] > step.result(s).tiles[step.dim]:
-            step = GatherStep(step.dim, step.k, Why.FALLBACK, f"all-gather then slice, {src} -> {dst}")
+        if isinstance(step, (GatherStep, SumGatherStep)) and dst.tiles[step.dim] > step.result(s).tiles[step.dim]:
+            step = replace(step, why=Why.FALLBACK, detail=f"{step.detail} then slice, {src} -> {dst}")
         out.append(step)
         s = step.result(s)
     return tuple(out)

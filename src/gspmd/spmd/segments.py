@@ -117,7 +117,8 @@ def _transfers(segments, sources, layouts, dim: int, shape: tuple, target: Shard
             coords = layout.coords()[receiver].copy()
             kept = coords[:, dim] == tile
             coords[:, dim] = tile
-            sender = np.where(kept, receiver, pieces.holders_in_turn(layout, coords, receiver, kept))
+            sender = receiver.copy()
+            sender[~kept] = pieces.holders_in_turn(layout, coords[~kept])
             send_at, recv_at = np.zeros((len(receiver), len(shape)), np.int64), np.zeros((len(receiver), len(shape)),
                                                                                           np.int64)
             send_at[:, dim], recv_at[:, dim] = pa - tile * n, ra - tile_lo[receiver]
