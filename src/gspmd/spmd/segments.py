@@ -97,7 +97,7 @@ def _transfers(segments, sources, layouts, dim: int, shape: tuple, target: Shard
     extent = np.asarray(target.shard_shape(shape))
     devices = np.arange(target.num_devices)
     parts: dict[tuple[int, bool], list[pieces.Transfers]] = {}
-    for seg in (s for s in segments if not s.fill):
+    for seg in (s for s in segments if not s.fill and s.length):
         a, b = np.maximum(tile_lo, seg.start), np.minimum(tile_hi, seg.start + seg.length)
         active = b > a
         # The source range, in source positions, of each device's part of the segment.
