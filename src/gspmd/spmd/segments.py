@@ -22,7 +22,7 @@ from gspmd.spmd import reshard as rs
 from gspmd.spmd.context import DeviceContext, Why
 from gspmd.spmd.partitioned import PartitionedValue
 
-MAX_ROUNDS = 8    # collective-permutes one formatting step may take
+MAX_ROUNDS = 16   # collective-permutes one formatting step may take
 
 
 @dataclass(frozen=True)
