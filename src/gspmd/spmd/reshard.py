@@ -482,7 +482,9 @@ def _direct(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> Optional[tu
     the same tiles on other devices (it receives its whole tile, or nothing), one
     all-to-all."""
     if _subdivides(src, dst, shape) and all(n >= t for n, t in zip(shape, src.tiles)):
-        return tuple(GatherStep(d, s // t) for d, (s, t) in enumerate(zip(src.tiles, dst.tiles)) if s > t)
+        gathers = [GatherStep(d, s // t) for d, (s, t) in enumerate(zip(src.tiles, dst.tiles)) if s > t]
+        # In the order that moves least: a gathered uneven dim sheds its padding before the next.
+        return min(itertools.permutations(gathers), key=lambda steps: _chain_cost(steps, src, shape))
     if src.tile_assignment.shape == dst.tile_assignment.shape:
         return (ExchangeStep(dst),)
     return next(((step,) for step in _all_to_alls(src, dst, shape) if step.target == dst), None)
@@ -539,15 +541,13 @@ def _label_fallbacks(steps: tuple, src: Sharding, dst: Sharding) -> tuple:
 
 
 def cost(src: Sharding, dst: Sharding, shape: Sequence[int], itemsize: int) -> Cost:
-    """What resharding takes, in seconds on the hardware being planned for (the
-    estimate planning compares)."""
-    return _cost(src, dst, tuple(shape), itemsize, cm.current())
+    """What resharding costs per device (the estimate planning compares)."""
+    return _chain_cost(plan(src, dst, shape), src, shape, itemsize)
 
 
-@functools.lru_cache(maxsize=65536)
-def _cost(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int, hw: cm.Hardware) -> Cost:
+def _chain_cost(steps, src: Sharding, shape, itemsize: int = 1) -> Cost:
     total, s = FREE, src
-    for step in plan(src, dst, shape):
+    for step in steps:
         total = add_costs(total, step.cost(shape, itemsize, s))
         s = step.result(s)
     return total
