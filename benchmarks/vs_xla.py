@@ -273,18 +273,19 @@ def _even_boundary(fn: Callable, low: gspmd.Lowered) -> Callable:
     return wrapped
 
 
-def pattern_bytes(case) -> tuple[int, Optional[int], bool]:
+def pattern_bytes(case, hardware) -> tuple[int, Optional[int], bool]:
     """(ours, XLA's or None where XLA fails, whether the boundary was made replicated)
     collective bytes per device of one ported case, each parsed from its compiled HLO:
-    ours as the jax backend runs it, XLA's from jax.jit with the same annotations as
-    sharding constraints and the same argument and result layouts."""
+    ours as the jax backend runs it, partitioned with choices priced on `hardware`;
+    XLA's from jax.jit with the same annotations as sharding constraints and the same
+    argument and result layouts."""
     args = case.arguments()
     fn = case.fn
-    low = gspmd.jit(fn, backend="jax").lower(*args)
+    low = gspmd.jit(fn, backend="jax", hardware=hardware).lower(*args)
     evened = any(map(_uneven, low.program.params)) or any(map(_uneven, low.program.outputs))
     if evened:
         fn = _even_boundary(fn, low)
-        low = gspmd.jit(fn, backend="jax").lower(*args)
+        low = gspmd.jit(fn, backend="jax", hardware=hardware).lower(*args)
     ours = sum(jax_backend.hlo_collective_bytes(low.jax_executable().compiled.as_text()).values())
 
     def constraint(x, mesh, dims_mapping):
@@ -302,13 +303,15 @@ def pattern_bytes(case) -> tuple[int, Optional[int], bool]:
 
 def patterns() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from util import BYTES_RECEIVED
     from xla_cases import CASES
     print("\n## Ported XLA partitioner cases: collective bytes per device (compiled HLO)")
+    print("(ours priced by the bytes each device receives, as the tests do: these arrays are small)")
     print("(*: an argument or result that its split does not divide is passed replicated, on both sides)\n")
     print("| case | gspmd | XLA | ratio |\n|---|---:|---:|---:|")
     above = []
     for case in CASES:
-        ours, xla, evened = pattern_bytes(case)
+        ours, xla, evened = pattern_bytes(case, BYTES_RECEIVED)
         name = case.name + (" *" if evened else "")
         if xla is None:
             print(f"| {name} | {ours:,} | XLA fails | - |")

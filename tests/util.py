@@ -53,6 +53,14 @@ BANDWIDTH_BOUND = dataclasses.replace(gspmd.analysis.PROFILES["tpu-v3"], name="b
                                       collective_overhead_s=0.0)
 
 
+# Every device on one crossbar, no latencies: a collective costs the bytes each device
+# receives over its port (and a negligible fixed cost, so that fewer collectives win
+# ties). Tests that a plan moves only what it must use it.
+BYTES_RECEIVED = dataclasses.replace(gspmd.analysis.PROFILES["tpu-v3"], name="bytes-received",
+                                     interconnect=gspmd.analysis.Hosts(1 << 20, 45e9, 0.0, 45e9, 0.0),
+                                     collective_overhead_s=1e-12)
+
+
 def check(fn, *args, mesh=None, rtol=1e-4, atol=1e-4, backends=BACKENDS, hardware=None) -> gspmd.Lowered:
     """Run fn partitioned on each backend and on one device; assert equal; return the
     Lowered. `hardware`: what the partitioner prices its choices on (default tpu-v3)."""

@@ -25,7 +25,7 @@ from jax import lax
 from gspmd.ops.registry import CONTRACTION, KernelLayout, register
 from gspmd.ops.window import pad_array, window_attrs, windows_of
 from gspmd.sharding import Sharding
-from gspmd.spmd.cost import ComputeKind
+from gspmd.spmd.cost import ComputeKind, Pattern
 from gspmd.spmd import factors as fx
 from gspmd.spmd import reshard as rs
 from gspmd.spmd.halo import DimPlan, local_base, partition_windowed, pinned_space, plan_dim, slice_outputs
@@ -137,7 +137,7 @@ def _partition_conv(ctx, instr, operands, targets):
     (target,) = targets
     (_, _, *ls), (_, _, *rsp), (ob, of, *osp) = _dims(instr)
     modes, spatial = min(_spatial_options(instr, lhs, rhs, target),
-                         key=lambda option: _estimate(instr, operands, target, *option))
+                         key=lambda option: rs.rounded(_estimate(instr, operands, target, *option)))
     plans = _plans(instr, lhs, rhs, modes, spatial)
     factors = conv_factors(instr, modes)
     emit = _local_conv(instr, plans, spatial)
@@ -184,7 +184,9 @@ def _estimate(instr, operands, target, modes, spatial: Sharding) -> rs.Cost:
     for j, plan in plans.items():
         if lhs.sharding.tiles[ls[j]] > 1 and plan.count > plan.shard:
             halo = (plan.count - plan.shard) * math.prod(local) // local[ls[j]] * lhs.dtype.itemsize
-            cost = rs.add_costs(cost, (float(halo), 1))
+            line = rs.groups_along(lhs.sharding, [ls[j]])
+            neighbours = np.stack([line[:, :-1].ravel(), line[:, 1:].ravel()], axis=1)
+            cost = rs.add_costs(cost, rs.priced(Pattern.PERMUTE, halo, neighbours, lhs.sharding.num_devices))
     return cost
 
 

@@ -102,13 +102,15 @@ def _combine_plan(space: Sharding, red: list[int], out: Sharding, target: Shardi
                   itemsize: int) -> tuple[Optional[int], rs.Cost]:
     """How to combine partial results on their way to `target`: a reduce-scatter along
     some dim (then a reshard) or an all-reduce (dim None, then a reshard), whichever
-    costs less; the reduce-scatter where it costs no more."""
-    k = math.prod(space.tiles[f] for f in red)
+    costs less; at equal cost, the reduce-scatter that lands on the target."""
+    groups = rs.groups_along(space, red)
     local_bytes = math.prod(out.shard_shape(shape)) * itemsize
-    best = (None, rs.add_costs((2 * rs.moved(local_bytes, k), 1), rs.cost(out, target, shape, itemsize)))
+    best = (None, rs.add_costs(rs.priced(cm.Pattern.ALL_REDUCE, local_bytes, groups, space.num_devices),
+                               rs.cost(out, target, shape, itemsize)))
     for d, landed in _scattered(space, red, out, shape).items():
-        cost = rs.add_costs((rs.moved(local_bytes, k), 1), rs.cost(landed, target, shape, itemsize))
-        if cost <= best[1]:
+        cost = rs.add_costs(rs.priced(cm.Pattern.REDUCE_SCATTER, local_bytes // groups.shape[1], groups,
+                                      space.num_devices), rs.cost(landed, target, shape, itemsize))
+        if rs.rounded(cost) < rs.rounded(best[1]) or (rs.rounded(cost) == rs.rounded(best[1]) and landed == target):
             best = (d, cost)
     return best
 
@@ -154,7 +156,7 @@ def cheapest_space(instr: Instr, factors: Sequence[Factor], operands: Sequence[P
     merged.add(_greedy_merge(first + views[n_in:] + views[:n_in]))
     merged = {_whole_groups(factors, c) for c in merged.union(candidates)}
     costs = {c: cost(factors, c, operands, instr, targets) for c in merged}
-    best = min(merged, key=lambda c: (costs[c], c.order_key()))
+    best = min(merged, key=lambda c: (rs.rounded(costs[c]), c.order_key()))
     return best, costs[best]
 
 

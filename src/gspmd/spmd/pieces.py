@@ -13,6 +13,7 @@ import numpy as np
 
 from gspmd.ir import Value
 from gspmd.sharding import Sharding
+from gspmd.spmd import cost as cm
 from gspmd.spmd.context import INDEX_DTYPE, DeviceContext, Why
 
 
@@ -53,17 +54,25 @@ class Transfers:
                 return nth
         return np.asarray(edge_colors(list(zip(sender.tolist(), receiver.tolist()))), np.int64)
 
-    def bound(self, itemsize: int) -> tuple[float, int]:
-        """cost() bounded above without colouring: every round as large as the largest piece."""
-        rounds = self.rounds()
-        return (float(rounds * int(np.prod(self.length[self.remote], axis=1).max(initial=0)) * itemsize), rounds)
+    def bound(self, itemsize: int, num_devices: int) -> float:
+        """cost() bounded above without colouring: every round as large as the largest
+        piece, and its links as loaded as by all pieces at once."""
+        remote = self.remote
+        largest = int(np.prod(self.length[remote], axis=1).max(initial=0))
+        pairs = np.stack([self.sender[remote], self.receiver[remote]], axis=1)
+        return self.rounds() * cm.collective_seconds(cm.Pattern.PERMUTE, largest * itemsize, pairs, num_devices)
 
-    def cost(self, itemsize: int) -> tuple[float, int]:
-        """(bytes, collectives): each round is as large as its largest piece."""
-        lengths = self.length[self.remote]
-        rounds = self.colors.max(initial=-1) + 1
-        size = sum(int(np.prod(lengths[self.colors == r].max(axis=0))) for r in range(rounds))
-        return (float(size * itemsize), int(rounds))
+    def cost(self, itemsize: int, num_devices: int) -> float:
+        """Seconds on the hardware being planned for: one collective-permute per round,
+        as large as its largest piece."""
+        remote, colors = np.flatnonzero(self.remote), self.colors
+        total = 0.0
+        for r in range(colors.max(initial=-1) + 1):
+            which = remote[colors == r]
+            nbytes = int(np.prod(self.length[which].max(axis=0))) * itemsize
+            pairs = np.stack([self.sender[which], self.receiver[which]], axis=1)
+            total += cm.collective_seconds(cm.Pattern.PERMUTE, nbytes, pairs, num_devices)
+        return total
 
 
 def _nth(values: np.ndarray) -> np.ndarray:

@@ -1,7 +1,7 @@
 """Resharding between any two layouts of a value: the cheapest short chain of steps,
 found by a cheapest-first search over layouts (A*, guided by the most data any device
-still lacks; costs compared as `Cost`). The common one-collective transitions are
-recognised directly.
+still lacks), priced in seconds by the one cost model (spmd/cost.py) on the hardware
+being planned for. The common one-collective transitions are recognised directly.
 
 Steps:
   - cut: each device's target tile lies inside what it holds (dynamic-slice, free);
@@ -32,13 +32,14 @@ import numpy as np
 from gspmd.ir import Value
 from gspmd.ir.reducer import ADD, OR
 from gspmd.sharding import Sharding
+from gspmd.spmd import cost as cm
 from gspmd.spmd import pieces
 from gspmd.spmd.context import INDEX_DTYPE, DeviceContext, Why
 from gspmd.spmd.padding import mask_padding
 from gspmd.spmd.partitioned import PartitionedValue
 
-Cost = tuple  # (bytes moved per device, number of collectives): compared lexicographically
-FREE: Cost = (0.0, 0)
+Cost = float  # estimated seconds on the hardware being planned for (spmd/cost.py)
+FREE: Cost = 0.0
 MAX_ROUNDS = 4    # collective-permutes one exchange may take
 MAX_STEPS = 4     # steps one plan may take
 
@@ -148,7 +149,8 @@ class GatherStep:
         return coarsen(s, self.dim, self.k)
 
     def cost(self, shape, itemsize, s: Sharding) -> Cost:
-        return (moved(self.k * _local_nbytes(shape, s, itemsize), self.k), 1)
+        return priced(cm.Pattern.ALL_GATHER, self.k * _local_nbytes(shape, s, itemsize),
+                      minor_groups(s, self.dim, self.k), s.num_devices)
 
     def apply(self, ctx: DeviceContext, pv: PartitionedValue) -> PartitionedValue:
         s = pv.sharding
@@ -173,7 +175,8 @@ class SumGatherStep:
         return coarsen(s, self.dim, self.k)
 
     def cost(self, shape, itemsize, s: Sharding) -> Cost:
-        return (2 * moved(_local_nbytes(shape, self.result(s), itemsize), self.k), 1)
+        return priced(cm.Pattern.ALL_REDUCE, _local_nbytes(shape, self.result(s), itemsize),
+                      minor_groups(s, self.dim, self.k), s.num_devices)
 
     def apply(self, ctx: DeviceContext, pv: PartitionedValue) -> PartitionedValue:
         s, result, d = pv.sharding, self.result(pv.sharding), self.dim
@@ -255,8 +258,8 @@ class AllToAllStep:
         return [f * -(-n // (t * f)) for n, t, f in zip(shape, s.tiles, into)]
 
     def cost(self, shape, itemsize, s: Sharding) -> Cost:
-        group = math.prod(move[2] for move in self.moves)
-        return (moved(math.prod(self._buffer(shape, s)) * itemsize, group), 1)
+        return priced(cm.Pattern.ALL_TO_ALL, math.prod(self._buffer(shape, s)) * itemsize,
+                      _move_groups(s, self.moves), s.num_devices)
 
     def apply(self, ctx: DeviceContext, pv: PartitionedValue) -> PartitionedValue:
         x = pv.local
@@ -347,11 +350,11 @@ class ExchangeStep:
         return self.target
 
     def cost(self, shape, itemsize, s: Sharding) -> Cost:
-        return _transfers(s, self.target, tuple(shape)).cost(itemsize)
+        return _transfers(s, self.target, tuple(shape)).cost(itemsize, s.num_devices)
 
     def bound(self, shape, itemsize, s: Sharding) -> Cost:
         """An upper bound of cost(), quicker (the search compares many)."""
-        return _transfers(s, self.target, tuple(shape)).bound(itemsize)
+        return _transfers(s, self.target, tuple(shape)).bound(itemsize, s.num_devices)
 
     def apply(self, ctx: DeviceContext, pv: PartitionedValue) -> PartitionedValue:
         t = _transfers(pv.sharding, self.target, pv.shape)
@@ -457,13 +460,14 @@ def _steps_from(cur: Sharding, src: Sharding, dst: Sharding, shape, preimages: l
     yield from _all_to_alls(cur, dst, shape)
 
 
-def plan(src: Sharding, dst: Sharding, shape: Sequence[int]) -> tuple:
-    """Steps that turn a value laid out as `src` into `dst`."""
-    return _plan(src, dst, tuple(shape))
+def plan(src: Sharding, dst: Sharding, shape: Sequence[int], itemsize: int) -> tuple:
+    """Steps that turn a value laid out as `src` into `dst` (elements of `itemsize`
+    bytes), the cheapest on the hardware being planned for."""
+    return _plan(src, dst, tuple(shape), itemsize, cm.current())
 
 
 @functools.lru_cache(maxsize=65536)
-def _plan(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> tuple:
+def _plan(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int, hw: cm.Hardware) -> tuple:
     # Partition rules price the same few transitions over and over (each candidate
     # layout of every op): plans are immutable, so they are computed once.
     if src == dst:
@@ -472,60 +476,66 @@ def _plan(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> tuple:
         return (SliceStep(dst),)
     if 0 in shape:   # nothing to move: gather whatever is split, then cut
         return tuple(GatherStep(d, t) for d, t in enumerate(src.tiles) if t > 1) + (SliceStep(dst),)
-    direct = _direct(src, dst, shape)
-    return direct if direct is not None else _label_fallbacks(_search(src, dst, shape), src, dst)
+    direct = _direct(src, dst, shape, itemsize)
+    return direct if direct is not None else _label_fallbacks(_search(src, dst, shape, itemsize, hw), src, dst)
 
 
-def _direct(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> Optional[tuple]:
-    """The common one-collective transitions, which nothing beats: a coarser split of
-    dims at least as long as their splits (each device receives just what it lacks),
-    the same tiles on other devices (it receives its whole tile, or nothing), one
-    all-to-all."""
+def _direct(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int) -> Optional[tuple]:
+    """A coarser split of dims at least as long as their splits: all-gathers, each
+    device receiving just what it lacks in as few collectives as there are dims."""
     if _subdivides(src, dst, shape) and all(n >= t for n, t in zip(shape, src.tiles)):
         gathers = [GatherStep(d, s // t) for d, (s, t) in enumerate(zip(src.tiles, dst.tiles)) if s > t]
         # In the order that moves least: a gathered uneven dim sheds its padding before the next.
-        return min(itertools.permutations(gathers), key=lambda steps: _chain_cost(steps, src, shape))
-    if src.tile_assignment.shape == dst.tile_assignment.shape:
-        return (ExchangeStep(dst),)
-    return next(((step,) for step in _all_to_alls(src, dst, shape) if step.target == dst), None)
+        return min(itertools.permutations(gathers), key=lambda steps: rounded(_chain_cost(steps, src, shape, itemsize)))
+    return None
 
 
-def _lacking(cur: Sharding, dst: Sharding, shape: tuple[int, ...]) -> Cost:
-    """A lower bound of what turning cur into dst costs: the most data any device lacks
-    (what it needs of its dst tile minus what its cur tile holds)."""
+def _lacking(cur: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int, hw: cm.Hardware) -> Cost:
+    """A lower bound of what turning cur into dst takes: the most data any device lacks
+    (what it needs of its dst tile minus what its cur tile holds), received over all of
+    its links at once by one collective."""
     n, m, size = np.asarray(cur.shard_shape(shape)), np.asarray(dst.shard_shape(shape)), np.asarray(shape)
     lo_c, lo_d = cur.coords() * n, dst.coords() * m
     hi_c, hi_d = np.minimum(lo_c + n, size), np.minimum(lo_d + m, size)
     need = np.prod(np.maximum(hi_d - lo_d, 0), axis=1)
     have = np.prod(np.maximum(np.minimum(hi_c, hi_d) - np.maximum(lo_c, lo_d), 0), axis=1)
-    lacking = int((need - have).max())
-    return (float(lacking), int(lacking > 0), 0)
+    lacking = int((need - have).max()) * itemsize
+    if not lacking:
+        return FREE
+    links = sum(d.bandwidth * (2 if d.link is cm.Link.RING else 1) for d in hw.network(cur.num_devices).dims)
+    return hw.collective_overhead_s + lacking / links
 
 
-def _search(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> tuple:
+def _search(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int, hw: cm.Hardware) -> tuple:
     """The cheapest chain of at most MAX_STEPS steps (A* over layouts, guided by what
-    devices still lack; at equal cost, fewer collective-permutes). Gathering everything
-    and cutting is always possible, so a plan is always found."""
+    devices still lack; at equal cost, fewer gathers of what is split again, then fewer
+    collective-permutes). Gathering everything and cutting is always possible, so a plan
+    is always found."""
     preimages = _preimages(src, dst, shape)
-    start = FREE + (0,)
+    start = (FREE, 0, 0)
     best = {src: start}
-    frontier = [(_lacking(src, dst, shape), 0, start, src, ())]
-    tie = itertools.count(1)
+    frontier = [(rounded(_lacking(src, dst, shape, itemsize, hw)), start, next(_tie), src, ())]
     while frontier:
-        _, _, so_far, cur, steps = heapq.heappop(frontier)
+        _, so_far, _, cur, steps = heapq.heappop(frontier)
         if cur == dst:
             return steps
         if so_far > best[cur] or len(steps) == MAX_STEPS:
             continue
         for step in _steps_from(cur, src, dst, shape, preimages):
             nxt = step.result(cur)
-            c = (step.bound if isinstance(step, ExchangeStep) else step.cost)(shape, 1, cur)
-            total = add_costs(so_far, c) + (so_far[2] + (c[1] if isinstance(step, ExchangeStep) else 0),)
+            exchange = isinstance(step, ExchangeStep)
+            seconds = so_far[0] + (step.bound if exchange else step.cost)(shape, itemsize, cur)
+            resplit = isinstance(step, (GatherStep, SumGatherStep)) and dst.tiles[step.dim] > nxt.tiles[step.dim]
+            total = (rounded(seconds), so_far[1] + resplit,
+                     so_far[2] + (_transfers(cur, nxt, shape).rounds() if exchange else 0))
             if nxt not in best or total < best[nxt]:
                 best[nxt] = total
-                bound = tuple(a + b for a, b in zip(total, _lacking(nxt, dst, shape)))
-                heapq.heappush(frontier, (bound, next(tie), total, nxt, steps + (step,)))
+                guess = rounded(seconds + _lacking(nxt, dst, shape, itemsize, hw))
+                heapq.heappush(frontier, ((guess,) + total[1:], total, next(_tie), nxt, steps + (step,)))
     raise AssertionError(f"no reshard plan {src} -> {dst} for {shape}")
+
+
+_tie = itertools.count()   # orders equal entries of the search's heap by when they came
 
 
 def _label_fallbacks(steps: tuple, src: Sharding, dst: Sharding) -> tuple:
@@ -541,11 +551,17 @@ def _label_fallbacks(steps: tuple, src: Sharding, dst: Sharding) -> tuple:
 
 
 def cost(src: Sharding, dst: Sharding, shape: Sequence[int], itemsize: int) -> Cost:
-    """What resharding costs per device (the estimate planning compares)."""
-    return _chain_cost(plan(src, dst, shape), src, shape, itemsize)
+    """What resharding takes, in seconds on the hardware being planned for (the
+    estimate planning compares)."""
+    return _cost(src, dst, tuple(shape), itemsize, cm.current())
 
 
-def _chain_cost(steps, src: Sharding, shape, itemsize: int = 1) -> Cost:
+@functools.lru_cache(maxsize=65536)
+def _cost(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int, hw: cm.Hardware) -> Cost:
+    return _chain_cost(plan(src, dst, shape, itemsize), src, shape, itemsize)
+
+
+def _chain_cost(steps, src: Sharding, shape, itemsize: int) -> Cost:
     total, s = FREE, src
     for step in steps:
         total = add_costs(total, step.cost(shape, itemsize, s))
@@ -554,7 +570,7 @@ def _chain_cost(steps, src: Sharding, shape, itemsize: int = 1) -> Cost:
 
 
 def reshard(ctx: DeviceContext, pv: PartitionedValue, dst: Sharding) -> PartitionedValue:
-    for step in plan(pv.sharding, dst, pv.shape):
+    for step in plan(pv.sharding, dst, pv.shape, pv.dtype.itemsize):
         pv = step.apply(ctx, pv)
     assert pv.sharding == dst, (pv.sharding, dst)
     return pv

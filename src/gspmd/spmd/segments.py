@@ -64,8 +64,8 @@ def assemble(ctx: DeviceContext, segments: Sequence[Segment], sources: Sequence[
         moves = _transfers(segments, sources, layouts, dim, tuple(shape), target)
         if moves is not None:
             cost = rs.add_costs(*[rs.cost(s.sharding, lay, s.shape, itemsize) for s, lay in zip(sources, layouts)],
-                                *[t.cost(itemsize) for t in moves.values()])
-            options.append((cost, whole, layouts, moves))
+                                *[t.cost(itemsize, target.num_devices) for t in moves.values()])
+            options.append((rs.rounded(cost), whole, layouts, moves))
     _, _, layouts, moves = min(options, key=lambda o: o[:2])
     locals_ = [rs.reshard(ctx, s, lay).local for s, lay in zip(sources, layouts)]
     tile = target.shard_shape(shape)
