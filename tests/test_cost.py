@@ -152,12 +152,14 @@ def test_the_partitioner_prices_plans_on_the_hardware_given():
     inverted = cm.Hardware("inverted", 1e15, 80 << 30, 3e12, cm.Hosts(8, 1e9, 1e-6, 1e12, 1e-6))
 
     def plan(hw):
+        """Per collective kind, whether its groups cross hosts."""
         report = gspmd.jit(f, hardware=hw).lower(*args).report()
         assert report.hardware is cm.profile(hw) and report.step_seconds > 0
-        return sorted((c.kind, len(c.groups[0])) for c in report.collectives)
+        return {(c.kind, any(len({d // 8 for d in g}) > 1 for g in c.groups)) for c in report.collectives}
 
-    assert plan("h100") == [("all-gather", 8), ("all-reduce", 2)]
-    assert plan(inverted) == [("all-gather", 2), ("all-reduce", 8)]
+    # (On h100 the gather inside the hosts may take two steps: their rings are latency-bound.)
+    assert plan("h100") == {("all-gather", False), ("all-reduce", True)}
+    assert plan(inverted) == {("all-gather", True), ("all-reduce", False)}
 
 
 def test_device_mesh_lays_each_axis_along_the_torus():

@@ -21,7 +21,8 @@ Collectives over explicit device groups are priced from where the members sit:
   link (all groups run at once, so strided groups share links), over the link bandwidth.
 - all-to-all: every member sends 1/k of its data to every other; the bytes x hops along
   each dim spread over the links of that dim (bisection-bound: O(sqrt N) on a 2D torus).
-- collective-permute: each pair's data routed; time of the most loaded link.
+- collective-permute: each pair's data routed (split both ways round where both ways
+  are as short); time of the most loaded link.
 Latencies and per-byte rates depend only on the groups, so each is computed once.
 """
 from __future__ import annotations
@@ -238,8 +239,13 @@ def _rate(pattern: Pattern, data: bytes, shape: tuple, hw: Hardware, num_devices
     coords = np.stack(np.unravel_index(groups, net.shape), axis=-1)   # [G, k, ndim]
     fixed = hw.collective_overhead_s
     if pattern is Pattern.PERMUTE:
-        latency, per_byte = _route(net, coords[:, 0], coords[:, 1])
-        return Rate(fixed + latency, per_byte)
+        # Each pair's data half one way round, half the other, as the ring collectives
+        # route theirs: a message halfway round a ring (a swap on a 2-ring) uses both
+        # directions, so swapping halves costs what a 2-member all-gather does.
+        src, dst = coords[:, 0], coords[:, 1]
+        latency, per_byte = _route(net, np.concatenate([src, src]), np.concatenate([dst, dst]),
+                                   prefer=np.repeat([1, -1], len(src)))
+        return Rate(fixed + latency, per_byte / 2)
     if pattern is Pattern.ALL_TO_ALL:
         latency, per_byte = _all_to_all(net, coords)
         return Rate(fixed + latency, per_byte)
