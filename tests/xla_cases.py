@@ -349,16 +349,27 @@ FEATURE_GROUPED_1D = (_conv((0, 2, 1), (2, 0, 1), (1, 2, 0), [(2, 2)], feature_g
 S2 = {name: f"devices={spec}0,1" for name, spec in
       [("f", "[1,1,1,2]"), ("s", "[1,2,1,1]"), ("b", "[2,1,1,1]"), ("r", "[1,1,2,1]")]}
 P8 = "0,4,1,5,2,6,3,7 last_tile_dim_replicate"
+
+
+def _aligned(names, conv, conv_whole, rhs_split, rhs_bytes, out_bytes):
+    """XLA's five alignment tests of a grouped convolution: everything split on the
+    groups (no communication); then the rhs, the lhs or the result split otherwise, each
+    moving just that tensor (the lhs and the result of the last test both)."""
+    lhs_bytes = nbytes(4, 34, 1, 4)
+    f, s, b = S2["f"], S2["s"], S2["b"]
+    return list(zip(names, [conv_whole] + [conv] * 4, [f, f, s, f, s], [f, rhs_split, f, f, f], [f, f, f, b, b],
+                    [dict(kinds={}), dict(most=1, total=rhs_bytes), dict(most=1, total=lhs_bytes),
+                     dict(most=1, total=out_bytes), dict(most=2, total=lhs_bytes + out_bytes)]))
+
+
+BATCH_ALIGNED = _aligned([f"PartitionConvWithBathGroupCount{n}" for n in
+                          ["", "RHSAlignWithLHS", "LHSAlignWithRHS", "OutputAlignWithLHS", "OutputAlignWithRHS"]],
+                         BATCH_GROUPED, BATCH_GROUPED, S2["s"], nbytes(4, 34, 1, 4), nbytes(6, 1, 1, 4))
+FEATURE_ALIGNED = _aligned([f"PartitionConvWithFeatureGroupCount{n}" for n in
+                            ["", "RHSAlignWithLHS", "LHSAlignWithRHS", "AlignOuputWithLHS", "AlignOuputWithRHS"]],
+                           FEATURE_GROUPED, FEATURE_GROUPED_2, S2["b"], nbytes(5, 1, 1, 8), nbytes(4, 33, 1, 4))
 for _name, (_conv_fn, _lhs_shape, _rhs_shape), _lhs, _rhs, _out, _expect in [
-        ("PartitionConvWithBathGroupCount", BATCH_GROUPED, S2["f"], S2["f"], S2["f"], dict(kinds={})),
-        ("PartitionConvWithBathGroupCountRHSAlignWithLHS", BATCH_GROUPED, S2["f"], S2["s"], S2["f"],
-         dict(most=1, total=nbytes(4, 34, 1, 4))),
-        ("PartitionConvWithBathGroupCountLHSAlignWithRHS", BATCH_GROUPED, S2["s"], S2["f"], S2["f"],
-         dict(most=1, total=nbytes(4, 34, 1, 4))),
-        ("PartitionConvWithBathGroupCountOutputAlignWithLHS", BATCH_GROUPED, S2["f"], S2["f"], S2["b"],
-         dict(most=1, total=nbytes(6, 1, 1, 4))),
-        ("PartitionConvWithBathGroupCountOutputAlignWithRHS", BATCH_GROUPED, S2["s"], S2["f"], S2["b"],
-         dict(most=2, total=nbytes(4, 34, 1, 4) + nbytes(6, 1, 1, 4))),
+        *BATCH_ALIGNED,
         ("PartitionConvGroupOnBatchGroupCount", BATCH_GROUPED, "devices=[1,2,1,2]0,1,2,3", "devices=[1,2,1,2]0,1,2,3",
          "devices=[1,1,1,2,2]0,1,2,3 last_tile_dim_replicate", dict(most=5, below=nbytes(4, 17, 1, 4))),
         ("PartitionConvWithBathGroupAlignWithLHSPartial", BATCH_GROUPED_1D, f"devices=[2,1,4]{ALL8}",
@@ -367,15 +378,7 @@ for _name, (_conv_fn, _lhs_shape, _rhs_shape), _lhs, _rhs, _out, _expect in [
          f"devices=[2,1,4]{ALL8}", f"devices=[1,4,1,2]{P8}", dict(most=4, below=nbytes(4, 35, 16))),
         ("PartitionConvWithBathGroupCountAlignWithOutputPartial", BATCH_GROUPED_1D, f"devices=[4,1,2]{ALL8}",
          f"devices=[4,1,2]{ALL8}", f"devices=[1,1,4,2]{P8}", dict(most=4, below=nbytes(4, 35, 16))),
-        ("PartitionConvWithFeatureGroupCount", FEATURE_GROUPED_2, S2["f"], S2["f"], S2["f"], dict(kinds={})),
-        ("PartitionConvWithFeatureGroupCountRHSAlignWithLHS", FEATURE_GROUPED, S2["f"], S2["b"], S2["f"],
-         dict(most=1, total=nbytes(5, 1, 1, 8))),
-        ("PartitionConvWithFeatureGroupCountLHSAlignWithRHS", FEATURE_GROUPED, S2["s"], S2["f"], S2["f"],
-         dict(most=1, total=nbytes(4, 34, 1, 4))),
-        ("PartitionConvWithFeatureGroupCountAlignOuputWithLHS", FEATURE_GROUPED, S2["f"], S2["f"], S2["b"],
-         dict(most=1, total=nbytes(4, 33, 1, 4))),
-        ("PartitionConvWithFeatureGroupCountAlignOuputWithRHS", FEATURE_GROUPED, S2["s"], S2["f"], S2["b"],
-         dict(most=2, total=nbytes(4, 34, 1, 4) + nbytes(4, 33, 1, 4))),
+        *FEATURE_ALIGNED,
         ("PartitionConvWithFeatureGroupCountAlignWithLHSPartial", FEATURE_GROUPED_1D,
          f"devices=[1,1,4,2]{ALL8} last_tile_dim_replicate", f"devices=[1,1,2,4]{ALL8} last_tile_dim_replicate",
          f"devices=[1,1,2,4]{P8}", dict(most=2, below=nbytes(4, 35, 16))),

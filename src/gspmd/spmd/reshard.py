@@ -363,19 +363,28 @@ class ExchangeStep:
 
 
 # -- planning --------------------------------------------------------------------------
-def _gathers(s: Sharding, shape):
+def _factors(t: int, *wanted: int) -> list[int]:
+    """The split factors (>1, dividing t) worth trying out of t tiles: each of `wanted`
+    and its greatest common divisor with t. Every divisor of a split over thousands of
+    devices would be thousands of layouts to search; these are the ones that take a
+    dim toward the target's split."""
+    return sorted({g for w in wanted for g in (w, math.gcd(t, w)) if g > 1 and t % g == 0})
+
+
+def _gathers(s: Sharding, dst: Sharding, shape):
     for d, t in enumerate(s.tiles):
-        for k in range(2, t + 1):
-            if t % k == 0 and _nests(shape[d], t, k):
+        for k in _factors(t, t, t // math.gcd(t, dst.tiles[d])):
+            if _nests(shape[d], t, k):
                 if shape[d] < t:   # some pieces are only padding; at equal cost, the smaller result
                     yield SumGatherStep(d, k)
                 yield GatherStep(d, k)
 
 
-def _single_moves(s: Sharding, shape):
+def _single_moves(s: Sharding, dst: Sharding, shape):
     for a, t in enumerate(s.tiles):
-        for k in (k for k in range(2, t + 1) if t % k == 0):
-            for b in range(s.rank):
+        for b in range(s.rank):
+            wanted = dst.tiles[b] // s.tiles[b] if dst.tiles[b] % s.tiles[b] == 0 else 1
+            for k in _factors(t, t, t // math.gcd(t, dst.tiles[a]), wanted):
                 if b != a and _moves_nest(s, ((a, b, k),), shape):
                     yield (a, b, k)
 
@@ -389,13 +398,13 @@ def _on_track(s: Sharding, dst: Sharding, dim: int) -> bool:
 def _all_to_alls(s: Sharding, dst: Sharding, shape):
     """Every single move, and every set of moves toward dst that one all-to-all can do
     together (no dim both gives and receives)."""
-    singles = list(_single_moves(s, shape))
+    singles = list(_single_moves(s, dst, shape))
     combos = set()
 
     def extend(moves: tuple, layout: Sharding):
         if len(moves) > 1:
             combos.add(moves)
-        for m in (singles if not moves else _single_moves(layout, shape)):
+        for m in (singles if not moves else _single_moves(layout, dst, shape)):
             if m[0] in {x[1] for x in moves} or m[1] in {x[0] for x in moves}:
                 continue
             after = _moved_layout(layout, (m,))
@@ -439,11 +448,12 @@ def _preimages(src: Sharding, dst: Sharding, shape) -> list[Sharding]:
     source should land when the rest is cheaper done on small pieces."""
     out = []
     for d, t in enumerate(dst.tiles):
-        for k in range(2, dst.num_replicas + 1):
+        finer = src.tiles[d] // t if src.tiles[d] % t == 0 else 1
+        for k in _factors(dst.num_replicas, dst.num_replicas, finer):
             if _nests(shape[d], t * k, k):
                 out.append(_refined(dst, src, d, k))
-        for k in (k for k in range(2, t + 1) if t % k == 0):
-            for a in range(dst.rank):
+        for a in range(dst.rank):
+            for k in _factors(t, t, src.tiles[a]):
                 x = _moved_layout(dst, ((d, a, k),)) if a != d else None   # the inverse move
                 if x is not None and _moves_nest(x, ((a, d, k),), shape):
                     out.append(x)
@@ -456,7 +466,7 @@ def _steps_from(cur: Sharding, src: Sharding, dst: Sharding, shape, preimages: l
             yield SliceStep(target)
         elif (t := _transfers(cur, target, shape)) is not None and t.rounds() <= MAX_ROUNDS:
             yield ExchangeStep(target)
-    yield from _gathers(cur, shape)
+    yield from _gathers(cur, dst, shape)
     yield from _all_to_alls(cur, dst, shape)
 
 
