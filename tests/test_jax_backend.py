@@ -183,7 +183,9 @@ def test_independent_reduce_scatters_run_as_one():
     args = (rand(rng, 8, 16), rand(rng, 16, 12), rand(rng, 10, 16), rand(rng, 16, 6), rand(rng, 16, 8),
             rand(rng, 8, 12))
     low = check(f, *args, mesh=MESH)
-    assert low.report().counts() == {"reduce-scatter": 3, "all-reduce": 1}, low.report()
+    # (r2's uneven result is all-reduced, or, where the planner's hardware finds that no
+    # cheaper, made by resharding its operands: either runs alone.)
+    assert low.report().counts()["reduce-scatter"] == 3, low.report()
     hlo = low.jax_executable().compiled.as_text()
     assert len(re.findall(r" reduce-scatter\(", hlo)) == 2, hlo   # r1 and r3 side by side, then the chained one
 

@@ -52,7 +52,9 @@ def test_reductions_over_different_groups_are_not_merged():
 
     rng = np.random.RandomState(2)
     low = check(f, rand(rng, 8, 8), rand(rng, 8, 4), rand(rng, 8, 6), rand(rng, 6, 4), mesh=MESH)
-    assert len({tuple(map(tuple, np.asarray(c.groups).tolist())) for c in _reductions(low)}) == 2
+    # (pb's partial sums may be reduce-scattered, then gathered, where that is cheaper.)
+    reductions = _reductions(low) + _reductions(low, "reduce-scatter")
+    assert len({tuple(map(tuple, np.asarray(c.groups).tolist())) for c in reductions}) == 2
 
 
 def test_reduce_scatters_are_not_merged():

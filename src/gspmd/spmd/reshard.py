@@ -363,11 +363,17 @@ class ExchangeStep:
 
 
 # -- planning --------------------------------------------------------------------------
+ALL_FACTORS_UP_TO = 16   # tiles of a split up to which every divisor is a factor to try
+
+
 def _factors(t: int, *wanted: int) -> list[int]:
-    """The split factors (>1, dividing t) worth trying out of t tiles: each of `wanted`
-    and its greatest common divisor with t. Every divisor of a split over thousands of
-    devices would be thousands of layouts to search; these are the ones that take a
-    dim toward the target's split."""
+    """The split factors (>1, dividing t) worth trying out of t tiles: every divisor of
+    a small split (all-to-alls that also reorder devices combine small factors); of a
+    larger one, each of `wanted` and its greatest common divisor with t, those that take
+    a dim toward the target's split (every divisor of a split over thousands of devices
+    would be thousands of layouts to search)."""
+    if t <= ALL_FACTORS_UP_TO:
+        return [k for k in range(2, t + 1) if t % k == 0]
     return sorted({g for w in wanted for g in (w, math.gcd(t, w)) if g > 1 and t % g == 0})
 
 
