@@ -103,6 +103,18 @@ def test_take_along_axis_on_batch_split_operand_needs_no_collective():
     assert low.report().collectives == []
 
 
+@pytest.mark.parametrize("row", [1, 3, 5, -7])
+def test_dropped_scatter_indices_leave_every_shard_alone(row):
+    """An index off a device's shard (or off the array: dropped) must not write into the
+    neighbouring shard (XLA:CPU did, on the jax backend, for uneven shards)."""
+    mesh = gspmd.Mesh(np.arange(3), ("a",))
+
+    def f(x, u):
+        return gspmd.mesh_split(x, mesh, ["a", -1]).at[jnp.array([row])].set(u, mode="drop")
+
+    check(f, np.arange(1, 6, dtype=np.float32).reshape(5, 1), np.full((1, 1), 100, np.float32), mesh=mesh)
+
+
 def test_vocab_split_take_with_fill_mode_sums_one_small_result():
     """jnp.take's default mode fills out-of-range rows with NaN: each device answers for
     its rows, the first one for rows nobody holds; no table moves."""

@@ -375,7 +375,13 @@ def _lower_scatter(instr, args, lc):
                                      scatter_dims_to_operand_dims=a["scatter_dims_to_operand_dims"],
                                      operand_batching_dims=a["operand_batching_dims"],
                                      scatter_indices_batching_dims=a["scatter_indices_batching_dims"])
-    return [_LAX_SCATTERS[a["reducer"]](*args, dn, mode=_LAX_MODES[a["mode"]])]
+    operand, indices, updates = args
+    if a["mode"] == FILL:
+        # XLA:CPU (jaxlib 0.10) scatters in place into the buffer a dynamic-slice operand was
+        # cut from, without bounds against the slice: a dropped index (the partitioner's "not
+        # on this device") overwrote a neighbouring shard's row. A barrier keeps it a buffer.
+        operand = lax.optimization_barrier(operand)
+    return [_LAX_SCATTERS[a["reducer"]](operand, indices, updates, dn, mode=_LAX_MODES[a["mode"]])]
 
 
 register("gather", converts={"gather": _convert_gather}, evaluate=_evaluate_gather, lower=_lower_gather,
