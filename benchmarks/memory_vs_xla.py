@@ -31,29 +31,37 @@ import numpy as np  # noqa: E402
 import gspmd  # noqa: E402
 from gspmd.analysis import memory  # noqa: E402
 from gspmd.models import mlp, moe, pipelined, transformer, unet  # noqa: E402
+from gspmd.runtime import jax_backend  # noqa: E402
 
 
 def _mesh(shape, names):
     return gspmd.Mesh(np.arange(int(np.prod(shape))).reshape(shape), names)
 
 
-def _remat_stack(mesh, layers: int, batch: int, model: int, hidden: int):
-    """A scan over stacked layers, each under jax.checkpoint (nothing saved): the backward
-    pass recomputes every layer. (train step, arguments) of its gradient."""
+def _scanned_stack(mesh, layers: int, batch: int, model: int, hidden: int, remat: bool):
+    """A scan over stacked layers. remat: each layer under jax.checkpoint (nothing saved),
+    the backward pass recomputes every layer: (its gradient, arguments); else an SGD train
+    step of the stacked parameters (which donation updates in place): (step, arguments)."""
     def layer(x, w1, w2):
         h = jax.nn.gelu(x @ gspmd.mesh_split(w1, mesh, [-1, "y"]))
         return x + jnp.tanh(h @ w2)
 
     def loss(x, w1s, w2s):
-        step = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
+        step = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable) if remat else layer
         y, _ = jax.lax.scan(lambda c, ws: (step(c, *ws), None), gspmd.mesh_split(x, mesh, ["x", -1]), (w1s, w2s))
         return jnp.mean(y ** 2)
 
     rng = np.random.RandomState(0)
-    args = (rng.standard_normal((batch, model)).astype(np.float32),
-            (rng.standard_normal((layers, model, hidden)) * 0.3).astype(np.float32),
-            (rng.standard_normal((layers, hidden, model)) * 0.3).astype(np.float32))
-    return jax.grad(loss, argnums=(1, 2)), args
+    x = rng.standard_normal((batch, model)).astype(np.float32)
+    ws = ((rng.standard_normal((layers, model, hidden)) * 0.3).astype(np.float32),
+          (rng.standard_normal((layers, hidden, model)) * 0.3).astype(np.float32))
+    if remat:
+        return jax.grad(loss, argnums=(1, 2)), (x, *ws)
+
+    def train_step(ws, x):
+        grads = jax.grad(lambda ws: loss(x, *ws))(ws)
+        return jax.tree_util.tree_map(lambda w, g: w - 0.1 * g, ws, grads)
+    return train_step, (ws, x)
 
 
 def cases(size: str) -> dict:
@@ -80,7 +88,8 @@ def cases(size: str) -> dict:
                  (unet.init_params(rng, width=width), rng.standard_normal((2, 2, side, side, side)).astype(np.float32),
                   rng.standard_normal((2, 1, side, side, side)).astype(np.float32))),
         "pipeline": (pipelined.make_train_step(_mesh((2, 4), ("p", "x")), pcfg), (stacked, xs, targets)),
-        "remat": _remat_stack(mesh2, 3, *((16, 8, 32) if small else (256, 64, 512))),
+        "scan": _scanned_stack(mesh2, 3, *((16, 8, 32) if small else (256, 64, 512)), remat=False),
+        "remat": _scanned_stack(mesh2, 3, *((16, 8, 32) if small else (256, 64, 512)), remat=True),
     }
 
 
@@ -89,12 +98,8 @@ def xla_peak(low: gspmd.Lowered, donated: tuple[int, ...]) -> int:
     donated parameters' buffers given to the results, as jax.jit(donate_argnums) does)."""
     ex = low.jax_executable()
     if donated:
-        in_types = [jax.ShapeDtypeStruct(shape, p.dtype, sharding=sharding)
-                    for p in ex.spmd.params for shape, sharding in [ex._stacked(p)]]
-        compiled = jax.jit(ex._shard_mapped(), donate_argnums=donated).lower(*in_types).compile()
-    else:
-        compiled = ex.compiled
-    m = compiled.memory_analysis()
+        ex = jax_backend.Executable(low.spmd, low.program.params, low.program.outputs, low.mesh, donated)
+    m = ex.compiled.memory_analysis()
     return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
 
 

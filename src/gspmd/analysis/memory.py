@@ -154,19 +154,21 @@ def made_by(instr: Optional[Instr]) -> str:
     return instr.origin or instr.opcode
 
 
-def profile(program: Program, aliases: Mapping[int, int] = {}, entry: bool = True) -> MemoryProfile:
+def profile(program: Program, aliases: Mapping[int, int] = {}, entry: bool = True,
+            kernel_scratch: bool = True) -> MemoryProfile:
     """Buffers of the per-device `program` step by step. `aliases` maps a parameter's
     index to the index of the result that reuses its buffer (donated arguments, loop
     carries). `entry`: the executable's own program, whose results get allocations of
-    their own (a loop body's results are its carry)."""
-    return _Liveness(program, dict(aliases), entry).run()
+    their own (a loop body's results are its carry). `kernel_scratch`: count the scratch
+    of kernels XLA:CPU expands (gspmd.Hardware.kernel_scratch; accelerators have none)."""
+    return _Liveness(program, dict(aliases), entry, kernel_scratch).run()
 
 
 def run_order(program: Program) -> tuple[dict[Value, int], dict[Value, int], set[Value]]:
     """How XLA runs `program`, for estimates that follow this model (gspmd.auto's): the
     step that makes each stored value, the last step that reads it, and the values loop
     fusion computes inside their readers instead of storing."""
-    live = _Liveness(program, {}, True)
+    live = _Liveness(program, {}, True, kernel_scratch=False)
     made = {o: s for s, step in enumerate(live.steps) for o in step.outputs}
     return made, dict(live.last_read), set(live.fused)
 
@@ -201,7 +203,7 @@ class _Step:
         return self.outputs[0].name if self.outputs else ""
 
 
-def _steps(program: Program) -> tuple[list[_Step], dict[Value, Order]]:
+def _steps(program: Program, kernel_scratch: bool) -> tuple[list[_Step], dict[Value, Order]]:
     """The program with the layout copies that kernels want, each made before the first
     instruction that reads it; and the values not laid out row-major, with their order."""
     steps: list[_Step] = []
@@ -224,7 +226,7 @@ def _steps(program: Program) -> tuple[list[_Step], dict[Value, Order]]:
             operands[index] = copies[v, order]
         expensive = op.expensive(instr) if callable(op.expensive) else op.expensive
         steps.append(_Step(instr, operands, list(instr.outputs), ops.storage(instr), expensive, made_by(instr),
-                           op.scratch(instr) if op.scratch else 0))
+                           op.scratch(instr) if op.scratch and kernel_scratch else 0))
         if layout is not None and layout.result is not None:
             stored.update((out, layout.result) for out in instr.outputs)
     return steps, stored
@@ -313,9 +315,9 @@ class _Buffer:
 class _Liveness:
     """The buffers of one program: which values share one, and from which step to which."""
 
-    def __init__(self, program: Program, aliases: dict[int, int], entry: bool):
-        self.program, self.aliases, self.entry = program, aliases, entry
-        every, self.stored = _steps(program)
+    def __init__(self, program: Program, aliases: dict[int, int], entry: bool, kernel_scratch: bool):
+        self.program, self.aliases, self.entry, self.kernel_scratch = program, aliases, entry, kernel_scratch
+        every, self.stored = _steps(program, kernel_scratch)
         self.results = set(program.outputs)
         self.fused = _fused(every, self.results)
         self.producer = {o: step for step in every for o in step.outputs}
@@ -417,8 +419,11 @@ class _Liveness:
         """The buffer `out` takes over: a dying operand's, or its donated argument's."""
         param = self.aliased_param.get(out)
         if param is not None:
-            buf, last = holding[param], self.last_read.get(param, -1)
-            if buf.value is param and (last < s or (last == s and param in self._in_place_candidates(step, index))):
+            # the argument's buffer, once nothing reads it any more under any of its names
+            # (a loop that passes it through unchanged returns it as a view)
+            buf, overwritten = holding[param], self._in_place_candidates(step, index)
+            if all(self.last_read.get(v, -1) < s or (self.last_read[v] == s and v in overwritten)
+                   for v in buf.values):
                 return buf
             return None   # still read later: XLA copies it first
         for v in self._in_place_candidates(step, index):
@@ -428,15 +433,15 @@ class _Liveness:
                 return buf
         return None
 
-    @staticmethod
-    def _loop_temporaries(step: _Step) -> tuple[int, Optional[MemoryProfile]]:
+    def _loop_temporaries(self, step: _Step) -> tuple[int, Optional[MemoryProfile]]:
         """What a step's sub-programs (a loop's body and condition, a conditional's
         branches) hold beyond their parameters while it runs, and the profile of the one
         that holds most. A loop body's results are its carry."""
         best: tuple[int, Optional[MemoryProfile]] = (0, None)
         body = _carried_body(step)
         for sub, _ in (ops.runs(step.instr) if step.instr else ()):
-            prof = profile(sub, {i: i for i in range(len(sub.params))} if sub is body else {}, entry=False)
+            prof = profile(sub, {i: i for i in range(len(sub.params))} if sub is body else {}, entry=False,
+                           kernel_scratch=self.kernel_scratch)
             if best[1] is None or prof.peak_bytes - prof.arguments_bytes > best[0]:
                 best = (prof.peak_bytes - prof.arguments_bytes, prof)
         return max(best[0], 0), best[1]

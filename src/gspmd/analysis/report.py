@@ -148,11 +148,12 @@ def _groups_str(groups) -> str:
 def analyse(spmd: Program, num_devices: int, hardware: Union[None, str, Hardware] = None,
             donated: Sequence[int] = ()) -> Report:
     """`donated`: indices of parameters whose buffers the results may reuse."""
-    held = memory.profile(spmd, memory.donation_aliases(spmd, donated))
+    hw = None if hardware is None else profile(hardware)
+    held = memory.profile(spmd, memory.donation_aliases(spmd, donated), kernel_scratch=hw is None or hw.kernel_scratch)
     report = Report(peak_memory_bytes=held.peak_bytes, memory=held, pipelines=list(spmd.schedules))
-    if hardware is not None:
-        report.hardware = profile(hardware)
-        report.timing = time_program(spmd, report.hardware, num_devices)
+    if hw is not None:
+        report.hardware = hw
+        report.timing = time_program(spmd, hw, num_devices)
     _walk(spmd, 1, report)
     report.bubble_fraction = _bubble_fraction(report.pipelines)
     report.recompute_fraction = report.recompute_flops / report.flops if report.recompute_flops else None
