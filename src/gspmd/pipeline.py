@@ -27,7 +27,7 @@ their gradients and optimizer state split by stage (see `stage_major_order`).
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Union
 
 import jax
 import jax.numpy as jnp
@@ -44,13 +44,14 @@ SCHEDULES = ("gpipe", "circular", "1f1b")
 
 
 def pipeline(stage_fn: Callable, stacked_params, microbatches, *, mesh: Mesh, stage_axis: str,
-             schedule: str = "gpipe", repeats: int = 1, stage_major: bool = False, remat: bool = True,
-             manual_stages: bool = False):
+             schedule: str = "gpipe", repeats: int = 1, stage_major: bool = False,
+             remat: Union[bool, Callable] = True, manual_stages: bool = False):
     """Apply the L*R layers of `stacked_params` (a pytree whose leaves have a leading
     layer dim) to each of the M microbatches (leading dim of `microbatches`):
     ys[m] == layer_{LR-1}(... layer_0(microbatches[m])), layer_i(x) = stage_fn(params_i, x).
     L = the size of `stage_axis` of `mesh` (a gspmd.Mesh or jax Mesh). remat: the backward pass recomputes each stage from
-    its kept input instead of keeping the stage's intermediates. manual_stages: the
+    its kept input instead of keeping the stage's intermediates; or a jax.checkpoint policy
+    (jax.checkpoint_policies.dots_saveable, ...): it keeps what the policy saves. manual_stages: the
     stages run as a manual region over the stage axis (paper 3.4) instead of a vmap;
     stage_fn's annotations over the other axes partition it inside."""
     if schedule == "1f1b":
@@ -184,11 +185,14 @@ class _Pipeline:
         return self.split(jnp.broadcast_to(xs[None], (self.L,) + jnp.shape(xs)))
 
     def layer(self, per_stage, r):
-        """Per stage, its layer for repeat r[s] (a one-hot contraction keeps it local)."""
+        """Per stage, its layer for repeat r[s]: a one-hot masked sum over the repeats, local
+        to each stage, and no matmul, which remat policies that save matmuls would hold once
+        per step. With one repeat the layer is the same at every step: no selection, so the
+        layers stay loop-invariant and autodiff saves them once, not once per step."""
         if self.R == 1:
             return jax.tree_util.tree_map(lambda p: p[:, 0], per_stage)
-        onehot = jax.nn.one_hot(r, self.R)
-        return jax.tree_util.tree_map(lambda p: jnp.einsum("lr...,lr->l...", p, onehot.astype(p.dtype)), per_stage)
+        onehot = jax.nn.one_hot(r, self.R, dtype=bool)
+        return jax.tree_util.tree_map(lambda p: jnp.sum(_mask(onehot, p), axis=1), per_stage)
 
     # -- pieces of a step -------------------------------------------------------------
     def stage_inputs(self, t, read, previous):
@@ -226,10 +230,10 @@ class _Pipeline:
         return _masked_stages(self.all_stages())(self.layer(per_stage, r), x, valid)
 
     # -- gpipe and circular -------------------------------------------------------------
-    def forward(self, stacked_params, microbatches, remat: bool):
+    def forward(self, stacked_params, microbatches, remat: Union[bool, Callable]):
         per_stage = jax.tree_util.tree_map(self.by_stage, stacked_params)
         inputs = self.per_stage_buffer(microbatches)
-        run = jax.checkpoint(self.run_stages) if remat else self.run_stages
+        run = jax.checkpoint(self.run_stages, policy=None if remat is True else remat) if remat else self.run_stages
         last = self.L - 1
 
         def step(carry, t):
