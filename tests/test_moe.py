@@ -38,8 +38,12 @@ def test_hybrid_moe_splits_each_expert_over_the_second_axis():
     low = check(lambda p, v: moe.moe_layer(p, v, mesh, "x", cfg, expert_axis="y"), params, x, mesh=mesh)
     report = low.report()
     assert report.counts()["all-to-all"] == 2, report
-    # The expert output's partial sums over the split hidden dim are combined over "y".
+    # Tokens keep M split over "y" (as the dense layers' activations): the all-to-alls
+    # over "x" move a quarter of them, the experts' einsum gathers M on demand, and the
+    # expert output's partial sums over the split hidden dim are reduce-scattered onto M.
     y_groups = {(0, 1, 2, 3), (4, 5, 6, 7)}
-    assert any(c.kind in ("all-reduce", "reduce-scatter") and set(c.groups) == y_groups for c in report.collectives)
+    tokens = cfg.experts // 2 * cfg.groups * cfg.capacity * cfg.model * 4   # [E, G, C, M] per x-shard, float32
+    assert all(c.bytes == tokens // 4 for c in report.collectives if c.kind == "all-to-all"), report
+    assert any(c.kind == "reduce-scatter" and set(c.groups) == y_groups for c in report.collectives), report
     assert low.program.params[1].sharding == gspmd.Sharding.from_mesh(mesh, ["x", -1, "y"], params["w_in"].shape)
     check(moe.make_train_step(mesh, "x", cfg, expert_axis="y"), params, x, target, mesh=mesh)

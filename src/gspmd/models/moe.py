@@ -36,14 +36,17 @@ class Config:
 def moe_layer(params: dict, x, mesh: Optional[Mesh], axis: str, cfg: Config, expert_axis: Optional[str] = None):
     """x [G, S, M] -> [G, S, M]; groups and experts split over mesh axis `axis`. The
     hybrid configuration (paper Table 7, Figure 8b) also splits each expert's hidden dim
-    H over `expert_axis`, for experts too large for one device. With mesh None, no
-    annotations (for gspmd.auto)."""
+    H over `expert_axis`, for experts too large for one device, and keeps the tokens' M
+    split over it, as the 2D-finalized dense layers keep their activations: the
+    all-to-alls move 1/Y of the tokens, the experts' einsum gathers M on demand and its
+    partial sums are reduce-scattered back onto M. With mesh None, no annotations (for
+    gspmd.auto)."""
     inner = expert_axis if expert_axis is not None else -1
 
     def split(value, spec):
         return value if mesh is None else mesh_split(value, mesh, spec)
 
-    x = split(x.astype(cfg.dtype), [axis, -1, -1])
+    x = split(x.astype(cfg.dtype), [axis, -1, inner])
     w_in = split(params["w_in"], [axis, -1, inner]).astype(cfg.dtype)      # E M H
     w_out = split(params["w_out"], [axis, inner, -1]).astype(cfg.dtype)    # E H M
     gate_logits = jnp.einsum("gsm,me->gse", x, params["w_gate"].astype(cfg.dtype))
@@ -55,9 +58,9 @@ def moe_layer(params: dict, x, mesh: Optional[Mesh], axis: str, cfg: Config, exp
     slots = jax.nn.one_hot(position.astype(jnp.int32), cfg.capacity, dtype=x.dtype)   # G S E C
     dispatch = kept[..., None] * slots
     combine = dispatch * jnp.sum(gates * mask, axis=-1).astype(x.dtype)[..., None, None]
-    expert_in = split(jnp.einsum("gsec,gsm->egcm", dispatch, x), [axis, -1, -1, -1])
+    expert_in = split(jnp.einsum("gsec,gsm->egcm", dispatch, x), [axis, -1, -1, inner])
     hidden = jax.nn.relu(jnp.einsum("egcm,emh->egch", expert_in, w_in))
-    expert_out = split(jnp.einsum("egch,ehm->egcm", hidden, w_out), [axis, -1, -1, -1])
+    expert_out = split(jnp.einsum("egch,ehm->egcm", hidden, w_out), [axis, -1, -1, inner])
     return x + jnp.einsum("gsec,egcm->gsm", combine, expert_out)
 
 
