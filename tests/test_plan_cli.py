@@ -112,7 +112,7 @@ def test_a_users_function(capsys, tmp_path, monkeypatch):
     (["transformer", "--image-size", "64"], "does not vary --image-size"),
     (["unet", "--heads", "8"], "does not vary --heads"),
     (["transformer", "--remat", "offload_dot_with_no_batch_dims"], "host memory"),
-    (["unet", "--remat", "nothing_saveable"], "does not vary --remat"),
+    (["unet", "--experts", "8"], "does not vary --experts"),
     (["resnet"], "Unknown model"),
     (["transformer", "--mesh", "4x4", "--microbatches", "4"], "pipelines only"),
     (["transformer", "--mesh", "2x2x2", "--stages", "4"], "first dim"),

@@ -1,11 +1,17 @@
-"""Planning at paper scale: 2048 devices, abstract inputs, no execution."""
+"""Planning at paper scale: 2048 devices, abstract inputs, no execution; and the
+planner's own train steps (gspmd plan), which must compute what one device does."""
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
 
 import gspmd
+from gspmd import planning
 from gspmd.analysis import PROFILES
 from gspmd.models import transformer as T
+from gspmd.spmd.cost import profile
+from util import check
 
 
 def test_dense_transformer_on_2048_devices_fits_and_estimates_a_step():
@@ -65,3 +71,52 @@ def test_peak_memory_counts_what_a_loop_body_holds():
 
     report = gspmd.jit(f).lower(jax.ShapeDtypeStruct((256,), np.float32)).report()
     assert report.peak_memory_bytes >= 256 * 256 * 4   # the [256, 256] outer product the body's dot reads
+
+
+# -- the planner's train steps (gspmd plan) ---------------------------------------------------
+SMALL = dict(layers=4, model_dim=64, ffn_dim=256, heads=4, head_dim=16, seq=32, batch=8, mesh=(2, 4))
+
+
+def _concrete(case, seed=0):
+    """Arrays for a planned case's abstract arguments: parameters and data random, the
+    optimizer's state positive (second moments), its step count zero."""
+    rng = np.random.RandomState(seed)
+
+    def fill(path, s):
+        if np.issubdtype(s.dtype, np.integer):
+            return np.zeros(s.shape, s.dtype)
+        x = rng.standard_normal(s.shape) * 0.1
+        return (np.abs(x) + 0.01 if len(case.args) == 4 and path[0].idx == 1 else x).astype(s.dtype)
+    return jax.tree_util.tree_map_with_path(fill, tuple(case.args))
+
+
+@pytest.mark.parametrize("model, sizes", [
+    ("transformer", dict(SMALL, layers=2, seq=16, remat="dots_saveable")),
+    ("hybrid-moe", dict(layers=2, model_dim=32, ffn_dim=64, heads=4, head_dim=8, seq=16, experts=2, batch=4,
+                        mesh=(2, 4), remat="dots_with_no_batch_dims_saveable")),
+    ("transformer", dict(SMALL, layers=4, seq=8, batch=4, mesh=(2, 2, 2), stages=2, microbatches=2,
+                         schedule="circular", repeats=2, remat="nothing_saveable")),
+])
+def test_planned_train_steps_equal_the_single_device_step(model, sizes):
+    """What `gspmd plan` partitions (rematerialized layers, a circular pipeline with its
+    parameters stage by stage, donated parameters) computes the single-device step."""
+    case = planning.build(model, planning.Sizes(activation_dtype="float32", **sizes), profile("tpu-v3"))
+    check(case.step, *_concrete(case), mesh=case.mesh, rtol=2e-3, atol=2e-4)
+
+
+def test_planned_train_steps_update_parameters_and_optimizer_state_in_place():
+    p = planning.plan("transformer", planning.Sizes(**SMALL))
+    updated = sum(v.nbytes for v in p.lowered.spmd.params[:-2])     # all but the data
+    assert p.report.memory.aliased_bytes == updated and p.report.memory.results_bytes == 4   # the loss
+
+
+def test_remat_auto_rematerializes_as_little_as_fits():
+    peaks = {policy: planning.plan("transformer", planning.Sizes(**SMALL, remat=policy)).report.peak_memory_bytes
+             for policy in planning.FIT_ORDER}
+    assert peaks[None] > peaks["dots_saveable"] > peaks["dots_with_no_batch_dims_saveable"] > \
+        peaks["nothing_saveable"], peaks
+    limit = (peaks["dots_saveable"] + peaks["dots_with_no_batch_dims_saveable"]) // 2
+    small = dataclasses.replace(profile("tpu-v3"), name="small", memory_bytes=limit)
+    chosen = planning.plan("transformer", planning.Sizes(**SMALL, remat="auto"), small)
+    assert chosen.case.sizes["remat"] == "dots_with_no_batch_dims_saveable" and chosen.report.fits_in_memory
+    assert chosen.report.recompute_fraction > 0

@@ -254,7 +254,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.add_argument(f"--{flag}", type=int, help=what)
     p.add_argument("--schedule", help="pipeline schedule: gpipe or circular")
     p.add_argument("--remat", help="rematerialize each layer with a jax.checkpoint policy: nothing_saveable, "
-                   "dots_saveable, dots_with_no_batch_dims_saveable, everything_saveable")
+                   "dots_saveable, dots_with_no_batch_dims_saveable, everything_saveable; or auto: the least "
+                   "recompute that fits the hardware's memory")
     p.add_argument("--activation-dtype", help="bfloat16 (default, as the paper) or float32")
     p.add_argument("--optimizer", help="adafactor (default, as the paper), adamw or sgd")
     p.add_argument("--hardware", default="tpu-v3", help="tpu-v3 (default), tpu-v4, a100, h100, h200 or cpu")

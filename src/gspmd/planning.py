@@ -27,6 +27,7 @@ from gspmd.analysis import Report
 from gspmd.analysis.report import flops
 from gspmd.errors import ShardingError
 from gspmd.frontend import trace
+from gspmd.frontend.annotation import unpartitioned
 from gspmd.ir.dce import eliminate_dead_code
 from gspmd.mesh import Mesh
 from gspmd.models import conformer, moe, optimizers, transformer, unet
@@ -69,6 +70,7 @@ class Case:
     mesh: Optional[Mesh]     # None: the meshes the function's annotations name
     sizes: dict
     bubble_fraction: Optional[float] = None
+    donate: tuple[int, ...] = ()   # arguments the step updates in place (parameters, optimizer state)
 
 
 @dataclass
@@ -106,11 +108,14 @@ def _executions(report: Report) -> dict:
 
 def plan(model: str, sizes: Sizes = Sizes(), hardware: Union[str, Hardware] = "tpu-v3") -> Plan:
     """Lower `model` ("transformer", "moe", "hybrid-moe", "unet", "conformer" or
-    "module:function") at `sizes` and report it on `hardware`."""
+    "module:function") at `sizes` and report it on `hardware`. sizes.remat "auto": the
+    least rematerialization that fits the hardware's memory (see plan_to_fit)."""
+    if sizes.remat == "auto":
+        return plan_to_fit(model, sizes, hardware)
     hw = profile(hardware)
     start = time.perf_counter()
     case = build(model, sizes, hw)
-    lowered = jit(case.step, mesh=case.mesh, hardware=hw).lower(*case.args)
+    lowered = jit(case.step, mesh=case.mesh, hardware=hw, donate_argnums=case.donate).lower(*case.args)
     report = lowered.report()
     report.bubble_fraction = case.bubble_fraction
     if case.sizes.get("remat") is not None:
@@ -119,10 +124,29 @@ def plan(model: str, sizes: Sizes = Sizes(), hardware: Union[str, Hardware] = "t
     return Plan(case, lowered, report, time.perf_counter() - start)
 
 
+# Rematerialization from the least recompute to the most: what --remat auto tries.
+FIT_ORDER = (None, "dots_saveable", "dots_with_no_batch_dims_saveable", "nothing_saveable")
+
+
+def plan_to_fit(model: str, sizes: Sizes = Sizes(), hardware: Union[str, Hardware] = "tpu-v3",
+                policies: Sequence[Optional[str]] = FIT_ORDER) -> Plan:
+    """The plan with the first of `policies` (--remat values, None: no rematerialization)
+    whose peak fits the hardware's memory; the last one's if none does. Its sizes say
+    which was chosen; its planning time counts every plan tried."""
+    start = time.perf_counter()
+    for policy in policies:
+        chosen = plan(model, dataclasses.replace(sizes, remat=policy), hardware)
+        if chosen.report.fits_in_memory:
+            break
+    chosen.planning_seconds = time.perf_counter() - start
+    return chosen
+
+
 def _traced_flops(case: Case) -> int:
-    """FLOPs of the whole (unpartitioned) step: traced only."""
+    """FLOPs of the whole (unpartitioned) step: traced only (its annotations do nothing)."""
     flat, tree = jax.tree_util.tree_flatten(case.args)
-    program, _ = trace(lambda *a: case.step(*jax.tree_util.tree_unflatten(tree, a)), flat)
+    with unpartitioned():
+        program, _ = trace(lambda *a: case.step(*jax.tree_util.tree_unflatten(tree, a)), flat)
     return flops(eliminate_dead_code(program))
 
 
@@ -170,15 +194,20 @@ def _dtype(sizes: dict):
 REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "everything_saveable")
 
 
-def _layers(layer: Callable, policy: Optional[str]) -> Callable:
-    """layer(x, params) -> (x, None), under jax.checkpoint with the named saving policy
-    when one is given: the backward pass recomputes what the policy does not save."""
-    if policy is None:
-        return layer
-    if policy not in REMAT_POLICIES:
-        raise ShardingError(f"--remat {policy!r}: choose one of {', '.join(REMAT_POLICIES)} (offload policies "
-                            "move values to host memory, which gspmd does not model).")
-    return jax.checkpoint(layer, policy=getattr(jax.checkpoint_policies, policy))
+def _policy(name: Optional[str]) -> Optional[Callable]:
+    """The jax.checkpoint policy --remat names (None: no rematerialization)."""
+    if name is None:
+        return None
+    if name not in REMAT_POLICIES:
+        raise ShardingError(f"--remat {name!r}: choose one of {', '.join(REMAT_POLICIES + ('auto',))} (offload "
+                            "policies move values to host memory, which gspmd does not model).")
+    return getattr(jax.checkpoint_policies, name)
+
+
+def _layers(layer: Callable, policy: Optional[Callable]) -> Callable:
+    """layer(x, params) -> (x, None), under jax.checkpoint with the saving policy when one
+    is given: the backward pass recomputes what the policy does not save."""
+    return layer if policy is None else jax.checkpoint(layer, policy=policy)
 
 
 def _spec(shape, dtype=jnp.float32) -> jax.ShapeDtypeStruct:
@@ -207,6 +236,12 @@ def _train(loss: Callable, params, data: tuple, s: dict) -> tuple[Callable, tupl
     if optimizer is None:
         return step, (params, *data)
     return step, (params, jax.eval_shape(optimizer.init, params), *data)
+
+
+def _in_place(s: dict) -> tuple[int, ...]:
+    """The train step's arguments it updates in place (donated, as the paper's variables
+    are): the parameters and the optimizer's state."""
+    return (0,) if s["optimizer"] == "sgd" else (0, 1)
 
 
 def _mse(y, target):
@@ -262,19 +297,20 @@ def _layer_stack(stack: LayerStack, s: dict, hw: Hardware) -> Case:
         raise ShardingError("--microbatches applies to pipelines only: give --stages and a --mesh LxXxY.")
     mesh = _mesh(s["mesh"], ("x", "y"), hw)
     batch = s["batch"] or mesh.size // 2
-    cfg, dtype = stack.config(s, batch), _dtype(s)
+    cfg, dtype, policy = stack.config(s, batch), _dtype(s), _policy(s["remat"])
     annotate = transformer.gspmd_annotate(mesh)
 
     def loss(stacked, x, target):
         def body(x, p):
             return stack.layer(p, x, annotate, stack.strategy, cfg), None
-        y, _ = jax.lax.scan(_layers(body, s["remat"]), x, stacked)
+        y, _ = jax.lax.scan(_layers(body, policy), x, stacked)
         return _mse(y, target)
 
     act = _spec((batch, cfg.seq, cfg.model), dtype)
     return Case(f"{stack.name}, {cfg.layers} layers, M={cfg.model} H={cfg.hidden} N={cfg.heads} "
                 f"D={cfg.head_dim}, batch {batch} x seq {cfg.seq}",
-                *_train(loss, _stack(stack.shapes(cfg), cfg.layers), (act, act), s), mesh, {**s, "batch": batch})
+                *_train(loss, _stack(stack.shapes(cfg), cfg.layers), (act, act), s), mesh, {**s, "batch": batch},
+                donate=_in_place(s))
 
 
 def _transformer(s: dict, hw: Hardware) -> Case:
@@ -308,15 +344,20 @@ def _pipelined(stack: LayerStack, s: dict, hw: Hardware) -> Case:
     cfg, dtype = stack.config(s, mb), _dtype(s)
     annotate = transformer.gspmd_annotate(mesh)
 
+    # GPipe rematerializes each layer inside its stage. A circular schedule selects a
+    # different layer each step: the pipeline rematerializes the step's stage, selection
+    # included, so that the layer is not held once per step.
+    circular = repeats > 1
+    policy = _policy(s["remat"])
+
     def stage_fn(params, x):
         def body(x, p):
             return stack.layer(p, x, annotate, stack.strategy, cfg), None
-        return jax.lax.scan(_layers(body, s["remat"]), x, params)[0]
+        return jax.lax.scan(_layers(body, None if circular else policy), x, params)[0]
 
     def loss(stacked, microbatches, targets):
-        # The layers rematerialize as --remat says, not the whole stage (pipeline's own remat).
         ys = pipeline(stage_fn, stacked, microbatches, mesh=mesh, stage_axis="p", schedule=s["schedule"],
-                      repeats=repeats, remat=False)
+                      repeats=repeats, remat=policy if circular else False, stage_major=True)
         return _mse(ys, targets)
 
     data = _spec((micro, mb, cfg.seq, cfg.model), dtype)
@@ -326,7 +367,7 @@ def _pipelined(stack: LayerStack, s: dict, hw: Hardware) -> Case:
                 f"{micro} microbatches of {mb} x seq {cfg.seq}",
                 *_train(loss, stacked, (data, data), s), mesh, {**s, "stages": stages, "microbatches": micro,
                                                          "batch": batch},
-                bubble_fraction=bubble_fraction(stages, micro, repeats))
+                bubble_fraction=bubble_fraction(stages, micro, repeats), donate=_in_place(s))
 
 
 # -- mixture of experts (Table 6) and hybrid sparse/dense (Table 7) -------------------------
@@ -353,7 +394,7 @@ def _moe_transformer(s: dict, hw: Hardware, hybrid: bool) -> Case:
         raise ShardingError(f"--experts {experts} must be a multiple of the expert axis ({mesh.shape[0]}).")
     batch = s["batch"] or 4 * mesh.shape[0]
     pairs = _divide("--layers", s["layers"], 2, "dense and MoE layers alternate")
-    dtype = _dtype(s)
+    dtype, policy = _dtype(s), _policy(s["remat"])
     cfg = _transformer_config({**s, "layers": pairs}, batch)
     mcfg = moe.Config(groups=batch, group_size=s["seq"], model=s["model_dim"], hidden=s["ffn_dim"],
                       experts=experts, capacity=max(1, math.ceil(2 * s["seq"] / experts)), dtype=dtype)
@@ -364,7 +405,7 @@ def _moe_transformer(s: dict, hw: Hardware, hybrid: bool) -> Case:
             dense, sparse = p
             x = transformer.layer(dense, x, annotate, dense_strategy, cfg)
             return moe.moe_layer(sparse, x, mesh, "x", mcfg, expert_axis).astype(dtype), None
-        y, _ = jax.lax.scan(_layers(body, s["remat"]), x, stacked)
+        y, _ = jax.lax.scan(_layers(body, policy), x, stacked)
         return _mse(y, target)
 
     expert_shapes = {"w_gate": (mcfg.model, experts), "w_in": (experts, mcfg.model, mcfg.hidden),
@@ -376,28 +417,34 @@ def _moe_transformer(s: dict, hw: Hardware, hybrid: bool) -> Case:
     return Case(f"{kind}, {s['layers']} layers ({pairs} MoE), {experts} experts, M={s['model_dim']} "
                 f"H={s['ffn_dim']} N={s['heads']} D={s['head_dim']}, batch {batch} x seq {s['seq']}",
                 *_train(loss, stacked, (act, act), s), mesh, {**s, "experts": experts, "batch": batch,
-                                                        "mesh": tuple(mesh.shape)})
+                                                        "mesh": tuple(mesh.shape)}, donate=_in_place(s))
 
 
 # -- 3D U-Net (Table 8) ---------------------------------------------------------------------
-UNET = {"image_size": 128, "batch": 4, "mesh": (1, 16), "model_dim": 128, "activation_dtype": "bfloat16",
-        "optimizer": "sgd"}
+UNET = {"image_size": 128, "batch": 4, "mesh": (1, 16), "model_dim": 128, "remat": None,
+        "activation_dtype": "bfloat16", "optimizer": "sgd"}
 
 
 def _unet(s: dict, hw: Hardware) -> Case:
     """Mesh (data, spatial): batch over the first axis, image depth over the second.
-    --model-dim is the width of the first convolution (the model doubles it once)."""
+    --model-dim is the width of the first convolution (the model doubles it once);
+    --remat: the whole forward pass under jax.checkpoint with that policy."""
     mesh = _mesh(s["mesh"], ("data", "spatial"), hw)
     dtype, size, width = _dtype(s), s["image_size"], s["model_dim"]
     params = {name: _spec(w.shape) for name, w in unet.init_params(np.random.RandomState(0), 1, width).items()}
 
+    def forward(params, x):
+        return unet.forward(_cast(params, dtype), x, mesh, ("spatial", -1, -1), batch_axis="data")
+    policy = _policy(s["remat"])
+    if policy is not None:
+        forward = jax.checkpoint(forward, policy=policy)
+
     def loss(params, x, y):
-        out = unet.forward(_cast(params, dtype), x, mesh, ("spatial", -1, -1), batch_axis="data")
-        return _mse(out, y)
+        return _mse(forward(params, x), y)
 
     image = _spec((s["batch"], 1, size, size, size), dtype)
     return Case(f"3D U-Net, width {width}, batch {s['batch']} of {size}^3 images",
-                *_train(loss, params, (image, image), s), mesh, s)
+                *_train(loss, params, (image, image), s), mesh, s, donate=_in_place(s))
 
 
 MODELS = {
