@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from gspmd import propagation
-from gspmd.analysis import Hardware, Report, analyse
+from gspmd.analysis import Hardware, Report, analyse, memory
 from gspmd.analysis.summary import collective_table
 from gspmd.arguments import Signature, Template, is_array, is_static_key, leaf_key, paths, result_paths
 from gspmd.errors import ShardingError
@@ -266,7 +266,9 @@ class Lowered:
         self.spmd = partition(self.program, self.num_devices, partitioned.hardware)
         # how the program was fitted to the memory limit (None: no limit given)
         limit = partitioned.memory_limit
-        self.memory_budget = None if limit is None else fit_memory(self.spmd, self.num_devices, limit)
+        self.memory_budget = None if limit is None else fit_memory(
+            self.spmd, self.num_devices, limit, memory.donation_aliases(self.spmd, self.donated),
+            kernel_scratch=partitioned.hardware is None or partitioned.hardware.kernel_scratch)
         verify(self.spmd)
         self.hardware = partitioned.hardware
         self._jax: Optional[jax_backend.Executable] = None

@@ -2,7 +2,7 @@
 partition rule for per-device code; the result is one program for all devices."""
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
 import numpy as np
 
@@ -86,15 +86,19 @@ def _partition_instr(ctx: DeviceContext, instr, operands: list[PartitionedValue]
             "this program; annotating the operands differently may avoid it.") from e
 
 
-def fit_memory(spmd: Program, num_devices: int, limit: int) -> memory.BudgetChoice:
+def fit_memory(spmd: Program, num_devices: int, limit: int, aliases: Mapping[int, int] = {},
+               kernel_scratch: bool = True) -> memory.BudgetChoice:
     """Fit the per-device program in `limit` bytes where it can, trading collective bytes
     for memory: a gather (a collective whose result is larger than its operand, and whose
     op record says how to repeat it) whose result is held idle across the peak, read
     before and after it, is done again right before its later readers, so that only its
     sharded operand stays live in between.
     The largest first, as many as the excess needs; repeated while the peak exceeds the
-    limit and re-gathering lowers it."""
-    held = memory.profile(spmd)
+    limit and re-gathering lowers it. `aliases` and `kernel_scratch` as for
+    memory.profile (the donated parameters, the target's kernels)."""
+    def profile() -> memory.MemoryProfile:
+        return memory.profile(spmd, aliases, kernel_scratch=kernel_scratch)
+    held = profile()
     shared, regathered, extra = held.peak_bytes, [], 0
     while held.peak_bytes > limit:
         undo, moved, excess = [], [], held.peak_bytes - limit
@@ -104,7 +108,7 @@ def fit_memory(spmd: Program, num_devices: int, limit: int) -> memory.BudgetChoi
             undo.append(_gather_again(spmd, num_devices, gather, later))
             moved.append(gather.output)
             excess -= gather.output.nbytes
-        after = memory.profile(spmd) if moved else held
+        after = profile() if moved else held
         if after.peak_bytes >= held.peak_bytes:
             for restore in reversed(undo):
                 restore()
