@@ -139,10 +139,12 @@ class Hardware:
     matmul_efficiency: float = 0.8    # fraction of peak large dots/convolutions reach
     collective_overhead_s: float = 5e-6   # fixed cost of launching one collective
     # Share of a collective's time that independent compute can hide; the rest contends
-    # with compute for the core (DMA issue, reductions, HBM). 0.5 puts the paper's
-    # Tables 2 and 3 within 22% on tpu-v3, all but the communication-bound (8, 32) mesh
-    # within 7% (1.0: that mesh ~30% fast, the rest within 14%); other profiles share it.
-    overlap: float = 0.5
+    # with compute for the core (DMA issue, reductions, HBM). 0.4 puts the paper's Tables
+    # 2 and 3 within 24% on tpu-v3, all but the communication-bound (8, 32) mesh within 7%,
+    # with the plans rematerialized as XLA on TPU does (benchmarks/PAPER.md); it was 0.5
+    # while the plans stored element-wise intermediates that TPU fusion does not (1.0:
+    # the (8, 32) mesh ~30% fast). Other profiles share it.
+    overlap: float = 0.4
     # The compiler expands some kernels into steps that hold scratch memory: XLA:CPU runs
     # select-and-scatter as iotas, a reduce-window and a scatter, and an all-to-all
     # through per-destination pieces. Accelerators run each as one kernel.
