@@ -148,7 +148,7 @@ def tables() -> list[Table]:
             "layer selection included, which with one layer per stage and repeat is the same); the study "
             "gives recompute 21-30% and peak memory 12.2-15.4 GB for these rows (not per row).",
             "Parameters are given stage by stage (gspmd.pipeline(stage_major=True)), so that the circular "
-            "schedule's stay split over the stages; microbatches and results are split over the stages too.",
+            "schedule's stay split over the stages.",
             "Our circular schedule reads every stage's weights for all its repeats each step (gspmd.pipeline "
             "selects a repeat with a one-hot masked sum), which costs far more than the paper's.",
         ]),

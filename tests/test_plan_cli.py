@@ -46,6 +46,17 @@ def test_pipeline_plan_reports_its_bubbles(capsys):
     assert planning.bubble_fraction(4, 8, repeats=2) == pytest.approx(3 / 19)
 
 
+def test_a_1f1b_plan_holds_activations_independent_of_the_microbatches(capsys):
+    def peak(schedule, microbatches):
+        return plan_json(capsys, "transformer", *SMALL, "--mesh", "2x2x2", "--stages", "2", "--microbatches",
+                         str(microbatches), "--batch", str(2 * microbatches), "--schedule", schedule,
+                         "--remat", "nothing_saveable")
+    few, many = peak("1f1b", 4), peak("1f1b", 16)
+    assert many["bubble_fraction"] == pytest.approx(1 / 17) and "collective-permute" in many["collectives"]
+    growth = many["peak_memory_bytes"] - few["peak_memory_bytes"]
+    assert growth < 0.5 * (peak("gpipe", 16)["peak_memory_bytes"] - peak("gpipe", 4)["peak_memory_bytes"])
+
+
 def test_the_optimizer_state_is_planned_too(capsys):
     sgd = plan_json(capsys, "transformer", *SMALL, "--mesh", "2x4", "--batch", "8", "--optimizer", "sgd")
     adafactor = plan_json(capsys, "transformer", *SMALL, "--mesh", "2x4", "--batch", "8")

@@ -249,10 +249,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        ("heads", "attention heads N"), ("head-dim", "head dim D"), ("seq", "sequence length"),
                        ("vocab", "vocabulary"), ("experts", "experts E"), ("batch", "global batch"),
                        ("stages", "pipeline stages L"), ("microbatches", "pipeline microbatches"),
-                       ("repeats", "circular schedule: layers per stage per microbatch pass"),
+                       ("repeats", "circular or 1f1b schedule: layers per stage per microbatch pass"),
                        ("image-size", "U-Net: side of the cubic image")]:
         p.add_argument(f"--{flag}", type=int, help=what)
-    p.add_argument("--schedule", help="pipeline schedule: gpipe or circular")
+    p.add_argument("--schedule", help="pipeline schedule: gpipe, circular or 1f1b (interleaved with --repeats)")
     p.add_argument("--remat", help="rematerialize each layer with a jax.checkpoint policy: nothing_saveable, "
                    "dots_saveable, dots_with_no_batch_dims_saveable, everything_saveable; or auto: the least "
                    "recompute that fits the hardware's memory")

@@ -31,7 +31,7 @@ from gspmd.frontend.annotation import unpartitioned
 from gspmd.ir.dce import eliminate_dead_code
 from gspmd.mesh import Mesh
 from gspmd.models import conformer, moe, optimizers, transformer, unet
-from gspmd.pipeline import SCHEDULES, pipeline
+from gspmd.pipeline import SCHEDULES, pipeline, pipeline_loss
 from gspmd.spmd.cost import Hardware, device_mesh, profile
 
 
@@ -356,6 +356,9 @@ def _pipelined(stack: LayerStack, s: dict, hw: Hardware) -> Case:
         return jax.lax.scan(_layers(body, None if circular else policy), x, params)[0]
 
     def loss(stacked, microbatches, targets):
+        if s["schedule"] == "1f1b":    # its backward slots recompute each stage from the stashed input
+            return pipeline_loss(stage_fn, _mse, stacked, microbatches, targets, mesh=mesh, stage_axis="p",
+                                 repeats=repeats, stage_major=True) / micro
         ys = pipeline(stage_fn, stacked, microbatches, mesh=mesh, stage_axis="p", schedule=s["schedule"],
                       repeats=repeats, remat=policy if circular else False, stage_major=True)
         return _mse(ys, targets)
