@@ -251,8 +251,10 @@ class _Pipeline:
 
     def from_stage(self, buffer, s: int):
         """buffer[s] of a per-stage buffer, as one reduction over the stages (an all-reduce,
-        or a reduce-scatter if the result is wanted split), once after the loop."""
-        return jnp.sum(_mask(self.stage == s, buffer), axis=0)
+        or a reduce-scatter if the result is wanted split), once after the loop. The sum
+        stays in the buffer's dtype (jnp.sum would reduce bfloat16 in float32): one stage
+        holds the value, the others exact zeros."""
+        return jax.lax.reduce(_mask(self.stage == s, buffer), np.zeros((), buffer.dtype), jax.lax.add, (0,))
 
     # -- 1f1b -----------------------------------------------------------------------
     def one_f_one_b(self, loss_fn, stacked_params, microbatches, targets):
