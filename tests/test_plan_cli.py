@@ -53,6 +53,7 @@ def test_a_1f1b_plan_holds_activations_independent_of_the_microbatches(capsys):
                          "--remat", "nothing_saveable")
     few, many = peak("1f1b", 4), peak("1f1b", 16)
     assert many["bubble_fraction"] == pytest.approx(1 / 17) and "collective-permute" in many["collectives"]
+    assert 0.2 < many["recompute_fraction"] < 0.3     # each stage's forward once more, not each layer's twice
     growth = many["peak_memory_bytes"] - few["peak_memory_bytes"]
     assert growth < 0.5 * (peak("gpipe", 16)["peak_memory_bytes"] - peak("gpipe", 4)["peak_memory_bytes"])
 

@@ -24,11 +24,7 @@ import numpy as np
 
 from gspmd.api import Lowered, jit
 from gspmd.analysis import Report
-from gspmd.analysis.report import flops
 from gspmd.errors import ShardingError
-from gspmd.frontend import trace
-from gspmd.frontend.annotation import unpartitioned
-from gspmd.ir.dce import eliminate_dead_code
 from gspmd.mesh import Mesh
 from gspmd.models import conformer, moe, optimizers, transformer, unet
 from gspmd.pipeline import SCHEDULES, pipeline, pipeline_loss
@@ -118,9 +114,6 @@ def plan(model: str, sizes: Sizes = Sizes(), hardware: Union[str, Hardware] = "t
     lowered = jit(case.step, mesh=case.mesh, hardware=hw, donate_argnums=case.donate).lower(*case.args)
     report = lowered.report()
     report.bubble_fraction = case.bubble_fraction
-    if case.sizes.get("remat") is not None:
-        plain = _traced_flops(build(model, dataclasses.replace(sizes, remat=None), hw))
-        report.recompute_fraction = 1 - plain / flops(lowered.program)
     return Plan(case, lowered, report, time.perf_counter() - start)
 
 
@@ -140,14 +133,6 @@ def plan_to_fit(model: str, sizes: Sizes = Sizes(), hardware: Union[str, Hardwar
             break
     chosen.planning_seconds = time.perf_counter() - start
     return chosen
-
-
-def _traced_flops(case: Case) -> int:
-    """FLOPs of the whole (unpartitioned) step: traced only (its annotations do nothing)."""
-    flat, tree = jax.tree_util.tree_flatten(case.args)
-    with unpartitioned():
-        program, _ = trace(lambda *a: case.step(*jax.tree_util.tree_unflatten(tree, a)), flat)
-    return flops(eliminate_dead_code(program))
 
 
 def build(model: str, sizes: Sizes, hw: Hardware) -> Case:
@@ -346,21 +331,22 @@ def _pipelined(stack: LayerStack, s: dict, hw: Hardware) -> Case:
 
     # GPipe rematerializes each layer inside its stage. A circular schedule selects a
     # different layer each step: the pipeline rematerializes the step's stage, selection
-    # included, so that the layer is not held once per step.
-    circular = repeats > 1
+    # included, so that the layer is not held once per step. 1F1B's backward slots
+    # always recompute the stage from its stashed input.
+    whole_stages = repeats > 1 or s["schedule"] == "1f1b"
     policy = _policy(s["remat"])
 
     def stage_fn(params, x):
         def body(x, p):
             return stack.layer(p, x, annotate, stack.strategy, cfg), None
-        return jax.lax.scan(_layers(body, None if circular else policy), x, params)[0]
+        return jax.lax.scan(_layers(body, None if whole_stages else policy), x, params)[0]
 
     def loss(stacked, microbatches, targets):
         if s["schedule"] == "1f1b":    # its backward slots recompute each stage from the stashed input
             return pipeline_loss(stage_fn, _mse, stacked, microbatches, targets, mesh=mesh, stage_axis="p",
                                  repeats=repeats, stage_major=True) / micro
         ys = pipeline(stage_fn, stacked, microbatches, mesh=mesh, stage_axis="p", schedule=s["schedule"],
-                      repeats=repeats, remat=policy if circular else False, stage_major=True)
+                      repeats=repeats, remat=policy if whole_stages else False, stage_major=True)
         return _mse(ys, targets)
 
     data = _spec((micro, mb, cfg.seq, cfg.model), dtype)
