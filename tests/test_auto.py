@@ -51,14 +51,34 @@ def test_plan_says_mesh_layouts_costs_and_runner_ups(mlp_plan):
     assert "runner-ups:" in text and "params[0]" in text
 
 
-def test_code_pasted_reproduces_the_report_exactly(mlp_plan):
+def _pasted_mlp_step(plan):
+    """models/mlp.py's train step as a user edits it with what plan.code() says: the
+    mesh and `annotate(...)` first thing, and the annotation the code's comments ask for
+    at the hidden layer's matmul (mlp.py line 30), if any."""
     namespace: dict = {}
-    exec(mlp_plan.code(), namespace)
+    exec(plan.code(), namespace)
     annotate, mesh = namespace["annotate"], namespace["mesh"]
-    step = mlp.make_train_step(None)
+    at_matmul = [i.dims_mapping for i in plan.intermediates if "mlp.py:30:" in i.where]
+    assert len(at_matmul) == len(plan.intermediates), plan.code()   # the one place the MLP may be pinned
+
+    def loss(params, x, y):
+        w1, w2 = params
+        pre = x @ w1
+        for spec in at_matmul:
+            pre = gspmd.mesh_split(pre, mesh, spec)
+        return jnp.mean((jax.nn.relu(pre) @ w2 - y) ** 2)
+
+    def train_step(params, x, y):
+        params, x, y = annotate(params, x, y)
+        value, grads = jax.value_and_grad(loss)(params, x, y)
+        return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads), value
+    return train_step, mesh
+
+
+def test_code_pasted_reproduces_the_report_exactly(mlp_plan):
+    step, mesh = _pasted_mlp_step(mlp_plan)
     assert "memory_limit=20000, hardware='cpu'" in mlp_plan.code()
-    pasted = gspmd.jit(lambda *args: step(*annotate(*args)), mesh=mesh, memory_limit=20_000,
-                       hardware="cpu").lower(*MLP_ARGS).report()
+    pasted = gspmd.jit(step, mesh=mesh, memory_limit=20_000, hardware="cpu").lower(*MLP_ARGS).report()
     _same_report(pasted, mlp_plan.report)
 
 
