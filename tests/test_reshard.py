@@ -92,6 +92,16 @@ def test_gathering_a_dim_the_target_splits_again_is_reported_as_fallback():
     assert fallback.kind == "all-gather" and "all-gather then slice" in fallback.origin
 
 
+@pytest.fixture
+def tiny_search_budget(monkeypatch):
+    """The reshard search allowed one expansion (as a 2048-device search runs out of
+    its budget), with plans memoized before and after forgotten."""
+    monkeypatch.setattr(rs, "MAX_EXPANSIONS", 1)
+    rs._plan.cache_clear(), rs._cost.cache_clear()
+    yield
+    rs._plan.cache_clear(), rs._cost.cache_clear()
+
+
 @st.composite
 def reshard_cases(draw):
     src_mesh = draw(meshes())
@@ -120,6 +130,20 @@ def test_random_reshards(case):
         # One cost model: what the planner estimated is what the report prices.
         planned = rs.cost(src, dst, shape, 4)
     assert low.report(hardware=BYTES_RECEIVED).communication_seconds == pytest.approx(planned, rel=1e-9, abs=1e-15)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=reshard_cases())
+def test_a_search_out_of_budget_still_plans_exactly(tiny_search_budget, case):
+    """It settles for a partial plan finished by gathers and a cut: still exact, and no
+    dearer than gathering everything from the source."""
+    src_mesh, src_map, dst_mesh, dst_map, shape = case
+    x = np.random.RandomState(1).standard_normal(shape).astype(np.float32)
+    lower_and_check(reshard_program(src_mesh, src_map, dst_mesh, dst_map), x, mesh=src_mesh)
+    src, dst = gspmd.Sharding.from_mesh(src_mesh, src_map, shape), gspmd.Sharding.from_mesh(dst_mesh, dst_map, shape)
+    with cm.pricing(BYTES_RECEIVED):
+        everything = tuple(rs.GatherStep(d, t) for d, t in enumerate(src.tiles) if t > 1) + (rs.SliceStep(dst),)
+        assert rs.cost(src, dst, shape, 4) <= rs._chain_cost(everything, src, shape, 4) * (1 + 1e-9) + 1e-15
 
 
 # -- the oracle: reference plans built from the layouts alone, priced by the cost model -----

@@ -42,6 +42,7 @@ Cost = float  # estimated seconds on the hardware being planned for (spmd/cost.p
 FREE: Cost = 0.0
 MAX_ROUNDS = 4    # collective-permutes one exchange may take
 MAX_STEPS = 4     # steps one plan may take
+MAX_EXPANSIONS = 100   # layouts one search expands before it settles for what it has found
 
 
 def add_costs(*costs: Cost) -> Cost:
@@ -531,12 +532,16 @@ def _search(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int,
     start = (FREE, 0, 0)
     best = {src: start}
     frontier = [(rounded(_lacking(src, dst, shape, itemsize, hw)), start, next(_tie), src, ())]
+    expanded = 0
     while frontier:
         _, so_far, _, cur, steps = heapq.heappop(frontier)
         if cur == dst:
             return steps
         if so_far > best[cur] or len(steps) == MAX_STEPS:
             continue
+        expanded += 1
+        if expanded > MAX_EXPANSIONS:
+            return _settle(src, dst, shape, itemsize, [(steps, cur)] + [(e[4], e[3]) for e in heapq.nsmallest(15, frontier)])
         for step in _steps_from(cur, src, dst, shape, preimages):
             nxt = step.result(cur)
             exchange = isinstance(step, ExchangeStep)
@@ -552,6 +557,19 @@ def _search(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int,
 
 
 _tie = itertools.count()   # orders equal entries of the search's heap by when they came
+
+
+def _settle(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int, reached: list) -> tuple:
+    """A search that ran out of expansions (large device counts, where the layouts between
+    two far-apart ones are many) finishes the most promising partial plans by gathering
+    what is still split and cutting dst out, and takes the cheapest of those and of doing
+    that from src: planning a 2048-device program stays seconds, not minutes."""
+    def finish(steps: tuple, cur: Sharding) -> tuple:
+        gathers = tuple(GatherStep(d, t) for d, t in enumerate(cur.tiles) if t > 1)
+        whole = functools.reduce(lambda s, g: g.result(s), gathers, cur)
+        return steps + gathers + ((SliceStep(dst),) if whole != dst else ())
+    plans = [finish(steps, cur) for steps, cur in reached] + [finish((), src)]
+    return min(plans, key=lambda steps: rounded(_chain_cost(steps, src, shape, itemsize)))
 
 
 def _label_fallbacks(steps: tuple, src: Sharding, dst: Sharding) -> tuple:
