@@ -561,10 +561,18 @@ _tie = itertools.count()   # orders equal entries of the search's heap by when t
 
 def _settle(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int, reached: list) -> tuple:
     """A search that ran out of expansions (large device counts, where the layouts between
-    two far-apart ones are many) finishes the most promising partial plans by gathering
-    what is still split and cutting dst out, and takes the cheapest of those and of doing
+    two far-apart ones are many) finishes the most promising partial plans (by a cut or
+    the direct gathers where those reach dst, else by gathering what is still split and
+    cutting dst out), and takes the cheapest of those and of doing
     that from src: planning a 2048-device program stays seconds, not minutes."""
     def finish(steps: tuple, cur: Sharding) -> tuple:
+        if cur == dst:
+            return steps
+        if _subdivides(dst, cur, shape):
+            return steps + (SliceStep(dst),)
+        direct = _direct(cur, dst, shape, itemsize)
+        if direct is not None:
+            return steps + direct
         gathers = tuple(GatherStep(d, t) for d, t in enumerate(cur.tiles) if t > 1)
         whole = functools.reduce(lambda s, g: g.result(s), gathers, cur)
         return steps + gathers + ((SliceStep(dst),) if whole != dst else ())
