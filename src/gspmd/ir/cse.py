@@ -41,7 +41,12 @@ def eliminate_common_subexpressions(program: Program) -> Program:
 def _key(instr: Instr) -> Hashable:
     return (instr.opcode, tuple(id(o) for o in instr.operands),
             tuple((o.shape, o.dtype.str) for o in instr.outputs),
-            tuple(sorted((k, _attr_key(v)) for k, v in instr.attrs.items())))
+            attrs_key(instr))
+
+
+def attrs_key(instr: Instr) -> Hashable:
+    """The instruction's attributes as a hashable value: equal when the attributes are."""
+    return tuple(sorted((k, _attr_key(v)) for k, v in instr.attrs.items()))
 
 
 def _attr_key(v) -> Hashable:

@@ -15,9 +15,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Optional
 
-import numpy as np
-
 from gspmd.ir import Instr, Program, Value
+from gspmd.ir.cse import attrs_key
 from gspmd.ir.reducer import ADD
 from gspmd.ops.registry import lookup
 
@@ -52,18 +51,12 @@ def _summed_all_reduces(instr: Instr, uses: Counter) -> Optional[list[Instr]]:
         return None
     first = producers[0]
     alike = all(p.output.dtype == instr.output.dtype
-                and p.operands[0].shape == first.operands[0].shape and _same_attrs(p, first) for p in producers)
+                and p.operands[0].shape == first.operands[0].shape and attrs_key(p) == attrs_key(first) for p in producers)
     return producers if alike else None
 
 
 def _is_add_all_reduce(instr: Optional[Instr]) -> bool:
     return instr is not None and instr.opcode == "all-reduce" and instr.attrs["reducer"] is ADD
-
-
-def _same_attrs(a: Instr, b: Instr) -> bool:
-    return a.attrs.keys() == b.attrs.keys() and all(
-        np.array_equal(a.attrs[k], b.attrs[k]) if isinstance(a.attrs[k], np.ndarray) else a.attrs[k] == b.attrs[k]
-        for k in a.attrs)
 
 
 def _copy(instr: Instr, operands: list[Value], output: Value) -> Instr:

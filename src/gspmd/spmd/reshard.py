@@ -492,7 +492,7 @@ def _plan(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int, h
     if _subdivides(dst, src, shape):
         return (SliceStep(dst),)
     if 0 in shape:   # nothing to move: gather whatever is split, then cut
-        return tuple(GatherStep(d, t) for d, t in enumerate(src.tiles) if t > 1) + (SliceStep(dst),)
+        return _gather_all_and_cut(src, dst)
     direct = _direct(src, dst, shape, itemsize)
     return direct if direct is not None else _label_fallbacks(_search(src, dst, shape, itemsize, hw), src, dst)
 
@@ -571,13 +571,16 @@ def _settle(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int,
         if _subdivides(dst, cur, shape):
             return steps + (SliceStep(dst),)
         direct = _direct(cur, dst, shape, itemsize)
-        if direct is not None:
-            return steps + direct
-        gathers = tuple(GatherStep(d, t) for d, t in enumerate(cur.tiles) if t > 1)
-        whole = functools.reduce(lambda s, g: g.result(s), gathers, cur)
-        return steps + gathers + ((SliceStep(dst),) if whole != dst else ())
+        return steps + (direct if direct is not None else _gather_all_and_cut(cur, dst))
     plans = [finish(steps, cur) for steps, cur in reached] + [finish((), src)]
     return min(plans, key=lambda steps: rounded(_chain_cost(steps, src, shape, itemsize)))
+
+
+def _gather_all_and_cut(cur: Sharding, dst: Sharding) -> tuple:
+    """The plan that always exists: gather every split dim, then cut dst out."""
+    gathers = tuple(GatherStep(d, t) for d, t in enumerate(cur.tiles) if t > 1)
+    whole = functools.reduce(lambda s, g: g.result(s), gathers, cur)
+    return gathers + ((SliceStep(dst),) if whole != dst else ())
 
 
 def _label_fallbacks(steps: tuple, src: Sharding, dst: Sharding) -> tuple:
