@@ -226,6 +226,22 @@ def test_plans_cost_no_more_than_the_oracles_reference_plans(case, hardware):
                                    gspmd.Sharding.from_mesh(dst_mesh, dst_map, shape), shape)
 
 
+@pytest.mark.parametrize("hardware, src_mesh, src_map, dst_mesh, dst_map, shape", [
+    # A settled search finishes an expanded all-to-all by gathering only what dst lacks.
+    ("a100", gspmd.Mesh(np.array([0, 1, 3, 2, 4, 5, 6, 8, 7, 9, 10, 11, 12, 13, 14, 15]).reshape(4, 4), ("a", "b")),
+     ["b", "a", -1], gspmd.Mesh(np.arange(16).reshape(2, 8), ("a", "b")), [("a", "b"), -1, -1], (3, 4, 16)),
+    # An all-to-all first beats the direct gathers: the gathers then run on shorter rings.
+    ("a100", gspmd.Mesh(np.arange(16).reshape(2, 2, 4), ("a", "b", "c")), ["a", ("b", "c")],
+     gspmd.Mesh(np.arange(16), ("a",)), [-1, -1], (4, 8)),
+    (None, gspmd.Mesh(np.arange(16).reshape(4, 4), ("a", "b")), [-1, "a", "b"],
+     gspmd.Mesh(np.arange(16).reshape(2, 8), ("a", "b")), [-1, "a", -1], (1, 4, 8)),
+])
+def test_plans_the_oracle_found_dearer_once(hardware, src_mesh, src_map, dst_mesh, dst_map, shape):
+    with cm.pricing(hardware):
+        _no_dearer_than_the_oracle(gspmd.Sharding.from_mesh(src_mesh, src_map, shape),
+                                   gspmd.Sharding.from_mesh(dst_mesh, dst_map, shape), shape)
+
+
 @pytest.mark.slow
 @settings(max_examples=5000, deadline=None, suppress_health_check=list(HealthCheck))
 @given(reshard_cases(), st.sampled_from([None, BYTES_RECEIVED, "a100"]))

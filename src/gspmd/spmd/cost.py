@@ -15,7 +15,7 @@ onto the TPU torus):
 
 Collectives over explicit device groups are priced from where the members sit:
 - all-gather / reduce-scatter / all-reduce: bidirectional rings, one phase per physical
-  dim the groups span (a sub-grid group runs dimension by dimension, as 2D torus
+  dim the groups span (a sub-grid group runs dimension by dimension, slowest first, as 2D torus
   algorithms do; other groups run one ring in the listed order). A ring step costs
   the latency of its longest hop plus its chunk times the most ring edges sharing one
   link (all groups run at once, so strided groups share links), over the link bandwidth.
@@ -31,6 +31,7 @@ import contextlib
 import contextvars
 import enum
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence, Union
@@ -271,10 +272,18 @@ def _ring_collective(net: Network, coords: np.ndarray) -> tuple[float, float]:
     extents = [len(np.unique(coords[0, :, d])) for d in spans]
     if math.prod(extents) != k:       # not a sub-grid: one ring in the listed order
         return _ring(net, coords, k, 1.0 / k)
-    latency, per_byte, held = 0.0, 0.0, 1.0 / k
-    for d, e in sorted(zip(spans, extents), key=lambda de: -de[0]):    # minor dims first
-        sub = _sub_rings(net, coords, d, e)
-        lat, pb = _ring(net, sub, e, held)
+    # The phases may run in any order (their latencies add up the same): the cheapest
+    # runs the slowest dim while chunks are smallest.
+    return min((_phased(net, coords, order) for order in itertools.permutations(zip(spans, extents))),
+               key=lambda rate: rate[1])
+
+
+def _phased(net: Network, coords: np.ndarray, order) -> tuple[float, float]:
+    """(latency, seconds per result byte) of a sub-grid all-gather run one physical dim
+    after another in `order`: each phase gathers what the previous ones gathered."""
+    latency, per_byte, held = 0.0, 0.0, 1.0 / coords.shape[1]
+    for d, e in order:
+        lat, pb = _ring(net, _sub_rings(net, coords, d, e), e, held)
         latency, per_byte, held = latency + lat, per_byte + pb, held * e
     return latency, per_byte
 

@@ -43,6 +43,10 @@ FREE: Cost = 0.0
 MAX_ROUNDS = 4    # collective-permutes one exchange may take
 MAX_STEPS = 4     # steps one plan may take
 MAX_EXPANSIONS = 100   # layouts one search expands before it settles for what it has found
+# A search that only tries to beat the direct gathers expands IMPROVING_WORK / devices
+# layouts (an expansion costs in proportion to the devices): small meshes look for a
+# cheaper plan, at paper scale the direct gathers stand and planning stays seconds.
+IMPROVING_WORK = 160
 
 
 def add_costs(*costs: Cost) -> Cost:
@@ -493,8 +497,10 @@ def _plan(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int, h
         return (SliceStep(dst),)
     if 0 in shape:   # nothing to move: gather whatever is split, then cut
         return _gather_all_and_cut(src, dst)
+    # The direct gathers are usually the plan; the search, bounded by them, looks for a
+    # cheaper one (an all-to-all that turns a slow ring into faster sub-rings, say).
     direct = _direct(src, dst, shape, itemsize)
-    return direct if direct is not None else _label_fallbacks(_search(src, dst, shape, itemsize, hw), src, dst)
+    return _label_fallbacks(_search(src, dst, shape, itemsize, hw, direct), src, dst)
 
 
 def _direct(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int) -> Optional[tuple]:
@@ -502,9 +508,14 @@ def _direct(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int)
     device receiving just what it lacks in as few collectives as there are dims."""
     if _subdivides(src, dst, shape) and all(n >= t for n, t in zip(shape, src.tiles)):
         gathers = [GatherStep(d, s // t) for d, (s, t) in enumerate(zip(src.tiles, dst.tiles)) if s > t]
-        # In the order that moves least: a gathered uneven dim sheds its padding before the next.
-        return min(itertools.permutations(gathers), key=lambda steps: rounded(_chain_cost(steps, src, shape, itemsize)))
+        return _cheapest_order(gathers, src, shape, itemsize)
     return None
+
+
+def _cheapest_order(gathers: list, src: Sharding, shape: tuple[int, ...], itemsize: int) -> tuple:
+    """Gathers of several dims in the order that moves least: a gathered uneven dim sheds
+    its padding before the next."""
+    return min(itertools.permutations(gathers), key=lambda steps: rounded(_chain_cost(steps, src, shape, itemsize)))
 
 
 def _lacking(cur: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int, hw: cm.Hardware) -> Cost:
@@ -523,25 +534,36 @@ def _lacking(cur: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int
     return hw.collective_overhead_s + lacking / links
 
 
-def _search(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int, hw: cm.Hardware) -> tuple:
+def _search(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int, hw: cm.Hardware,
+            incumbent: Optional[tuple] = None) -> tuple:
     """The cheapest chain of at most MAX_STEPS steps (A* over layouts, guided by what
     devices still lack; at equal cost, fewer gathers of what is split again, then fewer
-    collective-permutes). Gathering everything and cutting is always possible, so a plan
-    is always found."""
+    collective-permutes), or `incumbent` where nothing is cheaper. Gathering everything
+    and cutting is always possible, so a plan is always found."""
+    budget = MAX_EXPANSIONS if incumbent is None else IMPROVING_WORK // src.num_devices
+    if budget == 0:
+        return incumbent
+    bound = rounded(_chain_cost(incumbent, src, shape, itemsize)) if incumbent is not None else math.inf
+    expansions = 0
     preimages = _preimages(src, dst, shape)
     start = (FREE, 0, 0)
     best = {src: start}
-    frontier = [(rounded(_lacking(src, dst, shape, itemsize, hw)), start, next(_tie), src, ())]
-    expanded = 0
+    frontier = [((rounded(_lacking(src, dst, shape, itemsize, hw)), 0, 0), start, next(_tie), src, ())]
+    expanded = []   # (steps, layout) of the layouts one step or none from src expanded so far
     while frontier:
-        _, so_far, _, cur, steps = heapq.heappop(frontier)
+        guess, so_far, _, cur, steps = heapq.heappop(frontier)
+        if guess[0] >= bound:   # nothing left can beat the incumbent
+            return incumbent
         if cur == dst:
             return steps
         if so_far > best[cur] or len(steps) == MAX_STEPS:
             continue
-        expanded += 1
-        if expanded > MAX_EXPANSIONS:
-            return _settle(src, dst, shape, itemsize, [(steps, cur)] + [(e[4], e[3]) for e in heapq.nsmallest(15, frontier)])
+        if expansions == budget:
+            reached = expanded + [(steps, cur)] + [(e[4], e[3]) for e in heapq.nsmallest(15, frontier)]
+            return _settle(src, dst, shape, itemsize, reached + ([(incumbent, dst)] if incumbent is not None else []))
+        if len(steps) <= 1:
+            expanded.append((steps, cur))
+        expansions += 1
         for step in _steps_from(cur, src, dst, shape, preimages):
             nxt = step.result(cur)
             exchange = isinstance(step, ExchangeStep)
@@ -561,19 +583,47 @@ _tie = itertools.count()   # orders equal entries of the search's heap by when t
 
 def _settle(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int, reached: list) -> tuple:
     """A search that ran out of expansions (large device counts, where the layouts between
-    two far-apart ones are many) finishes the most promising partial plans (by a cut or
-    the direct gathers where those reach dst, else by gathering what is still split and
-    cutting dst out), and takes the cheapest of those and of doing
-    that from src: planning a 2048-device program stays seconds, not minutes."""
-    def finish(steps: tuple, cur: Sharding) -> tuple:
+    two far-apart ones are many) finishes the partial plans it reached (src and the steps
+    from it that it expanded, and the most promising unexpanded ones) by a cut or the
+    direct gathers where those reach dst, else by gathering down to the finest split both
+    share (or everything) and cutting dst out, and takes the cheapest: planning a
+    2048-device program stays seconds, not minutes."""
+    def finishes(cur: Sharding) -> list:
         if cur == dst:
-            return steps
+            return [()]
         if _subdivides(dst, cur, shape):
-            return steps + (SliceStep(dst),)
+            return [(SliceStep(dst),)]
         direct = _direct(cur, dst, shape, itemsize)
-        return steps + (direct if direct is not None else _gather_all_and_cut(cur, dst))
-    plans = [finish(steps, cur) for steps, cur in reached] + [finish((), src)]
+        if direct is not None:
+            return [direct]
+        # Gathering less is not always faster: a whole-mesh gather may run on shorter rings.
+        return [_gather_to_common_and_cut(cur, dst, shape, itemsize), _gather_all_and_cut(cur, dst)]
+    plans = [steps + rest for steps, cur in reached for rest in finishes(cur)]
     return min(plans, key=lambda steps: rounded(_chain_cost(steps, src, shape, itemsize)))
+
+
+def _gather_to_common_and_cut(cur: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int) -> tuple:
+    """Gather each dim only down to the finest split that dst's split refines device by
+    device (the shards nest and each device's coarse piece is the same in both), then cut
+    dst out; where that layout is not one dst subdivides (replication differs), gather
+    everything instead."""
+    gathers = [GatherStep(d, t // m) for d, t in enumerate(cur.tiles)
+               if t > (m := _common_split(cur, dst, shape, d))]
+    common = functools.reduce(lambda s, g: g.result(s), gathers, cur)
+    if common != dst and not _subdivides(dst, common, shape):
+        return _gather_all_and_cut(cur, dst)
+    return _cheapest_order(gathers, cur, shape, itemsize) + ((SliceStep(dst),) if common != dst else ())
+
+
+def _common_split(cur: Sharding, dst: Sharding, shape: tuple[int, ...], dim: int) -> int:
+    """The most pieces dim can keep for dst: a split both cur's and dst's splits nest in,
+    whose piece is the same one on every device in both."""
+    ts, td = cur.tiles[dim], dst.tiles[dim]
+    for m in range(math.gcd(ts, td), 1, -1):
+        if (ts % m == 0 and td % m == 0 and _nests(shape[dim], ts, ts // m) and _nests(shape[dim], td, td // m)
+                and np.array_equal(cur.coords()[:, dim] // (ts // m), dst.coords()[:, dim] // (td // m))):
+            return m
+    return 1
 
 
 def _gather_all_and_cut(cur: Sharding, dst: Sharding) -> tuple:
