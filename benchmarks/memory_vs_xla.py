@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(rows))
         return 0
-    print(f"| size | case | donated | ours (bytes) | XLA (bytes) | ours / XLA |\n|---|---|---|--:|--:|--:|")
+    print("| size | case | donated | ours (bytes) | XLA (bytes) | ours / XLA |\n|---|---|---|--:|--:|--:|")
     for r in rows:
         print(f"| {r['size']} | {r['case']} | {'yes' if r['donated'] else 'no'} | {r['ours']:,} | {r['xla']:,} "
               f"| {r['ratio']:.3f} |")

@@ -15,10 +15,6 @@ from coverage_cases import emitted
 from gspmd.frontend.trace import CALLS
 from gspmd.ops import OPS, OUT_OF_SCOPE, PRIMITIVES
 
-# Converted on the issue-9 branches being written at the same time as this test, by
-# the helper named; the lead removes each entry as its branch merges.
-PENDING: dict[str, set[str]] = {}
-PENDING_BY_NAME = {name: helper for helper, names in PENDING.items() for name in names}
 DOC = pathlib.Path(__file__).parent.parent / "docs" / "primitives.md"
 
 
@@ -29,8 +25,6 @@ def status(name: str) -> str:
         return "inlined"
     if name in OUT_OF_SCOPE:
         return "out of scope"
-    if name in PENDING_BY_NAME:
-        return "pending"
     return "missing"
 
 
@@ -38,11 +32,6 @@ def test_every_emitted_primitive_is_converted_or_out_of_scope():
     missing = {name: cases for name, (cases, _) in emitted().items() if status(name) == "missing"}
     assert not missing, ("JAX primitives that common models emit but gspmd neither converts nor names out of scope "
                          f"(primitive: programs emitting it): {missing}")
-
-
-def test_pending_primitives_are_not_converted_yet():
-    done = sorted(name for name in PENDING_BY_NAME if name in PRIMITIVES or name in CALLS)
-    assert not done, f"Converted now: remove {done} from PENDING in tests/test_coverage.py."
 
 
 @pytest.mark.parametrize("name", sorted(n for n in emitted() if n in OUT_OF_SCOPE))
@@ -65,7 +54,7 @@ def primitives_doc() -> str:
     rows = []
     for name, (cases, _) in sorted(emitted().items()):
         how = {"converted": f"`{opcode.get(name)}` op", "inlined": "body converted in place",
-               "out of scope": OUT_OF_SCOPE.get(name, "").split(". ")[0], "pending": f"issue 9, branch `{PENDING_BY_NAME.get(name)}`",
+               "out of scope": OUT_OF_SCOPE.get(name, "").split(". ")[0],
                "missing": ""}[status(name)]
         rows.append(f"| `{name}` | {status(name)} | {how} | {'; '.join(cases[:3])}{' …' if len(cases) > 3 else ''} |")
     others = sorted(set(PRIMITIVES) - set(emitted()))
@@ -79,7 +68,6 @@ def primitives_doc() -> str:
         "",
         "- **converted**: an op record in `src/gspmd/ops/` turns it into the op named;",
         "- **inlined**: a call (custom_jvp/vjp, checkpoint) whose body is converted in place;",
-        "- **pending**: being added on the branch named;",
         "- **out of scope**: gspmd raises a `ShardingError` with the reason (shown) and what to do.",
         "",
         "| primitive | status | how | emitted by (first programs) |",

@@ -12,7 +12,7 @@ from jax import lax
 
 import gspmd
 from strategies import dims_mappings, meshes
-from util import BANDWIDTH_BOUND, check, gathers_along_batching_dims
+from util import BANDWIDTH_BOUND, check
 
 MESH = gspmd.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
 LINE = gspmd.Mesh(np.arange(8), ("x",))
@@ -120,7 +120,6 @@ def test_padding_never_beats_real_elements():
     assert any("top-k candidates" in c.origin for c in low.report().collectives), low.report()
 
 
-@pytest.mark.skipif(not gathers_along_batching_dims(), reason="needs gather with batching dims (gather helper)")
 def test_grads_of_sort_and_top_k():
     def loss(x):
         x = split(x, MESH, "x", "y")

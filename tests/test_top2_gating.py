@@ -4,11 +4,10 @@ forward pass and the gradient equal one device."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from jax import lax
 
 import gspmd
-from util import check, gathers_along_batching_dims, rand
+from util import check, rand
 
 MESH = gspmd.Mesh(np.arange(8).reshape(2, 4), ("data", "expert"))
 GROUPS, TOKENS, MODEL, HIDDEN, EXPERTS = 4, 6, 8, 12, 4
@@ -64,7 +63,6 @@ def test_top2_gradient_equals_one_device():
     assert low.sharding_of(1) == w_in   # the expert weights' gradient stays split by expert
 
 
-@pytest.mark.skipif(not gathers_along_batching_dims(), reason="top_k's values gradient gathers along batching dims")
 def test_top2_gradient_through_top_k_values():
     params, x, target = inputs(2)
     check(jax.grad(lambda p, v, t: loss(p, v, t, gates_from_top_k=True)), params, x, target, mesh=MESH)

@@ -2,7 +2,6 @@
 for 1-D to 3-D values, from jax.Arrays (jax backend) and Lowered values (both backends)."""
 import sys
 
-import jax
 import numpy as np
 import pytest
 

@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import gspmd
@@ -76,12 +74,3 @@ def rand(rng: np.random.RandomState, *shape, dtype=np.float32):
     return rng.standard_normal(shape).astype(dtype)
 
 
-@functools.lru_cache(maxsize=None)
-def gathers_along_batching_dims() -> bool:
-    """Whether take_along_axis partitions (sort's and top_k's gradients need it)."""
-    try:
-        gspmd.jit(lambda v, i: jnp.take_along_axis(v, i, axis=1)).lower(np.zeros((2, 3), np.float32),
-                                                                         np.zeros((2, 1), np.int32))
-    except gspmd.ShardingError:
-        return False
-    return True

@@ -9,7 +9,7 @@ import numpy as np
 from gspmd import ops
 from gspmd.analysis import memory
 from gspmd.errors import ShardingError
-from gspmd.ir import Builder, Instr, Program, Value
+from gspmd.ir import Builder, Instr, Program
 from gspmd.ir.cse import eliminate_common_subexpressions
 from gspmd.ir.dce import eliminate_dead_code
 from gspmd.ops.reassociate import reassociate_all_reduces

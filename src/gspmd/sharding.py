@@ -21,7 +21,6 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from gspmd.errors import ShardingError
-from jax.sharding import PartitionSpec
 
 from gspmd.mesh import Mesh, as_mesh
 

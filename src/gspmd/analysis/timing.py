@@ -20,7 +20,7 @@ import heapq
 from dataclasses import dataclass
 
 from gspmd import ops
-from gspmd.ir import Instr, Program, Value
+from gspmd.ir import Instr, Program
 from gspmd.spmd import cost as cm
 
 

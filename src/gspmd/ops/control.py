@@ -252,7 +252,7 @@ def _partition_conditional(ctx, instr: Instr, operands: list[PartitionedValue], 
 
 def _convert_cond(b: Conversion, eqn, args: list[Value]) -> list[Value]:
     """JAX's cond (lax.cond, lax.switch): the index, then the branches' operands."""
-    index, operands = args[0], args[1:]
+    operands = args[1:]
     branches = tuple(b.subprogram(f"branch{k}", operands, partial(_inline_branch, jaxpr), hint="arg")
                      for k, jaxpr in enumerate(eqn.params["branches"]))
     return b.add("conditional", args, [b.out_aval(eqn, i) for i in range(len(eqn.outvars))], branches=branches)

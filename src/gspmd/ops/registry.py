@@ -15,7 +15,7 @@ import numpy as np
 
 from gspmd.errors import ShardingError
 from gspmd.ir import Instr, Program, Value
-from gspmd.ops.convert import Conversion, Converter, LowerContext
+from gspmd.ops.convert import Converter, LowerContext
 from gspmd.sharding import Sharding
 from gspmd.spmd import factors as fx
 from gspmd.spmd import reshard as rs

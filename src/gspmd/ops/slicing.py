@@ -26,11 +26,10 @@ from gspmd.ops.registry import (LAYOUT, Storage, jointly_linear, linear_in, regi
 from gspmd.ops.window import pad_array
 from gspmd.sharding import Sharding
 from gspmd.spmd import factors as fx
-from gspmd.spmd import reshard as rs
-from gspmd.spmd.context import INDEX_DTYPE, Why
+from gspmd.spmd.context import INDEX_DTYPE
 from gspmd.spmd.factors import PASS, REDUCE, REPLICATE, Factor
-from gspmd.spmd.halo import (Window, keep_inside, pad_dim, partition_pinned, partition_windowed, plan_dim, plan_layout,
-                             slice_outputs, windowed_ranges)
+from gspmd.spmd.halo import (Window, keep_inside, pad_dim, partition_windowed, plan_dim, plan_layout,
+                             slice_outputs)
 from gspmd.spmd.partitioned import PartitionedValue
 
 
