@@ -235,6 +235,9 @@ def test_plans_cost_no_more_than_the_oracles_reference_plans(case, hardware):
      gspmd.Mesh(np.arange(16), ("a",)), [-1, -1], (4, 8)),
     (None, gspmd.Mesh(np.arange(16).reshape(4, 4), ("a", "b")), [-1, "a", "b"],
      gspmd.Mesh(np.arange(16).reshape(2, 8), ("a", "b")), [-1, "a", -1], (1, 4, 8)),
+    # Two 2-way all-to-alls beat one 4-way all-to-all across hosts: four steps deep.
+    ("a100", gspmd.Mesh(np.array([0, 1, 2, 3, 4, 5, 6, 8, 7, 9, 10, 11, 12, 13, 14, 15]).reshape(4, 4), ("a", "b")),
+     ["a", "b"], gspmd.Mesh(np.arange(16), ("a",)), [-1, -1], (4, 16)),
 ])
 def test_plans_the_oracle_found_dearer_once(hardware, src_mesh, src_map, dst_mesh, dst_map, shape):
     with cm.pricing(hardware):
