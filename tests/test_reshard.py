@@ -226,6 +226,17 @@ def test_plans_cost_no_more_than_the_oracles_reference_plans(case, hardware):
                                    gspmd.Sharding.from_mesh(dst_mesh, dst_map, shape), shape)
 
 
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(reshard_cases(), st.sampled_from([None, BYTES_RECEIVED, "a100"]))
+def test_the_lower_bound_the_partitioner_prunes_with_never_exceeds_the_plan(case, hardware):
+    # factors.cheapest_space skips candidates whose bound cannot beat the best so far:
+    # a bound above a plan's cost would skip the cheapest.
+    src_mesh, src_map, dst_mesh, dst_map, shape = case
+    src, dst = gspmd.Sharding.from_mesh(src_mesh, src_map, shape), gspmd.Sharding.from_mesh(dst_mesh, dst_map, shape)
+    with cm.pricing(hardware):
+        assert rs.rounded(rs.at_least(src, dst, shape, 4)) <= rs.rounded(rs.cost(src, dst, shape, 4))
+
+
 @pytest.mark.parametrize("hardware, src_mesh, src_map, dst_mesh, dst_map, shape", [
     # A settled search finishes an expanded all-to-all by gathering only what dst lacks.
     ("a100", gspmd.Mesh(np.array([0, 1, 3, 2, 4, 5, 6, 8, 7, 9, 10, 11, 12, 13, 14, 15]).reshape(4, 4), ("a", "b")),

@@ -99,20 +99,33 @@ def _scattered(space: Sharding, red: list[int], out: Sharding, shape) -> dict[in
 
 
 def _combine_plan(space: Sharding, red: list[int], out: Sharding, target: Sharding, shape,
-                  itemsize: int) -> tuple[Optional[int], rs.Cost]:
+                  itemsize: int, reshard: Callable = rs.cost) -> tuple[Optional[int], rs.Cost]:
     """How to combine partial results on their way to `target`: a reduce-scatter along
     some dim (then a reshard) or an all-reduce (dim None, then a reshard), whichever
-    costs less; at equal cost, the reduce-scatter that lands on the target."""
+    costs less; at equal cost, the reduce-scatter that lands on the target, then the
+    all-reduce, then the first dim. `reshard` prices the reshards (rs.at_least: a lower
+    bound of the cost)."""
     groups = rs.groups_along(space, red)
     local_bytes = math.prod(out.shard_shape(shape)) * itemsize
-    best = (None, rs.add_costs(rs.priced(cm.Pattern.ALL_REDUCE, local_bytes, groups, space.num_devices),
-                               rs.cost(out, target, shape, itemsize)))
-    for d, landed in _scattered(space, red, out, shape).items():
-        cost = rs.add_costs(rs.priced(cm.Pattern.REDUCE_SCATTER, local_bytes // groups.shape[1], groups,
-                                      space.num_devices), rs.cost(landed, target, shape, itemsize))
-        if rs.rounded(cost) < rs.rounded(best[1]) or (rs.rounded(cost) == rs.rounded(best[1]) and landed == target):
-            best = (d, cost)
-    return best
+    options = [(None, rs.priced(cm.Pattern.ALL_REDUCE, local_bytes, groups, space.num_devices), out)]
+    options += [(d, rs.priced(cm.Pattern.REDUCE_SCATTER, local_bytes // groups.shape[1], groups, space.num_devices),
+                 landed) for d, landed in _scattered(space, red, out, shape).items()]
+
+    def rank(i: int, seconds: rs.Cost) -> tuple:
+        d, _, landed = options[i]
+        return rs.rounded(seconds), not (d is not None and landed == target), i
+    # Planning a reshard may search: try the options by their lower bounds, and stop at
+    # those that cannot beat the best so far.
+    bounds = {i: rank(i, rs.add_costs(c, rs.at_least(landed, target, shape, itemsize)))
+              for i, (_, c, landed) in enumerate(options)}
+    best = None
+    for i in sorted(bounds, key=bounds.get):
+        if best is not None and bounds[i] >= best[0]:
+            break
+        seconds = rs.add_costs(options[i][1], reshard(options[i][2], target, shape, itemsize))
+        if best is None or rank(i, seconds) < best[0]:
+            best = (rank(i, seconds), options[i][0], seconds)
+    return best[1], best[2]
 
 
 LocalEmitter = Callable[[DeviceContext, Instr, list[Value], list[tuple[int, ...]]], list[Value]]
@@ -155,9 +168,18 @@ def cheapest_space(instr: Instr, factors: Sequence[Factor], operands: Sequence[P
     merged = {_greedy_merge(first + [views[lead]] + views[:lead] + views[lead + 1:]) for lead in range(len(views))}
     merged.add(_greedy_merge(first + views[n_in:] + views[:n_in]))
     merged = {_whole_groups(factors, c) for c in merged.union(candidates)}
-    costs = {c: cost(factors, c, operands, instr, targets) for c in merged}
-    best = min(merged, key=lambda c: (rs.rounded(costs[c]), c.order_key()))
-    return best, costs[best]
+    # Pricing a candidate may search reshard plans: try them by their lower bounds, and
+    # stop at those that cannot beat the best so far.
+    bounds = {c: (rs.rounded(cost(factors, c, operands, instr, targets, rs.at_least)), c.order_key())
+              for c in merged}
+    best = None
+    for c in sorted(merged, key=bounds.get):
+        if best is not None and bounds[c] > best[0]:
+            break
+        seconds = cost(factors, c, operands, instr, targets)
+        if best is None or (rs.rounded(seconds), c.order_key()) < best[0]:
+            best = ((rs.rounded(seconds), c.order_key()), c, seconds)
+    return best[1], best[2]
 
 
 def _whole_groups(factors: Sequence[Factor], space: Sharding) -> Sharding:
@@ -167,19 +189,20 @@ def _whole_groups(factors: Sequence[Factor], space: Sharding) -> Sharding:
 
 
 def cost(factors: Sequence[Factor], space: Sharding, operands: Sequence[PartitionedValue], instr: Instr,
-         targets: Sequence[Sharding]) -> rs.Cost:
+         targets: Sequence[Sharding], reshard: Callable = rs.cost) -> rs.Cost:
     """What running `instr` in factor-space layout `space` takes in communication
     (seconds on the hardware being planned for): resharding the operands, combining
-    partial results, resharding the results to `targets`."""
-    costs = [rs.cost(o.sharding, tensor_layout(factors, t, space, o.rank), o.shape, o.dtype.itemsize)
+    partial results, resharding the results to `targets`. `reshard` prices each
+    reshard (rs.at_least: a lower bound of the cost)."""
+    costs = [reshard(o.sharding, tensor_layout(factors, t, space, o.rank), o.shape, o.dtype.itemsize)
              for t, o in enumerate(operands)]
     red = _reduce_factors(factors, space)
     for j, (out, target) in enumerate(zip(instr.outputs, targets)):
         local = tensor_layout(factors, len(operands) + j, space, out.rank)
         if red:
-            costs.append(_combine_plan(space, red, local, target, out.shape, out.dtype.itemsize)[1])
+            costs.append(_combine_plan(space, red, local, target, out.shape, out.dtype.itemsize, reshard)[1])
         else:
-            costs.append(rs.cost(local, target, out.shape, out.dtype.itemsize))
+            costs.append(reshard(local, target, out.shape, out.dtype.itemsize))
     return rs.add_costs(*costs)
 
 

@@ -519,6 +519,12 @@ def _cheapest_order(gathers: list, src: Sharding, shape: tuple[int, ...], itemsi
     return min(itertools.permutations(gathers), key=lambda steps: rounded(_chain_cost(steps, src, shape, itemsize)))
 
 
+def at_least(src: Sharding, dst: Sharding, shape: Sequence[int], itemsize: int) -> Cost:
+    """A lower bound of cost(src, dst, ...), without planning: callers comparing
+    alternatives skip the plans that cannot win."""
+    return _lacking(src, dst, tuple(shape), itemsize, cm.current())
+
+
 def _lacking(cur: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int, hw: cm.Hardware) -> Cost:
     """A lower bound of what turning cur into dst takes: the most data any device lacks
     (what it needs of its dst tile minus what its cur tile holds), received over all of
