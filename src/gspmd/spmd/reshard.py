@@ -522,7 +522,12 @@ def _cheapest_order(gathers: list, src: Sharding, shape: tuple[int, ...], itemsi
 def at_least(src: Sharding, dst: Sharding, shape: Sequence[int], itemsize: int) -> Cost:
     """A lower bound of cost(src, dst, ...), without planning: callers comparing
     alternatives skip the plans that cannot win."""
-    return _lacking(src, dst, tuple(shape), itemsize, cm.current())
+    return _at_least(src, dst, tuple(shape), itemsize, cm.current())
+
+
+@functools.lru_cache(maxsize=65536)
+def _at_least(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int, hw: cm.Hardware) -> Cost:
+    return FREE if src == dst else _lacking(src, dst, shape, itemsize, hw)
 
 
 def _lacking(cur: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int, hw: cm.Hardware) -> Cost:
