@@ -111,21 +111,27 @@ def _combine_plan(space: Sharding, red: list[int], out: Sharding, target: Shardi
     options += [(d, rs.priced(cm.Pattern.REDUCE_SCATTER, local_bytes // groups.shape[1], groups, space.num_devices),
                  landed) for d, landed in _scattered(space, red, out, shape).items()]
 
-    def rank(i: int, seconds: rs.Cost) -> tuple:
-        d, _, landed = options[i]
-        return rs.rounded(seconds), not (d is not None and landed == target), i
-    # Planning a reshard may search: try the options by their lower bounds, and stop at
-    # those that cannot beat the best so far.
-    bounds = {i: rank(i, rs.add_costs(c, rs.at_least(landed, target, shape, itemsize)))
-              for i, (_, c, landed) in enumerate(options)}
+    def key(i: int, price: Callable) -> tuple:
+        d, combining, landed = options[i]
+        seconds = rs.add_costs(combining, price(landed, target, shape, itemsize))
+        return rs.rounded(seconds), not (d is not None and landed == target), i, seconds
+    i, (*_, seconds) = _cheapest(range(len(options)), lambda i: key(i, rs.at_least), lambda i: key(i, reshard))
+    return options[i][0], seconds
+
+
+def _cheapest(options, bound: Callable, exact: Callable):
+    """(the option with the least exact key, that key), trying the options in the order
+    of bound (a lower bound of the key) and stopping at the first that cannot beat the
+    best so far: pricing an option may search reshard plans, and most never need to."""
+    bounds = {i: bound(o) for i, o in enumerate(options)}
     best = None
     for i in sorted(bounds, key=bounds.get):
-        if best is not None and bounds[i] >= best[0]:
+        if best is not None and bounds[i] > best[1]:
             break
-        seconds = rs.add_costs(options[i][1], reshard(options[i][2], target, shape, itemsize))
-        if best is None or rank(i, seconds) < best[0]:
-            best = (rank(i, seconds), options[i][0], seconds)
-    return best[1], best[2]
+        key = exact(options[i])
+        if best is None or key < best[1]:
+            best = (options[i], key)
+    return best
 
 
 LocalEmitter = Callable[[DeviceContext, Instr, list[Value], list[tuple[int, ...]]], list[Value]]
@@ -168,18 +174,11 @@ def cheapest_space(instr: Instr, factors: Sequence[Factor], operands: Sequence[P
     merged = {_greedy_merge(first + [views[lead]] + views[:lead] + views[lead + 1:]) for lead in range(len(views))}
     merged.add(_greedy_merge(first + views[n_in:] + views[:n_in]))
     merged = {_whole_groups(factors, c) for c in merged.union(candidates)}
-    # Pricing a candidate may search reshard plans: try them by their lower bounds, and
-    # stop at those that cannot beat the best so far.
-    bounds = {c: (rs.rounded(cost(factors, c, operands, instr, targets, rs.at_least)), c.order_key())
-              for c in merged}
-    best = None
-    for c in sorted(merged, key=bounds.get):
-        if best is not None and bounds[c] > best[0]:
-            break
-        seconds = cost(factors, c, operands, instr, targets)
-        if best is None or (rs.rounded(seconds), c.order_key()) < best[0]:
-            best = ((rs.rounded(seconds), c.order_key()), c, seconds)
-    return best[1], best[2]
+    def key(c: Sharding, price: Callable) -> tuple:
+        seconds = cost(factors, c, operands, instr, targets, price)
+        return rs.rounded(seconds), c.order_key(), seconds
+    best, (*_, seconds) = _cheapest(list(merged), lambda c: key(c, rs.at_least), lambda c: key(c, rs.cost))
+    return best, seconds
 
 
 def _whole_groups(factors: Sequence[Factor], space: Sharding) -> Sharding:
