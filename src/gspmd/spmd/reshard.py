@@ -587,6 +587,8 @@ def _search(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int,
                 best[nxt] = total
                 guess = rounded(seconds + _lacking(nxt, dst, shape, itemsize, hw))
                 heapq.heappush(frontier, ((guess,) + total[1:], total, next(_tie), nxt, steps + (step,)))
+    if incumbent is not None:
+        return incumbent
     raise AssertionError(f"no reshard plan {src} -> {dst} for {shape}")
 
 
