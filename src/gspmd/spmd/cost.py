@@ -15,8 +15,8 @@ onto the TPU torus):
 
 Collectives over explicit device groups are priced from where the members sit:
 - all-gather / reduce-scatter / all-reduce: bidirectional rings, one phase per physical
-  dim the groups span (a sub-grid group runs dimension by dimension, slowest first, as 2D torus
-  algorithms do; other groups run one ring in the listed order). A ring step costs
+  dim the groups span (a sub-grid group runs dimension by dimension, as 2D torus
+  algorithms do, in the cheapest order; other groups run one ring in the listed order). A ring step costs
   the latency of its longest hop plus its chunk times the most ring edges sharing one
   link (all groups run at once, so strided groups share links), over the link bandwidth.
 - all-to-all: every member sends 1/k of its data to every other; the bytes x hops along
@@ -272,8 +272,8 @@ def _ring_collective(net: Network, coords: np.ndarray) -> tuple[float, float]:
     extents = [len(np.unique(coords[0, :, d])) for d in spans]
     if math.prod(extents) != k:       # not a sub-grid: one ring in the listed order
         return _ring(net, coords, k, 1.0 / k)
-    # The phases may run in any order (their latencies add up the same): the cheapest
-    # runs the slowest dim while chunks are smallest.
+    # The phases may run in any order (their latencies add up the same); the cheapest
+    # usually runs the slowest dim while the chunks are smallest.
     return min((_phased(net, coords, order) for order in itertools.permutations(zip(spans, extents))),
                key=lambda rate: rate[1])
 
