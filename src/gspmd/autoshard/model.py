@@ -298,7 +298,8 @@ class Model:
 
     def copies(self, assignment: Assignment) -> list:
         """The resharded copies the strategy makes: one per value and layout some op
-        reads it in other than the one it is made in."""
+        reads it in other than the one it is made in. A value fusion computes inside its
+        readers (a broadcast) is sliced there too: slicing it makes no copy."""
         layouts = []
         for e in self.graph.edges:
             u, v = self.graph.representative(e.source), self.graph.representative(e.target)
@@ -309,7 +310,8 @@ class Model:
         found: dict = {}
         for value, reader, e in self._live.reads:
             made, needed = layouts[e]
-            if needed is None or needed == made:
+            if needed is None or needed == made or (value in self._live.fused and not self.pricing.reshard(
+                    made, needed, value.shape, value.dtype.itemsize)):
                 continue
             copy = found.get((value, needed))
             if copy is None:

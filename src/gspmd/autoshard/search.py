@@ -15,8 +15,10 @@
    annotation at that call in the source. gspmd partitions and reports them for real
    (fitted to the memory limit); where its peak differs from the estimate, the mesh is
    searched again with the limit scaled by the difference; the best that fits wins.
-   So does the data-parallel counterfactual (the updated state whole on every device)
-   where the estimate prefers it and gspmd's report agrees.
+   So do two counterfactuals on the best mesh where gspmd's report agrees: the data-
+   parallel one (the updated state whole on every device) where the estimate prefers
+   it, and the largest input the plan holds whole split instead, where the estimate
+   puts it within its error of the plan.
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ AXIS_NAMES = ("x", "y", "z")
 REFINED = 3   # meshes searched again, harder, after all were screened
 SLACK = 1.25  # candidates estimated up to this much over the memory limit are still partitioned
 CALIBRATED = 0.03   # an estimate this close to the report needs no second search
+NEAR = 1.02   # a counterfactual estimated within this of the plan is partitioned for real
 LARGE = 1500  # instructions from which each candidate is partitioned once (costly)
 Progress = Callable[[int, int, str], None]   # (done, total, what) as the search goes
 
@@ -107,8 +110,12 @@ def auto(fn: Callable, *args, devices: Optional[int] = None, mesh: Optional[Mesh
     found = _search_meshes(graph, meshes, fixed_params, hw, limit, effort, steps)
     best, verified = _partition_best(found, traced, paths, limit, hw, effort, verify, steps)
     steps("runner-ups")
-    best, counterfactual = _against_data_parallel(best, traced, paths, limit, hw)
-    runner_ups = _runner_ups(best, found, verified, counterfactual, limit)
+    counterfactuals = []
+    for alternative, text, near in (_state_replicated(best.candidate, limit) + (1.0,),
+                                    _inputs_split(best.candidate, paths, limit, effort) + (NEAR,)):
+        best, counterfactual = _against(best, alternative, text, traced, paths, limit, hw, near)
+        counterfactuals += [counterfactual] if counterfactual is not None else []
+    runner_ups = _runner_ups(best, found, verified, counterfactuals, limit)
     steps("done")
     return plans.Plan(fn, abstract, best.candidate.mesh, best.parameters, best.intermediates, best.report,
                       best.candidate.estimate, limit, runner_ups, time.perf_counter() - start,
@@ -551,27 +558,28 @@ def annotated_copy(program: Program, annotations: dict) -> tuple[Program, dict]:
 
 
 # -- runner-ups --------------------------------------------------------------------------------
-def _against_data_parallel(best: Verified, traced: Traced, paths: list[str], limit: int,
-                           hw: Hardware) -> tuple[Verified, Optional[tuple]]:
-    """The data-parallel counterfactual (the parameters the function updates whole on
-    every device), partitioned for real where the estimate says it is faster (the
-    search decides axis by axis and can miss it): if gspmd's report agrees, it is the
-    plan, and the search's own plan the counterfactual. Returns the plan and the
-    counterfactual as (description, Verified or Candidate), or None."""
-    replicated = _state_replicated(best.candidate, limit)
-    if replicated is None:
+def _against(best: Verified, alternative: Optional[Candidate], text: str, traced: Traced, paths: list[str],
+             limit: int, hw: Hardware, near: float) -> tuple[Verified, Optional[tuple]]:
+    """A counterfactual on the best plan's mesh (described by `text`), partitioned for
+    real where its estimate is within `near` times the plan's (the search decides axis
+    by axis and can miss it; near ties are the estimate's error, which gspmd's report
+    settles): if the report agrees, it is the plan, and the search's own plan the
+    counterfactual. Returns the plan and the counterfactual as (description, Verified or
+    Candidate), or None."""
+    if alternative is None:
         return best, None
-    if not replicated.fits or _rank(replicated) >= _rank(best.candidate):
-        return best, (_replicated_text(replicated), replicated)
-    v = verify_candidate(replicated, traced, paths, limit, hw, compare=False)
+    plan = best.candidate
+    if not alternative.fits or (plan.fits and alternative.estimate.step_seconds >= near * plan.estimate.step_seconds):
+        return best, (text, alternative)
+    v = verify_candidate(alternative, traced, paths, limit, hw, compare=False)
     if _real_rank(v) < _real_rank(best):
-        return v, (f"parameters split on mesh {_mesh_text(best.candidate.mesh)} (the search's plan)", best)
-    return best, (_replicated_text(replicated), v)
+        return v, (f"the search's plan on mesh {_mesh_text(best.candidate.mesh)}", best)
+    return best, (text, v)
 
 
 def _runner_ups(best: Verified, found: Sequence[Candidate], verified: Sequence[Verified],
-                counterfactual: Optional[tuple], limit: int, most: int = 4) -> list:
-    """The best plan on each other mesh, and the counterfactual, each with why it lost.
+                counterfactuals: Sequence[tuple], limit: int, most: int = 4) -> list:
+    """The best plan on each other mesh, and the counterfactuals, each with why it lost.
     Those partitioned for real are compared by gspmd's report, the others by the
     search's estimate."""
     out = []
@@ -581,13 +589,12 @@ def _runner_ups(best: Verified, found: Sequence[Candidate], verified: Sequence[V
             seen.add(v.candidate.mesh)
             out.append(_lost_by_report(f"best on mesh {_mesh_text(v.candidate.mesh)} (partitioned)", v, best, limit))
     for c in found:
-        if len(out) >= most - 1:
+        if len(out) >= most - len(counterfactuals):
             break
         if c.mesh not in seen:
             seen.add(c.mesh)
             out.append(_lost_by_estimate(f"best on mesh {_mesh_text(c.mesh)}", c, best.candidate, limit))
-    if counterfactual is not None:
-        description, c = counterfactual
+    for description, c in counterfactuals:
         out.append(_lost_by_report(description, c, best, limit) if isinstance(c, Verified)
                    else _lost_by_estimate(description, c, best.candidate, limit))
     return out[:most]
@@ -603,21 +610,53 @@ def _lost_by_estimate(description: str, c: Candidate, best: Candidate, limit: in
                           why_not(c, best, limit))
 
 
-def _replicated_text(c: Candidate) -> str:
-    return f"parameters replicated on mesh {_mesh_text(c.mesh)} (data parallel)"
-
-
-def _state_replicated(best: Candidate, limit: int) -> Optional[Candidate]:
+def _state_replicated(best: Candidate, limit: int) -> tuple[Optional[Candidate], str]:
     """The best plan on the same mesh with the state the function updates (the
     parameters it returns anew: weights, optimizer state) whole on every device."""
+    text = f"parameters replicated on mesh {_mesh_text(best.mesh)} (data parallel)"
     graph = best.model.graph
-    state = {e.target for e in graph.edges if e.operand_index == CARRY}
+    state = _state(graph)
     if not state or all(all(o == UNUSED for o in best.assignment[c]) for c in state):
-        return None
+        return None, text
     allowed = dict(best.model.allowed)
     for c in state:
         allowed.setdefault(c, [{UNUSED} for _ in best.model.axes])
-    return optimize(Model(graph, best.mesh, best.model.pricing, allowed), limit, SCREEN)
+    return optimize(Model(graph, best.mesh, best.model.pricing, allowed), limit, SCREEN), text
+
+
+def _inputs_split(best: Candidate, paths: list[str], limit: int, effort: Effort) -> tuple[Optional[Candidate], str]:
+    """The best plan on the same mesh with the largest input the plan holds whole on
+    every device (data, not updated state) split instead, on its best dim and axis.
+    The axis-by-axis search can keep such an input whole where the estimate puts the
+    two within its error (it sees slicing the input as free, computing on the whole
+    as the only cost), though the partitioner then splits the work anyway."""
+    model, graph = best.model, best.model.graph
+    state = _state(graph)
+    whole = [c for c, members in enumerate(graph.classes) if members[0].instr is None and c not in state
+             and c not in model.allowed and members[0].values[0][0].rank
+             and all(o == UNUSED for o in best.assignment[c])]
+    if not whole:
+        return None, ""
+    c = max(whole, key=lambda c: graph.representative(c).values[0][0].nbytes)
+    found = []
+    for axis in model.axes:
+        for option in model.options(c, best.assignment[c], axis):
+            if option != UNUSED:
+                held = tuple(option if a == axis else UNUSED for a in model.axes)
+                pinned = Model(graph, best.mesh, model.pricing, {**model.allowed, c: [{o} for o in held]})
+                found.append(optimize(pinned, limit, effort))
+    if not found:
+        return None, ""
+    alternative = min(found, key=_rank)
+    value = graph.representative(c).values[0][0]
+    path = paths[graph.program.params.index(value)]
+    spec = list(plans.dims_mapping(alternative.model.value_layouts(alternative.assignment)[value], best.mesh))
+    return alternative, f"{path} split as {spec} on mesh {_mesh_text(best.mesh)}"
+
+
+def _state(graph: Graph) -> set:
+    """The classes of the parameters the function returns anew."""
+    return {e.target for e in graph.edges if e.operand_index == CARRY}
 
 
 def why_not_report(v: Verified, best: Verified, limit: int) -> str:
