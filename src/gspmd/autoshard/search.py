@@ -111,8 +111,9 @@ def auto(fn: Callable, *args, devices: Optional[int] = None, mesh: Optional[Mesh
     best, verified = _partition_best(found, traced, paths, limit, hw, effort, verify, steps)
     steps("runner-ups")
     counterfactuals = []
-    for alternative, text, near in (_state_replicated(best.candidate, limit) + (1.0,),
-                                    _inputs_split(best.candidate, paths, limit, effort) + (NEAR,)):
+    for counterfactual_of, near in ((lambda c: _state_replicated(c, limit), 1.0),
+                                    (lambda c: _inputs_split(c, paths, limit, effort), NEAR)):
+        alternative, text = counterfactual_of(best.candidate)
         best, counterfactual = _against(best, alternative, text, traced, paths, limit, hw, near)
         counterfactuals += [counterfactual] if counterfactual is not None else []
     runner_ups = _runner_ups(best, found, verified, counterfactuals, limit)
