@@ -110,13 +110,9 @@ def auto(fn: Callable, *args, devices: Optional[int] = None, mesh: Optional[Mesh
     found = _search_meshes(graph, meshes, fixed_params, hw, limit, effort, steps)
     best, verified = _partition_best(found, traced, paths, limit, hw, effort, verify, steps)
     steps("runner-ups")
-    counterfactuals = []
-    for counterfactual_of, near in ((lambda c: _state_replicated(c, limit), 1.0),
-                                    (lambda c: _inputs_split(c, paths, limit, effort), NEAR)):
-        alternative, text = counterfactual_of(best.candidate)
-        best, counterfactual = _against(best, alternative, text, traced, paths, limit, hw, near)
-        counterfactuals += [counterfactual] if counterfactual is not None else []
-    runner_ups = _runner_ups(best, found, verified, counterfactuals, limit)
+    best, replicated = _against(best, *_state_replicated(best.candidate, limit), traced, paths, limit, hw, 1.0)
+    best, split = _against(best, *_inputs_split(best.candidate, paths, limit, effort), traced, paths, limit, hw, NEAR)
+    runner_ups = _runner_ups(best, found, verified, [c for c in (replicated, split) if c is not None], limit)
     steps("done")
     return plans.Plan(fn, abstract, best.candidate.mesh, best.parameters, best.intermediates, best.report,
                       best.candidate.estimate, limit, runner_ups, time.perf_counter() - start,
@@ -633,12 +629,12 @@ def _inputs_split(best: Candidate, paths: list[str], limit: int, effort: Effort)
     as the only cost), though the partitioner then splits the work anyway."""
     model, graph = best.model, best.model.graph
     state = _state(graph)
-    whole = [c for c, members in enumerate(graph.classes) if members[0].instr is None and c not in state
-             and c not in model.allowed and members[0].values[0][0].rank
+    value_of = {c: members[0].values[0][0] for c, members in enumerate(graph.classes) if members[0].instr is None}
+    whole = [c for c, v in value_of.items() if c not in state and c not in model.allowed and v.rank
              and all(o == UNUSED for o in best.assignment[c])]
     if not whole:
         return None, ""
-    c = max(whole, key=lambda c: graph.representative(c).values[0][0].nbytes)
+    c = max(whole, key=lambda c: value_of[c].nbytes)
     found = []
     for axis in model.axes:
         for option in model.options(c, best.assignment[c], axis):
@@ -649,9 +645,8 @@ def _inputs_split(best: Candidate, paths: list[str], limit: int, effort: Effort)
     if not found:
         return None, ""
     alternative = min(found, key=_rank)
-    value = graph.representative(c).values[0][0]
-    path = paths[graph.program.params.index(value)]
-    spec = list(plans.dims_mapping(alternative.model.value_layouts(alternative.assignment)[value], best.mesh))
+    path = paths[graph.program.params.index(value_of[c])]
+    spec = list(plans.dims_mapping(alternative.model.value_layouts(alternative.assignment)[value_of[c]], best.mesh))
     return alternative, f"{path} split as {spec} on mesh {_mesh_text(best.mesh)}"
 
 
