@@ -138,7 +138,8 @@ def test_an_input_the_search_keeps_whole_is_tried_split():
     """The axis-by-axis search keeps the MoE layer's tokens whole on every device (its
     estimate puts that within 1% of splitting them, seeing the slices as free); the
     inputs-split counterfactual, partitioned for real, wins: the hand plan's layouts and
-    step time, and the search's own plan is the runner-up that says so."""
+    step time, and the search's own plan is the runner-up that says so; the plan computes
+    what one device does."""
     cfg = moe.Config(groups=8, group_size=256, model=256, hidden=1024, experts=8, capacity=64)
     args = moe.example_inputs(cfg)
     mesh = gspmd.Mesh(np.arange(8), ("x",))
@@ -147,6 +148,7 @@ def test_an_input_the_search_keeps_whole_is_tried_split():
     assert dict(plan.parameters)["arg1"] == ("x", -1, -1)
     assert plan.step_seconds <= hand.step_seconds * (1 + 1e-9)
     assert any(u.description == "the search's plan on mesh 8" and u.extra_seconds > 0 for u in plan.runner_ups)
+    assert_close(plan.jit()(*args), jax.jit(moe.make_train_step(None, "x", cfg))(*args))
 
 
 def test_a_sliced_broadcast_is_no_copy():
