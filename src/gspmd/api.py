@@ -268,7 +268,8 @@ class Lowered:
         limit = partitioned.memory_limit
         self.memory_budget = None if limit is None else fit_memory(
             self.spmd, self.num_devices, limit, memory.donation_aliases(self.spmd, self.donated),
-            kernel_scratch=partitioned.hardware is None or partitioned.hardware.kernel_scratch)
+            kernel_scratch=partitioned.hardware is None or partitioned.hardware.kernel_scratch,
+            hardware=partitioned.hardware)
         verify(self.spmd)
         self.hardware = partitioned.hardware
         self._jax: Optional[jax_backend.Executable] = None

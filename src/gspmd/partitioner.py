@@ -2,17 +2,18 @@
 partition rule for per-device code; the result is one program for all devices."""
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence, Union
+from typing import Mapping, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
 from gspmd import ops
 from gspmd.analysis import memory
 from gspmd.errors import ShardingError
-from gspmd.ir import Builder, Instr, Program
+from gspmd.ir import Builder, Instr, Program, Value
 from gspmd.ir.cse import eliminate_common_subexpressions
 from gspmd.ir.dce import eliminate_dead_code
 from gspmd.ops.reassociate import reassociate_all_reduces
+from gspmd.ops.registry import Storage
 from gspmd.sharding import Sharding
 from gspmd.spmd import cost as cm
 from gspmd.spmd import reshard as rs
@@ -87,75 +88,242 @@ def _partition_instr(ctx: DeviceContext, instr, operands: list[PartitionedValue]
 
 
 def fit_memory(spmd: Program, num_devices: int, limit: int, aliases: Mapping[int, int] = {},
-               kernel_scratch: bool = True) -> memory.BudgetChoice:
-    """Fit the per-device program in `limit` bytes where it can, trading collective bytes
-    for memory: a gather (a collective whose result is larger than its operand, and whose
-    op record says how to repeat it) whose result is held idle across the peak, read
-    before and after it, is done again right before its later readers, so that only its
-    sharded operand stays live in between.
-    The largest first, as many as the excess needs; repeated while the peak exceeds the
-    limit and re-gathering lowers it. `aliases` and `kernel_scratch` as for
-    memory.profile (the donated parameters, the target's kernels)."""
+               kernel_scratch: bool = True, hardware: Optional[cm.Hardware] = None) -> memory.BudgetChoice:
+    """Fit the per-device program in `limit` bytes where it can: a value held idle across
+    the peak (read before it and after it, not at it) is computed again right before its
+    later readers, so that only what it is computed from stays live in between.
+    A gather (a collective whose op record says how to repeat it) is done again from its
+    sharded operand, trading collective bytes for memory. On a `hardware` whose compiler
+    rematerializes to fit its memory (XLA on accelerators: HloRematerialization), any
+    other pure instruction may be recomputed too.
+    The cheapest per byte saved first (time on `hardware`; the default profile's when
+    None), as many as the excess needs; repeated while the peak exceeds the limit and
+    recomputing lowers it. `aliases` and `kernel_scratch` as for memory.profile (the
+    donated parameters, the target's kernels)."""
+    hw = hardware or cm.DEFAULT
+    recompute_any = hardware is not None and hardware.rematerializes
+
     def profile() -> memory.MemoryProfile:
         return memory.profile(spmd, aliases, kernel_scratch=kernel_scratch)
     held = profile()
-    shared, regathered, extra = held.peak_bytes, [], 0
+    shared, regathered, recomputed, extra, flops = held.peak_bytes, [], [], 0, 0
     while held.peak_bytes > limit:
-        undo, moved, excess = [], [], held.peak_bytes - limit
-        for gather, later in sorted(_idle_across_peak(spmd, held), key=lambda c: -c[0].output.nbytes):
-            if excess <= 0:
+        ranked = sorted(_idle_across_peak(spmd, held, num_devices, hw, recompute_any),
+                        key=lambda c: (c.seconds / c.saved, -c.saved))
+        kept, after = _enough(ranked, held.peak_bytes - limit), None
+        if kept:
+            undo = [_compute_again(spmd, num_devices, c.instr, c.later, held.fused) for c in kept]
+            after = profile()
+            if not _better(after, held, limit):
+                for restore in reversed(undo):
+                    restore()
+                kept = []
+        if not kept:   # the estimates misled: each of the best alone, exactly; the most gain per second
+            best, best_rate = None, 0.0
+            for c in ranked[:TRIES]:
+                undo = _compute_again(spmd, num_devices, c.instr, c.later, held.fused)
+                tried = profile()
+                undo()
+                if _better(tried, held, limit):
+                    rate = (_over(held, limit) - _over(tried, limit)) / max(c.seconds, 1e-12)
+                    if rate > best_rate:
+                        best, best_rate = c, rate
+            if best is None:
                 break
-            undo.append(_gather_again(spmd, num_devices, gather, later))
-            moved.append(gather.output)
-            excess -= gather.output.nbytes
-        after = profile() if moved else held
-        if after.peak_bytes >= held.peak_bytes:
-            for restore in reversed(undo):
-                restore()
-            break
+            _compute_again(spmd, num_devices, best.instr, best.later, held.fused)
+            kept, after = [best], profile()
         held = after
-        regathered += [v.name for v in moved]
-        extra += sum(v.nbytes for v in moved)
-    return memory.BudgetChoice(limit, shared, held.peak_bytes, extra, tuple(regathered))
+        for c in kept:
+            if ops.lookup(c.instr.opcode).collective is not None:
+                regathered.append(c.instr.output.name)
+                extra += c.instr.output.nbytes
+            else:
+                recomputed.append(c.instr.output.name)
+                flops += _flops(c.instr)
+    return memory.BudgetChoice(limit, shared, held.peak_bytes, extra, tuple(regathered), tuple(recomputed), flops)
 
 
-def _idle_across_peak(spmd: Program, held: memory.MemoryProfile) -> list[tuple[Instr, list[Instr]]]:
-    """Gathers whose result is read before the peak and after it but not at it: each
-    with its readers after the peak."""
+TRIES = 16   # candidates fit_memory tries one by one where its estimates misled it
+
+
+class _Candidate(NamedTuple):
+    seconds: float       # computing it again, on the hardware
+    saved: int           # bytes the peak holds less, as estimated
+    instr: Instr
+    later: list          # the instructions after the peak that read it
+
+
+def _better(after: memory.MemoryProfile, before: memory.MemoryProfile, limit: int) -> bool:
+    """Closer to fitting `limit`: no higher a peak, and less excess over the run."""
+    return after.peak_bytes <= before.peak_bytes and _over(after, limit) < _over(before, limit)
+
+
+def _over(held: memory.MemoryProfile, limit: int) -> int:
+    """How far the program runs over `limit`: bytes beyond it summed over the steps
+    (progress where several steps share the peak)."""
+    return sum(max(b - limit, 0) for b in held.timeline)
+
+
+def _enough(ranked: list, excess: int) -> list:
+    """The first of `ranked` candidates whose savings cover `excess` bytes."""
+    batch = []
+    for candidate in ranked:
+        if excess <= 0:
+            break
+        batch.append(candidate)
+        excess -= candidate.saved
+    return batch
+
+
+def _idle_across_peak(spmd: Program, held: memory.MemoryProfile, num_devices: int, hw: cm.Hardware,
+                      recompute_any: bool) -> list[_Candidate]:
+    """Values held at the peak, read before it and after it but not at it, that can be
+    computed again, with the instructions after the peak that read them (directly or
+    through values fused into them). Bytes saved: its own, less those of the stored values it is computed from
+    that the peak does not hold already (their live ranges grow across it)."""
     peak, readers, results = held.peak_step, spmd.users(), set(spmd.outputs)
     found = []
     for instr in spmd.instrs:
-        if ops.lookup(instr.opcode).repeat is None or len(instr.outputs) != 1 or instr.output in results:
+        if len(instr.outputs) != 1 or instr.output in results or not _repeatable(instr, recompute_any):
             continue
         v = instr.output
-        if v.nbytes <= sum(o.nbytes for o in instr.operands) or held.step_of(instr) >= peak:
+        stored = [v, *held.layout_copies.get(v, ())]   # a kernel's layout copy is v computed again too
+        if not any(x in held.held_at_peak for x in stored) or held.step_of(instr) >= peak:
             continue
-        steps = [held.step_of(r) for r in readers[v]]
-        if min(steps) < peak < max(steps) and peak not in steps:
-            found.append((instr, [r for r in readers[v] if held.step_of(r) > peak]))
+        steps = [s for x in stored for s in held.read_at.get(x, ())]
+        if not steps or not (min(steps) < peak < max(steps) and peak not in steps):
+            continue
+        saved = sum(x.nbytes for x in stored if x in held.held_at_peak) - sum(
+            _kept_alive(o, held) for o in set(instr.operands))
+        if saved > 0:
+            found.append(_Candidate(_seconds(instr, num_devices, hw), saved, instr,
+                                    [r for r in _stored_readers(v, readers, held) if held.step_of(r) > peak]))
     return found
 
 
-def _gather_again(spmd: Program, num_devices: int, gather: Instr, later: list[Instr]):
-    """Repeat `gather` (as its op record says: by instructions no common-subexpression
-    elimination merges with it) right before the first of `later`, and let them read the
-    repeat; returns a function that undoes it."""
-    staging = Program("regather", parent=spmd)
-    v = gather.output
-    copy = ops.lookup(gather.opcode).repeat(DeviceContext(Builder(staging, gather.origin), num_devices), gather)
+def _stored_readers(v, readers: Mapping, held: memory.MemoryProfile) -> list[Instr]:
+    """The instructions with buffers of their own that read `v`, directly or through
+    values fused into them (which they compute where they read them)."""
+    found, pending, seen = [], [v], set()
+    while pending:
+        for r in readers.get(pending.pop(), ()):
+            if id(r) in seen:
+                continue
+            seen.add(id(r))
+            if r.outputs and all(o in held.fused for o in r.outputs):
+                pending.extend(r.outputs)
+            else:
+                found.append(r)
+    return found
+
+
+def _repeatable(instr: Instr, recompute_any: bool) -> bool:
+    """A gather whose op record says how to repeat it; with `recompute_any`, also an
+    instruction without side effects, collectives or sub-programs (cloned as it is)."""
+    op = ops.lookup(instr.opcode)
+    if op.repeat is not None:
+        return True
+    return (recompute_any and op.collective is None and op.runs is None and not instr.has_side_effect
+            and ops.storage(instr) in memory.FUSIBLE + (Storage.MATERIALIZED,))
+
+
+def _kept_alive(v, held: memory.MemoryProfile) -> int:
+    """Bytes the peak would hold more if `v` were read after it: none if it holds `v`
+    already; else those of the layout copy of `v` a kernel reads (made once for all
+    readers that want it), or of a fused value's stored operands, or `v`'s own."""
+    if v in held.held_at_peak:
+        return 0
+    copies = held.layout_copies.get(v)
+    if copies:
+        return min(0 if c in held.held_at_peak else c.nbytes for c in copies)
+    if v in held.fused:
+        return sum(_kept_alive(o, held) for o in set(v.producer.operands))
+    return v.nbytes
+
+
+def _seconds(instr: Instr, num_devices: int, hw: cm.Hardware) -> float:
+    """What computing `instr` again costs on `hw`."""
+    op = ops.lookup(instr.opcode)
+    if op.collective is not None:
+        return cm.collective_seconds(op.collective, instr.output.nbytes, instr.attrs["groups"], num_devices, hw)
+    return cm.compute_seconds(op.compute, _flops(instr), instr.output.nbytes, hw)
+
+
+def _flops(instr: Instr) -> int:
+    op = ops.lookup(instr.opcode)
+    return op.flops(instr) if op.flops is not None else 0
+
+
+def _compute_again(spmd: Program, num_devices: int, instr: Instr, later: list[Instr], fused: frozenset):
+    """Compute `instr` again right before the first of `later`, and let them read the
+    copy: a gather as its op record says (by instructions no common-subexpression
+    elimination merges with it), anything else as a clone marked recomputed. The fused
+    values between it and `later` (which those compute where they read them) are cloned
+    onto the copy too, each right before the first of `later` that reads it. Returns a
+    function that undoes it."""
+    position = {id(i): k for k, i in enumerate(spmd.instrs)}
+    later = sorted(later, key=lambda r: position[id(r)])
+    staging = Program("again", parent=spmd)
+    v = instr.output
+    op = ops.lookup(instr.opcode)
+    if op.repeat is not None:
+        copy = op.repeat(DeviceContext(Builder(staging, instr.origin), num_devices), instr)
+    else:
+        copy = _clone(staging, instr, {})
     copy.sharding = v.sharding
+    at = {id(i): position[id(later[0])] for i in staging.instrs}
+    renamed = {v: copy}
+    for between, first in _fused_between(v, later, fused, position):
+        renamed[between.output] = _clone(staging, between, renamed)
+        at[id(staging.instrs[-1])] = position[id(first)]
     added = staging.instrs
-    at = min(spmd.instrs.index(r) for r in later)
-    spmd.instrs[at:at] = added
+    for k, i in sorted(enumerate(added), key=lambda ki: (-at[id(ki[1])], -ki[0])):   # from the back
+        spmd.instrs.insert(at[id(i)], i)
     before = [(r, list(r.operands)) for r in later]
     for r in later:
-        r.operands = [copy if o is v else o for o in r.operands]
+        r.operands = [renamed.get(o, o) for o in r.operands]
 
     def undo():
         spmd.instrs[:] = [i for i in spmd.instrs if i not in added]
         for r, operands in before:
             r.operands = operands
     return undo
+
+
+def _fused_between(v, later: list[Instr], fused: frozenset, position: dict) -> list[tuple[Instr, Instr]]:
+    """The fused instructions on the paths from `v` to the operands of `later` (in
+    program order), each with the first of `later` it feeds."""
+    leads: dict[int, bool] = {}   # id(instr) -> v reaches its result through fused values
+
+    def on_path(x) -> bool:
+        if x is v:
+            return True
+        p = x.producer
+        if p is None or x not in fused:
+            return False
+        if id(p) not in leads:
+            leads[id(p)] = any([on_path(o) for o in p.operands])
+        return leads[id(p)]
+    first: dict[int, tuple[Instr, Instr]] = {}
+    for r in later:   # in program order
+        pending = [o for o in r.operands if o is not v and on_path(o)]
+        while pending:
+            p = pending.pop().producer
+            if id(p) not in first:
+                first[id(p)] = (p, r)
+                pending += [o for o in p.operands if o is not v and on_path(o)]
+    return sorted(first.values(), key=lambda pair: position[id(pair[0])])
+
+
+def _clone(staging: Program, instr: Instr, renamed: dict) -> Value:
+    """`instr` again (reading `renamed` values in place of the originals), marked
+    recomputed."""
+    b = Builder(staging, f"{instr.origin or instr.opcode} [recomputed to fit memory]", instr.source)
+    b.recomputed = True
+    out = instr.output
+    copy = b.add1(instr.opcode, [renamed.get(o, o) for o in instr.operands], out.shape, out.dtype, **instr.attrs)
+    copy.sharding = out.sharding
+    return copy
 
 
 def _describe(instr) -> str:

@@ -69,6 +69,10 @@ class MemoryProfile:
     schedule: list[Optional[Instr]] = field(default_factory=list)  # the instruction run at each step
                                                                    # (None: a layout copy, the results)
     steps_of: dict[int, int] = field(default_factory=dict, repr=False)   # id(instr) -> its step
+    held_at_peak: frozenset = field(default_factory=frozenset, repr=False)   # every Value whose buffer the peak holds
+    fused: frozenset = field(default_factory=frozenset, repr=False)   # Values computed inside their readers (no buffer)
+    read_at: dict = field(default_factory=dict, repr=False)   # stored Value -> the steps that read it
+    layout_copies: dict = field(default_factory=dict, repr=False)   # Value -> its copies laid out for kernels
 
     def step_of(self, instr: Instr) -> Optional[int]:
         """The step that computes `instr` (fused ones: the first that computes them)."""
@@ -125,12 +129,16 @@ class MemoryProfile:
 class BudgetChoice:
     """How a program was fitted to a memory budget: where one reshard of a value (an
     all-gathered activation, say) served users far apart, it is done again near the later
-    ones, trading collective bytes for memory. Both choices' peaks and bytes."""
+    ones, trading collective bytes for memory; on accelerators, whose compiler
+    rematerializes to fit, other values held idle across the peak are recomputed, trading
+    FLOPs for memory. Both choices' peaks, bytes and FLOPs."""
     limit_bytes: int
     peak_bytes_shared: int        # one reshard serves every user (as partitioned)
-    peak_bytes: int               # with the re-gathers
+    peak_bytes: int               # with the re-gathers and recomputations
     extra_collective_bytes: int   # per device, of the repeated collectives
     regathered: tuple[str, ...]   # the values gathered again, %names in the program
+    recomputed: tuple[str, ...] = ()   # the values computed again
+    extra_flops: int = 0          # per device, of the recomputations
 
     @property
     def fits(self) -> bool:
@@ -138,11 +146,17 @@ class BudgetChoice:
 
     def __str__(self):
         verdict = "fits" if self.fits else "STILL DOES NOT FIT"
-        if not self.regathered:
+        if not self.regathered and not self.recomputed:
             return (f"memory limit {self.limit_bytes:,} bytes: peak {self.peak_bytes:,} {verdict}; "
-                    "nothing re-gathered")
-        return (f"memory limit {self.limit_bytes:,} bytes: {len(self.regathered)} reshard result(s) gathered "
-                f"again near their later users (+{self.extra_collective_bytes:,} collective bytes per device): "
+                    "nothing re-gathered or recomputed")
+        done = []
+        if self.regathered:
+            done.append(f"{len(self.regathered)} reshard result(s) gathered again near their later users "
+                        f"(+{self.extra_collective_bytes:,} collective bytes per device)")
+        if self.recomputed:
+            done.append(f"{len(self.recomputed)} value(s) recomputed near their later users "
+                        f"(+{self.extra_flops:.3g} FLOPs per device)")
+        return (f"memory limit {self.limit_bytes:,} bytes: {' and '.join(done)}: "
                 f"peak {self.peak_bytes_shared:,} -> {self.peak_bytes:,} bytes, {verdict}")
 
 
@@ -474,14 +488,16 @@ class _Liveness:
         if not timeline:
             timeline, labels, extra = [held], ["start"], [(0, None)]
         peak = max(range(len(timeline)), key=timeline.__getitem__)
+        at_peak = fixed + [b for b in heap if b.live_at(peak)]
         return MemoryProfile(
             peak_bytes=timeline[peak], arguments_bytes=sum(p.nbytes for p in self.program.params),
             results_bytes=sum(b.nbytes for b in buffers if b.kind == RESULT),
             aliased_bytes=sum(self.program.outputs[j].nbytes for j in self.aliases.values()),
             timeline=timeline, labels=labels, peak_step=peak,
-            live_at_peak=self._tensors(fixed + [b for b in heap if b.live_at(peak)], extra[peak][1]),
+            live_at_peak=self._tensors(at_peak, extra[peak][1]),
             schedule=[step.instr for step in self.steps] + [None] * (len(timeline) - len(self.steps)),
-            steps_of=self._steps_of())
+            steps_of=self._steps_of(), held_at_peak=frozenset(v for b in at_peak for v in b.values),
+            fused=frozenset(self.fused), read_at=self._read_at(), layout_copies=self._layout_copies())
 
     def _steps_of(self) -> dict[int, int]:
         at: dict[int, int] = {}
@@ -493,6 +509,20 @@ class _Liveness:
                     at.setdefault(id(computed.instr), s)
                 pending += [self.producer[v] for v in computed.operands if v in self.fused]
         return at
+
+    def _read_at(self) -> dict[Value, list[int]]:
+        at: dict[Value, list[int]] = {}
+        for s, step in enumerate(self.steps):
+            for v in self.reads[id(step)]:
+                at.setdefault(v, []).append(s)
+        return at
+
+    def _layout_copies(self) -> dict[Value, list[Value]]:
+        copies: dict[Value, list[Value]] = {}
+        for step in self.steps:
+            if step.instr is None and step.outputs:
+                copies.setdefault(step.operands[0], []).append(step.outputs[0])
+        return copies
 
     def _tensors(self, held: list[_Buffer], loop: Optional[MemoryProfile]) -> list[LiveTensor]:
         tensors = [LiveTensor(b.value.name, b.value.shape, b.value.dtype.name, b.nbytes, b.value.sharding,

@@ -150,6 +150,9 @@ class Hardware:
     # select-and-scatter as iotas, a reduce-window and a scatter, and an all-to-all
     # through per-destination pieces. Accelerators run each as one kernel.
     kernel_scratch: bool = False
+    # The compiler recomputes values to fit a program in memory (XLA's rematerialization
+    # pass on accelerators, given the device's memory); XLA:CPU has no memory limit.
+    rematerializes: bool = True
 
     def network(self, num_devices: int) -> Network:
         return self.interconnect.network(num_devices)
@@ -163,7 +166,8 @@ PROFILES = {h.name: h for h in [
     Hardware("a100", 312e12, 80 * GiB, 2.0e12, Hosts(8, 300e9, 3e-6, 25e9, 10e-6)),     # NVLink 3, HDR IB
     Hardware("h100", 989e12, 80 * GiB, 3.35e12, Hosts(8, 450e9, 3e-6, 50e9, 10e-6)),    # NVLink 4, NDR IB
     Hardware("h200", 989e12, 141 * GiB, 4.8e12, Hosts(8, 450e9, 3e-6, 50e9, 10e-6)),
-    Hardware("cpu", 1e11, 16 * GiB, 20e9, Hosts(1 << 20, 10e9, 20e-6, 10e9, 20e-6), kernel_scratch=True),
+    Hardware("cpu", 1e11, 16 * GiB, 20e9, Hosts(1 << 20, 10e9, 20e-6, 10e9, 20e-6), kernel_scratch=True,
+             rematerializes=False),
 ]}
 
 DEFAULT = PROFILES["tpu-v3"]   # what the partitioner prices plans on when given none
