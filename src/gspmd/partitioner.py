@@ -154,8 +154,11 @@ class _Candidate(NamedTuple):
 
 
 def _better(after: memory.MemoryProfile, before: memory.MemoryProfile, limit: int) -> bool:
-    """Closer to fitting `limit`: no higher a peak, and less excess over the run."""
-    return after.peak_bytes <= before.peak_bytes and _over(after, limit) < _over(before, limit)
+    """Closer to fitting `limit`: a lower peak, or as high a peak with less excess over
+    the run (where several steps share it)."""
+    if after.peak_bytes != before.peak_bytes:
+        return after.peak_bytes < before.peak_bytes
+    return _over(after, limit) < _over(before, limit)
 
 
 def _over(held: memory.MemoryProfile, limit: int) -> int:
