@@ -139,7 +139,7 @@ def fit_memory(spmd: Program, num_devices: int, limit: int, aliases: Mapping[int
                 extra += c.instr.output.nbytes
             else:
                 recomputed.append(c.instr.output.name)
-                flops += _flops(c.instr)
+                flops += ops.flops(c.instr)
     return memory.BudgetChoice(limit, shared, held.peak_bytes, extra, tuple(regathered), tuple(recomputed), flops)
 
 
@@ -182,8 +182,8 @@ def _idle_across_peak(spmd: Program, held: memory.MemoryProfile, num_devices: in
                       recompute_any: bool) -> list[_Candidate]:
     """Values held at the peak, read before it and after it but not at it, that can be
     computed again, with the instructions after the peak that read them (directly or
-    through values fused into them). Bytes saved: its own, less those of the stored values it is computed from
-    that the peak does not hold already (their live ranges grow across it)."""
+    through values fused into them). Bytes saved: what the peak holds of the value and
+    its layout copies, less what computing it later keeps alive across the peak."""
     peak, readers, results = held.peak_step, spmd.users(), set(spmd.outputs)
     found = []
     for instr in spmd.instrs:
@@ -249,12 +249,7 @@ def _seconds(instr: Instr, num_devices: int, hw: cm.Hardware) -> float:
     op = ops.lookup(instr.opcode)
     if op.collective is not None:
         return cm.collective_seconds(op.collective, instr.output.nbytes, instr.attrs["groups"], num_devices, hw)
-    return cm.compute_seconds(op.compute, _flops(instr), instr.output.nbytes, hw)
-
-
-def _flops(instr: Instr) -> int:
-    op = ops.lookup(instr.opcode)
-    return op.flops(instr) if op.flops is not None else 0
+    return cm.compute_seconds(op.compute, ops.flops(instr), instr.output.nbytes, hw)
 
 
 def _compute_again(spmd: Program, num_devices: int, instr: Instr, later: list[Instr], fused: frozenset):

@@ -127,7 +127,7 @@ def _next_start(free: float, pending: list, runnable: list):
 
 def op_seconds(instr: Instr, hw: cm.Hardware, materialized: set) -> float:
     op = ops.lookup(instr.opcode)
-    flops = op.flops(instr) if op.flops is not None else 0
+    flops = ops.flops(instr)
     if op.bytes_accessed is not None:
         nbytes = op.bytes_accessed(instr)
     else:

@@ -122,8 +122,7 @@ class _Builder:
             self.node_of[instr.output] = (node, dimmap)
             return
         dimmaps = [tuple(_dims_to_factors(factors, t, v.rank)) for t, v in enumerate(instr.operands + instr.outputs)]
-        record = ops.lookup(instr.opcode)
-        flops = record.flops(instr) if record.flops is not None else 0
+        flops = ops.flops(instr)
         self._new([f.size for f in factors], [f.kind for f in factors], instr,
                   list(zip(instr.outputs, dimmaps[n_in:])), list(zip(instr.operands, dimmaps[:n_in])),
                   (instr.opcode,), flops, instr if is_annotation(instr) else None)

@@ -193,6 +193,12 @@ def storage(instr: Instr) -> Storage:
     return kind(instr) if callable(kind) else kind
 
 
+def flops(instr: Instr) -> int:
+    """The arithmetic of one execution of `instr` (0 where its record counts none)."""
+    fn = lookup(instr.opcode).flops
+    return 0 if fn is None else fn(instr)
+
+
 def runs(instr: Instr) -> list[tuple[Program, int]]:
     """The sub-programs one execution of `instr` runs, each with how often."""
     fn = lookup(instr.opcode).runs
