@@ -69,7 +69,7 @@ def main(argv=None) -> int:
         for limit in (None, "tpu-v3", 8 * GiB):
             row = plan_row(layers, limit)
             r, choice = row["report"], row["choice"]
-            name = ("none (shared)" if limit is None else "tpu-v3 (16 GiB)" if limit == "tpu-v3"
+            name = ("none (shared)" if limit is None else "tpu-v3 (15.48 GiB usable)" if limit == "tpu-v3"
                     else f"{limit / GiB:.0f} GiB")
             print(f"| {layers} | {name} | {r.peak_memory_bytes / GiB:.2f} | {r.counts()['all-gather']} | "
                   f"{r.collective_bytes / GiB:.1f} | {len(choice.regathered) if choice else 0} | "

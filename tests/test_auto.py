@@ -268,7 +268,7 @@ def _found_and_hand(hand_step, plain_step, args, mesh, memory_limit=None):
     `memory_limit`) on as many devices, both on tpu-v3."""
     hand = gspmd.jit(hand_step, mesh=mesh).lower(*args).report("tpu-v3")
     plan = gspmd.auto(plain_step, *args, devices=mesh.size, hardware="tpu-v3",
-                      memory_limit=memory_limit or hand.hardware.memory_bytes)
+                      memory_limit=memory_limit or hand.hardware.usable_bytes)
     return hand, plan
 
 

@@ -1,6 +1,7 @@
 """Memory-aware partitioning: under jit(memory_limit=...), a reshard result held idle
 across the peak is gathered again near its later users instead."""
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -73,8 +74,9 @@ def test_paper_scale_2d_transformer_keeps_long_lived_tensors_sharded_under_tpu_m
     shared = gspmd.jit(step, mesh=mesh).lower(*args)
     fitted = gspmd.jit(step, mesh=mesh, hardware="tpu-v3").lower(*args)
     choice = fitted.memory_budget
-    assert choice.limit_bytes == 16 * 2 ** 30 and choice.fits
-    assert shared.report().peak_memory_bytes > 20 * 2 ** 30 > 16 * 2 ** 30 >= fitted.report().peak_memory_bytes
+    usable = fitted.report().hardware.usable_bytes
+    assert choice.limit_bytes == usable == 16 * 2 ** 30 - 530 * 2 ** 20 and choice.fits   # the runtime keeps 530 MiB
+    assert shared.report().peak_memory_bytes > 20 * 2 ** 30 > usable >= fitted.report().peak_memory_bytes
     assert fitted.report().hardware.name == "tpu-v3"   # jit(hardware=) is the report's default
     assert len(_gathers_held_idle_at_peak(shared)) > len(_gathers_held_idle_at_peak(fitted))
     tight = gspmd.jit(step, mesh=mesh, memory_limit=8 * 2 ** 30).lower(*args)
@@ -136,12 +138,50 @@ def test_recomputation_on_uneven_spatial_splits_keeps_results_equal(devices, dep
     assert choice.recomputed and choice.peak_bytes < choice.peak_bytes_shared
 
 
+def test_a_loop_body_holding_the_peak_is_fitted_in_what_the_rest_leaves_it():
+    """Layers run by one lax.scan: the peak is inside the backward loop's body (one
+    layer's gradient), where values held idle across the body's own peak are gathered
+    or computed again, in every iteration; equal results on both backends, the repeats
+    counted once per iteration."""
+    cfg = T.Config(batch=4, seq=16, model=16, heads=4, head_dim=4, hidden=64)
+    annotate = T.gspmd_annotate(MESH)
+    params, x, target = T.example_inputs(cfg)
+    stacked = {k: np.stack([params[0][k] * (1 - 0.2 * i) for i in range(4)]) for k in params[0]}
+
+    def step(stacked, x, target):
+        def loss(stacked):
+            def layer(x, p):
+                return T.layer(p, x, annotate, T.FINALIZED_2D, cfg), None
+            y, _ = jax.lax.scan(jax.checkpoint(layer, policy=jax.checkpoint_policies.dots_saveable), x, stacked)
+            return jnp.mean((y - target) ** 2)
+        value, grads = jax.value_and_grad(loss)(stacked)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, stacked, grads), value
+
+    args = (stacked, x, target)
+    shared = gspmd.jit(step, mesh=MESH, hardware="tpu-v3").lower(*args)
+    held = shared.report().memory
+    assert held.schedule[held.peak_step].opcode == "while"
+    expected = jax.jit(step)(*args)
+    for backend in BACKENDS:
+        fitted = gspmd.jit(step, mesh=MESH, backend=backend, hardware="tpu-v3", memory_limit=1)
+        assert_close(fitted(*args), expected)
+    low = fitted.lower(*args)
+    choice, report = low.memory_budget, low.report()
+    assert choice.regathered and choice.recomputed and choice.peak_bytes < choice.peak_bytes_shared
+    assert not [i for i in low.spmd.instrs if "to fit memory" in (i.origin or "")]   # all of it in the body
+    assert report.collective_bytes == shared.report().collective_bytes + choice.extra_collective_bytes
+    assert report.recompute_flops == shared.report().recompute_flops + choice.extra_flops
+    # 4 iterations: each repeat is counted 4 times
+    assert choice.extra_collective_bytes % 4 == 0 and choice.extra_flops % 4 == 0
+
+
 def test_recomputation_fits_the_paper_u_net_on_one_tpu_core():
     """Table 8's (1,1) row, 4 images of 128^3 on one core: 20.7 GB with every activation
-    held; recomputing the cheap values the backward pass holds idle fits it in 16 GiB."""
+    held; recomputing the cheap values the backward pass holds idle fits it in the
+    15.48 GiB a program may use of the core's 16 GiB."""
     from gspmd import planning
     plan = planning.plan("unet", planning.Sizes(mesh=(1, 1), image_size=128, batch=4, remat="dots_saveable"))
     choice = plan.lowered.memory_budget
     assert choice.peak_bytes_shared > 20e9 and choice.fits and choice.recomputed
-    assert plan.report.peak_memory_bytes == choice.peak_bytes <= 16 * 2 ** 30
+    assert plan.report.peak_memory_bytes == choice.peak_bytes <= 16 * 2 ** 30 - 530 * 2 ** 20
     assert plan.report.recompute_fraction < 0.05   # element-wise values and a cheap convolution

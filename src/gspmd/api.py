@@ -70,8 +70,9 @@ def jit(fn: Callable, mesh=None, backend: str = "sim", *, static_argnums: Union[
     pytree path like "params['w1']", result index or %name), `.sharding_of(value)`;
     `gspmd.visualize(lowered, value)` draws the layout.
 
-    memory_limit: bytes per device the program should fit in (default: the memory of
-    `hardware`, a profile such as "tpu-v3", when given). Where one reshard of a value
+    memory_limit: bytes per device the program should fit in (default: what a program
+    may use of the memory of `hardware`, a profile such as "tpu-v3", when given: the
+    device's memory less what its runtime reserves). Where one reshard of a value
     serves users far apart and holding it would exceed the limit, it is done again near
     the later users (more collective bytes, less memory); report() says what was chosen.
     hardware: a profile name or a gspmd.Hardware: what the partitioner prices its choices
@@ -90,7 +91,7 @@ def jit(fn: Callable, mesh=None, backend: str = "sim", *, static_argnums: Union[
         raise ShardingError(f"jit(memory_limit=...) needs a positive number of bytes per device, "
                             f"got {memory_limit!r}.")
     hardware = None if hardware is None else profile(hardware)
-    limit = memory_limit if memory_limit is not None else (hardware.memory_bytes if hardware else None)
+    limit = memory_limit if memory_limit is not None else (hardware.usable_bytes if hardware else None)
     return Partitioned(fn, mesh, backend, Signature(fn, static_argnums, static_argnames, donate_argnums),
                        in_shardings, out_shardings, limit, hardware)
 

@@ -112,7 +112,7 @@ def plan(model: str = "transformer", sizes=None, hardware: str = "tpu-v3", as_js
           f"communication {report.exposed_communication_seconds * 1e3:.1f} ms (of "
           f"{report.communication_seconds * 1e3:.1f}) = {report.step_seconds * 1e3:.1f} ms; "
           f"flops utilization {report.flops_utilization:.1%}; memory "
-          f"{'fits' if report.fits_in_memory else 'does NOT fit'}")
+          f"{'fits' if report.fits_in_memory else 'does NOT fit'} in {report.hardware.usable_bytes / 2 ** 30:.2f} GiB")
     shares = [f"{name}: {value:.1%} of compute" for name, value in
               (("pipeline bubbles", report.bubble_fraction), ("recompute", report.recompute_fraction))
               if value is not None]
@@ -255,7 +255,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--schedule", help="pipeline schedule: gpipe, circular or 1f1b (interleaved with --repeats)")
     p.add_argument("--remat", help="rematerialize each layer with a jax.checkpoint policy: nothing_saveable, "
                    "dots_saveable, dots_with_no_batch_dims_saveable, everything_saveable; or auto: the least "
-                   "recompute that fits the hardware's memory")
+                   "recompute that fits what a program may use of the hardware's memory")
     p.add_argument("--activation-dtype", help="bfloat16 (default, as the paper) or float32")
     p.add_argument("--optimizer", help="adafactor (default, as the paper), adamw or sgd")
     p.add_argument("--hardware", default="tpu-v3", help="tpu-v3 (default), tpu-v4, a100, h100, h200 or cpu")
@@ -265,7 +265,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a.add_argument("--devices", type=int, help="device count (the mesh is chosen among its factorizations)")
     a.add_argument("--mesh", type=_mesh_arg, help="a fixed mesh shape instead, e.g. 2x4 (axes x, y, z)")
     a.add_argument("--hardware", default="tpu-v3", help="tpu-v3, tpu-v4, a100, h100, h200 or cpu")
-    a.add_argument("--memory-limit", help="bytes per device, e.g. 16GiB (default: the hardware's memory)")
+    a.add_argument("--memory-limit", help="bytes per device, e.g. 16GiB (default: what a program may use of "
+                   "the hardware's memory)")
     args = parser.parse_args(argv)
     if args.command == "auto":
         from gspmd.errors import ShardingError

@@ -98,49 +98,94 @@ def fit_memory(spmd: Program, num_devices: int, limit: int, aliases: Mapping[int
     other pure instruction may be recomputed too.
     The cheapest per byte saved first (time on `hardware`; the default profile's when
     None), as many as the excess needs; repeated while the peak exceeds the limit and
-    recomputing lowers it. `aliases` and `kernel_scratch` as for memory.profile (the
-    donated parameters, the target's kernels)."""
-    hw = hardware or cm.DEFAULT
-    recompute_any = hardware is not None and hardware.rematerializes
+    recomputing lowers it. Where the peak is inside a loop's body (a scan over layers,
+    say), the body is fitted the same way in what the rest of the peak leaves it, as XLA
+    fits every computation in its callers' memory. `aliases` and `kernel_scratch` as for
+    memory.profile (the donated parameters, the target's kernels)."""
+    fitting = _Fitting(num_devices, kernel_scratch, hardware or cm.DEFAULT,
+                       hardware is not None and hardware.rematerializes)
+    shared = memory.profile(spmd, aliases, kernel_scratch=kernel_scratch).peak_bytes
+    held = fitting.fit(spmd, dict(aliases), True, limit, 1)
+    return memory.BudgetChoice(limit, shared, held.peak_bytes, fitting.extra_bytes, tuple(fitting.regathered),
+                               tuple(fitting.recomputed), fitting.extra_flops)
 
-    def profile() -> memory.MemoryProfile:
-        return memory.profile(spmd, aliases, kernel_scratch=kernel_scratch)
-    held = profile()
-    shared, regathered, recomputed, extra, flops = held.peak_bytes, [], [], 0, 0
-    while held.peak_bytes > limit:
-        ranked = sorted(_idle_across_peak(spmd, held, num_devices, hw, recompute_any),
-                        key=lambda c: (c.seconds / c.saved, -c.saved))
-        kept, after = _enough(ranked, held.peak_bytes - limit), None
-        if kept:
-            undo = [_compute_again(spmd, num_devices, c.instr, c.later, held.fused) for c in kept]
-            after = profile()
-            if not _better(after, held, limit):
-                for restore in reversed(undo):
-                    restore()
-                kept = []
-        if not kept:   # the estimates misled: each of the best alone, exactly; the most gain per second
-            best, best_rate = None, 0.0
-            for c in ranked[:TRIES]:
-                undo = _compute_again(spmd, num_devices, c.instr, c.later, held.fused)
-                tried = profile()
-                undo()
-                if _better(tried, held, limit):
-                    rate = (_over(held, limit) - _over(tried, limit)) / max(c.seconds, 1e-12)
-                    if rate > best_rate:
-                        best, best_rate = c, rate
-            if best is None:
+
+class _Fitting:
+    """One fit_memory run: what it prices on, and what it has done so far."""
+
+    def __init__(self, num_devices: int, kernel_scratch: bool, hw: cm.Hardware, recompute_any: bool):
+        self.num_devices, self.kernel_scratch = num_devices, kernel_scratch
+        self.hw, self.recompute_any = hw, recompute_any
+        self.regathered: list[str] = []
+        self.recomputed: list[str] = []
+        self.extra_bytes = self.extra_flops = 0
+
+    def fit(self, program: Program, aliases: dict, entry: bool, limit: int, times: int) -> memory.MemoryProfile:
+        """Fit `program` (run `times` times per step) in `limit` bytes where it can; its
+        profile after."""
+        held = self.profile(program, aliases, entry)
+        while held.peak_bytes > limit:
+            kept, after = self.compute_idle_again(program, aliases, entry, held, limit)
+            if kept:
+                self.record(kept, times)
+            elif not self.fit_sub_program_at_peak(program, held, limit, times):
                 break
-            _compute_again(spmd, num_devices, best.instr, best.later, held.fused)
-            kept, after = [best], profile()
-        held = after
+            held = after or self.profile(program, aliases, entry)
+        return held
+
+    def profile(self, program: Program, aliases: dict, entry: bool) -> memory.MemoryProfile:
+        return memory.profile(program, aliases, entry=entry, kernel_scratch=self.kernel_scratch)
+
+    def compute_idle_again(self, program: Program, aliases: dict, entry: bool, held: memory.MemoryProfile,
+                           limit: int) -> tuple[list, Optional[memory.MemoryProfile]]:
+        """Compute again enough of the values held idle across the peak to lower it, if
+        any do: those applied, with the profile after."""
+        ranked = sorted(_idle_across_peak(program, held, self.num_devices, self.hw, self.recompute_any),
+                        key=lambda c: (c.seconds / c.saved, -c.saved))
+        kept = _enough(ranked, held.peak_bytes - limit)
+        if kept:
+            undo = [_compute_again(program, self.num_devices, c.instr, c.later, held.fused) for c in kept]
+            after = self.profile(program, aliases, entry)
+            if _better(after, held, limit):
+                return kept, after
+            for restore in reversed(undo):
+                restore()
+        # the estimates misled: each of the best alone, exactly; the most gain per second
+        best, best_rate = None, 0.0
+        for c in ranked[:TRIES]:
+            undo = _compute_again(program, self.num_devices, c.instr, c.later, held.fused)
+            tried = self.profile(program, aliases, entry)
+            undo()
+            if _better(tried, held, limit):
+                rate = (_over(held, limit) - _over(tried, limit)) / max(c.seconds, 1e-12)
+                if rate > best_rate:
+                    best, best_rate = c, rate
+        if best is None:
+            return [], None
+        _compute_again(program, self.num_devices, best.instr, best.later, held.fused)
+        return [best], None
+
+    def fit_sub_program_at_peak(self, program: Program, held: memory.MemoryProfile, limit: int,
+                                times: int) -> bool:
+        """Where the peak runs a sub-program (a loop's body), fit the one that holds most
+        in what the rest of the peak leaves it; whether its peak came down."""
+        instr = held.schedule[held.peak_step]
+        subs = [(sub, count, aliases, self.profile(sub, aliases, False))
+                for sub, count, aliases in (memory.sub_programs(instr) if instr is not None else ())]
+        if not subs:
+            return False
+        sub, count, aliases, before = max(subs, key=lambda s: s[3].peak_bytes - s[3].arguments_bytes)
+        after = self.fit(sub, aliases, False, before.peak_bytes - (held.peak_bytes - limit), times * count)
+        return after.peak_bytes < before.peak_bytes
+
+    def record(self, kept: list, times: int) -> None:
         for c in kept:
             if ops.lookup(c.instr.opcode).collective is not None:
-                regathered.append(c.instr.output.name)
-                extra += c.instr.output.nbytes
+                self.regathered.append(c.instr.output.name)
+                self.extra_bytes += c.instr.output.nbytes * times
             else:
-                recomputed.append(c.instr.output.name)
-                flops += ops.flops(c.instr)
-    return memory.BudgetChoice(limit, shared, held.peak_bytes, extra, tuple(regathered), tuple(recomputed), flops)
+                self.recomputed.append(c.instr.output.name)
+                self.extra_flops += ops.flops(c.instr) * times
 
 
 TRIES = 16   # candidates fit_memory tries one by one where its estimates misled it

@@ -452,10 +452,8 @@ class _Liveness:
         branches) hold beyond their parameters while it runs, and the profile of the one
         that holds most. A loop body's results are its carry."""
         best: tuple[int, Optional[MemoryProfile]] = (0, None)
-        body = _carried_body(step)
-        for sub, _ in (ops.runs(step.instr) if step.instr else ()):
-            prof = profile(sub, {i: i for i in range(len(sub.params))} if sub is body else {}, entry=False,
-                           kernel_scratch=self.kernel_scratch)
+        for sub, _, aliases in (sub_programs(step.instr) if step.instr else ()):
+            prof = profile(sub, aliases, entry=False, kernel_scratch=self.kernel_scratch)
             if best[1] is None or prof.peak_bytes - prof.arguments_bytes > best[0]:
                 best = (prof.peak_bytes - prof.arguments_bytes, prof)
         return max(best[0], 0), best[1]
@@ -534,18 +532,27 @@ class _Liveness:
         return sorted(tensors, key=lambda t: -t.nbytes)
 
 
+def sub_programs(instr: Instr) -> list[tuple[Program, int, dict[int, int]]]:
+    """The sub-programs one run of `instr` runs (a loop's body and condition, a
+    conditional's branches), each with how often and the aliases its profile takes: a
+    loop body's results are its carry, in its parameters' buffers."""
+    body = _carried_body(instr)
+    return [(sub, count, {i: i for i in range(len(sub.params))} if sub is body else {})
+            for sub, count in ops.runs(instr)]
+
+
 def _passed_through(step: _Step) -> set[int]:
     """Carried values a loop's body returns unchanged: the loop reads them in place, whoever
     else still does (XLA copies no read-only carry)."""
-    body = _carried_body(step)
+    body = _carried_body(step.instr)
     return set() if body is None else {i for i, (p, out) in enumerate(zip(body.params, body.outputs)) if out is p}
 
 
-def _carried_body(step: _Step) -> Optional[Program]:
+def _carried_body(instr: Optional[Instr]) -> Optional[Program]:
     """A loop's body: the sub-program whose results are its parameters' next values."""
-    if step.storage is not Storage.CARRIED:
+    if instr is None or ops.storage(instr) is not Storage.CARRIED:
         return None
-    return next((sub for sub, _ in ops.runs(step.instr)
+    return next((sub for sub, _ in ops.runs(instr)
                  if [(v.shape, v.dtype) for v in sub.outputs] == [(v.shape, v.dtype) for v in sub.params]), None)
 
 

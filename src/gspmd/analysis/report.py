@@ -86,7 +86,7 @@ class Report:
 
     @property
     def fits_in_memory(self) -> bool:
-        return self.peak_memory_bytes <= self._hw().memory_bytes
+        return self.peak_memory_bytes <= self._hw().usable_bytes
 
     def _hw(self) -> Hardware:
         if self.hardware is None:
@@ -133,7 +133,7 @@ class Report:
                          f"{self.exposed_communication_seconds * 1e3:.3f} ms (of {self.communication_seconds * 1e3:.3f})"
                          f" = step {self.step_seconds * 1e3:.3f} ms; flops utilization "
                          f"{self.flops_utilization:.1%}; memory {'fits' if self.fits_in_memory else 'DOES NOT FIT'} "
-                         f"({self.peak_memory_bytes / GiB:.2f} of {self.hardware.memory_bytes / GiB:.0f} GiB)")
+                         f"({self.peak_memory_bytes / GiB:.2f} of {self.hardware.usable_bytes / GiB:.2f} GiB usable)")
             for name, value in (("bubbles", self.bubble_fraction), ("recompute", self.recompute_fraction)):
                 if value is not None:
                     lines.append(f"  {name}: {value:.1%} of compute")

@@ -91,13 +91,13 @@ def auto(fn: Callable, *args, devices: Optional[int] = None, mesh: Optional[Mesh
     plan.parameters names them, e.g. "params[0]['wq']") to dims_mappings or
     PartitionSpecs over the mesh's axis names ("x", "y", "z" when gspmd chooses the
     mesh) that the plan must keep; annotations already inside fn are kept too.
-    Plans whose estimated peak memory per device exceeds `memory_limit` (default: the
-    hardware's memory) are infeasible; among feasible ones the estimated step time on
-    `hardware` decides. `verify` is how many of the best candidates gspmd partitions
+    Plans whose estimated peak memory per device exceeds `memory_limit` (default: what
+    a program may use of the hardware's memory) are infeasible; among feasible ones the
+    estimated step time on `hardware` decides. `verify` is how many of the best candidates gspmd partitions
     and reports for real (the search's estimate ranks them; gspmd's report decides)."""
     start = time.perf_counter()
     hw = profile(hardware)
-    limit = hw.memory_bytes if memory_limit is None else int(memory_limit)
+    limit = hw.usable_bytes if memory_limit is None else int(memory_limit)
     meshes = candidate_meshes(devices, mesh, hw)
     paths = plans.parameter_paths(fn, args)
     leaves, tree = jax.tree_util.tree_flatten(args)
