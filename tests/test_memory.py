@@ -134,7 +134,7 @@ def test_loops_drop_carried_values_nobody_reads():
     assert len(loop.outputs) == 2   # the counter and `a`; `dead` is gone
 
 
-def test_the_peak_names_its_largest_buffers_with_layouts_and_origins():
+def test_the_peak_names_its_largest_buffers_with_layouts_origins_and_source_lines():
     mesh = gspmd.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
     step = T.make_train_step(T.gspmd_annotate(mesh))
     prof = gspmd.jit(step, mesh=mesh).lower(*T.example_inputs(abstract=True)).report().memory
@@ -145,6 +145,12 @@ def test_the_peak_names_its_largest_buffers_with_layouts_and_origins():
     assert all(t.sharding is not None and t.sharding.num_devices == 8 for t in gathered)
     assert "largest buffers held at the peak" in str(prof)
     assert str(gathered[0]).startswith(f"{gathered[0].nbytes:>14,} B")
+    # the user's line that made each temporary, and each argument's pytree path
+    assert all(t.source.startswith("transformer.py:") for t in gathered), [t.source for t in gathered]
+    assert f"at {gathered[0].source}" in str(gathered[0])
+    arguments = [t for t in prof.live_at_peak if t.kind == "argument"]
+    assert arguments and all(t.source.startswith(("params[", "args[")) for t in arguments), \
+        [t.source for t in arguments]
 
 
 def test_memory_plot_writes_a_png(tmp_path):

@@ -1,8 +1,10 @@
 """`gspmd plan`: the case studies at chosen sizes, a user's module:function, JSON output,
 and clear errors for sizes a model does not vary."""
 import json
+import math
 import textwrap
 
+import jax.numpy as jnp
 import pytest
 
 from gspmd import cli, planning
@@ -34,6 +36,22 @@ def test_transformer_plan_as_json(capsys):
     assert {"all-gather", "reduce-scatter"} <= set(out["collectives"])
     # Layers run in one scan: the body's collectives count once per layer.
     assert out["collectives"]["all-gather"]["count"] % 2 == 0
+
+
+def test_a_plan_shows_where_its_peak_is(capsys, tmp_path):
+    """The largest buffers held at the peak, with shapes, layouts and the user's line that
+    made them (JSON and text), and memory over the run as a PNG."""
+    out = plan_json(capsys, "transformer", *SMALL, "--mesh", "2x4", "--batch", "8", "--top", "3")
+    top = out["largest_buffers_at_peak"]
+    assert len(top) == 3 and [t["bytes"] for t in top] == sorted((t["bytes"] for t in top), reverse=True)
+    assert all(t["bytes"] == math.prod(t["shape"]) * jnp.dtype(t["dtype"]).itemsize for t in top), top
+    assert all(t["source"] and t["sharding"] and t["made_by"] for t in top), top
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "memory.png"
+    assert cli.main(["plan", "transformer", *SMALL, "--mesh", "2x4", "--batch", "8", "--memory-plot", str(png)]) == 0
+    text = capsys.readouterr().out
+    assert "largest buffers held at the peak" in text and f"memory over the run: {png}" in text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_pipeline_plan_reports_its_bubbles(capsys):

@@ -86,16 +86,21 @@ def demo(mesh_shape: tuple[int, int] = (2, 4), model: str = "mlp", memory_plot: 
     return diff
 
 
-def plan(model: str = "transformer", sizes=None, hardware: str = "tpu-v3", as_json: bool = False) -> None:
+def plan(model: str = "transformer", sizes=None, hardware: str = "tpu-v3", as_json: bool = False, top: int = 5,
+         memory_plot: Optional[str] = None) -> None:
     """Plan a case study (or module:function) on abstract inputs: no execution, no
-    accelerator needed. Prints a summary, or the plan as JSON."""
+    accelerator needed. Prints a summary with the `top` largest buffers held at the
+    peak, or the plan as JSON; plots memory over the run to `memory_plot` (a PNG)."""
     import json
 
     from gspmd import planning
 
     result = planning.plan(model, sizes or planning.Sizes(), hardware)
+    if memory_plot:
+        result.report.memory.plot(memory_plot, title=result.case.description,
+                                  limit_bytes=result.report.hardware.usable_bytes)
     if as_json:
-        print(json.dumps(result.as_json(), indent=2))
+        print(json.dumps(result.as_json(top), indent=2))
         return
     report, case = result.report, result.case
     where = "" if case.mesh is None else f" on a {'x'.join(map(str, case.mesh.shape))} mesh " \
@@ -118,6 +123,10 @@ def plan(model: str = "transformer", sizes=None, hardware: str = "tpu-v3", as_js
               if value is not None]
     if shares:
         print(f"{'; '.join(shares)}; effective utilization {report.effective_utilization:.1%}")
+    if top:
+        print("largest buffers held at the peak (per device):\n" + "\n".join(f"  {t}" for t in report.memory.top(top)))
+    if memory_plot:
+        print(f"memory over the run: {memory_plot}")
 
 
 def _mesh_arg(text: str) -> tuple[int, ...]:
@@ -146,7 +155,7 @@ def _plan_command(parser: argparse.ArgumentParser, args) -> int:
                                             "experts", "batch", "stages", "microbatches", "schedule", "repeats",
                                             "image_size", "remat", "activation_dtype", "optimizer")}
     try:
-        plan(args.model, planning.Sizes(mesh=mesh, **fields), args.hardware, args.json)
+        plan(args.model, planning.Sizes(mesh=mesh, **fields), args.hardware, args.json, args.top, args.memory_plot)
     except gspmd.ShardingError as e:
         parser.exit(2, f"gspmd plan: error: {e}\n")
     return 0
@@ -260,6 +269,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--optimizer", help="adafactor (default, as the paper), adamw or sgd")
     p.add_argument("--hardware", default="tpu-v3", help="tpu-v3 (default), tpu-v4, a100, h100, h200 or cpu")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--top", type=int, default=5, help="how many of the largest buffers at the peak to list (default 5)")
+    p.add_argument("--memory-plot", metavar="PNG", help="plot memory per device over the run (needs matplotlib)")
     a = sub.add_parser("auto", help="search annotations (mesh and strategy) for module:function and print them as code")
     a.add_argument("function", help="module:function; the module also defines plan_args() (the arguments)")
     a.add_argument("--devices", type=int, help="device count (the mesh is chosen among its factorizations)")

@@ -52,6 +52,8 @@ def _partition(program: Program, num_devices: int, in_layouts: Sequence[Sharding
         local = b.param(layout.shard_shape(p.shape), p.dtype, hint=p.name)
         local.sharding = layout
         b.origin, b.source = f"parameter %{p.name}", program.labels.get(p, "")
+        if b.source:
+            spmd.labels[local] = b.source   # its pytree path, for the memory report
         env[p] = rs.reshard(ctx, PartitionedValue(local, layout, p.shape), p.sharding)
     for instr in program.instrs:
         b.origin, b.source = _describe(instr), instr.source

@@ -76,7 +76,8 @@ class Plan:
     report: Report
     planning_seconds: float
 
-    def as_json(self) -> dict:
+    def as_json(self, top: int = 10) -> dict:
+        """The plan's figures; `top`: how many of the largest buffers at the peak to list."""
         r = self.report
         mesh = self.case.mesh
         return {"model": self.case.description, "sizes": {k: v for k, v in self.case.sizes.items() if v is not None},
@@ -92,7 +93,11 @@ class Plan:
                 "bubble_fraction": r.bubble_fraction, "recompute_fraction": r.recompute_fraction,
                 "collectives": {kind: {"count": n, "bytes_per_device": sum(
                     c.bytes * c.executions for c in r.collectives if c.kind == kind)}
-                    for kind, n in sorted(_executions(r).items())}}
+                    for kind, n in sorted(_executions(r).items())},
+                "largest_buffers_at_peak": [
+                    {"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "bytes": t.nbytes, "kind": t.kind,
+                     "sharding": None if t.sharding is None else str(t.sharding), "made_by": t.origin,
+                     "source": t.source, "in_loop": t.where} for t in r.memory.top(top)]}
 
 
 def _executions(report: Report) -> dict:

@@ -24,6 +24,7 @@ What the model follows (each op's record in ops/ says how the op stores its resu
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
@@ -47,12 +48,14 @@ class LiveTensor:
     origin: str                   # what made it (see made_by)
     kind: str                     # ARGUMENT, RESULT or TEMPORARY
     where: str = ""               # "" at top level, else the loop it lives in
+    source: str = ""              # the user's line that made it ("train.py:12 (loss)"), or an argument's pytree path
 
     def __str__(self):
         layout = f" {self.sharding}" if self.sharding is not None else ""
         where = f" [{self.where}]" if self.where else ""
+        at = "" if not self.source else f" {self.source}" if self.origin == ARGUMENT else f", at {self.source}"
         return (f"{self.nbytes:>14,} B  %{self.name}: {self.dtype}[{','.join(map(str, self.shape))}] "
-                f"{self.kind}{where}{layout}  <- {self.origin}")
+                f"{self.kind}{where}{layout}  <- {self.origin}{at}")
 
 
 @dataclass
@@ -211,6 +214,7 @@ class _Step:
     expensive: bool
     origin: str
     scratch: int = 0
+    source: str = ""   # the user's line (a layout copy: its reader's)
 
     @property
     def name(self) -> str:
@@ -236,11 +240,11 @@ def _steps(program: Program, kernel_scratch: bool) -> tuple[list[_Step], dict[Va
                 copy = copies[v, order] = Value(f"{v.name}.layout", v.shape, v.dtype)
                 copy.sharding, stored[copy] = v.sharding, order
                 steps.append(_Step(None, [v], [copy], Storage.INDEXED, False,
-                                   f"layout copy of %{v.name} for {made_by(instr)}"))
+                                   f"layout copy of %{v.name} for {made_by(instr)}", source=instr.source))
             operands[index] = copies[v, order]
         expensive = op.expensive(instr) if callable(op.expensive) else op.expensive
         steps.append(_Step(instr, operands, list(instr.outputs), ops.storage(instr), expensive, made_by(instr),
-                           op.scratch(instr) if op.scratch and kernel_scratch else 0))
+                           op.scratch(instr) if op.scratch and kernel_scratch else 0, instr.source))
         if layout is not None and layout.result is not None:
             stored.update((out, layout.result) for out in instr.outputs)
     return steps, stored
@@ -317,6 +321,7 @@ class _Buffer:
     kind: str = TEMPORARY     # its allocation
     reserved: bool = False    # a donated argument's or a loop carry's: kept for its result
     origin: str = ""
+    source: str = ""          # the user's line that made it, or an argument's pytree path
 
     @property
     def value(self) -> Value:
@@ -386,7 +391,8 @@ class _Liveness:
         program, copies = self.program, self._result_copies()
         last = len(self.steps) - 1 + bool(copies)
         donated = {program.params[i] for i in self.aliases}
-        holding = {p: _Buffer(p.nbytes, [p], -1, last, ARGUMENT, p in donated, ARGUMENT) for p in program.params}
+        holding = {p: _Buffer(p.nbytes, [p], -1, last, ARGUMENT, p in donated, ARGUMENT, program.labels.get(p, ""))
+                   for p in program.params}
         buffers = list(holding.values())
         extra = []
         for s, step in enumerate(self.steps):
@@ -401,7 +407,7 @@ class _Liveness:
                 else:
                     buf = self._reuse(step, index, out, s, holding)
                 if buf is None:
-                    buf = _Buffer(_stored_bytes(out, step), [], s, s, origin=step.origin)
+                    buf = _Buffer(_stored_bytes(out, step), [], s, s, origin=step.origin, source=step.source)
                     buffers.append(buf)
                 buf.values.append(out)
                 buf.end = end
@@ -524,10 +530,9 @@ class _Liveness:
 
     def _tensors(self, held: list[_Buffer], loop: Optional[MemoryProfile]) -> list[LiveTensor]:
         tensors = [LiveTensor(b.value.name, b.value.shape, b.value.dtype.name, b.nbytes, b.value.sharding,
-                              b.origin, b.kind) for b in held if b.nbytes]
+                              b.origin, b.kind, source=b.source) for b in held if b.nbytes]
         if loop is not None:
-            tensors += [LiveTensor(t.name, t.shape, t.dtype, t.nbytes, t.sharding, t.origin, t.kind,
-                                   t.where or f"in a loop of {self.program.name}")
+            tensors += [dataclasses.replace(t, where=t.where or f"in a loop of {self.program.name}")
                         for t in loop.live_at_peak if t.kind != ARGUMENT]
         return sorted(tensors, key=lambda t: -t.nbytes)
 
