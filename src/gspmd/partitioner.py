@@ -108,8 +108,9 @@ def fit_memory(spmd: Program, num_devices: int, limit: int, aliases: Mapping[int
                        hardware is not None and hardware.rematerializes)
     shared = memory.profile(spmd, aliases, kernel_scratch=kernel_scratch).peak_bytes
     held = fitting.fit(spmd, dict(aliases), True, limit, 1)
-    return memory.BudgetChoice(limit, shared, held.peak_bytes, fitting.extra_bytes, tuple(fitting.regathered),
-                               tuple(fitting.recomputed), fitting.extra_flops)
+    return memory.BudgetChoice(limit, shared, held.peak_bytes, fitting.extra_bytes,
+                               tuple(dict.fromkeys(fitting.regathered)), tuple(dict.fromkeys(fitting.recomputed)),
+                               fitting.extra_flops)   # a value computed again for two sets of readers: named once
 
 
 class _Fitting:
