@@ -185,14 +185,17 @@ class _Pipeline:
         return self.split(jnp.broadcast_to(xs[None], (self.L,) + jnp.shape(xs)))
 
     def layer(self, per_stage, r):
-        """Per stage, its layer for repeat r[s]: a one-hot masked sum over the repeats, local
-        to each stage, and no matmul, which remat policies that save matmuls would hold once
-        per step. With one repeat the layer is the same at every step: no selection, so the
-        layers stay loop-invariant and autodiff saves them once, not once per step."""
+        """Per stage, its layer for repeat r[s]: a gather of that one layer, local to each
+        stage (its batch dim is the stage dim), reading one layer, not all R (as a masked
+        sum would), and no matmul, which remat policies that save matmuls would hold once
+        per step. Its gradient scatters into the stage's R layers, linear in what it adds,
+        so the data-parallel reduction still waits until after the loop. With one repeat
+        the layer is the same at every step: no selection, so the layers stay
+        loop-invariant and autodiff saves them once, not once per step."""
         if self.R == 1:
             return jax.tree_util.tree_map(lambda p: p[:, 0], per_stage)
-        onehot = jax.nn.one_hot(r, self.R, dtype=bool)
-        return jax.tree_util.tree_map(lambda p: jnp.sum(_mask(onehot, p), axis=1), per_stage)
+        pick = jax.vmap(lambda layers, i: jax.lax.dynamic_index_in_dim(layers, i, 0, keepdims=False))
+        return jax.tree_util.tree_map(lambda p: pick(p, r), per_stage)
 
     # -- pieces of a step -------------------------------------------------------------
     def stage_inputs(self, t, read, previous):
