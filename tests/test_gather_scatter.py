@@ -278,3 +278,32 @@ def test_random_gather_scatter_programs(case):
 @given(gather_scatter_programs())
 def test_random_gather_scatter_programs_many(case):
     test_random_gather_scatter_programs.hypothesis.inner_test(case)
+
+
+@pytest.mark.parametrize("pick,update", [
+    (lambda table, row: table[row], "dynamic-update-slice"),                             # a dynamic slice
+    (lambda table, row: table[jnp.stack([row, (row + 2) % 5])], "scatter")])             # a gather
+def test_a_loop_accumulating_gradients_of_rows_updates_the_accumulator(pick, update):
+    """A scan that reads one row of a table per step: the table's gradient is an update
+    of zeros per step, folded into the accumulator (no add over the whole table each
+    step), and the data-parallel reduction still runs once, after the loop."""
+    def step(table, rows, xs):
+        xs = gspmd.mesh_split(xs, MESH, [-1, ("x", "y"), -1])
+
+        def loss(table):
+            def body(total, inputs):
+                row, x = inputs
+                return total + jnp.sum(jnp.tanh(x[:, None] * pick(table, row)) ** 2), None
+            return jax.lax.scan(body, 0.0, (rows, xs))[0]
+        return table - 0.1 * jax.grad(loss)(table)
+
+    rng = np.random.RandomState(3)
+    table, rows, xs = rand(rng, 5, 6), np.array([4, 0, 4, 2, 1, 3], np.int32), rand(rng, 6, 8, 6)
+    low = check(step, table, rows, xs, mesh=MESH)
+    bodies = [sub for i in low.spmd.instrs for sub, _ in gspmd.ops.runs(i)]
+    table_shape = tuple(low.spmd.params[0].shape)
+    assert not [i for body in bodies for i in body.instrs if i.opcode == "add" and i.output.shape == table_shape]
+    assert [i for body in bodies for i in body.instrs
+            if i.opcode == update and i.operands[0] in body.params and i.output.shape == table_shape]
+    reductions = [c for c in low.report().collectives if c.kind == "all-reduce"]
+    assert reductions and all(c.executions == 1 for c in reductions), low.report()

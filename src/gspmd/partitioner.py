@@ -13,6 +13,7 @@ from gspmd.ir import Builder, Instr, Program, Value
 from gspmd.ir.cse import eliminate_common_subexpressions
 from gspmd.ir.dce import eliminate_dead_code
 from gspmd.ops.reassociate import reassociate_all_reduces
+from gspmd.ops.accumulate import fold_updates_into_accumulators
 from gspmd.ops.registry import Storage
 from gspmd.sharding import Sharding
 from gspmd.spmd import cost as cm
@@ -68,6 +69,7 @@ def _partition(program: Program, num_devices: int, in_layouts: Sequence[Sharding
         b.source = program.labels.get(o, "")
         spmd.outputs.append(rs.reshard(ctx, env[o], layout).local)
     eliminate_common_subexpressions(spmd)   # one reshard of a value serves all its users
+    fold_updates_into_accumulators(spmd)     # a + scatter(0, i, u) -> scatter(a, i, u), likewise slices
     reassociate_all_reduces(spmd)            # ar(a) + ar(b) -> ar(a + b)
     eliminate_dead_code(spmd, ops.prune)
     for local, layout in zip(spmd.outputs, out_layouts):
@@ -275,7 +277,7 @@ def _repeatable(instr: Instr, recompute_any: bool) -> bool:
     if op.repeat is not None:
         return True
     return (recompute_any and op.collective is None and op.runs is None and not instr.has_side_effect
-            and ops.storage(instr) in memory.FUSIBLE + (Storage.MATERIALIZED,))
+            and ops.storage(instr) in memory.FUSIBLE + (Storage.MATERIALIZED, Storage.UPDATED))
 
 
 def _kept_alive(v, held: memory.MemoryProfile) -> int:

@@ -365,7 +365,7 @@ class _Liveness:
         """Stored operands whose buffer output `index` of `step` may overwrite."""
         if step.storage is Storage.CARRIED:
             return [step.operands[index]]
-        if step.storage is Storage.IN_PLACE:
+        if step.storage in (Storage.IN_PLACE, Storage.UPDATED):
             return [step.operands[0]] if step.operands[0] not in self.fused else []
         if step.storage is Storage.ELEMENTWISE:
             return self._elementwise_reads(step, step.outputs[0].shape)

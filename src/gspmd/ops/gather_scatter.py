@@ -393,6 +393,6 @@ register("scatter",
                    "scatter-min": _convert_scatter(MIN), "scatter-max": _convert_scatter(MAX)},
          evaluate=_evaluate_scatter, lower=_lower_scatter, factors=_scatter_factors,
          partition=_partition_with(_scatter_factors, _emit_scatter), priority=LAYOUT,
-         bytes_accessed=update_sized_bytes(2),
+         bytes_accessed=update_sized_bytes(2), storage=Storage.UPDATED,
          # the indices fixed, writing or adding updates into an operand is linear in both
          linear=lambda instr: [(0, 2)] if instr.attrs["reducer"] in (None, ADD) else [])

@@ -88,16 +88,6 @@ def _groups_key(groups: np.ndarray) -> tuple:
     return tuple(sorted(tuple(sorted(int(d) for d in g)) for g in np.asarray(groups)))
 
 
-def _is_zero(v: Value) -> bool:
-    """A constant zero, or a broadcast of one."""
-    p = v.producer
-    if p is None:
-        return False
-    if p.opcode == "constant":
-        return not np.any(p.attrs["value"])
-    return p.opcode == "broadcast" and _is_zero(p.operands[0])
-
-
 @dataclass
 class _Expression:
     """Instructions (in program order) whose results are partial sums over the groups;
@@ -127,7 +117,7 @@ def _partial_expression(body: Program, param: Value, out: Value, groups: np.ndar
             continue
         for jointly in linear(instr):
             fill = set(jointly) - summed
-            if summed <= set(jointly) and all(_is_zero(instr.operands[k]) for k in fill) and all(
+            if summed <= set(jointly) and all(instr.operands[k].is_zero() for k in fill) and all(
                     uniform(o, groups) for k, o in enumerate(instr.operands) if k not in jointly):
                 partial[instr.output] = any(partial[instr.operands[k]] for k in summed)
                 instrs.append(instr)
@@ -182,7 +172,7 @@ def _rewrite(body: Program, index: int, expr: _Expression, groups: np.ndarray) -
 
 def _as_partial(ctx: DeviceContext, init: Value, groups: np.ndarray) -> Value:
     """init as partial sums over groups: whole on each group's first device, else zero."""
-    if _is_zero(init):
+    if init.is_zero():
         return init
     first = np.zeros(ctx.num_devices, np.int32)
     first[ctx.virtual_groups(groups)[:, 0]] = 1

@@ -48,12 +48,13 @@ class Storage(Enum):
     (the memory model, analysis/memory.py, follows XLA's loop fusion and buffer reuse).
     A fusible op computes each element where its users read it: it gets no buffer of
     its own when every user is fused too."""
-    MATERIALIZED = "materialized"   # a buffer of its own (dot, convolution, collectives, scatter...)
+    MATERIALIZED = "materialized"   # a buffer of its own (dot, convolution, collectives, sort...)
     ELEMENTWISE = "elementwise"     # fusible; result element i reads operand element i, so the
                                     # result may overwrite an operand of its size that dies there
     INDEXED = "indexed"             # fusible; reads each operand element at most once (slice, transpose)
     REPEATED = "repeated"           # fusible; reads operand elements many times (broadcast, gather)
     IN_PLACE = "in place"           # fusible; writes into operand 0's buffer when it dies there
+    UPDATED = "updated"             # a buffer of its own, or operand 0's when it dies there (scatter)
     BITCAST = "bitcast"             # fusible; stored, a view of an operand laid out row-major (reshape)
     CARRIED = "carried"             # results are the operands' buffers, updated in place (loops)
     VIEW = "view"                   # results are the operands themselves (optimization barriers)

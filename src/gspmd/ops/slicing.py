@@ -166,15 +166,26 @@ def _convert_slice(b, eqn, args):
 
 def _convert_split(b, eqn, args):
     """jax.lax.split (the transpose of concatenate): one slice per piece."""
-    (x,), axis, outs, start = args, eqn.params["axis"], [], 0
-    for var in eqn.outvars:
-        limit = list(x.shape)
-        limit[axis] = start + var.aval.shape[axis]
-        begin = [0] * x.rank
-        begin[axis] = start
-        outs.append(b.add1("slice", [x], var.aval.shape, var.aval.dtype, start=tuple(begin), limit=tuple(limit),
-                           strides=(1,) * x.rank))
-        start = limit[axis]
+    (x,), axis = args, eqn.params["axis"]
+    return _pieces(b, x, axis, [var.aval.shape[axis] for var in eqn.outvars])
+
+
+def _convert_unstack(b, eqn, args):
+    """The transpose of jnp.stack: a slice per index along `axis`, without that dim."""
+    (x,), axis = args, eqn.params["axis"]
+    return [b.add1("reshape", [piece], var.aval.shape, var.aval.dtype)
+            for piece, var in zip(_pieces(b, x, axis, [1] * len(eqn.outvars)), eqn.outvars)]
+
+
+def _pieces(b, x, axis: int, sizes) -> list:
+    """x cut along `axis` into consecutive slices of these sizes."""
+    outs, start = [], 0
+    for size in sizes:
+        begin, limit = [0] * x.rank, list(x.shape)
+        begin[axis], limit[axis] = start, start + size
+        outs.append(b.add1("slice", [x], tuple(limit[d] - begin[d] for d in range(x.rank)), x.dtype,
+                           start=tuple(begin), limit=tuple(limit), strides=(1,) * x.rank))
+        start += size
     return outs
 
 
@@ -195,7 +206,8 @@ def _lower_pad(instr, args, lc):
     return [lax.pad(args[0], args[1], list(zip(a["low"], a["high"], a["interior"])))]
 
 
-register("slice", converts={"slice": _convert_slice, "split": _convert_split}, evaluate=_evaluate_slice,
+register("slice", converts={"slice": _convert_slice, "split": _convert_split, "unstack": _convert_unstack},
+         evaluate=_evaluate_slice,
          lower=_lower_slice, factors=_propagation_factors, partition=_partition_pad_or_slice, priority=LAYOUT,
          storage=Storage.INDEXED, bytes_accessed=result_sized_bytes, linear=jointly_linear)
 # pad(x, value): linear in both (the padding value zero when x is summed)
@@ -376,10 +388,20 @@ def _convert_concatenate(b, eqn, args):
     return [b.add1("concatenate", args, shape, dtype, dimension=eqn.params["dimension"])]
 
 
+def _convert_stack(b, eqn, args):
+    """jnp.stack (its own primitive in this JAX): each operand with a size-1 dim at
+    `axis`, concatenated along it."""
+    shape, dtype = b.out_aval(eqn)
+    axis = eqn.params["axis"]
+    pieces = [b.add1("reshape", [x], shape[:axis] + (1,) + shape[axis + 1:], x.dtype) for x in args]
+    return [b.add1("concatenate", pieces, shape, dtype, dimension=axis)]
+
+
 def _lower_concatenate(instr, args, lc):
     return [lax.concatenate(args, instr.attrs["dimension"])]
 
 
-register("concatenate", converts={"concatenate": _convert_concatenate}, evaluate=_evaluate_concatenate,
+register("concatenate", converts={"concatenate": _convert_concatenate, "stack": _convert_stack},
+         evaluate=_evaluate_concatenate,
          lower=_lower_concatenate, factors=_propagation_factors, partition=_partition_concatenate, priority=LAYOUT,
          storage=Storage.INDEXED, linear=jointly_linear)
