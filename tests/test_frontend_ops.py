@@ -184,3 +184,16 @@ def test_stack_keeps_the_operands_splits_and_its_gradient(axis):
     low = check(f, a, b, mesh=MESH)
     assert low.report().counts() == {}, low.report()   # the splits carry over: nothing moves
     check(jax.grad(lambda a, b: jnp.sum(f(a, b) ** 2), argnums=(0, 1)), a, b, mesh=MESH)
+
+
+@pytest.mark.parametrize("reps", [(2, 1), (1, 3), (3, 2), (2, 2, 1)])
+def test_tile_and_its_gradient(reps):
+    """jnp.tile is a primitive of its own in this JAX; on split operands (uneven: 6 rows
+    over 2, 10 columns over 4) it equals one device, forward and backward."""
+    rng = np.random.RandomState(2)
+    a = rand(rng, 6, 10)
+
+    def f(a):
+        return jnp.tile(split(a, "x", "y"), reps) * 1.5
+    check(f, a, mesh=MESH)
+    check(jax.grad(lambda a: jnp.sum(jnp.sin(f(a)))), a, mesh=MESH)

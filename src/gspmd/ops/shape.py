@@ -242,6 +242,16 @@ def _convert_broadcast_in_dim(b, eqn, args):
     return [b.add1("broadcast", args[:1], shape, dtype, dims=tuple(int(d) for d in eqn.params["broadcast_dimensions"]))]
 
 
+def _convert_tile(b, eqn, args):
+    """jnp.tile (its own primitive in this JAX): each dim d of size n broadcast to
+    [reps[d], n], then the pairs merged, as jnp.tile used to emit it."""
+    (x,), reps = args, tuple(int(r) for r in eqn.params["reps"])
+    shape, dtype = b.out_aval(eqn)
+    pairs = tuple(size for r, n in zip(reps, x.shape) for size in (r, n))
+    spread = b.add1("broadcast", [x], pairs, dtype, dims=tuple(range(1, len(pairs), 2)))
+    return [b.add1("reshape", [spread], shape, dtype)]
+
+
 def _convert_transpose(b, eqn, args):
     shape, dtype = b.out_aval(eqn)
     return [b.add1("transpose", args, shape, dtype, permutation=tuple(eqn.params["permutation"]))]
@@ -288,7 +298,8 @@ def _lower_iota(instr, args, lc):
     return [lax.broadcasted_iota(out.dtype, out.shape, instr.attrs["dimension"])]
 
 
-register("broadcast", converts={"broadcast_in_dim": _convert_broadcast_in_dim}, evaluate=_evaluate_broadcast,
+register("broadcast", converts={"broadcast_in_dim": _convert_broadcast_in_dim, "tile": _convert_tile},
+         evaluate=_evaluate_broadcast,
          lower=_lower_broadcast, factors=_broadcast_factors, priority=LAYOUT, forward_priority=EXPAND,
          storage=Storage.REPEATED, linear=jointly_linear)
 register("transpose", converts={"transpose": _convert_transpose}, evaluate=_evaluate_transpose,
