@@ -52,3 +52,24 @@ def test_avg_pool_gradient():
     x = rand(np.random.RandomState(2), 2, 3, 13, 11)
     report = check(jax.grad(lambda x: (pool(x) ** 2).sum()), x, mesh=MESH).report()
     assert set(report.counts()) == {"collective-permute"}, str(report)
+
+
+@pytest.mark.parametrize("combine,init", [(lambda p, q: p + q, 0.0), (lambda p, q: jnp.maximum(p, q), -jnp.inf),
+                                          (lambda p, q: p * q, 1.0)])
+def test_reduce_window_with_a_computation_of_its_own(combine, init):
+    """lax.reduce_window given a Python function (JAX's generic reduce_window primitive) on
+    a split spatial dim (9 over 2: uneven): the window reduction of that op, halos and all."""
+    rng = np.random.RandomState(4)
+    x = rand(rng, 2, 9, 6)
+
+    def f(x):
+        x = gspmd.mesh_split(x, MESH, [-1, "x", -1])
+        return jax.lax.reduce_window(x, init, combine, (1, 3, 2), (1, 1, 1), "SAME")
+    check(f, x, mesh=MESH)
+
+
+def test_reduce_window_with_another_init_says_what_to_do():
+    x = np.ones((2, 8, 4), np.float32)
+    with pytest.raises(gspmd.ShardingError, match="started from its identity"):
+        gspmd.jit(lambda x: jax.lax.reduce_window(x, 1.0, lambda p, q: p + q, (1, 2, 1), (1, 1, 1), "SAME"),
+                  mesh=MESH)(x)

@@ -18,7 +18,7 @@ import numpy as np
 from jax import lax
 
 from gspmd.errors import ShardingError
-from gspmd.ir.reducer import ADD, MAX, MIN, Reducer
+from gspmd.ir.reducer import ADD, MAX, MIN, MUL, Reducer
 from gspmd.ops.formatting import partition_in_one_step
 from gspmd.ops.registry import LAYOUT, Storage, register
 from gspmd.spmd import factors as fx
@@ -245,6 +245,30 @@ def _convert_reduce_window(reducer: Reducer):
     return convert
 
 
+_WINDOW_REDUCERS = {"add": ADD, "mul": MUL, "max": MAX, "min": MIN}
+
+
+def _convert_generic_reduce_window(b, eqn, args):
+    """lax.reduce_window with a computation of its own: one add, mul, max or min of its
+    two arguments, started from that op's identity, is that reducer's reduce-window."""
+    body = eqn.params["jaxpr"]
+    body = getattr(body, "jaxpr", body)
+    reducer = None
+    if len(args) == 2 and len(body.eqns) == 1 and not eqn.params["consts"]:
+        (op,) = body.eqns
+        if sorted(map(id, op.invars)) == sorted(map(id, body.invars)) and list(op.outvars) == list(body.outvars):
+            reducer = _WINDOW_REDUCERS.get(op.primitive.name)
+    init = args[-1].producer
+    if reducer is None or init is None or init.opcode != "constant" or not np.array_equal(
+            init.attrs["value"], reducer.identity(args[0].dtype)):
+        raise ShardingError(
+            f"lax.reduce_window with computation `{' '.join(str(body).split())}` and init value {args[-1]} "
+            f"(`{eqn}`): gspmd partitions window reductions of one add, mul, max or min started from its "
+            "identity (0, 1, -inf, +inf). Reduce with that op (lax.add, lax.max, ...) and combine the init "
+            "value afterwards.")
+    return _convert_reduce_window(reducer)(b, eqn, args[:1])
+
+
 def _convert_select_and_scatter_add(b, eqn, args):
     p = eqn.params
     select = {"ge": "ge", "le": "le"}.get(p["select_prim"].name)
@@ -284,7 +308,7 @@ register("reverse", converts={"rev": _convert_rev}, evaluate=_evaluate_reverse, 
          factors=_reverse_factors, partition=_partition_reverse, priority=LAYOUT, storage=Storage.INDEXED)
 register("reduce-window",
          converts={"reduce_window_sum": _convert_reduce_window(ADD), "reduce_window_max": _convert_reduce_window(MAX),
-                   "reduce_window_min": _convert_reduce_window(MIN)},
+                   "reduce_window_min": _convert_reduce_window(MIN), "reduce_window": _convert_generic_reduce_window},
          evaluate=_evaluate_reduce_window, lower=_lower_reduce_window, factors=_dim_factors,
          partition=_partition_reduce_window, priority=LAYOUT, flops=_window_flops)
 def _expanded_select_and_scatter(instr) -> int:
