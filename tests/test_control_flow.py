@@ -104,3 +104,15 @@ def test_annotations_only_inside_a_loop_body_set_the_device_count():
 def test_a_manual_region_alone_sets_the_device_count():
     f = gspmd.manual(lambda a: jax.lax.psum(a, "x"), MESH, [["x", "y"]], [[-1, "y"]])
     assert gspmd.jit(f).lower(np.zeros((4, 8), np.float32)).num_devices == 8
+
+
+def test_a_vmapped_while_loop_steps_each_element_until_its_own_condition_fails():
+    """jax.vmap of a while loop: one loop whose condition is a bool per element (loop while
+    any holds; an element whose condition fails keeps its value), over a batch split
+    unevenly (6 over 4)."""
+    def count_up(v):
+        return jax.lax.while_loop(lambda c: c[0] < v, lambda c: (c[0] + 1.0, c[1] * 2.0), (0.0, v))
+
+    def f(x):
+        return jax.vmap(count_up)(gspmd.mesh_split(x, MESH, [("x", "y")]))
+    check(f, np.array([0.5, 3.0, -1.0, 2.2, 7.0, 1.0], np.float32), mesh=MESH)

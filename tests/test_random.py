@@ -356,3 +356,16 @@ def test_non_partitionable_threefry_is_refused():
     with jax.threefry_partitionable(False):
         with pytest.raises(gspmd.ShardingError, match="jax_threefry_partitionable"):
             gspmd.jit(lambda k: jax.random.bits(k, (4,)))(jax.random.key(0))
+
+
+@pytest.mark.parametrize("sample", [
+    lambda key, x: jax.random.gamma(key, jnp.abs(x) + 0.5),                 # a shape per element
+    lambda key, x: jax.random.beta(key, 2.0, 3.0, x.shape) * x,             # mixup's mixing weights
+    lambda key, x: jax.random.dirichlet(key, jnp.abs(x) + 0.1)])
+def test_gamma_family_samples_as_jax_does(sample):
+    """jax.random.gamma, beta and dirichlet (the random_gamma primitive: rejection
+    sampling, vectorized over a key per element) on values split unevenly (6 over 2, 10
+    over 4), as jax.jit samples them: the same random bits and accept/reject decisions,
+    floats to the last bits (XLA fuses the log-space ratios differently in the two programs)."""
+    x = np.random.RandomState(5).standard_normal((6, 10)).astype(np.float32)
+    check_same(lambda k, x: sample(k, split(x, "x", "y")), jax.random.key(7), x, reassociates=True)

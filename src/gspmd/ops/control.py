@@ -27,6 +27,7 @@ from jax import numpy as jnp
 from gspmd.errors import ShardingError
 from gspmd.ir import Instr, Program, Value
 from gspmd.ir.dce import eliminate_dead_code
+from gspmd.ir.reducer import OR
 from gspmd.ops.convert import Conversion, physical_aval
 from gspmd.ops.loop_motion import defer_reductions, finish_reductions
 from gspmd.ops.registry import ELEMENTWISE, Storage, prune, register
@@ -98,15 +99,30 @@ def emit_while(b: Conversion, carry: list[Value], cond: Build, body: Build,
 
 
 def _convert_while(b: Conversion, eqn, args: list[Value]) -> list[Value]:
+    """A while loop. Its condition may be batched (vmap of a while loop, as JAX's own
+    lowerings make: a bool per leading element of every carry), which means, as JAX
+    lowers it: loop while any holds, and step only the elements whose condition holds."""
     p = eqn.params
     nc, nb = p["cond_nconsts"], p["body_nconsts"]
     fixed = nc + nb
 
+    def holds(sb, params) -> Value:
+        return sb.inline(p["cond_jaxpr"], params[:nc] + params[fixed:])[0]
+
     def cond(sb, params):
-        return sb.inline(p["cond_jaxpr"], params[:nc] + params[fixed:])
+        pred = holds(sb, params)
+        if pred.rank:
+            pred = sb.add1("reduce", [pred], (), np.bool_, dims=tuple(range(pred.rank)), reducer=OR)
+        return [pred]
 
     def body(sb, params):
-        return params[:fixed] + sb.inline(p["body_jaxpr"], params[nc:fixed] + params[fixed:])
+        carry = params[fixed:]
+        stepped = sb.inline(p["body_jaxpr"], params[nc:fixed] + carry)
+        pred = holds(sb, params) if p["cond_jaxpr"].out_avals[0].shape else None
+        if pred is not None:
+            stepped = [sb.add1("select", [sb.add1("broadcast", [pred], x.shape, np.bool_, dims=tuple(range(pred.rank))),
+                                          new, x], x.shape, x.dtype) for new, x in zip(stepped, carry)]
+        return params[:fixed] + stepped
 
     return emit_while(b, args, cond, body)[fixed:]
 

@@ -11,6 +11,7 @@ shard's offset, and nothing is communicated.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Sequence
 
@@ -187,6 +188,16 @@ def _same_key_data(b: Conversion, eqn, args: list[Value]) -> list[Value]:
     return [args[0]]
 
 
+def _random_gamma(b: Conversion, eqn, args: list[Value]) -> list[Value]:
+    """jax.random.gamma (beta, dirichlet): the computation JAX lowers the primitive to on
+    every platform (a key per element, rejection sampling vectorized over them), inlined."""
+    require_threefry(eqn.invars[0].aval.dtype, f"`{eqn}`")
+    from jax._src.random.core import _gamma_impl   # how JAX lowers random_gamma
+    sample = functools.partial(_gamma_impl, log_space=eqn.params["log_space"], use_vmap=True)
+    closed = jax.make_jaxpr(sample)(*(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars))
+    return b.inline(closed, args)
+
+
 def _threefry(b: Conversion, eqn, args: list[Value]) -> list[Value]:
     shape, _ = b.out_aval(eqn)
     return _hash(b, *(_expand(b, a, shape) for a in args))
@@ -195,5 +206,5 @@ def _threefry(b: Conversion, eqn, args: list[Value]) -> list[Value]:
 register("threefry2x32", converts={"threefry2x32": _threefry},
          converts_keys={"random_bits": _random_bits, "random_split": _random_split, "random_fold_in": _random_fold_in,
                         "random_seed": _random_seed, "random_wrap": _random_wrap, "random_unwrap": _same_key_data,
-                        "random_clone": _same_key_data},
+                        "random_clone": _same_key_data, "random_gamma": _random_gamma},
          evaluate=_evaluate_threefry, lower=_lower_threefry, factors=elementwise_factors, priority=ELEMENTWISE)
