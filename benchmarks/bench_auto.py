@@ -90,10 +90,10 @@ def cases() -> dict[str, Callable[[], Case]]:
 
 
 def compare(case: Case, tight: bool) -> dict:
-    """The memory limit both plans live under: the hardware's memory where the hand plan
-    fits in it, else (and with `tight`) the hand plan's own peak."""
+    """The memory limit both plans live under: what a program may use of the hardware's
+    memory where the hand plan fits in it, else (and with `tight`) the hand plan's own peak."""
     hand = gspmd.jit(case.annotated, mesh=case.mesh).lower(*case.args).report(case.hardware)
-    limit = hand.peak_memory_bytes if tight or not hand.fits_in_memory else hand.hardware.memory_bytes
+    limit = hand.peak_memory_bytes if tight or not hand.fits_in_memory else hand.hardware.usable_bytes
     try:
         plan = gspmd.auto(case.plain, *case.args, devices=case.mesh.size, hardware=case.hardware, memory_limit=limit)
     except gspmd.ShardingError as e:
