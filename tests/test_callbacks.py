@@ -180,3 +180,29 @@ def test_random_layouts_callbacks_see_the_global_value(case, seed):
 @given(callback_cases(), st.integers(0, 2**31 - 1))
 def test_random_layouts_callbacks_see_the_global_value_many(case, seed):
     test_random_layouts_callbacks_see_the_global_value.hypothesis.inner_test(case, seed)
+
+
+def test_inspect_array_sharding_hears_the_layout_gspmd_chose():
+    """jax.debug.inspect_array_sharding under gspmd.jit: the callback gets the value's
+    completed layout (here: rows split over x, propagated from the input through the
+    matmul) as a jax NamedSharding, once per compilation, as under jax.jit; nothing runs
+    per call. A plan for more devices than jax has gets gspmd's own Sharding."""
+    mesh = gspmd.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
+    seen = []
+
+    def f(a, w):
+        h = jnp.tanh(gspmd.mesh_split(a, mesh, ["x", -1]) @ w)
+        jax.debug.inspect_array_sharding(h, callback=seen.append)
+        return h * 2
+    a, w = np.ones((8, 12), np.float32), np.ones((12, 16), np.float32)
+    stepped = gspmd.jit(f, mesh=mesh)
+    for _ in range(2):
+        np.testing.assert_allclose(stepped(a, w), np.tanh(a @ w) * 2, rtol=1e-6)
+    (named,) = seen
+    assert isinstance(named, jax.sharding.NamedSharding) and named.spec == jax.sharding.PartitionSpec("d0", None)
+    assert gspmd.Sharding.from_named(named, (8, 16)) == gspmd.Sharding.from_mesh(mesh, ["x", -1], (8, 16))
+    big = gspmd.Mesh(np.arange(64).reshape(8, 8), ("x", "y"))
+    seen.clear()
+    gspmd.jit(lambda a: (jax.debug.inspect_array_sharding(gspmd.mesh_split(a, big, ["x", "y"]), callback=seen.append),
+                         a)[1], mesh=big).lower(jax.ShapeDtypeStruct((16, 16), np.float32))
+    assert seen == [gspmd.Sharding.from_mesh(big, ["x", "y"], (16, 16))]

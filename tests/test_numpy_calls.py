@@ -181,7 +181,6 @@ def test_out_of_scope_calls_say_why(call, what):
 
 
 @pytest.mark.parametrize("call,what", [
-    (lambda a: (jax.debug.inspect_array_sharding(a, callback=print), a)[1], "sharding_of"),
     (lambda a: jax.lax.ragged_dot(a, a.reshape(2, 12, 4)[:, :12, :], jnp.array([4, 4], jnp.int32)), "einsum"),
     (lambda a: jax.jvp(lambda v: jax.lax.reduce_window(v, -jnp.inf, jax.lax.max, (2, 2), (2, 2), "VALID"),
                        (a,), (a,))[1], "reverse mode")])

@@ -1,4 +1,5 @@
-"""Host callbacks: jax.debug.print, jax.debug.callback, jax.pure_callback, io_callback.
+"""Host callbacks: jax.debug.print, jax.debug.callback, jax.pure_callback, io_callback;
+and jax.debug.inspect_array_sharding, which hears gspmd's layout of its value.
 
 A callback sees the global values it sees under jax.jit: its operands are gathered first
 (the one op whose rule is "gather, run whole": the host function reads the whole value).
@@ -19,12 +20,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from gspmd.errors import ShardingError
 from gspmd.ir.program import SIDE_EFFECT
+from gspmd.sharding import Sharding
 from gspmd.ops.registry import register, replicate_fallback
 
 
@@ -88,6 +91,36 @@ def _lower(instr, args, lc):
     return [lax.all_gather(r, lc.axis)[0] for r in results]   # device 0's results, everywhere
 
 
+# -- jax.debug.inspect_array_sharding: the layout gspmd chose, at compile time ----------------
+def _convert_inspect(b, eqn, args):
+    b.add("inspect-sharding", args, [], callback=eqn.params["callback"], **{SIDE_EFFECT: True})
+    return []
+
+
+def _partition_inspect(ctx, instr, operands, targets) -> list:
+    """Call the user's callback with the operand's layout as it is here (after
+    completion), once, when the program is partitioned, as jax calls it when it compiles;
+    nothing runs at run time."""
+    (x,) = operands
+    instr.attrs["callback"](as_jax_sharding(x.sharding))
+    return []
+
+
+def as_jax_sharding(sharding: Sharding):
+    """`sharding` as a jax.sharding.NamedSharding over the jax devices of its device ids
+    (a mesh axis per tensor dim, "d0", "d1", ..., and one for the replicas); gspmd's own
+    Sharding where jax has fewer devices (a plan for more devices than this machine)."""
+    devices = jax.devices()
+    if sharding.num_devices > len(devices):
+        return sharding
+    names = tuple(f"d{d}" for d in range(sharding.rank)) + ("replicas",)
+    mesh = jax.sharding.Mesh(np.array(devices, dtype=object)[sharding.tile_assignment], names)
+    spec = jax.sharding.PartitionSpec(*(name if t > 1 else None for name, t in zip(names, sharding.tiles)))
+    return jax.sharding.NamedSharding(mesh, spec)
+
+
+register("inspect-sharding", converts={"inspect_sharding": _convert_inspect}, partition=_partition_inspect,
+         evaluate=lambda instr, args, device: [], lower=lambda instr, args, lc: [])
 register("host-callback",
          converts={"debug_print": _convert(True), "debug_callback": _convert(True), "io_callback": _convert(True),
                    "pure_callback": _convert(False)},

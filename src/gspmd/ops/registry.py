@@ -154,10 +154,6 @@ _DECOMPOSITION = ("a matrix decomposition or solve, which gspmd has no partition
 OUT_OF_SCOPE: dict[str, str] = {name: _DECOMPOSITION for name in (
     "qr", "eigh", "eig", "svd", "cholesky", "lu", "lu_pivots_to_permutation", "triangular_solve", "schur",
     "hessenberg", "tridiagonal", "tridiagonal_solve", "householder_product", "custom_linear_solve")} | {
-    "inspect_sharding": "jax.debug.inspect_array_sharding reports XLA's sharding, which a gspmd program does "
-                        "not have. Ask gspmd instead: gspmd.jit(f, mesh=...).lower(*args).sharding_of(value) "
-                        "(a pytree path such as \"params['w1']\", a result index or a %name), or .explain(value) "
-                        "for where the layout came from.",
     "ragged_dot_general": "a grouped matmul (lax.ragged_dot), which gspmd has no partition rule for yet. Write "
                           "it as a dense einsum over the groups (tokens dispatched to [groups, capacity, ...], as "
                           "gspmd.models.moe does) or compute it outside gspmd.jit.",
