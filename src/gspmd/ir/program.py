@@ -69,6 +69,17 @@ class Instr:
         self.source = source
         self.recomputed = False
 
+    def remade(self, operands: Sequence[Value], output: Value, opcode: Optional[str] = None,
+               attrs: Optional[dict] = None) -> "Instr":
+        """This instruction again (or `opcode` with `attrs`, made in its place) on
+        `operands`, producing `output`: its origin, line and flags kept (passes that
+        rewrite an instruction)."""
+        instr = Instr(opcode or self.opcode, operands, self.attrs if attrs is None else attrs, self.origin,
+                      self.source)
+        instr.why, instr.recomputed = self.why, self.recomputed
+        instr.outputs, output.producer = [output], instr
+        return instr
+
     @property
     def has_side_effect(self) -> bool:
         return bool(self.attrs.get(SIDE_EFFECT))

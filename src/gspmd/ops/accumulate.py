@@ -41,13 +41,13 @@ def _folded(program: Program, add: Instr, uses: Counter) -> Optional[list[Instr]
             continue
         if update.opcode == "scatter":
             _, indices, updates = update.operands
-            return [_instr(update, "scatter", [acc, indices, updates], out, update.attrs)]
+            return [update.remade([acc, indices, updates], out)]
         _, u, *starts = update.operands    # dynamic-update-slice
-        held = _instr(update, "dynamic-slice", [acc, *starts], Value(program.fresh_name("dynamic_slice"),
-                                                                       u.shape, u.dtype))
-        summed = _instr(add, "add", [held.output, u], Value(program.fresh_name("add"), u.shape, u.dtype))
+        held = update.remade([acc, *starts], Value(program.fresh_name("dynamic_slice"), u.shape, u.dtype),
+                             "dynamic-slice", {})
+        summed = add.remade([held.output, u], Value(program.fresh_name("add"), u.shape, u.dtype))
         held.output.sharding = summed.output.sharding = u.sharding
-        return [held, summed, _instr(update, "dynamic-update-slice", [acc, summed.output, *starts], out)]
+        return [held, summed, update.remade([acc, summed.output, *starts], out)]
     return None
 
 
@@ -66,10 +66,3 @@ def _update_of_zeros(v: Value, uses: Counter) -> Optional[Instr]:
         v = p.operands[zeros.index(False)]
     return None
 
-
-def _instr(like: Instr, opcode: str, operands: list[Value], output: Value, attrs: Optional[dict] = None) -> Instr:
-    """An instruction made for `like` (its origin, line and flags), producing `output`."""
-    instr = Instr(opcode, operands, {} if attrs is None else attrs, like.origin, like.source)
-    instr.why, instr.recomputed = like.why, like.recomputed
-    instr.outputs, output.producer = [output], instr
-    return instr

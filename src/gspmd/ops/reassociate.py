@@ -32,9 +32,9 @@ def reassociate_all_reduces(program: Program) -> Program:
             rewritten.append(instr)
             continue
         before = all_reduces[0].operands[0]
-        partial = _copy(instr, [r.operands[0] for r in all_reduces],
-                        Value(program.fresh_name(instr.opcode), before.shape, before.dtype))
-        rewritten += [partial, _copy(all_reduces[-1], [partial.output], instr.output)]
+        partial = instr.remade([r.operands[0] for r in all_reduces],
+                               Value(program.fresh_name(instr.opcode), before.shape, before.dtype))
+        rewritten += [partial, all_reduces[-1].remade([partial.output], instr.output)]
     program.instrs = rewritten
     return program
 
@@ -58,11 +58,3 @@ def _summed_all_reduces(instr: Instr, uses: Counter) -> Optional[list[Instr]]:
 def _is_add_all_reduce(instr: Optional[Instr]) -> bool:
     return instr is not None and instr.opcode == "all-reduce" and instr.attrs["reducer"] is ADD
 
-
-def _copy(instr: Instr, operands: list[Value], output: Value) -> Instr:
-    """`instr` again, on `operands`, producing `output`."""
-    copy = Instr(instr.opcode, operands, instr.attrs, instr.origin, instr.source)
-    copy.why, copy.recomputed = instr.why, instr.recomputed
-    output.producer = copy
-    copy.outputs = [output]
-    return copy
