@@ -105,21 +105,22 @@ def _convert_while(b: Conversion, eqn, args: list[Value]) -> list[Value]:
     p = eqn.params
     nc, nb = p["cond_nconsts"], p["body_nconsts"]
     fixed = nc + nb
+    batched = bool(p["cond_jaxpr"].out_avals[0].shape)
 
     def holds(sb, params) -> Value:
         return sb.inline(p["cond_jaxpr"], params[:nc] + params[fixed:])[0]
 
     def cond(sb, params):
         pred = holds(sb, params)
-        if pred.rank:
+        if batched:
             pred = sb.add1("reduce", [pred], (), np.bool_, dims=tuple(range(pred.rank)), reducer=OR)
         return [pred]
 
     def body(sb, params):
         carry = params[fixed:]
         stepped = sb.inline(p["body_jaxpr"], params[nc:fixed] + carry)
-        pred = holds(sb, params) if p["cond_jaxpr"].out_avals[0].shape else None
-        if pred is not None:
+        if batched:
+            pred = holds(sb, params)
             stepped = [sb.add1("select", [sb.add1("broadcast", [pred], x.shape, np.bool_, dims=tuple(range(pred.rank))),
                                           new, x], x.shape, x.dtype) for new, x in zip(stepped, carry)]
         return params[:fixed] + stepped
