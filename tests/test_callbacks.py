@@ -206,3 +206,11 @@ def test_inspect_array_sharding_hears_the_layout_gspmd_chose():
     gspmd.jit(lambda a: (jax.debug.inspect_array_sharding(gspmd.mesh_split(a, big, ["x", "y"]), callback=seen.append),
                          a)[1], mesh=big).lower(jax.ShapeDtypeStruct((16, 16), np.float32))
     assert seen == [gspmd.Sharding.from_mesh(big, ["x", "y"], (16, 16))]
+    # a jax mesh in another device order: the layout names that mesh's devices
+    jax_mesh = jax.sharding.Mesh(np.array(jax.devices()[::-1]).reshape(2, 4), ("x", "y"))
+    seen.clear()
+    gspmd.jit(lambda a: (jax.debug.inspect_array_sharding(gspmd.mesh_split(a, jax_mesh, ["x", -1]),
+                                                           callback=seen.append), a)[1], mesh=jax_mesh)(a)
+    (named,) = seen
+    for row in range(2):   # rows split over x: each half on the devices of one row of jax_mesh
+        assert set(named.mesh.devices[row].ravel()) == set(jax_mesh.devices[row])

@@ -19,6 +19,7 @@ also see the global value, which JAX allows (it promises nothing about the shard
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -27,8 +28,9 @@ from jax import lax
 
 from gspmd.errors import ShardingError
 from gspmd.ir.program import SIDE_EFFECT
-from gspmd.sharding import Sharding
+from gspmd.mesh import Mesh
 from gspmd.ops.registry import register, replicate_fallback
+from gspmd.sharding import Sharding
 
 
 @dataclass(frozen=True, eq=False)
@@ -93,7 +95,8 @@ def _lower(instr, args, lc):
 
 # -- jax.debug.inspect_array_sharding: the layout gspmd chose, at compile time ----------------
 def _convert_inspect(b, eqn, args):
-    b.add("inspect-sharding", args, [], callback=eqn.params["callback"], **{SIDE_EFFECT: True})
+    # gspmd.jit's mesh says which jax device each device id is (its own, for a jax mesh)
+    b.add("inspect-sharding", args, [], callback=eqn.params["callback"], mesh=b.mesh, **{SIDE_EFFECT: True})
     return []
 
 
@@ -102,17 +105,19 @@ def _partition_inspect(ctx, instr, operands, targets) -> list:
     completion), once, when the program is partitioned, as jax calls it when it compiles;
     nothing runs at run time."""
     (x,) = operands
-    instr.attrs["callback"](as_jax_sharding(x.sharding))
+    instr.attrs["callback"](as_jax_sharding(x.sharding, instr.attrs["mesh"]))
     return []
 
 
-def as_jax_sharding(sharding: Sharding):
+def as_jax_sharding(sharding: Sharding, mesh: Optional[Mesh] = None):
     """`sharding` as a jax.sharding.NamedSharding over the jax devices of its device ids
-    (a mesh axis per tensor dim, "d0", "d1", ..., and one for the replicas); gspmd's own
-    Sharding where jax has fewer devices (a plan for more devices than this machine)."""
-    devices = jax.devices()
-    if sharding.num_devices > len(devices):
+    (`mesh`'s where it numbers them, else jax's in order; a mesh axis per tensor dim,
+    "d0", "d1", ..., and one for the replicas); gspmd's own Sharding where jax has fewer
+    devices (a plan for more devices than this machine)."""
+    n = sharding.num_devices
+    if n > len(jax.devices()):
         return sharding
+    devices = mesh.jax_devices() if mesh is not None and mesh.size == n else jax.devices()[:n]
     names = tuple(f"d{d}" for d in range(sharding.rank)) + ("replicas",)
     mesh = jax.sharding.Mesh(np.array(devices, dtype=object)[sharding.tile_assignment], names)
     spec = jax.sharding.PartitionSpec(*(name if t > 1 else None for name, t in zip(names, sharding.tiles)))
