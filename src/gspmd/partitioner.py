@@ -108,9 +108,9 @@ def fit_memory(spmd: Program, num_devices: int, limit: int, aliases: Mapping[int
     memory.profile (the donated parameters, the target's kernels)."""
     fitting = _Fitting(num_devices, kernel_scratch, hardware or cm.DEFAULT,
                        hardware is not None and hardware.rematerializes)
-    shared = memory.profile(spmd, aliases, kernel_scratch=kernel_scratch).peak_bytes
-    held = fitting.fit(spmd, dict(aliases), True, limit, 1)
-    return memory.BudgetChoice(limit, shared, held.peak_bytes, fitting.extra_bytes,
+    shared = fitting.profile(spmd, dict(aliases), True)
+    held = fitting.fit(spmd, dict(aliases), True, limit, 1, shared)
+    return memory.BudgetChoice(limit, shared.peak_bytes, held.peak_bytes, fitting.extra_bytes,
                                tuple(dict.fromkeys(fitting.regathered)), tuple(dict.fromkeys(fitting.recomputed)),
                                fitting.extra_flops)   # a value computed again for two sets of readers: named once
 
@@ -125,10 +125,10 @@ class _Fitting:
         self.recomputed: list[str] = []
         self.extra_bytes = self.extra_flops = 0
 
-    def fit(self, program: Program, aliases: dict, entry: bool, limit: int, times: int) -> memory.MemoryProfile:
-        """Fit `program` (run `times` times per step) in `limit` bytes where it can; its
-        profile after."""
-        held = self.profile(program, aliases, entry)
+    def fit(self, program: Program, aliases: dict, entry: bool, limit: int, times: int,
+            held: memory.MemoryProfile) -> memory.MemoryProfile:
+        """Fit `program` (run `times` times per step, `held` its profile) in `limit` bytes
+        where it can; its profile after."""
         while held.peak_bytes > limit:
             kept, after = self.compute_idle_again(program, aliases, entry, held, limit)
             if kept:
@@ -180,7 +180,7 @@ class _Fitting:
         if not subs:
             return False
         sub, count, aliases, before = max(subs, key=lambda s: s[3].peak_bytes - s[3].arguments_bytes)
-        after = self.fit(sub, aliases, False, before.peak_bytes - (held.peak_bytes - limit), times * count)
+        after = self.fit(sub, aliases, False, before.peak_bytes - (held.peak_bytes - limit), times * count, before)
         return after.peak_bytes < before.peak_bytes
 
     def record(self, kept: list, times: int) -> None:
