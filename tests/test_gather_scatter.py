@@ -280,10 +280,11 @@ def test_random_gather_scatter_programs_many(case):
     test_random_gather_scatter_programs.hypothesis.inner_test(case)
 
 
+@pytest.mark.parametrize("batch", [8, 6])   # 6 over 8 devices: uneven
 @pytest.mark.parametrize("pick,update", [
     (lambda table, row: table[row], "dynamic-update-slice"),                             # a dynamic slice
     (lambda table, row: table[jnp.stack([row, (row + 2) % 5])], "scatter")])             # a gather
-def test_a_loop_accumulating_gradients_of_rows_updates_the_accumulator(pick, update):
+def test_a_loop_accumulating_gradients_of_rows_updates_the_accumulator(pick, update, batch):
     """A scan that reads one row of a table per step: the table's gradient is an update
     of zeros per step, folded into the accumulator (no add over the whole table each
     step), and the data-parallel reduction still runs once, after the loop."""
@@ -298,7 +299,7 @@ def test_a_loop_accumulating_gradients_of_rows_updates_the_accumulator(pick, upd
         return table - 0.1 * jax.grad(loss)(table)
 
     rng = np.random.RandomState(3)
-    table, rows, xs = rand(rng, 5, 6), np.array([4, 0, 4, 2, 1, 3], np.int32), rand(rng, 6, 8, 6)
+    table, rows, xs = rand(rng, 5, 6), np.array([4, 0, 4, 2, 1, 3], np.int32), rand(rng, 6, batch, 6)
     low = check(step, table, rows, xs, mesh=MESH)
     bodies = [sub for i in low.spmd.instrs for sub, _ in gspmd.ops.runs(i)]
     table_shape = tuple(low.spmd.params[0].shape)
