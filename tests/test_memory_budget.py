@@ -138,12 +138,13 @@ def test_recomputation_on_uneven_spatial_splits_keeps_results_equal(devices, dep
     assert choice.recomputed and choice.peak_bytes < choice.peak_bytes_shared
 
 
-def test_a_loop_body_holding_the_peak_is_fitted_in_what_the_rest_leaves_it():
+@pytest.mark.parametrize("batch", [4, 3])   # 3 over the 2 of "x": uneven
+def test_a_loop_body_holding_the_peak_is_fitted_in_what_the_rest_leaves_it(batch):
     """Layers run by one lax.scan: the peak is inside the backward loop's body (one
     layer's gradient), where values held idle across the body's own peak are gathered
     or computed again, in every iteration; equal results on both backends, the repeats
     counted once per iteration."""
-    cfg = T.Config(batch=4, seq=16, model=16, heads=4, head_dim=4, hidden=64)
+    cfg = T.Config(batch=batch, seq=16, model=16, heads=4, head_dim=4, hidden=64)
     annotate = T.gspmd_annotate(MESH)
     params, x, target = T.example_inputs(cfg)
     stacked = {k: np.stack([params[0][k] * (1 - 0.2 * i) for i in range(4)]) for k in params[0]}
