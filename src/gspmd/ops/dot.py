@@ -1,5 +1,6 @@
 """dot_general: batch and free dims pass through, contracting dims are reduce factors.
-Result dims are ordered batch, lhs free, rhs free (as in XLA)."""
+Result dims are ordered batch, lhs free, rhs free (as in XLA). ragged_dot_general
+(grouped matmuls): the same, with the groups whole."""
 from __future__ import annotations
 
 import math
@@ -7,16 +8,20 @@ import string
 
 import numpy as np
 from jax import lax
+from jax import numpy as jnp
 
 from gspmd.dtypes import is_floating
+from gspmd.errors import ShardingError
 from gspmd.ops.registry import CONTRACTION, KernelLayout, linear_in, register, same_layout
+from gspmd.spmd import factors as fx
+from gspmd.spmd.context import DeviceContext
 from gspmd.spmd.cost import ComputeKind
-from gspmd.spmd.factors import REDUCE, Factor
+from gspmd.spmd.factors import REDUCE, REPLICATE, Factor
 
 
 def dot_dims(instr):
     a = instr.attrs
-    lhs, rhs = instr.operands
+    lhs, rhs = instr.operands[:2]
     lhs_free = [d for d in range(lhs.rank) if d not in a["lhs_batch"] and d not in a["lhs_contracting"]]
     rhs_free = [d for d in range(rhs.rank) if d not in a["rhs_batch"] and d not in a["rhs_contracting"]]
     return lhs_free, rhs_free
@@ -35,17 +40,17 @@ def _dot_factors(instr):
     return factors
 
 
-def _evaluate_dot(instr, args, device):
-    lhs, rhs = args
+def einsum_dot(lhs: np.ndarray, rhs: np.ndarray, lhs_batch, rhs_batch, lhs_contracting, rhs_contracting,
+               dtype) -> np.ndarray:
+    """XLA's dot_general in NumPy: result dims batch, lhs free, rhs free."""
     letters = iter(string.ascii_letters)
     lhs_sub = [None] * lhs.ndim
     rhs_sub = [None] * rhs.ndim
-    a = instr.attrs
     out_sub = []
-    for l, r in zip(a["lhs_batch"], a["rhs_batch"]):
+    for l, r in zip(lhs_batch, rhs_batch):
         lhs_sub[l] = rhs_sub[r] = next(letters)
         out_sub.append(lhs_sub[l])
-    for l, r in zip(a["lhs_contracting"], a["rhs_contracting"]):
+    for l, r in zip(lhs_contracting, rhs_contracting):
         lhs_sub[l] = rhs_sub[r] = next(letters)
     for sub in (lhs_sub, rhs_sub):
         for d, s in enumerate(sub):
@@ -53,10 +58,15 @@ def _evaluate_dot(instr, args, device):
                 sub[d] = next(letters)
                 out_sub.append(sub[d])
     spec = f"{''.join(lhs_sub)},{''.join(rhs_sub)}->{''.join(out_sub)}"
-    out = instr.outputs[0]
     # Narrow floats (bfloat16) accumulate in float32, as XLA does; numpy's einsum has no bf16.
-    acc = np.float32 if is_floating(out.dtype) and out.dtype.itemsize < 4 else out.dtype
-    return [np.einsum(spec, lhs.astype(acc), rhs.astype(acc)).astype(out.dtype, copy=False)]
+    acc = np.float32 if is_floating(dtype) and dtype.itemsize < 4 else dtype
+    return np.einsum(spec, lhs.astype(acc), rhs.astype(acc)).astype(dtype, copy=False)
+
+
+def _evaluate_dot(instr, args, device):
+    a = instr.attrs
+    return [einsum_dot(*args, a["lhs_batch"], a["rhs_batch"], a["lhs_contracting"], a["rhs_contracting"],
+                       instr.outputs[0].dtype)]
 
 
 def _dot_flops(instr) -> int:
@@ -96,3 +106,145 @@ def _layout(instr) -> KernelLayout:
 register("dot", converts={"dot_general": _convert_dot_general}, evaluate=_evaluate_dot,
          lower=_lower_dot, factors=_dot_factors, priority=CONTRACTION, flops=_dot_flops, layout=_layout,
          compute=ComputeKind.MATMUL, linear=linear_in((0,), (1,)))
+
+
+# -- ragged-dot: lax.ragged_dot_general -------------------------------------------------
+# Operands (lhs, rhs, group_sizes[, start]); attrs dot's, plus lhs_ragged (a lhs dim that
+# runs through consecutive groups of group_sizes[..., g] elements, the rest belonging to
+# none) and rhs_group. Ragged dim free (a MoE's tokens sorted by expert): each element
+# multiplies its group's slice of rhs along rhs_group; result dims as dot's. Ragged dim
+# contracting (that product's weight gradient; rhs_group None): one product per group,
+# over its elements; result dims [group, then as dot's]. group_sizes: [prefix..., groups],
+# the prefix being the lhs dims (batch dims, then the free or contracting dims before the
+# ragged one) along which the sizes differ. `start`, in per-device programs only: where
+# the local part of the ragged dim starts in the whole one, when it is split.
+def _ragged_prefix(attrs, rank: int) -> list[int]:
+    """The lhs dims that group_sizes' leading dims run along (as jax orders them)."""
+    batch, contracting, ragged = list(attrs["lhs_batch"]), list(attrs["lhs_contracting"]), attrs["lhs_ragged"]
+    if ragged in contracting:
+        return batch + contracting[:contracting.index(ragged)]
+    free = [d for d in range(rank) if d not in batch and d not in contracting]
+    return batch + free[:free.index(ragged)]
+
+
+def _local_group_sizes(xp, sizes, start, rows: int):
+    """The sizes of the groups within rows [start, start + rows) of the ragged dim."""
+    ends = xp.cumsum(sizes, axis=-1, dtype=sizes.dtype)
+    return xp.clip(ends - start, 0, rows) - xp.clip(ends - sizes - start, 0, rows)
+
+
+def _per_group(x: np.ndarray, sizes: np.ndarray, dim: int, prefix: list[int]) -> np.ndarray:
+    """[groups, *x.shape]: x with only group g's elements along `dim` in row g."""
+    ends = np.moveaxis(np.cumsum(sizes, axis=-1), -1, 0)
+    starts = ends - np.moveaxis(sizes, -1, 0)
+    order = prefix + [d for d in range(x.ndim) if d not in prefix]
+    placed = [b.reshape(b.shape + (1,) * (x.ndim - len(prefix))).transpose([0, *(1 + order.index(d) for d in range(x.ndim))])
+              for b in (starts, ends)]
+    at = np.arange(x.shape[dim]).reshape([-1 if d == dim else 1 for d in range(x.ndim)])
+    return np.where((placed[0] <= at) & (at < placed[1]), x[None], np.zeros((), x.dtype))
+
+
+def _evaluate_ragged_dot(instr, args, device):
+    a, dtype = instr.attrs, instr.outputs[0].dtype
+    lhs, rhs, sizes = args[:3]
+    ragged, lc, rc = a["lhs_ragged"], a["lhs_contracting"], a["rhs_contracting"]
+    if len(args) == 4:
+        sizes = _local_group_sizes(np, sizes, args[3], lhs.shape[ragged])
+    prefix = _ragged_prefix(a, lhs.ndim)
+    grouped = _per_group(lhs, sizes, ragged, prefix)
+    after = lambda dims: tuple(d + 1 for d in dims)
+    if a["rhs_group"] is not None:
+        return [einsum_dot(grouped, rhs, after(a["lhs_batch"]), a["rhs_batch"], after(lc) + (0,),
+                           rc + (a["rhs_group"],), dtype)]
+    rhs_ragged = rc[lc.index(ragged)]
+    rhs_prefix = list(a["rhs_batch"]) + list(rc[:rc.index(rhs_ragged)])
+    return [einsum_dot(grouped, _per_group(rhs, sizes, rhs_ragged, rhs_prefix), (0, *after(a["lhs_batch"])),
+                       (0, *after(a["rhs_batch"])), after(lc), after(rc), dtype)]
+
+
+def _ragged_dot_factors(instr) -> list[Factor]:
+    """dot's factors, the ragged dim's and the groups' dims in group_sizes too; the
+    groups stay whole (a device holding some groups' rhs could not tell which of its
+    rows are theirs without all the sizes before them), as in Shardy."""
+    a = instr.attrs
+    lhs, rhs = instr.operands[:2]
+    prefix, extra = _ragged_prefix(a, lhs.rank), (None,) * (len(instr.operands) - 3)
+    lhs_free, rhs_free = dot_dims(instr)
+    rhs_free = [r for r in rhs_free if r != a["rhs_group"]]
+    first = 0 if a["rhs_group"] is not None else 1   # the result's first dim after the groups
+
+    def dims(l, r, out):
+        return (l, r, prefix.index(l) if l in prefix else None, *extra, out)
+    factors = [Factor(lhs.shape[l], dims(l, r, first + i)) for i, (l, r) in enumerate(zip(a["lhs_batch"], a["rhs_batch"]))]
+    factors += [Factor(lhs.shape[l], dims(l, r, None), REDUCE) for l, r in zip(a["lhs_contracting"], a["rhs_contracting"])]
+    out = first + len(a["lhs_batch"])
+    factors += [Factor(lhs.shape[l], dims(l, None, out + i)) for i, l in enumerate(lhs_free)]
+    out += len(lhs_free)
+    factors += [Factor(rhs.shape[r], dims(None, r, out + i)) for i, r in enumerate(rhs_free)]
+    groups = instr.operands[2].shape[-1]
+    factors.append(Factor(groups, (None, a["rhs_group"], len(prefix), *extra, None if first == 0 else 0), REPLICATE))
+    return factors
+
+
+def _partition_ragged_dot(ctx: DeviceContext, instr, operands, targets):
+    """As dot, the lhs's ragged dim split too: each device multiplies its own elements,
+    told where they start, and the groups' sizes within them follow from all the sizes
+    (a free ragged dim: no communication; a contracting one: partial sums per group)."""
+    factors = _ragged_dot_factors(instr)
+    space = fx.choose_space(instr, factors, operands, targets)
+    ragged = next(f for f, fac in enumerate(factors) if fac.dims[0] == instr.attrs["lhs_ragged"])
+
+    def emit(ctx: DeviceContext, instr, local, shapes):
+        if space.tiles[ragged] > 1:
+            rows = local[0].shape[instr.attrs["lhs_ragged"]]
+            local = [*local, ctx.table_lookup(space.coords()[:, ragged] * rows)]
+        return fx.emit_same_op(ctx, instr, local, shapes)
+    return fx.run(ctx, instr, factors, space, operands, targets, emit)
+
+
+def _convert_ragged_dot(b, eqn, args):
+    p = eqn.params
+    if p.get("group_offset") is not None:
+        raise ShardingError("lax.ragged_dot_general with a group_offset (the rhs holding some of the groups) is "
+                            "not supported by jax itself on every backend, nor by gspmd: pass all the groups' rhs "
+                            "and split its group dim with mesh_split instead.")
+    numbers = p["ragged_dot_dimension_numbers"]
+    (lc, rc), (lb, rb) = (tuple(tuple(int(d) for d in ds) for ds in pair) for pair in numbers.dot_dimension_numbers)
+    dims = dict(lhs_batch=lb, rhs_batch=rb, lhs_contracting=lc, rhs_contracting=rc)
+    lhs, rhs, sizes = args
+    shape, dtype = b.out_aval(eqn)
+    ragged = int(numbers.lhs_ragged_dimensions[0])
+    if ragged in lb:   # a ragged batch dim: each batch element is its own group, as in a dot
+        return [b.add1("dot", [lhs, rhs], shape, dtype, **dims)]
+    group = tuple(numbers.rhs_group_dimensions)
+    attrs = dict(dims, lhs_ragged=ragged, rhs_group=int(group[0]) if group else None)
+    prefix = _ragged_prefix(attrs, lhs.rank)
+    if sizes.rank == 1 and prefix:   # the same sizes along every prefix dim: made explicit
+        sizes = b.add1("broadcast", [sizes], tuple(lhs.shape[d] for d in prefix) + sizes.shape, sizes.dtype,
+                       dims=(len(prefix),))
+    return [b.add1("ragged-dot", [lhs, rhs, sizes], shape, dtype, **attrs)]
+
+
+def _lower_ragged_dot(instr, args, lc):
+    a, out = instr.attrs, instr.outputs[0]
+    lhs, rhs = (lax.convert_element_type(x, out.dtype) for x in args[:2])
+    sizes = args[2]
+    if len(args) == 4:
+        sizes = _local_group_sizes(jnp, sizes, args[3].astype(sizes.dtype), lhs.shape[a["lhs_ragged"]])
+    numbers = lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=((a["lhs_contracting"], a["rhs_contracting"]), (a["lhs_batch"], a["rhs_batch"])),
+        lhs_ragged_dimensions=(a["lhs_ragged"],),
+        rhs_group_dimensions=() if a["rhs_group"] is None else (a["rhs_group"],))
+    return [lax.ragged_dot_general(lhs, rhs, sizes, numbers, preferred_element_type=out.dtype)]
+
+
+def _ragged_dot_flops(instr) -> int:
+    """Each lhs element meets one group's rhs (as a grouped-matmul kernel computes it)."""
+    lhs, rhs = instr.operands[:2]
+    _, rhs_free = dot_dims(instr)
+    return 2 * math.prod(lhs.shape) * math.prod(rhs.shape[r] for r in rhs_free if r != instr.attrs["rhs_group"])
+
+
+register("ragged-dot", converts={"ragged_dot_general": _convert_ragged_dot}, evaluate=_evaluate_ragged_dot,
+         lower=_lower_ragged_dot, factors=_ragged_dot_factors, partition=_partition_ragged_dot,
+         priority=CONTRACTION, flops=_ragged_dot_flops, compute=ComputeKind.MATMUL, linear=linear_in((0,), (1,)))

@@ -154,9 +154,6 @@ _DECOMPOSITION = ("a matrix decomposition or solve, which gspmd has no partition
 OUT_OF_SCOPE: dict[str, str] = {name: _DECOMPOSITION for name in (
     "qr", "eigh", "eig", "svd", "cholesky", "lu", "lu_pivots_to_permutation", "triangular_solve", "schur",
     "hessenberg", "tridiagonal", "tridiagonal_solve", "householder_product", "custom_linear_solve")} | {
-    "ragged_dot_general": "a grouped matmul (lax.ragged_dot), which gspmd has no partition rule for yet. Write "
-                          "it as a dense einsum over the groups (tokens dispatched to [groups, capacity, ...], as "
-                          "gspmd.models.moe does) or compute it outside gspmd.jit.",
     "select_and_gather_add": "forward-mode differentiation of max pooling (jax.jvp, jax.jacfwd, jax.hessian "
                              "through lax.reduce_window max), which gspmd does not partition. Differentiate "
                              "in reverse mode (jax.grad, jax.vjp), whose max-pool gradient it partitions.",
