@@ -1,7 +1,7 @@
 """Per-op knowledge, one module per op family, all registered in ops.registry.OPS."""
 # Importing each op family registers its opcodes.
-from gspmd.ops import (callbacks, collectives, control, conv, dot, elementwise, gather_scatter, manual,  # noqa: F401
-                       random, reduce, shape, slicing, sort, window)
+from gspmd.ops import (callbacks, collectives, control, conv, dot, elementwise, gather_scatter, linalg,  # noqa: F401
+                       manual, random, reduce, shape, slicing, sort, window)
 from gspmd.ops.registry import (KEY_PRIMITIVES, OPS, OUT_OF_SCOPE, PRIMITIVES, OpDef, flops, informants, lookup,
                                 partition, propagate, prune, runs, seeds, storage, tensors)
 

@@ -147,13 +147,8 @@ OPS: dict[str, OpDef] = {}
 PRIMITIVES: dict[str, Converter] = {}   # every record's `converts`, by JAX primitive name
 KEY_PRIMITIVES: set[str] = set()        # those from `converts_keys`
 
-_DECOMPOSITION = ("a matrix decomposition or solve, which gspmd has no partition rule for. Compute it outside "
-                  "gspmd.jit (with jax.jit) and pass the result in: e.g. initialize parameters that use the "
-                  "orthogonal initializer before calling the partitioned step.")
 # JAX primitives gspmd does not convert, by name: why, and what to do instead.
-OUT_OF_SCOPE: dict[str, str] = {name: _DECOMPOSITION for name in (
-    "qr", "eigh", "eig", "svd", "cholesky", "lu", "lu_pivots_to_permutation", "triangular_solve", "schur",
-    "hessenberg", "tridiagonal", "tridiagonal_solve", "householder_product", "custom_linear_solve")} | {
+OUT_OF_SCOPE: dict[str, str] = {
     "select_and_gather_add": "forward-mode differentiation of max pooling (jax.jvp, jax.jacfwd, jax.hessian "
                              "through lax.reduce_window max), which gspmd does not partition. Differentiate "
                              "in reverse mode (jax.grad, jax.vjp), whose max-pool gradient it partitions.",

@@ -1,0 +1,74 @@
+"""Matrix decompositions and solves (jnp.linalg, jax.scipy.linalg; the orthogonal
+initializer's QR), partitioned as XLA partitions them: along their batch dims, each
+device decomposing its own matrices; a split matrix dim is gathered first. Every
+primitive is one `linalg` op holding the JAX primitive it runs, which both backends
+call on each device's matrices (LAPACK's results, as under jax.jit, signs of
+eigenvectors included). jnp.linalg.solve's custom_linear_solve is its solve in place."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from gspmd.ops.registry import register
+from gspmd.spmd.factors import REPLICATE, Factor
+
+# JAX primitive -> how many trailing dims of its first operand make one matrix (or
+# vector): the dims before them are batch dims, shared by every operand and result.
+_MATRIX_DIMS = {"cholesky": 2, "eigh": 2, "svd": 2, "qr": 2, "lu": 2, "triangular_solve": 2, "schur": 2,
+                "hessenberg": 2, "tridiagonal": 2, "householder_product": 2, "tridiagonal_solve": 1,
+                "lu_pivots_to_permutation": 1}
+
+
+@dataclass(frozen=True, eq=False)
+class LinalgCall:
+    """A JAX linear-algebra primitive with its parameters."""
+    primitive: object
+    params: dict
+    batch_dims: int
+
+    def __call__(self, *args) -> list:
+        results = self.primitive.bind(*args, **self.params)
+        return list(results) if self.primitive.multiple_results else [results]
+
+    def __repr__(self):
+        return self.primitive.name
+
+
+def _convert(b, eqn, args):
+    call = LinalgCall(eqn.primitive, dict(eqn.params), args[0].rank - _MATRIX_DIMS[eqn.primitive.name])
+    return b.add("linalg", args, [b.out_aval(eqn, i) for i in range(len(eqn.outvars))], call=call)
+
+
+def _convert_linear_solve(b, eqn, args):
+    """x = solve(matvec, b): the `solve` jaxpr on its constants and b (how jax runs it)."""
+    lengths, jaxprs = eqn.params["const_lengths"], eqn.params["jaxprs"]
+    start = lengths.matvec + lengths.vecmat
+    consts, rhs = args[start:start + lengths.solve], args[sum(lengths):]
+    return b.inline(jaxprs.solve, [*consts, *rhs])
+
+
+def _factors(instr) -> list[Factor]:
+    """Batch dims pass through; each matrix dim of each operand and result stays whole."""
+    tensors = instr.operands + instr.outputs
+    batch = instr.attrs["call"].batch_dims
+    factors = [Factor(tensors[0].shape[d], (d,) * len(tensors)) for d in range(batch)]
+    for t, value in enumerate(tensors):
+        factors += [Factor(value.shape[d], tuple(d if u == t else None for u in range(len(tensors))), REPLICATE)
+                    for d in range(batch, value.rank)]
+    return factors
+
+
+def _evaluate(instr, args, device):
+    with jax.default_device(jax.devices("cpu")[0]):
+        results = instr.attrs["call"](*args)
+    return [np.asarray(r).astype(o.dtype, copy=False) for r, o in zip(results, instr.outputs)]
+
+
+def _lower(instr, args, lc):
+    return instr.attrs["call"](*args)
+
+
+register("linalg", converts={**{name: _convert for name in _MATRIX_DIMS}, "custom_linear_solve": _convert_linear_solve},
+         evaluate=_evaluate, lower=_lower, factors=_factors)
