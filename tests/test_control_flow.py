@@ -116,3 +116,19 @@ def test_a_vmapped_while_loop_steps_each_element_until_its_own_condition_fails()
     def f(x):
         return jax.vmap(count_up)(gspmd.mesh_split(x, MESH, [("x", "y")]))
     check(f, np.array([0.5, 3.0, -1.0, 2.2, 7.0, 1.0], np.float32), mesh=MESH)
+
+
+def test_a_scan_of_one_step_is_inlined_as_xla_inlines_it():
+    """A stage of one layer (a pipeline's stage, a circular schedule's repeat) scans once:
+    its body runs in place, forward and backward, with no loop around it (XLA's while-loop
+    simplifier inlines loops that run once), so its weights need no copy into a carry."""
+    rng = np.random.RandomState(4)
+    ws, x = rand(rng, 1, 8, 8) / 3, rand(rng, 6, 8)
+
+    def step(ws, x):
+        loss = lambda w: jnp.sum(stacked_mlp(w, x)[0] ** 2) + jnp.sum(jax.lax.scan(
+            lambda c, w: (c * 2, c @ w), x[0], w, reverse=True)[1])
+        return ws - 0.1 * jax.grad(loss)(ws)
+
+    low = check(step, ws, x, mesh=MESH)
+    assert all(i.opcode != "while" for p in [low.spmd, *low.spmd.subprograms()] for i in p.instrs)

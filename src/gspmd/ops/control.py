@@ -132,6 +132,10 @@ def _convert_scan(b: Conversion, eqn, args: list[Value]) -> list[Value]:
     p = eqn.params
     length, nconst, ncarry, jaxpr = p["length"], p["num_consts"], p["num_carry"], p["jaxpr"]
     nx = len(args) - nconst - ncarry
+    if length == 1:   # XLA's while-loop simplifier inlines a loop that runs once: so do we
+        x_0 = [b.add1("reshape", [x], x.shape[1:], x.dtype) for x in args[nconst + ncarry:]]
+        outs = b.inline(jaxpr, args[:nconst + ncarry] + x_0)
+        return outs[:ncarry] + [b.add1("reshape", [y], (1, *y.shape), y.dtype) for y in outs[ncarry:]]
     y_types = [physical_aval(v.aval) for v in jaxpr.jaxpr.outvars[ncarry:]]
     ys = [b.broadcast_to(b.constant(0, dtype), (length, *shape)) for shape, dtype in y_types]
     carry = [b.constant(0, INDEX)] + args + ys
