@@ -1,19 +1,15 @@
 """Every JAX primitive that common models emit (tests/coverage_cases.py: jax.numpy,
-jax.nn, jax.random, optax, Flax linen and NNX, Equinox) is converted by gspmd, or is named
-out of scope with the reason and a ShardingError that says what to do.
+jax.nn, jax.random, optax, Flax linen and NNX, Equinox) is converted by gspmd or inlined.
+(Complex numbers, and so FFTs, get a ShardingError that says so: tests/test_numpy_calls.py.)
 
 `python tests/test_coverage.py` (with PYTHONPATH=src) rewrites docs/primitives.md."""
 from __future__ import annotations
 
 import pathlib
 
-import jax
-import pytest
-
-import gspmd
 from coverage_cases import emitted
 from gspmd.frontend.trace import CALLS
-from gspmd.ops import OPS, OUT_OF_SCOPE, PRIMITIVES
+from gspmd.ops import OPS, PRIMITIVES
 
 DOC = pathlib.Path(__file__).parent.parent / "docs" / "primitives.md"
 
@@ -23,24 +19,13 @@ def status(name: str) -> str:
         return "converted"
     if name in CALLS:
         return "inlined"
-    if name in OUT_OF_SCOPE:
-        return "out of scope"
     return "missing"
 
 
-def test_every_emitted_primitive_is_converted_or_out_of_scope():
+def test_every_emitted_primitive_is_converted_or_inlined():
     missing = {name: cases for name, (cases, _) in emitted().items() if status(name) == "missing"}
-    assert not missing, ("JAX primitives that common models emit but gspmd neither converts nor names out of scope "
+    assert not missing, ("JAX primitives that common models emit but gspmd does not convert "
                          f"(primitive: programs emitting it): {missing}")
-
-
-@pytest.mark.parametrize("name", sorted(n for n in emitted() if n in OUT_OF_SCOPE))
-def test_out_of_scope_primitives_say_what_to_do(name):
-    eqn = emitted()[name][1]
-    args = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
-    with pytest.raises(gspmd.ShardingError, match="out of gspmd's scope") as error:
-        gspmd.jit(lambda *a: eqn.primitive.bind(*a, **eqn.params)).lower(*args)
-    assert OUT_OF_SCOPE[name] in str(error.value)
 
 
 def test_docs_list_is_current():
@@ -54,7 +39,6 @@ def primitives_doc() -> str:
     rows = []
     for name, (cases, _) in sorted(emitted().items()):
         how = {"converted": f"`{opcode.get(name)}` op", "inlined": "body converted in place",
-               "out of scope": OUT_OF_SCOPE.get(name, "").split(". ")[0],
                "missing": ""}[status(name)]
         rows.append(f"| `{name}` | {status(name)} | {how} | {'; '.join(cases[:3])}{' …' if len(cases) > 3 else ''} |")
     others = sorted(set(PRIMITIVES) - set(emitted()))
@@ -67,8 +51,9 @@ def primitives_doc() -> str:
         "and inference, and code annotated for jax.jit (with_sharding_constraint, shard_map).",
         "",
         "- **converted**: an op record in `src/gspmd/ops/` turns it into the op named;",
-        "- **inlined**: a call (custom_jvp/vjp, checkpoint) whose body is converted in place;",
-        "- **out of scope**: gspmd raises a `ShardingError` with the reason (shown) and what to do.",
+        "- **inlined**: a call (custom_jvp/vjp, checkpoint) whose body is converted in place.",
+        "",
+        "Complex numbers (and with them FFTs) are not supported: a `ShardingError` says so.",
         "",
         "| primitive | status | how | emitted by (first programs) |",
         "|---|---|---|---|",

@@ -1,4 +1,5 @@
-"""Pooling (reduce-window) and its gradients partitioned on spatial dims by halo exchange."""
+"""Pooling (reduce-window) and its derivatives, reverse and forward mode, partitioned on
+spatial dims by halo exchange."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,6 +44,32 @@ def test_max_pool_gradient(window, strides, padding):
     grad = jax.grad(lambda x: (pool(x) ** 2).sum())
     report = check(grad, x, mesh=MESH).report()
     assert set(report.counts()) <= {"collective-permute", "all-reduce"}, str(report)
+
+
+@pytest.mark.parametrize("kind", ["max", "min"])
+@pytest.mark.parametrize("window,strides,padding", [
+    ((2, 2), (2, 2), ((0, 0), (0, 0))),
+    ((3, 2), (2, 2), ((1, 1), (0, 1))),
+    ((3, 3), (1, 3), ((1, 1), (2, 0))),
+])
+def test_max_and_min_pool_forward_mode_derivative(kind, window, strides, padding):
+    """jax.jvp (jacfwd, hessian) of max/min pooling emits select_and_gather_add: each
+    window's tangent where its operand is extreme; both operands' halos are exchanged."""
+    pool = _pool("max", window, strides, padding)
+    if kind == "min":
+        pool = lambda x, max_pool=pool: -max_pool(-x)
+    rng = np.random.RandomState(3)
+    x, t = rand(rng, 2, 3, 13, 11), rand(rng, 2, 3, 13, 11)
+    report = check(lambda x, t: jax.jvp(pool, (x,), (t,)), x, t, mesh=MESH).report()
+    assert set(report.counts()) <= {"collective-permute"}, str(report)
+
+
+def test_hessian_vector_product_through_max_pooling():
+    pool = _pool("max", (3, 3), (2, 2), ((1, 1), (1, 1)))
+    rng = np.random.RandomState(4)
+    x, v = rand(rng, 2, 3, 13, 11), rand(rng, 2, 3, 13, 11)
+    loss = lambda x: jnp.sum(jnp.tanh(pool(x)) ** 2)
+    check(lambda x, v: jax.jvp(jax.grad(loss), (x,), (v,))[1], x, v, mesh=MESH)
 
 
 def test_avg_pool_gradient():

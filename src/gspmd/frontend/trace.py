@@ -17,7 +17,7 @@ from gspmd.frontend.annotation import record_mesh
 from gspmd.frontend.source import source_line
 from gspmd.ir import Program, Value
 from gspmd.mesh import Mesh
-from gspmd.ops import OUT_OF_SCOPE, PRIMITIVES
+from gspmd.ops import PRIMITIVES
 from gspmd.ops.convert import Conversion
 
 # Primitives that only wrap a sub-jaxpr: their body is converted in place. (A nested
@@ -105,8 +105,6 @@ def _convert(b: Conversion, eqn, args: list[Value]) -> list[Value]:
     name = eqn.primitive.name
     if name in CALLS:
         return _call(b, eqn, args)
-    if name in OUT_OF_SCOPE:
-        raise ShardingError(f"JAX primitive {name!r} (in `{eqn}`) is out of gspmd's scope: {OUT_OF_SCOPE[name]}")
     if any(_is_complex(v) for v in [*eqn.invars, *eqn.outvars]):
         raise ShardingError(
             f"JAX primitive {name!r} (in `{eqn}`) works on complex numbers, which gspmd does not support; "

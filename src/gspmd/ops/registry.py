@@ -147,14 +147,6 @@ OPS: dict[str, OpDef] = {}
 PRIMITIVES: dict[str, Converter] = {}   # every record's `converts`, by JAX primitive name
 KEY_PRIMITIVES: set[str] = set()        # those from `converts_keys`
 
-# JAX primitives gspmd does not convert, by name: why, and what to do instead.
-OUT_OF_SCOPE: dict[str, str] = {
-    "select_and_gather_add": "forward-mode differentiation of max pooling (jax.jvp, jax.jacfwd, jax.hessian "
-                             "through lax.reduce_window max), which gspmd does not partition. Differentiate "
-                             "in reverse mode (jax.grad, jax.vjp), whose max-pool gradient it partitions.",
-}
-
-
 def register(opcode: str, **fields) -> OpDef:
     assert opcode not in OPS, f"opcode {opcode!r} registered twice"
     op = OpDef(opcode, **fields)

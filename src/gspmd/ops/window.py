@@ -1,11 +1,14 @@
 """Windowed ops besides convolution — reduce-window (pooling), select-and-scatter-add (its
-max/min gradient), reverse — and the helpers they share with it: reference padding with
-base dilation, HLO window attrs as `Window`s.
+max/min gradient), select-and-gather-add (its max/min forward-mode derivative), reverse —
+and the helpers they share with it: reference padding with base dilation, HLO window
+attrs as `Window`s.
 
 reduce-window attrs: reducer, window_dimensions, window_strides, padding, base_dilation,
 window_dilation. select-and-scatter-add(source, operand) attrs: select ("ge": first max,
 "le": first min), window_dimensions, window_strides, padding; it adds each source element
-to the position its window selects in operand.
+to the position its window selects in operand. select-and-gather-add(tangents, operand)
+attrs: select and reduce-window's window attrs; each window's result is the tangent at
+the position its window selects in operand.
 """
 from __future__ import annotations
 
@@ -108,24 +111,68 @@ def _dim_factors(instr, plans=None) -> list[fx.Factor]:
             for d, (n, w) in enumerate(zip(instr.outputs[0].shape, _rw_windows(instr)))]
 
 
+def _local_windows(instr, plans, layout, windows):
+    """The local emitter of a reduce-window-like op once its operands hold each
+    partition's windows along the planned dims."""
+    def emit(ctx, _instr, locals_, shapes):
+        local = [plans[d].local if d in plans else w for d, w in enumerate(windows)]
+        shape = [plans[d].local.out_size(local_base(plans[d])) if d in plans else n for d, n in enumerate(shapes[0])]
+        y = ctx.b.add1(instr.opcode, locals_, shape, instr.outputs[0].dtype,
+                       **dict(instr.attrs, **window_attrs(local, WINDOW_DILATIONS)))
+        return [slice_outputs(ctx, y, plans, layout, {d: d for d in plans})]
+    return emit
+
+
 def _partition_reduce_window(ctx, instr, operands, targets):
     (x,), (target,) = operands, targets
     windows = _rw_windows(instr)
     plans, layout = plan_layout(_rw_windows(instr), x, target, lambda d, parts: plan_dim(x.shape[d], windows[d], parts))
     factors = _dim_factors(instr, plans)
     fill = instr.attrs["reducer"].identity(x.dtype)
-
-    def emit(ctx, _instr, locals_, shapes):
-        local = [plans[d].local if d in plans else w for d, w in enumerate(windows)]
-        shape = [plans[d].local.out_size(local_base(plans[d])) if d in plans else n for d, n in enumerate(shapes[0])]
-        y = ctx.b.add1("reduce-window", locals_, shape, instr.outputs[0].dtype,
-                       **dict(instr.attrs, **window_attrs(local, WINDOW_DILATIONS)))
-        return [slice_outputs(ctx, y, plans, layout, {d: d for d in plans})]
     if not plans:
         return fx.partition(ctx, instr, factors, operands, targets)
     others = [d for d in range(x.rank) if d not in plans]
     return [partition_windowed(ctx, instr, operands, target, factors, 0, plans, layout, {d: d for d in plans},
-                               others, fill, emit)]
+                               others, fill, _local_windows(instr, plans, layout, windows))]
+
+
+# -- select-and-gather-add ----------------------------------------------------------------
+def _selected(instr) -> Reducer:
+    return MAX if instr.attrs["select"] == "ge" else MIN
+
+
+def _chosen(instr, operand: np.ndarray, windows, slices) -> np.ndarray:
+    """Per window, which of its elements (in window order) it selects: the first extreme,
+    like XLA; padding is never selected."""
+    base = _pad_base(operand, _selected(instr).identity(operand.dtype), windows)
+    return (np.argmax if instr.attrs["select"] == "ge" else np.argmin)(np.stack([base[sl] for sl in slices]), axis=0)
+
+
+def _evaluate_select_and_gather_add(instr, args, device):
+    tangents, operand = args
+    out, windows = instr.outputs[0], _rw_windows(instr)
+    if not all(out.shape):
+        return [np.zeros(out.shape, out.dtype)]
+    slices = [sl for _, sl in _window_slices(windows, out.shape)]
+    picked = np.stack([_pad_base(tangents, np.zeros((), tangents.dtype), windows)[sl] for sl in slices])
+    return [np.take_along_axis(picked, _chosen(instr, operand, windows, slices)[None], axis=0)[0].astype(out.dtype)]
+
+
+def _partition_select_and_gather_add(ctx, instr, operands, targets):
+    """As reduce-window: both operands' windows cut out by halo exchange (the operand's
+    padding never selected, the tangents' zero)."""
+    (tangents, operand), (target,) = operands, targets
+    windows = _rw_windows(instr)
+    plans, layout = plan_layout(windows, operand, target,
+                                lambda d, parts: plan_dim(operand.shape[d], windows[d], parts))
+    factors = _dim_factors(instr, plans)
+    if not plans:
+        return fx.partition(ctx, instr, factors, operands, targets)
+    fills = (np.zeros((), tangents.dtype), _selected(instr).identity(operand.dtype))
+    cut = [windowed(ctx, o, plans, layout, fill) for o, fill in zip(operands, fills)]
+    others = [d for d in range(operand.rank) if d not in plans]
+    return [partition_pinned(ctx, instr, cut, target, factors, 1, list(plans), layout, {d: d for d in plans},
+                             others, _local_windows(instr, plans, layout, windows))]
 
 
 # -- select-and-scatter-add ---------------------------------------------------------------
@@ -133,16 +180,12 @@ def _evaluate_select_and_scatter_add(instr, args, device):
     source, operand = args
     out = instr.outputs[0]
     windows = _rw_windows(instr)
-    select_max = instr.attrs["select"] == "ge"
-    pad = (MAX if select_max else MIN).identity(operand.dtype)
-    base = _pad_base(operand, pad, windows)
-    slices = list(_window_slices(windows, source.shape))
+    slices = [sl for _, sl in _window_slices(windows, source.shape)]
     if not slices or not source.size:
         return [np.zeros(out.shape, out.dtype)]
-    stacked = np.stack([base[sl] for _, sl in slices])
-    chosen = (np.argmax if select_max else np.argmin)(stacked, axis=0)   # first extreme wins, like XLA
-    acc = np.zeros(base.shape, out.dtype)
-    for k, (_, sl) in enumerate(slices):
+    chosen = _chosen(instr, operand, windows, slices)
+    acc = np.zeros(_pad_base(operand, 0, windows).shape, out.dtype)
+    for k, sl in enumerate(slices):
         acc[sl] += np.where(chosen == k, source, 0).astype(out.dtype)
     crop = tuple(slice(w.low, w.low + n) for w, n in zip(windows, out.shape))
     return [acc[crop]]
@@ -158,7 +201,7 @@ def _partition_select_and_scatter_add(ctx, instr, operands, targets):
     factors = _dim_factors(instr, spans)
     if not spans:
         return fx.partition(ctx, instr, factors, operands, targets)
-    fill = (MAX if instr.attrs["select"] == "ge" else MIN).identity(operand.dtype)
+    fill = _selected(instr).identity(operand.dtype)
     src = windowed_ranges(ctx, source, {d: (o, k, True) for d, (o, k, _, _) in spans.items()}, layout, 0)
     opd = windowed_ranges(ctx, operand, {d: (x, k, True) for d, (_, _, x, k) in spans.items()}, layout, fill)
 
@@ -279,6 +322,17 @@ def _convert_select_and_scatter_add(b, eqn, args):
                    padding=_padding(p))]
 
 
+def _convert_select_and_gather_add(b, eqn, args):
+    p = eqn.params
+    select = {"ge": "ge", "le": "le"}.get(p["select_prim"].name)
+    if select is None:
+        raise ShardingError(f"select_and_gather_add with select_prim {p['select_prim']} is not supported (`{eqn}`).")
+    return [b.add1("select-and-gather-add", args, *b.out_aval(eqn), select=select,
+                   window_dimensions=tuple(p["window_dimensions"]), window_strides=tuple(p["window_strides"]),
+                   padding=_padding(p), base_dilation=tuple(p["base_dilation"]),
+                   window_dilation=tuple(p["window_dilation"]))]
+
+
 def _lower_reverse(instr, args, lc):
     return [lax.rev(args[0], instr.attrs["dims"])]
 
@@ -299,9 +353,16 @@ def _lower_select_and_scatter_add(instr, args, lc):
     """The transpose of max (ge) / min (le) pooling: jax's own gradient of reduce-window,
     which is HLO select-and-scatter (first extreme in each window wins)."""
     source, operand = args
-    reducer = MAX if instr.attrs["select"] == "ge" else MIN
-    _, pullback = jax.vjp(lambda o: _reduce_window_of(o, reducer, instr.attrs), operand)
+    _, pullback = jax.vjp(lambda o: _reduce_window_of(o, _selected(instr), instr.attrs), operand)
     return [pullback(source.astype(operand.dtype))[0].astype(instr.outputs[0].dtype)]
+
+
+def _lower_select_and_gather_add(instr, args, lc):
+    """The forward-mode derivative of max (ge) / min (le) pooling: jax's own."""
+    tangents, operand = args
+    _, picked = jax.jvp(lambda o: _reduce_window_of(o, _selected(instr), instr.attrs), (operand,),
+                        (tangents.astype(operand.dtype),))
+    return [picked.astype(instr.outputs[0].dtype)]
 
 
 register("reverse", converts={"rev": _convert_rev}, evaluate=_evaluate_reverse, lower=_lower_reverse,
@@ -321,3 +382,6 @@ def _expanded_select_and_scatter(instr) -> int:
 register("select-and-scatter-add", converts={"select_and_scatter_add": _convert_select_and_scatter_add},
          evaluate=_evaluate_select_and_scatter_add, lower=_lower_select_and_scatter_add, factors=_dim_factors,
          partition=_partition_select_and_scatter_add, priority=LAYOUT, scratch=_expanded_select_and_scatter)
+register("select-and-gather-add", converts={"select_and_gather_add": _convert_select_and_gather_add},
+         evaluate=_evaluate_select_and_gather_add, lower=_lower_select_and_gather_add, factors=_dim_factors,
+         partition=_partition_select_and_gather_add, priority=LAYOUT, flops=_window_flops)
