@@ -65,6 +65,8 @@ def _numpy_cases() -> Iterator[tuple[str, Callable, tuple]]:
                                                                      preferred_element_type=jnp.float32), (x,)
     yield "lax.ragged_dot (grouped matmul) and its gradients", jax.grad(
         lambda x, w, s: jnp.sum(jax.lax.ragged_dot(x, w, s) ** 2), (0, 1)), (x, f32(H, V, D), ids(H))
+    yield "complex rotary embedding, jnp.fft", lambda x: (
+        jnp.real(jax.lax.complex(x, x) * jnp.exp(1j * x)), jnp.conj(jnp.fft.rfft(x)), jnp.imag(jnp.fft.fft(x))), (x,)
     yield "jax.debug.print, callbacks", lambda x: _callbacks(x), (x,)
     yield "jnp.linalg", lambda a: (jnp.linalg.qr(a), jnp.linalg.eigh(a), jnp.linalg.svd(a), jnp.linalg.cholesky(a),
                                    jnp.linalg.solve(a, a), jax.scipy.linalg.solve_triangular(a, a)), (f32(D, D),)

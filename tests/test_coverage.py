@@ -1,6 +1,5 @@
 """Every JAX primitive that common models emit (tests/coverage_cases.py: jax.numpy,
 jax.nn, jax.random, optax, Flax linen and NNX, Equinox) is converted by gspmd or inlined.
-(Complex numbers, and so FFTs, get a ShardingError that says so: tests/test_numpy_calls.py.)
 
 `python tests/test_coverage.py` (with PYTHONPATH=src) rewrites docs/primitives.md."""
 from __future__ import annotations
@@ -52,8 +51,6 @@ def primitives_doc() -> str:
         "",
         "- **converted**: an op record in `src/gspmd/ops/` turns it into the op named;",
         "- **inlined**: a call (custom_jvp/vjp, checkpoint) whose body is converted in place.",
-        "",
-        "Complex numbers (and with them FFTs) are not supported: a `ShardingError` says so.",
         "",
         "| primitive | status | how | emitted by (first programs) |",
         "|---|---|---|---|",

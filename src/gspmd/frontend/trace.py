@@ -105,10 +105,6 @@ def _convert(b: Conversion, eqn, args: list[Value]) -> list[Value]:
     name = eqn.primitive.name
     if name in CALLS:
         return _call(b, eqn, args)
-    if any(_is_complex(v) for v in [*eqn.invars, *eqn.outvars]):
-        raise ShardingError(
-            f"JAX primitive {name!r} (in `{eqn}`) works on complex numbers, which gspmd does not support; "
-            "carry real and imaginary parts as separate real arrays.")
     convert = PRIMITIVES.get(name)
     if convert is None:
         raise ShardingError(
@@ -117,11 +113,6 @@ def _convert(b: Conversion, eqn, args: list[Value]) -> list[Value]:
     if keys.moves_keys(eqn):
         return keys.convert_per_word(b, eqn, args, convert)
     return convert(b, eqn, args)
-
-
-def _is_complex(var) -> bool:
-    dtype = getattr(var.aval, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, np.complexfloating)   # keys have dtypes too
 
 
 def _call(b: Conversion, eqn, args: list[Value]) -> list[Value]:

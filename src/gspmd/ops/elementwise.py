@@ -171,8 +171,11 @@ def _clamp(low, x, high):
 
 def _convert_value(x: np.ndarray, dtype) -> np.ndarray:
     """XLA's conversion: floats to integers truncate and saturate, NaN becomes 0; floats
-    to narrower floats (float16, bfloat16, float8) round to nearest even."""
+    to narrower floats (float16, bfloat16, float8) round to nearest even; complex numbers
+    to real types keep their real part."""
     dtype = np.dtype(dtype)
+    if np.iscomplexobj(x) and dtype.kind != "c":
+        x = np.real(x)
     if is_floating(x.dtype) and dtype.kind in "iu":
         info = np.iinfo(dtype)
         x = np.clip(np.nan_to_num(x.astype(np.float64), nan=0.0), info.min, info.max)
@@ -228,6 +231,10 @@ elementwise("sine", np.sin, lax.sin, ["sin"])
 elementwise("exponential-minus-one", np.expm1, lax.expm1, ["expm1"], expensive=True)
 elementwise("log-plus-one", np.log1p, lax.log1p, ["log1p"], expensive=True)
 elementwise("is-finite", np.isfinite, lax.is_finite, ["is_finite"])
+elementwise("complex", lambda x, y: x + 1j * y, lax.complex, ["complex"], linear=jointly_linear)
+elementwise("real", np.real, lax.real, ["real"], linear=jointly_linear)
+elementwise("imag", np.imag, lax.imag, ["imag"], linear=jointly_linear)
+elementwise("conjugate", np.conj, lax.conj, ["conj"], linear=jointly_linear)
 elementwise("round-nearest-even", np.round, _round_even, converts={"round": _round})
 elementwise("round-nearest-afz", _round_away, lax.round)
 elementwise("tan", np.tan, lax.tan, ["tan"], expensive=True)

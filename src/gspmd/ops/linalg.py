@@ -1,9 +1,10 @@
 """Matrix decompositions and solves (jnp.linalg, jax.scipy.linalg; the orthogonal
-initializer's QR), partitioned as XLA partitions them: along their batch dims, each
-device decomposing its own matrices; a split matrix dim is gathered first. Every
-primitive is one `linalg` op holding the JAX primitive it runs, which both backends
-call on each device's matrices (LAPACK's results, as under jax.jit, signs of
-eigenvectors included). jnp.linalg.solve's custom_linear_solve is its solve in place."""
+initializer's QR) and FFTs (jnp.fft), partitioned as XLA partitions them: along their
+batch dims, each device transforming its own matrices or signals; a split matrix (or
+transformed) dim is gathered first. Every primitive is one `linalg` op holding the JAX
+primitive it runs, which both backends call on each device's data (LAPACK's and the
+FFT library's results, as under jax.jit, signs of eigenvectors included).
+jnp.linalg.solve's custom_linear_solve is its solve in place."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from gspmd.spmd.factors import REPLICATE, Factor
 
 # JAX primitive -> how many trailing dims of its first operand make one matrix (or
 # vector): the dims before them are batch dims, shared by every operand and result.
-_MATRIX_DIMS = {"cholesky": 2, "eigh": 2, "svd": 2, "qr": 2, "lu": 2, "triangular_solve": 2, "schur": 2,
+_MATRIX_DIMS = {"cholesky": 2, "eig": 2, "eigh": 2, "svd": 2, "qr": 2, "lu": 2, "triangular_solve": 2, "schur": 2,
                 "hessenberg": 2, "tridiagonal": 2, "householder_product": 2, "tridiagonal_solve": 1,
                 "lu_pivots_to_permutation": 1}
 
@@ -37,7 +38,9 @@ class LinalgCall:
 
 
 def _convert(b, eqn, args):
-    call = LinalgCall(eqn.primitive, dict(eqn.params), args[0].rank - _MATRIX_DIMS[eqn.primitive.name])
+    name = eqn.primitive.name
+    core = len(eqn.params["fft_lengths"]) if name == "fft" else _MATRIX_DIMS[name]   # an FFT: its transformed dims
+    call = LinalgCall(eqn.primitive, dict(eqn.params), args[0].rank - core)
     return b.add("linalg", args, [b.out_aval(eqn, i) for i in range(len(eqn.outvars))], call=call)
 
 
@@ -70,5 +73,5 @@ def _lower(instr, args, lc):
     return instr.attrs["call"](*args)
 
 
-register("linalg", converts={**{name: _convert for name in _MATRIX_DIMS}, "custom_linear_solve": _convert_linear_solve},
+register("linalg", converts={**{name: _convert for name in (*_MATRIX_DIMS, "fft")}, "custom_linear_solve": _convert_linear_solve},
          evaluate=_evaluate, lower=_lower, factors=_factors)
