@@ -7,12 +7,14 @@ FFT library's results, as under jax.jit, signs of eigenvectors included).
 jnp.linalg.solve's custom_linear_solve is its solve in place."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import jax
 import numpy as np
 
 from gspmd.ops.registry import register
+from gspmd.spmd.cost import ComputeKind
 from gspmd.spmd.factors import REPLICATE, Factor
 
 # JAX primitive -> how many trailing dims of its first operand make one matrix (or
@@ -63,6 +65,31 @@ def _factors(instr) -> list[Factor]:
     return factors
 
 
+# Operations per m x n matrix, in units of m * n * min(m, n) (n^3 for a square one): the
+# textbook (Golub and Van Loan) counts, with vectors where the op returns them.
+_CUBIC = {"cholesky": 1 / 3, "lu": 2 / 3, "qr": 4 / 3, "householder_product": 4 / 3, "hessenberg": 10 / 3,
+          "tridiagonal": 4 / 3, "schur": 25, "eigh": (4 / 3, 9), "eig": (10, 25), "svd": (4, 21)}
+
+
+def _flops(instr) -> int:
+    """Per batch element: an FFT's 5 N log2 N (half for real signals); a triangular
+    solve's m^2 per right-hand side column; a decomposition's count from _CUBIC."""
+    call, x = instr.attrs["call"], instr.operands[0]
+    batch, name = math.prod(x.shape[:call.batch_dims]), call.primitive.name
+    if name == "fft":
+        n = math.prod(call.params["fft_lengths"])
+        return int(batch * 5 * n * math.log2(max(n, 2)) / (2 if call.params["fft_type"].value >= 2 else 1))
+    if name == "triangular_solve":
+        return batch * x.shape[-1] * math.prod(instr.operands[1].shape[call.batch_dims:])
+    if name not in _CUBIC:   # banded and permutation ops: linear in their size
+        return 8 * math.prod(instr.outputs[0].shape)
+    m, n = x.shape[-2:]
+    count = _CUBIC[name]
+    if isinstance(count, tuple):   # (values only, with vectors)
+        count = count[len(instr.outputs) > 1]
+    return int(batch * count * m * n * min(m, n))
+
+
 def _evaluate(instr, args, device):
     with jax.default_device(jax.devices("cpu")[0]):
         results = instr.attrs["call"](*args)
@@ -74,4 +101,4 @@ def _lower(instr, args, lc):
 
 
 register("linalg", converts={**{name: _convert for name in (*_MATRIX_DIMS, "fft")}, "custom_linear_solve": _convert_linear_solve},
-         evaluate=_evaluate, lower=_lower, factors=_factors)
+         evaluate=_evaluate, lower=_lower, factors=_factors, flops=_flops, compute=ComputeKind.MATMUL)
