@@ -200,6 +200,9 @@ def test_optimization_barriers_are_never_merged():
     assert low.report().collectives == []
 
 
-def test_complex_numbers_are_named_out_of_scope():
-    with pytest.raises(gspmd.ShardingError, match="complex numbers"):
-        gspmd.jit(lambda x: jnp.abs(gspmd.mesh_split(x, MESH, ["x", -1]) * 1j), mesh=MESH)(np.ones((4, 4), np.float32))
+def test_complex_numbers_element_wise():
+    """(tests/test_complex.py has FFTs, rotary embeddings and complex matmuls.)"""
+    def f(x):
+        z = jax.lax.complex(gspmd.mesh_split(x, MESH, ["x", -1]), x[::-1]) * (2 - 1j)
+        return jnp.abs(z), jnp.real(z * jnp.conj(z)), jnp.imag(jnp.exp(z / 4)), jnp.sqrt(z), z
+    check(f, np.random.RandomState(5).standard_normal((5, 4)).astype(np.float32), mesh=MESH)
