@@ -1,8 +1,10 @@
 """lax.ragged_dot (grouped matmuls: a MoE's tokens sorted by expert times each expert's
-weights) and its gradients: equal to one device on both backends, the groups whole as in
-Shardy, but the ragged (token) dim splits freely: each device multiplies its own tokens,
-the group sizes within them computed from all the sizes, with no communication in the
-forward pass and one all-reduce of the weights' gradient for data parallelism."""
+weights) and its gradients: equal to one device on both backends. Beyond Shardy (which
+keeps tokens and experts whole), the ragged (token) dim and the groups (experts) split
+too: each device multiplies its own tokens with its own experts, the group sizes within
+them computed from all the sizes. Tokens split: no communication forward, one all-reduce
+of the weights' gradient; experts split: no gather of their weights, each device's
+experts' products summed."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,7 +37,8 @@ def collectives(low) -> list[str]:
     (("y", -1), (-1, -1, -1), []),                    # tokens split: each device its own
     (("x", "y"), (-1, "y", -1), ["all-reduce"]),      # contracting dim split: partial sums
     ((-1, -1), (-1, -1, "y"), []),                    # the weights' output dim split
-    ((-1, "y"), ("x", -1, -1), ["all-gather", "all-reduce"]),   # experts split: gathered whole
+    ((-1, "y"), ("x", -1, -1), ["all-reduce"]),       # experts split too: each device its experts'
+    (("x", -1), ("y", -1, -1), ["all-reduce"]),       # 3 experts over 4 devices, tokens over 2
 ])
 def test_grouped_matmul_equals_one_device(tokens, weights, expected):
     def f(x, w, sizes):
@@ -52,6 +55,19 @@ def test_gradients_with_tokens_split_reduce_only_the_weights_gradient():
     low = check(jax.grad(loss, (0, 1)), TOKENS, WEIGHTS, SIZES, mesh=MESH)
     assert collectives(low) == ["all-reduce"]
     assert low.report().collectives[0].bytes == WEIGHTS.nbytes
+
+
+def test_experts_split_are_never_gathered():
+    """Expert parallelism with the tokens on another axis: forward, partial sums over the
+    experts' axis; the weights' gradient, each device its own experts', reduced over the
+    tokens' axis only."""
+    def loss(x, w, sizes):
+        return jnp.sum(jnp.tanh(lax.ragged_dot(split(x, "x", -1), split(w, "y", -1, -1), sizes)) ** 2)
+
+    low = check(jax.value_and_grad(loss, (0, 1)), TOKENS, WEIGHTS, SIZES, mesh=MESH)
+    assert "all-gather" not in collectives(low)
+    weight_bytes = WEIGHTS.nbytes // 3   # one expert's, per device
+    assert all(c.bytes <= max(weight_bytes, 5 * 10 * 4) for c in low.report().collectives), low.report()
 
 
 def test_gradients_with_2d_sharding():

@@ -11,12 +11,11 @@ from jax import lax
 from jax import numpy as jnp
 
 from gspmd.dtypes import is_floating
-from gspmd.errors import ShardingError
 from gspmd.ops.registry import CONTRACTION, KernelLayout, linear_in, register, same_layout
 from gspmd.spmd import factors as fx
 from gspmd.spmd.context import DeviceContext
 from gspmd.spmd.cost import ComputeKind
-from gspmd.spmd.factors import REDUCE, REPLICATE, Factor
+from gspmd.spmd.factors import REDUCE, Factor
 
 
 def dot_dims(instr):
@@ -109,15 +108,16 @@ register("dot", converts={"dot_general": _convert_dot_general}, evaluate=_evalua
 
 
 # -- ragged-dot: lax.ragged_dot_general -------------------------------------------------
-# Operands (lhs, rhs, group_sizes[, start]); attrs dot's, plus lhs_ragged (a lhs dim that
-# runs through consecutive groups of group_sizes[..., g] elements, the rest belonging to
-# none) and rhs_group. Ragged dim free (a MoE's tokens sorted by expert): each element
-# multiplies its group's slice of rhs along rhs_group; result dims as dot's. Ragged dim
-# contracting (that product's weight gradient; rhs_group None): one product per group,
-# over its elements; result dims [group, then as dot's]. group_sizes: [prefix..., groups],
-# the prefix being the lhs dims (batch dims, then the free or contracting dims before the
-# ragged one) along which the sizes differ. `start`, in per-device programs only: where
-# the local part of the ragged dim starts in the whole one, when it is split.
+# Operands (lhs, rhs, group_sizes[, start[, first]]); attrs dot's, plus lhs_ragged (a lhs
+# dim that runs through consecutive groups of group_sizes[..., g] elements, the rest
+# belonging to none) and rhs_group. Ragged dim free (a MoE's tokens sorted by expert): each
+# element multiplies its group's slice of rhs along rhs_group; result dims as dot's.
+# Ragged dim contracting (that product's weight gradient; rhs_group None): one product per
+# group, over its elements; result dims [group, then as dot's]. group_sizes: [prefix...,
+# groups], the prefix being the lhs dims (batch dims, then the free or contracting dims
+# before the ragged one) along which the sizes differ. In per-device programs only, where
+# the ragged dim or the groups are split: `start`, where the device's part of the ragged
+# dim starts in the whole one; `first`, its first group (group_sizes stays whole).
 def _ragged_prefix(attrs, rank: int) -> list[int]:
     """The lhs dims that group_sizes' leading dims run along (as jax orders them)."""
     batch, contracting, ragged = list(attrs["lhs_batch"]), list(attrs["lhs_contracting"]), attrs["lhs_ragged"]
@@ -127,10 +127,32 @@ def _ragged_prefix(attrs, rank: int) -> list[int]:
     return batch + free[:free.index(ragged)]
 
 
-def _local_group_sizes(xp, sizes, start, rows: int):
-    """The sizes of the groups within rows [start, start + rows) of the ragged dim."""
+def _localized(xp, instr, args):
+    """(lhs, rhs, group sizes, keep) of one device's part: the sizes of its groups within
+    its own elements of the ragged dim; holding only some groups, a group of the elements
+    before its first one goes in front, which multiplies zeros (a free ragged dim) or
+    whose product keep(result) drops (a contracting one)."""
+    lhs, rhs, sizes = args[:3]
+    if len(args) == 3:
+        return lhs, rhs, sizes, lambda y: y
+    a, start = instr.attrs, args[3].astype(sizes.dtype)
+    rows = lhs.shape[a["lhs_ragged"]]
     ends = xp.cumsum(sizes, axis=-1, dtype=sizes.dtype)
-    return xp.clip(ends - start, 0, rows) - xp.clip(ends - sizes - start, 0, rows)
+    starts = ends - sizes
+    within = lambda at: xp.clip(at - start, 0, rows)
+    if len(args) == 4:
+        return lhs, rhs, within(ends) - within(starts), lambda y: y
+    group = a["rhs_group"]
+    count = instr.outputs[0].shape[0] if group is None else rhs.shape[group]
+    index = args[4].astype(sizes.dtype) + xp.arange(count, dtype=sizes.dtype)
+    real = index < sizes.shape[-1]   # a padded group (an uneven split) is empty
+    mine = [xp.where(real, xp.take(b, xp.minimum(index, sizes.shape[-1] - 1), axis=-1), ends[..., -1:])
+            for b in (starts, ends)]
+    sizes = xp.concatenate([within(mine[0][..., :1]), within(mine[1]) - within(mine[0])], axis=-1)
+    if group is None:
+        return lhs, rhs, sizes, lambda y: y[1:]
+    zero = xp.zeros(rhs.shape[:group] + (1,) + rhs.shape[group + 1:], rhs.dtype)
+    return lhs, xp.concatenate([zero, rhs], axis=group), sizes, lambda y: y
 
 
 def _per_group(x: np.ndarray, sizes: np.ndarray, dim: int, prefix: list[int]) -> np.ndarray:
@@ -146,10 +168,8 @@ def _per_group(x: np.ndarray, sizes: np.ndarray, dim: int, prefix: list[int]) ->
 
 def _evaluate_ragged_dot(instr, args, device):
     a, dtype = instr.attrs, instr.outputs[0].dtype
-    lhs, rhs, sizes = args[:3]
+    lhs, rhs, sizes, keep = _localized(np, instr, args)
     ragged, lc, rc = a["lhs_ragged"], a["lhs_contracting"], a["rhs_contracting"]
-    if len(args) == 4:
-        sizes = _local_group_sizes(np, sizes, args[3], lhs.shape[ragged])
     prefix = _ragged_prefix(a, lhs.ndim)
     grouped = _per_group(lhs, sizes, ragged, prefix)
     after = lambda dims: tuple(d + 1 for d in dims)
@@ -158,14 +178,15 @@ def _evaluate_ragged_dot(instr, args, device):
                            rc + (a["rhs_group"],), dtype)]
     rhs_ragged = rc[lc.index(ragged)]
     rhs_prefix = list(a["rhs_batch"]) + list(rc[:rc.index(rhs_ragged)])
-    return [einsum_dot(grouped, _per_group(rhs, sizes, rhs_ragged, rhs_prefix), (0, *after(a["lhs_batch"])),
-                       (0, *after(a["rhs_batch"])), after(lc), after(rc), dtype)]
+    return [keep(einsum_dot(grouped, _per_group(rhs, sizes, rhs_ragged, rhs_prefix), (0, *after(a["lhs_batch"])),
+                            (0, *after(a["rhs_batch"])), after(lc), after(rc), dtype))]
 
 
 def _ragged_dot_factors(instr) -> list[Factor]:
-    """dot's factors, the ragged dim's and the groups' dims in group_sizes too; the
-    groups stay whole (a device holding some groups' rhs could not tell which of its
-    rows are theirs without all the sizes before them), as in Shardy."""
+    """dot's factors, the ragged dim's and the prefix dims in group_sizes too. Split
+    groups leave partial results where the ragged dim is free (each device adds its
+    groups' products), parts of the result where it contracts; group_sizes stays whole:
+    a device needs all the sizes before its first group to tell which elements are its."""
     a = instr.attrs
     lhs, rhs = instr.operands[:2]
     prefix, extra = _ragged_prefix(a, lhs.rank), (None,) * (len(instr.operands) - 3)
@@ -182,33 +203,36 @@ def _ragged_dot_factors(instr) -> list[Factor]:
     out += len(lhs_free)
     factors += [Factor(rhs.shape[r], dims(None, r, out + i)) for i, r in enumerate(rhs_free)]
     groups = instr.operands[2].shape[-1]
-    factors.append(Factor(groups, (None, a["rhs_group"], len(prefix), *extra, None if first == 0 else 0), REPLICATE))
+    if first == 0:
+        factors.append(Factor(groups, (None, a["rhs_group"], None, *extra, None), REDUCE))
+    else:
+        factors.append(Factor(groups, (None, None, None, *extra, 0)))
     return factors
 
 
 def _partition_ragged_dot(ctx: DeviceContext, instr, operands, targets):
-    """As dot, the lhs's ragged dim split too: each device multiplies its own elements,
-    told where they start, and the groups' sizes within them follow from all the sizes
-    (a free ragged dim: no communication; a contracting one: partial sums per group)."""
+    """As dot, the lhs's ragged dim and the groups split too: each device multiplies its
+    own elements with its own groups, told where both start, and the sizes of its groups
+    within its elements follow from all the sizes (tokens split: no communication where
+    the ragged dim is free, partial sums per group where it contracts)."""
     factors = _ragged_dot_factors(instr)
     space = fx.choose_space(instr, factors, operands, targets)
     ragged = next(f for f, fac in enumerate(factors) if fac.dims[0] == instr.attrs["lhs_ragged"])
+    group = len(factors) - 1
 
     def emit(ctx: DeviceContext, instr, local, shapes):
-        if space.tiles[ragged] > 1:
+        if space.tiles[group] > 1 or space.tiles[ragged] > 1:
             rows = local[0].shape[instr.attrs["lhs_ragged"]]
             local = [*local, ctx.table_lookup(space.coords()[:, ragged] * rows)]
+        if space.tiles[group] > 1:
+            count = -(-factors[group].size // space.tiles[group])
+            local = [*local, ctx.table_lookup(space.coords()[:, group] * count)]
         return fx.emit_same_op(ctx, instr, local, shapes)
     return fx.run(ctx, instr, factors, space, operands, targets, emit)
 
 
 def _convert_ragged_dot(b, eqn, args):
-    p = eqn.params
-    if p.get("group_offset") is not None:
-        raise ShardingError("lax.ragged_dot_general with a group_offset (the rhs holding some of the groups) is "
-                            "not supported by jax itself on every backend, nor by gspmd: pass all the groups' rhs "
-                            "and split its group dim with mesh_split instead.")
-    numbers = p["ragged_dot_dimension_numbers"]
+    numbers = eqn.params["ragged_dot_dimension_numbers"]
     (lc, rc), (lb, rb) = (tuple(tuple(int(d) for d in ds) for ds in pair) for pair in numbers.dot_dimension_numbers)
     dims = dict(lhs_batch=lb, rhs_batch=rb, lhs_contracting=lc, rhs_contracting=rc)
     lhs, rhs, sizes = args
@@ -227,15 +251,13 @@ def _convert_ragged_dot(b, eqn, args):
 
 def _lower_ragged_dot(instr, args, lc):
     a, out = instr.attrs, instr.outputs[0]
-    lhs, rhs = (lax.convert_element_type(x, out.dtype) for x in args[:2])
-    sizes = args[2]
-    if len(args) == 4:
-        sizes = _local_group_sizes(jnp, sizes, args[3].astype(sizes.dtype), lhs.shape[a["lhs_ragged"]])
+    lhs, rhs, sizes, keep = _localized(jnp, instr, [*(lax.convert_element_type(x, out.dtype) for x in args[:2]),
+                                                    *args[2:]])
     numbers = lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=((a["lhs_contracting"], a["rhs_contracting"]), (a["lhs_batch"], a["rhs_batch"])),
         lhs_ragged_dimensions=(a["lhs_ragged"],),
         rhs_group_dimensions=() if a["rhs_group"] is None else (a["rhs_group"],))
-    return [lax.ragged_dot_general(lhs, rhs, sizes, numbers, preferred_element_type=out.dtype)]
+    return [keep(lax.ragged_dot_general(lhs, rhs, sizes, numbers, preferred_element_type=out.dtype))]
 
 
 def _ragged_dot_flops(instr) -> int:
