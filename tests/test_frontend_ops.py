@@ -95,8 +95,9 @@ def test_pytree_inputs_and_outputs():
 
 
 def test_unknown_primitive_raises_sharding_error():
-    with pytest.raises(gspmd.ShardingError, match="fft"):
-        gspmd.jit(lambda x: jnp.fft.fft(split(x, "x", -1), axis=0), mesh=MESH)(np.ones((4, 4), np.float32))
+    with pytest.raises(gspmd.ShardingError, match="rng_uniform"):
+        gspmd.jit(lambda x: split(x, "x", -1) + jax.lax.rng_uniform(0.0, 1.0, (4, 4)), mesh=MESH)(
+            np.ones((4, 4), np.float32))
 
 
 def test_data_formatting_ops_run_through_the_replicate_fallback():
