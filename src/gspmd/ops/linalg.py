@@ -19,9 +19,9 @@ from gspmd.spmd.factors import REPLICATE, Factor
 
 # JAX primitive -> how many trailing dims of its first operand make one matrix (or
 # vector): the dims before them are batch dims, shared by every operand and result.
-_MATRIX_DIMS = {"cholesky": 2, "eig": 2, "eigh": 2, "svd": 2, "qr": 2, "lu": 2, "triangular_solve": 2, "schur": 2,
-                "hessenberg": 2, "tridiagonal": 2, "householder_product": 2, "tridiagonal_solve": 1,
-                "lu_pivots_to_permutation": 1}
+_MATRIX_DIMS = {"cholesky": 2, "cholesky_update": 2, "eig": 2, "eigh": 2, "svd": 2, "qr": 2, "geqrf": 2, "geqp3": 2,
+                "ormqr": 2, "householder_product": 2, "lu": 2, "triangular_solve": 2, "symmetric_product": 2,
+                "schur": 2, "hessenberg": 2, "tridiagonal": 2, "tridiagonal_solve": 1, "lu_pivots_to_permutation": 1}
 
 
 @dataclass(frozen=True, eq=False)
@@ -67,7 +67,8 @@ def _factors(instr) -> list[Factor]:
 
 # Operations per m x n matrix, in units of m * n * min(m, n) (n^3 for a square one): the
 # textbook (Golub and Van Loan) counts, with vectors where the op returns them.
-_CUBIC = {"cholesky": 1 / 3, "lu": 2 / 3, "qr": 4 / 3, "householder_product": 4 / 3, "hessenberg": 10 / 3,
+_CUBIC = {"cholesky": 1 / 3, "lu": 2 / 3, "qr": 4 / 3, "geqrf": 4 / 3, "geqp3": 4 / 3, "householder_product": 4 / 3,
+          "ormqr": 2, "symmetric_product": 1, "hessenberg": 10 / 3,
           "tridiagonal": 4 / 3, "schur": 25, "eigh": (4 / 3, 9), "eig": (10, 25), "svd": (4, 21)}
 
 
