@@ -78,6 +78,17 @@ def _moe() -> Case:
                 {n: (n,) for n in DEVICE_COUNTS})
 
 
+def _dropless_moe() -> Case:
+    from gspmd.models import moe
+
+    def cfg(n: int):   # groups over x, one expert per device of y
+        x, y = MESHES_2D[n]
+        return moe.Config(groups=2 * x, group_size=256, model=256, hidden=1024, experts=y)
+    return Case("dropless MoE train step (lax.ragged_dot; groups over x, experts over y)", ("x", "y"),
+                lambda mesh: moe.make_train_step(mesh, "x", cfg(mesh.size), expert_axis="y", dropless=True),
+                lambda n: moe.example_inputs(cfg(n)))
+
+
 def _unet() -> Case:
     from gspmd.models import unet
 
@@ -89,7 +100,7 @@ def _unet() -> Case:
                 lambda mesh: unet.make_train_step(mesh, ("x", "y", -1)), inputs)
 
 
-BUILDERS = {"mlp": _mlp, "transformer": _transformer, "moe": _moe, "unet": _unet}
+BUILDERS = {"mlp": _mlp, "transformer": _transformer, "moe": _moe, "dropless-moe": _dropless_moe, "unet": _unet}
 
 
 def available_cases() -> dict[str, Case]:

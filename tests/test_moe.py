@@ -47,3 +47,16 @@ def test_hybrid_moe_splits_each_expert_over_the_second_axis():
     assert any(c.kind == "reduce-scatter" and set(c.groups) == y_groups for c in report.collectives), report
     assert low.program.params[1].sharding == gspmd.Sharding.from_mesh(mesh, ["x", -1, "y"], params["w_in"].shape)
     check(moe.make_train_step(mesh, "x", cfg, expert_axis="y"), params, x, target, mesh=mesh)
+
+
+def test_dropless_moe_with_ragged_dot():
+    """Tokens sorted by expert per group and multiplied by lax.ragged_dot (no capacity, no
+    token dropped): groups over x, the experts' weights over y (3 experts over 4 devices:
+    uneven). Nothing is gathered; the experts' partial sums are all-reduced over y, their
+    weights' gradients over x."""
+    mesh = gspmd.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
+    cfg = moe.Config(groups=6, group_size=16, model=8, hidden=16, experts=3)
+    low = check(moe.make_train_step(mesh, "x", cfg, expert_axis="y", dropless=True), *moe.example_inputs(cfg),
+                mesh=mesh)
+    kinds = {c.kind for c in low.report().collectives}
+    assert kinds == {"all-reduce"}, low.report()

@@ -64,13 +64,42 @@ def moe_layer(params: dict, x, mesh: Optional[Mesh], axis: str, cfg: Config, exp
     return x + jnp.einsum("gsec,egcm->gsm", combine, expert_out)
 
 
+def dropless_layer(params: dict, x, mesh: Optional[Mesh], axis: str, cfg: Config, expert_axis: Optional[str] = None):
+    """The same layer with no capacity (no token dropped), as Megablocks and MaxText write
+    it: each group's tokens sorted by their expert, the experts' matmuls as
+    lax.ragged_dot_general over the sorted tokens (the group sizes per token group), then
+    unsorted. Groups split over `axis`, the experts' weights over `expert_axis` (None:
+    replicated): each device multiplies its own groups' tokens with its own experts."""
+    def split(value, spec):
+        return value if mesh is None else mesh_split(value, mesh, spec)
+
+    experts = -1 if expert_axis is None else expert_axis
+    x = split(x.astype(cfg.dtype), [axis, -1, -1])
+    w_in = split(params["w_in"], [experts, -1, -1]).astype(cfg.dtype)      # E M H
+    w_out = split(params["w_out"], [experts, -1, -1]).astype(cfg.dtype)    # E H M
+    gates = jax.nn.softmax(jnp.einsum("gsm,me->gse", x, params["w_gate"].astype(cfg.dtype)).astype(np.float32), -1)
+    expert = jnp.argmax(gates, axis=-1)                                            # G S
+    order = jnp.argsort(expert, axis=1)
+    sizes = jnp.sum(jax.nn.one_hot(expert, cfg.experts, dtype=jnp.int32), axis=1)   # G E: tokens per expert
+    # tokens [G, S, M], ragged along S, sizes per group G: experts' weights [E, K, N]
+    numbers = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((2,), (1,)), ((), ())),
+                                                lhs_ragged_dimensions=(1,), rhs_group_dimensions=(0,))
+    tokens = jnp.take_along_axis(x, order[..., None], axis=1)
+    hidden = jax.nn.relu(jax.lax.ragged_dot_general(tokens, w_in, sizes, numbers))
+    out = jax.lax.ragged_dot_general(hidden, w_out, sizes, numbers)
+    out = jnp.take_along_axis(out, jnp.argsort(order, axis=1)[..., None], axis=1)
+    return x + out * jnp.max(gates, axis=-1).astype(x.dtype)[..., None]
+
+
 def make_train_step(mesh: Optional[Mesh], axis: str = "x", cfg: Config = Config(), expert_axis: Optional[str] = None,
-                    optimizer: Optional[Optimizer] = None):
+                    optimizer: Optional[Optimizer] = None, dropless: bool = False):
     """step(params, x, target) -> (new params, loss) with plain SGD; with an optimizer,
     step(params, optimizer state, x, target) -> (new params, new state, loss). With mesh
-    None, no annotations (for gspmd.auto)."""
+    None, no annotations (for gspmd.auto). dropless: the layer with lax.ragged_dot."""
+    layer = dropless_layer if dropless else moe_layer
+
     def loss(params, x, target):
-        y = moe_layer(params, x, mesh, axis, cfg, expert_axis)
+        y = layer(params, x, mesh, axis, cfg, expert_axis)
         return jnp.mean((y.astype(np.float32) - target) ** 2)
 
     return make_step(loss, optimizer, cfg.lr)

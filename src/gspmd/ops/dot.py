@@ -127,48 +127,54 @@ def _ragged_prefix(attrs, rank: int) -> list[int]:
     return batch + free[:free.index(ragged)]
 
 
+def _place(xp, b, prefix: list[int], rank: int):
+    """b, of dims [lead..., prefix...] (group_sizes' prefix order), with the prefix dims
+    moved to where they are in the lhs and size-1 dims for the others: [lead..., lhs]."""
+    lead = b.ndim - len(prefix)
+    order = sorted(range(len(prefix)), key=prefix.__getitem__)
+    b = xp.transpose(b, [*range(lead), *(lead + i for i in order)])
+    sizes = iter(b.shape[lead:])
+    return b.reshape(b.shape[:lead] + tuple(next(sizes) if d in prefix else 1 for d in range(rank)))
+
+
 def _localized(xp, instr, args):
-    """(lhs, rhs, group sizes, keep) of one device's part: the sizes of its groups within
-    its own elements of the ragged dim; holding only some groups, a group of the elements
-    before its first one goes in front, which multiplies zeros (a free ragged dim) or
-    whose product keep(result) drops (a contracting one)."""
+    """(lhs, rhs, group sizes) of one device's part: the sizes of its groups within its
+    own elements of the ragged dim. Holding only some groups, its first group takes the
+    elements before it too, which are zeroed in the lhs (another device's groups)."""
     lhs, rhs, sizes = args[:3]
     if len(args) == 3:
-        return lhs, rhs, sizes, lambda y: y
+        return lhs, rhs, sizes
     a, start = instr.attrs, args[3].astype(sizes.dtype)
     rows = lhs.shape[a["lhs_ragged"]]
     ends = xp.cumsum(sizes, axis=-1, dtype=sizes.dtype)
     starts = ends - sizes
     within = lambda at: xp.clip(at - start, 0, rows)
     if len(args) == 4:
-        return lhs, rhs, within(ends) - within(starts), lambda y: y
-    group = a["rhs_group"]
-    count = instr.outputs[0].shape[0] if group is None else rhs.shape[group]
+        return lhs, rhs, within(ends) - within(starts)
+    count = instr.outputs[0].shape[0] if a["rhs_group"] is None else rhs.shape[a["rhs_group"]]
     index = args[4].astype(sizes.dtype) + xp.arange(count, dtype=sizes.dtype)
     real = index < sizes.shape[-1]   # a padded group (an uneven split) is empty
-    mine = [xp.where(real, xp.take(b, xp.minimum(index, sizes.shape[-1] - 1), axis=-1), ends[..., -1:])
-            for b in (starts, ends)]
-    sizes = xp.concatenate([within(mine[0][..., :1]), within(mine[1]) - within(mine[0])], axis=-1)
-    if group is None:
-        return lhs, rhs, sizes, lambda y: y[1:]
-    zero = xp.zeros(rhs.shape[:group] + (1,) + rhs.shape[group + 1:], rhs.dtype)
-    return lhs, xp.concatenate([zero, rhs], axis=group), sizes, lambda y: y
+    starts, ends = (xp.where(real, xp.take(b, xp.minimum(index, sizes.shape[-1] - 1), axis=-1), ends[..., -1:])
+                    for b in (starts, ends))
+    before = within(starts[..., 0])
+    at = xp.arange(rows, dtype=sizes.dtype).reshape([-1 if d == a["lhs_ragged"] else 1 for d in range(lhs.ndim)])
+    lhs = xp.where(at < _place(xp, before, _ragged_prefix(a, lhs.ndim), lhs.ndim), xp.zeros((), lhs.dtype), lhs)
+    sizes = within(ends) - within(starts)
+    return lhs, rhs, xp.concatenate([sizes[..., :1] + before[..., None], sizes[..., 1:]], axis=-1)
 
 
 def _per_group(x: np.ndarray, sizes: np.ndarray, dim: int, prefix: list[int]) -> np.ndarray:
     """[groups, *x.shape]: x with only group g's elements along `dim` in row g."""
     ends = np.moveaxis(np.cumsum(sizes, axis=-1), -1, 0)
     starts = ends - np.moveaxis(sizes, -1, 0)
-    order = prefix + [d for d in range(x.ndim) if d not in prefix]
-    placed = [b.reshape(b.shape + (1,) * (x.ndim - len(prefix))).transpose([0, *(1 + order.index(d) for d in range(x.ndim))])
-              for b in (starts, ends)]
     at = np.arange(x.shape[dim]).reshape([-1 if d == dim else 1 for d in range(x.ndim)])
-    return np.where((placed[0] <= at) & (at < placed[1]), x[None], np.zeros((), x.dtype))
+    inside = (_place(np, starts, prefix, x.ndim) <= at) & (at < _place(np, ends, prefix, x.ndim))
+    return np.where(inside, x[None], np.zeros((), x.dtype))
 
 
 def _evaluate_ragged_dot(instr, args, device):
     a, dtype = instr.attrs, instr.outputs[0].dtype
-    lhs, rhs, sizes, keep = _localized(np, instr, args)
+    lhs, rhs, sizes = _localized(np, instr, args)
     ragged, lc, rc = a["lhs_ragged"], a["lhs_contracting"], a["rhs_contracting"]
     prefix = _ragged_prefix(a, lhs.ndim)
     grouped = _per_group(lhs, sizes, ragged, prefix)
@@ -178,8 +184,8 @@ def _evaluate_ragged_dot(instr, args, device):
                            rc + (a["rhs_group"],), dtype)]
     rhs_ragged = rc[lc.index(ragged)]
     rhs_prefix = list(a["rhs_batch"]) + list(rc[:rc.index(rhs_ragged)])
-    return [keep(einsum_dot(grouped, _per_group(rhs, sizes, rhs_ragged, rhs_prefix), (0, *after(a["lhs_batch"])),
-                            (0, *after(a["rhs_batch"])), after(lc), after(rc), dtype))]
+    return [einsum_dot(grouped, _per_group(rhs, sizes, rhs_ragged, rhs_prefix), (0, *after(a["lhs_batch"])),
+                       (0, *after(a["rhs_batch"])), after(lc), after(rc), dtype)]
 
 
 def _ragged_dot_factors(instr) -> list[Factor]:
@@ -251,13 +257,12 @@ def _convert_ragged_dot(b, eqn, args):
 
 def _lower_ragged_dot(instr, args, lc):
     a, out = instr.attrs, instr.outputs[0]
-    lhs, rhs, sizes, keep = _localized(jnp, instr, [*(lax.convert_element_type(x, out.dtype) for x in args[:2]),
-                                                    *args[2:]])
+    lhs, rhs, sizes = _localized(jnp, instr, [*(lax.convert_element_type(x, out.dtype) for x in args[:2]), *args[2:]])
     numbers = lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=((a["lhs_contracting"], a["rhs_contracting"]), (a["lhs_batch"], a["rhs_batch"])),
         lhs_ragged_dimensions=(a["lhs_ragged"],),
         rhs_group_dimensions=() if a["rhs_group"] is None else (a["rhs_group"],))
-    return [keep(lax.ragged_dot_general(lhs, rhs, sizes, numbers, preferred_element_type=out.dtype))]
+    return [lax.ragged_dot_general(lhs, rhs, sizes, numbers, preferred_element_type=out.dtype)]
 
 
 def _ragged_dot_flops(instr) -> int:
