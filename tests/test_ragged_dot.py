@@ -1,8 +1,7 @@
 """lax.ragged_dot (grouped matmuls: a MoE's tokens sorted by expert times each expert's
-weights) and its gradients: equal to one device on both backends. Beyond Shardy (which
-keeps tokens and experts whole), the ragged (token) dim and the groups (experts) split
-too: each device multiplies its own tokens with its own experts, the group sizes within
-them computed from all the sizes. Tokens split: no communication forward, one all-reduce
+weights) and its gradients: equal to one device on both backends. The ragged (token) dim
+and the groups (experts) split as well as the other dims: each device multiplies its own
+tokens with its own experts, the group sizes within them computed from all the sizes. Tokens split: no communication forward, one all-reduce
 of the weights' gradient; experts split: no gather of their weights, each device's
 experts' products summed."""
 import jax
