@@ -1,7 +1,7 @@
 """Randomness: jax.random under gspmd.jit gives the bits of one device (jax.jit) while each
 device hashes only the counters of its own shard, with raw uint32 and typed keys, keys as
 arguments and results, split/fold_in chains, inside scan, and in Flax and Equinox dropout.
-Randomness never adds a collective."""
+Randomness never adds a collective. Keys of the rbg PRNGs give one device's bits too."""
 import math
 
 import jax
@@ -344,12 +344,25 @@ def test_equinox_dropout_train_step():
     assert collectives(low) == collectives(gspmd.jit(step, mesh=MESH).lower(params, *args))
 
 
-# -- what gspmd does not do, said clearly ------------------------------------------------------
-def test_other_prng_implementations_are_refused():
-    with pytest.raises(gspmd.ShardingError, match="threefry2x32"):
-        gspmd.jit(lambda k: jax.random.bits(k, (4,)))(jax.random.key(0, impl="rbg"))
-    with pytest.raises(gspmd.ShardingError, match="threefry2x32"):
-        gspmd.jit(lambda x: x + jax.random.uniform(jax.random.key(0, impl="rbg"), (4,)))(np.ones(4, np.float32))
+# -- the rbg PRNGs (jax.random.key(seed, impl="rbg" or "unsafe_rbg")) --------------------------
+@pytest.mark.parametrize("impl", ["rbg", "unsafe_rbg"])
+def test_rbg_keys_give_the_bits_of_one_device(impl):
+    """Keys of XLA's RngBitGenerator: seeded, split (batched), folded, passed in and
+    returned, drawing dropout masks, normals and categoricals on a split activation.
+    Each device generates all the bits of a draw and keeps its part, as XLA's
+    partitioner does, so the values are those of one device."""
+    def f(x, key):
+        x = split(x, "x", "y")
+        k1, k2, k3 = jax.random.split(key, 3)
+        keys = jax.random.split(jax.random.fold_in(k3, 5), 4)
+        return (jnp.where(jax.random.bernoulli(k1, 0.5, x.shape), x, 0.0), jax.random.normal(k2, x.shape),
+                jax.random.categorical(k3, x), jax.vmap(lambda k: jax.random.uniform(k, (3,)))(keys), keys,
+                jax.random.bits(jax.random.key(11, impl=impl), (2, 5)))
+
+    x = np.random.RandomState(8).randn(8, 12).astype(np.float32)
+    low = check_same(f, x, jax.random.key(3, impl=impl))
+    generated = [i.outputs[1].shape for i in low.spmd.instrs if i.opcode == "rng-bit-generator"]
+    assert (8, 12) in generated, generated   # the whole draw, on each device
 
 
 def test_non_partitionable_threefry_is_refused():

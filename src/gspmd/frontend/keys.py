@@ -1,5 +1,6 @@
 """Typed PRNG keys (jax.random.key) in and around a Program, which has no key dtype: a
-key array of shape K is its uint32 key data, shape K + (2,) (threefry2x32; ops/random.py).
+key array of shape K is its uint32 key data, shape K + (2,) (threefry2x32; ops/random.py)
+or K + (4,) (rbg, unsafe_rbg).
 
 - The random primitives' converters (their records' `converts_keys`) take and make key
   data; control flow carries it like any value.
@@ -21,7 +22,7 @@ from gspmd.errors import ShardingError
 from gspmd.ir import Value
 from gspmd.ops import KEY_PRIMITIVES
 from gspmd.ops.convert import Conversion, Converter, is_key
-from gspmd.ops.random import IMPL, key_words, require_threefry, stack_words
+from gspmd.ops.random import key_impl, key_words, stack_words
 
 
 def moves_keys(eqn) -> bool:
@@ -53,7 +54,6 @@ def _word_var(v):
 def constant(value) -> np.ndarray:
     """A constant of the program (a closed-over array): key arrays as their key data."""
     if is_key(getattr(value, "dtype", None)):
-        require_threefry(value.dtype, "A closed-over key array")
         return np.asarray(jax.random.key_data(value))
     return np.asarray(value)
 
@@ -64,25 +64,30 @@ class KeyData:
     `results` convert the values of one call."""
 
     def __init__(self, fn: Callable, avals: Sequence[jax.ShapeDtypeStruct]):
-        self.key_args = [is_key(a.dtype) for a in avals]
-        for i, a in enumerate(avals):
-            if is_key(a.dtype):
-                require_threefry(a.dtype, f"Argument {i} (shape {a.shape})")
-        self.avals = [jax.eval_shape(jax.random.key_data, a) if k else a for a, k in zip(avals, self.key_args)]
-        self.key_results: list[bool] = []
+        self.key_args = [_impl_of(a) for a in avals]   # each argument's PRNG, None: not a key
+        self.avals = [a if k is None else jax.eval_shape(jax.random.key_data, a) for a, k in zip(avals, self.key_args)]
+        self.key_results: list = []
 
         def on_key_data(*flat):
-            outs = fn(*[jax.random.wrap_key_data(x, impl=IMPL) if k else x
-                        for x, k in zip(flat, self.key_args)])
+            outs = fn(*[_wrap(x, k) for x, k in zip(flat, self.key_args)])
             leaves, tree = jax.tree_util.tree_flatten(outs)
-            self.key_results = [is_key(getattr(x, "dtype", None)) for x in leaves]
-            return jax.tree_util.tree_unflatten(tree, [jax.random.key_data(x) if k else x
+            self.key_results = [_impl_of(x) for x in leaves]
+            return jax.tree_util.tree_unflatten(tree, [x if k is None else jax.random.key_data(x)
                                                        for x, k in zip(leaves, self.key_results)])
         self.fn = on_key_data
 
     def args(self, flat: Sequence) -> list:
-        return [jax.random.key_data(x) if is_key(getattr(x, "dtype", None)) else x for x in flat]
+        return [x if _impl_of(x) is None else jax.random.key_data(x) for x in flat]
 
     def results(self, flat: Sequence) -> list:
-        return [jax.random.wrap_key_data(x, impl=IMPL) if k else x
-                for x, k in zip(flat, self.key_results)]
+        return [_wrap(x, k) for x, k in zip(flat, self.key_results)]
+
+
+def _impl_of(x):
+    """The PRNG implementation of a key array (or its aval); None for other values."""
+    dtype = getattr(x, "dtype", None)
+    return key_impl(dtype) if is_key(dtype) else None
+
+
+def _wrap(x, impl):
+    return x if impl is None else jax.random.wrap_key_data(x, impl=impl)

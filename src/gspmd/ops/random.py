@@ -1,6 +1,8 @@
-"""Randomness: JAX's threefry2x32 PRNG, generated where the values live.
+"""Randomness: JAX's threefry2x32 PRNG, generated where the values live; and JAX's rbg
+PRNGs (jax.random.key(seed, impl="rbg" / "unsafe_rbg")), as JAX computes them: threefry
+hashes of the key data and XLA's RngBitGenerator (rng-bit-generator, below).
 
-The IR has no key dtype: a key array of shape K is its uint32 key data, shape K + (2,),
+The IR has no key dtype: a key array of shape K is its uint32 key data, shape K + (2,) (K + (4,) for rbg),
 everywhere in a Program (frontend/keys.py converts at gspmd.jit's boundary and for the
 ops that merely move keys around). The `random_*` primitives become one element-wise op,
 `threefry2x32` (two key words and two counter words in, two hashed words out), fed with
@@ -22,11 +24,9 @@ from jax.extend.random import threefry2x32_p, threefry_prng_impl
 from gspmd.errors import ShardingError
 from gspmd.ir import Value
 from gspmd.ops.convert import Conversion
-from gspmd.ops.registry import ELEMENTWISE, elementwise_factors, register
+from gspmd.ops.registry import ELEMENTWISE, elementwise_factors, register, replicate_fallback
 
 UINT32 = np.dtype(np.uint32)
-IMPL = threefry_prng_impl.name
-THREEFRY_KEY = jax.eval_shape(lambda: jax.random.key(0, impl=IMPL)).dtype
 
 
 # -- the hash: threefry-2x32 with 20 rounds (Salmon et al., "Parallel random numbers:
@@ -127,12 +127,23 @@ def _hash_counters(b: Conversion, keys: Value, shape: tuple[int, ...]) -> list[V
 
 
 # -- conversion of the random primitives --------------------------------------------------
-def require_threefry(prng, what: str) -> None:
-    """prng: a PRNG implementation (random_seed's `impl`) or a key dtype."""
-    if prng not in (threefry_prng_impl, THREEFRY_KEY):
-        raise ShardingError(f"{what} uses the PRNG {prng}; gspmd generates random numbers with {IMPL} only "
-                            "(JAX's default). Make keys with jax.random.key(seed) or jax.random.PRNGKey(seed) "
-                            "without impl=.")
+def key_impl(dtype):
+    """The PRNG implementation of a key dtype (jax.random.key(..., impl=...))."""
+    return dtype._impl
+
+
+def _is_threefry(impl) -> bool:
+    return impl is threefry_prng_impl
+
+
+def _inline_impl(b: Conversion, eqn, args: list[Value], fn, batch: int) -> list[Value]:
+    """Another PRNG (rbg, unsafe_rbg): its implementation's function `fn` of one key's
+    data (vmapped over the `batch` leading dims of every operand), as JAX computes it,
+    inlined: threefry hashes and XLA's RngBitGenerator."""
+    for _ in range(batch):
+        fn = jax.vmap(fn)
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+    return b.inline(jax.make_jaxpr(fn)(*avals), args)
 
 
 def _check_partitionable(eqn) -> None:
@@ -144,6 +155,9 @@ def _check_partitionable(eqn) -> None:
 
 
 def _random_bits(b: Conversion, eqn, args: list[Value]) -> list[Value]:
+    impl, p = key_impl(eqn.invars[0].aval.dtype), eqn.params
+    if not _is_threefry(impl):
+        return _inline_impl(b, eqn, args, lambda k: impl.random_bits(k, p["bit_width"], p["shape"]), args[0].rank - 1)
     _check_partitionable(eqn)
     shape, dtype = b.out_aval(eqn)
     if eqn.params["bit_width"] == 64:
@@ -155,6 +169,9 @@ def _random_bits(b: Conversion, eqn, args: list[Value]) -> list[Value]:
 
 
 def _random_split(b: Conversion, eqn, args: list[Value]) -> list[Value]:
+    impl = key_impl(eqn.invars[0].aval.dtype)
+    if not _is_threefry(impl):
+        return _inline_impl(b, eqn, args, lambda k: impl.split(k, eqn.params["shape"]), args[0].rank - 1)
     _check_partitionable(eqn)
     shape, _ = b.out_aval(eqn)
     return [stack_words(b, _hash_counters(b, args[0], shape[:-1]))]
@@ -164,14 +181,19 @@ def _random_fold_in(b: Conversion, eqn, args: list[Value]) -> list[Value]:
     """fold_in(key, m) = threefry(key, counter (0, m)); keys and messages broadcast."""
     (keys, msgs), (shape, _) = args, b.out_aval(eqn)
     shape = shape[:-1]
+    impl = key_impl(eqn.invars[0].aval.dtype)
+    if not _is_threefry(impl):
+        keys = _expand(b, keys, (*shape, keys.shape[-1]), len(shape) - (keys.rank - 1))
+        return _inline_impl(b, eqn, [keys, _expand(b, msgs, shape)], impl.fold_in, len(shape))
     k1, k2 = (_expand(b, w, shape) for w in key_words(b, keys))
     return [stack_words(b, _hash(b, k1, k2, _zeros(b, shape), _expand(b, msgs, shape)))]
 
 
 def _random_seed(b: Conversion, eqn, args: list[Value]) -> list[Value]:
     """A seed's key data is (high 32 bits, low 32 bits) of the seed."""
-    require_threefry(eqn.params["impl"], f"`{eqn}`")
-    (seeds,) = args
+    impl, (seeds,) = eqn.params["impl"], args
+    if not _is_threefry(impl):
+        return _inline_impl(b, eqn, args, impl.seed, seeds.rank)
     if seeds.dtype.itemsize > 4:
         raise ShardingError(f"`{eqn}` seeds from 64-bit integers (jax_enable_x64); gspmd's random numbers "
                             "support 32-bit seeds. Run without x64.")
@@ -179,9 +201,9 @@ def _random_seed(b: Conversion, eqn, args: list[Value]) -> list[Value]:
     return [stack_words(b, [_zeros(b, seeds.shape), low])]
 
 
-def _random_wrap(b: Conversion, eqn, args: list[Value]) -> list[Value]:
-    require_threefry(eqn.params["impl"], f"`{eqn}`")
-    return [args[0]]
+def _iota_2x32(b: Conversion, eqn, args: list[Value]) -> list[Value]:
+    """Each element's row-major index as (high word, low word): threefry's counters."""
+    return list(_counters(b, tuple(eqn.params["shape"]), 0))
 
 
 def _same_key_data(b: Conversion, eqn, args: list[Value]) -> list[Value]:
@@ -191,7 +213,6 @@ def _same_key_data(b: Conversion, eqn, args: list[Value]) -> list[Value]:
 def _random_gamma(b: Conversion, eqn, args: list[Value]) -> list[Value]:
     """jax.random.gamma (beta, dirichlet): the computation JAX lowers the primitive to on
     every platform (a key per element, rejection sampling vectorized over them), inlined."""
-    require_threefry(eqn.invars[0].aval.dtype, f"`{eqn}`")
     from jax._src.random.core import _gamma_impl   # how JAX lowers random_gamma
     sample = functools.partial(_gamma_impl, log_space=eqn.params["log_space"], use_vmap=True)
     closed = jax.make_jaxpr(sample)(*(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars))
@@ -203,8 +224,34 @@ def _threefry(b: Conversion, eqn, args: list[Value]) -> list[Value]:
     return _hash(b, *(_expand(b, a, shape) for a in args))
 
 
-register("threefry2x32", converts={"threefry2x32": _threefry},
+register("threefry2x32", converts={"threefry2x32": _threefry, "iota_2x32_shape": _iota_2x32},
          converts_keys={"random_bits": _random_bits, "random_split": _random_split, "random_fold_in": _random_fold_in,
-                        "random_seed": _random_seed, "random_wrap": _random_wrap, "random_unwrap": _same_key_data,
+                        "random_seed": _random_seed, "random_wrap": _same_key_data, "random_unwrap": _same_key_data,
                         "random_clone": _same_key_data, "random_gamma": _random_gamma},
          evaluate=_evaluate_threefry, lower=_lower_threefry, factors=elementwise_factors, priority=ELEMENTWISE)
+
+
+# -- rng-bit-generator: XLA's RngBitGenerator (the rbg PRNGs' random bits) -----------------
+# Operand: the generator's state (uint32 key data); results: its next state and random
+# bits of attrs shape and dtype, by attrs algorithm. The bits depend on the whole shape
+# generated, so each device generates all of them and keeps its part, as XLA's
+# partitioner does by default (a flag of XLA lets each device make numbers of its own).
+def _convert_rng_bit_generator(b: Conversion, eqn, args: list[Value]) -> list[Value]:
+    p = eqn.params
+    return b.add("rng-bit-generator", args, [b.out_aval(eqn, i) for i in range(2)], shape=tuple(p["shape"]),
+                 dtype=np.dtype(p["dtype"]), algorithm=p["algorithm"])
+
+
+def _generate(instr, key):
+    a = instr.attrs
+    return list(jax.lax.rng_bit_generator(key, a["shape"], a["dtype"], a["algorithm"]))
+
+
+def _evaluate_rng_bit_generator(instr, args, device):
+    with jax.default_device(jax.devices("cpu")[0]):
+        return [np.asarray(r) for r in _generate(instr, args[0])]
+
+
+register("rng-bit-generator", converts={"rng_bit_generator": _convert_rng_bit_generator},
+         evaluate=_evaluate_rng_bit_generator, lower=lambda instr, args, lc: _generate(instr, args[0]),
+         partition=replicate_fallback)
