@@ -85,6 +85,24 @@ def test_custom_jvp_and_jit_are_inlined():
     check(f, rand(rng, 4, 8), mesh=MESH)
 
 
+def test_custom_partitioning_runs_its_function_partitioned_by_gspmd():
+    """A kernel wrapped in jax.experimental.custom_partitioning (as TransformerEngine's
+    and MaxText's are): gspmd partitions the function itself; its partition callback,
+    written for XLA's shardings, is not called."""
+    from jax.experimental.custom_partitioning import custom_partitioning
+
+    @custom_partitioning
+    def scaled_softmax(x):
+        return jax.nn.softmax(x * 0.5, axis=-1)
+
+    def never(*_):
+        raise AssertionError("the partition callback ran")
+    scaled_softmax.def_partition(infer_sharding_from_operands=never, partition=never, sharding_rule="i j -> i j")
+
+    low = check(lambda x: scaled_softmax(split(x, "x", "y")), rand(np.random.RandomState(9), 4, 8), mesh=MESH)
+    assert {c.kind for c in low.report().collectives} == {"all-reduce"}   # the softmax's max and sum
+
+
 def test_pytree_inputs_and_outputs():
     def f(params, x):
         h = split(x, "x", -1) @ params["w"]

@@ -22,9 +22,11 @@ from gspmd.ops.convert import Conversion
 
 # Primitives that only wrap a sub-jaxpr: their body is converted in place. (A nested
 # jax.jit may carry shardings: the `sharding` record converts it.)
+# custom_partitioning's body is the function it partitions: gspmd partitions that body
+# itself (its partition callback, written for XLA's shardings, is not called).
 CALLS = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "remat", "checkpoint", "closed_call",
-         "core_call")
-_BODY_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+         "core_call", "custom_partitioning")
+_BODY_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr", "call")
 # JAX's name for the forward computation a differentiated jax.checkpoint repeats.
 _RECOMPUTE_SCOPE = "rematted_computation"
 # Pipeline schedules recorded while a function is traced for gspmd (see record_schedule).
