@@ -161,6 +161,20 @@ def test_jax_mesh_partition_spec_and_named_sharding(make, backend):
     assert low.sharding_of(0) == gspmd.Sharding.from_mesh(MESH, ["x", "y"], (8, 8))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_device_put_onto_a_named_sharding_is_an_annotation(backend):
+    """jax.make_mesh's axes are Explicit: the function is traced under that mesh, as
+    jax.jit traces it, and device_put onto a NamedSharding inside it lays the value out
+    (here: the result's layout)."""
+    jmesh = jax.make_mesh((2, 4), ("x", "y"))
+
+    def f(x, w):
+        return jnp.tanh(jax.device_put(x, NamedSharding(jmesh, P("x", "y"))) @ w)
+    g = gspmd.jit(f, mesh=jmesh, backend=backend)
+    assert_close(g(X, W), np.tanh(X @ W), atol=1e-5)
+    assert g.lower(X, W).sharding_of("x") == gspmd.Sharding.from_mesh(MESH, ["x", "y"], X.shape)
+
+
 def test_mesh_round_trips_through_jax():
     jmesh = jax.sharding.Mesh(np.array(jax.devices())[[3, 1, 0, 2, 7, 6, 5, 4]].reshape(2, 4), ("a", "b"))
     mesh = gspmd.Mesh.from_jax(jmesh)

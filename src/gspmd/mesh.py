@@ -47,6 +47,9 @@ class Mesh:
         self.devices = devices.astype(np.int64)
         self.devices.setflags(write=False)
         self.axis_names = axis_names
+        # The abstract mesh of the jax mesh this one came from (its axis types: jax.make_mesh
+        # makes Explicit axes), which jax traces the function under; None: Auto axes.
+        self.jax_abstract: Optional[jax.sharding.AbstractMesh] = None
 
     # -- jax interop ----------------------------------------------------------------
     @classmethod
@@ -155,4 +158,6 @@ def as_mesh(mesh, what: str = "") -> Mesh:
 
 @functools.lru_cache(maxsize=256)
 def _from_jax(mesh: jax.sharding.Mesh) -> Mesh:
-    return Mesh(mesh.devices, mesh.axis_names)
+    ours = Mesh(mesh.devices, mesh.axis_names)
+    ours.jax_abstract = mesh.abstract_mesh
+    return ours

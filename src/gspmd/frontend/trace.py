@@ -70,10 +70,12 @@ def trace(fn, flat_avals, name: str = "main", mesh: Optional[Mesh] = None,
 
 def _as_jax_context(mesh: Optional[Mesh]):
     """jax's context mesh for tracing: the user's (jax.set_mesh) if any, else `mesh`'s
-    axes (jax asks only for an abstract mesh; Conversion.mesh_of finds its devices)."""
+    axes, of the types its jax mesh has (jax asks only for an abstract mesh;
+    Conversion.mesh_of finds its devices)."""
     if mesh is None or not jax.sharding.get_abstract_mesh().empty:
         return contextlib.nullcontext()
-    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(mesh.shape, mesh.axis_names))
+    abstract = mesh.jax_abstract or jax.sharding.AbstractMesh(mesh.shape, mesh.axis_names)
+    return jax.sharding.use_abstract_mesh(abstract)
 
 
 def _inline(b: Conversion, closed, args: list[Value], on_equation: Optional[OnEquation] = None) -> list[Value]:

@@ -446,17 +446,19 @@ def _convert_remat(b, eqn, args):
 
 
 def _convert_device_put(b, eqn, args):
-    """device_put inside a traced function moves nothing between our devices: the
-    identity, except offloading to host memory (remat offload policies), which gspmd
-    does not model."""
-    for where in eqn.params["devices"]:
+    """device_put inside a traced function: onto a NamedSharding, an annotation (as
+    jax.jit takes it); otherwise it moves nothing between our devices, except offloading
+    to host memory (remat offload policies), which gspmd does not model."""
+    outs = []
+    for x, where in zip(args, eqn.params["devices"]):
         if where == jax.memory.Space.Host:
             raise ShardingError(
                 f"`{eqn}` offloads a value to {where} (a jax.checkpoint offload policy such as "
                 "offload_dot_with_no_batch_dims or save_and_offload_only_these_names, or device_put to host "
                 "memory); gspmd does not model host memory: use a policy that saves or recomputes instead "
                 "(dots_saveable, save_only_these_names, nothing_saveable).")
-    return list(args)
+        outs.append(annotate(b, x, where) if isinstance(where, NamedSharding) else x)
+    return outs
 
 
 def _identity_each(b, eqn, args):
