@@ -175,6 +175,16 @@ def test_device_put_onto_a_named_sharding_is_an_annotation(backend):
     assert g.lower(X, W).sharding_of("x") == gspmd.Sharding.from_mesh(MESH, ["x", "y"], X.shape)
 
 
+def test_results_live_on_the_users_jax_mesh_and_mix_with_jax_arrays():
+    """Over a mesh of Explicit axes, results carry that very mesh, so jax combines them
+    with its own arrays on it (an Auto twin of the mesh would not be equal to it)."""
+    jmesh = jax.make_mesh((2, 4), ("x", "y"))
+    f = lambda x: jax.device_put(x, NamedSharding(jmesh, P("x", "y"))) * 2
+    ours, theirs = gspmd.jit(f, mesh=jmesh, backend="jax")(X), jax.jit(f)(X)
+    assert ours.sharding == theirs.sharding
+    assert_close(ours + theirs, 4 * X)
+
+
 def test_mesh_round_trips_through_jax():
     jmesh = jax.sharding.Mesh(np.array(jax.devices())[[3, 1, 0, 2, 7, 6, 5, 4]].reshape(2, 4), ("a", "b"))
     mesh = gspmd.Mesh.from_jax(jmesh)

@@ -47,9 +47,9 @@ class Mesh:
         self.devices = devices.astype(np.int64)
         self.devices.setflags(write=False)
         self.axis_names = axis_names
-        # The abstract mesh of the jax mesh this one came from (its axis types: jax.make_mesh
-        # makes Explicit axes), which jax traces the function under; None: Auto axes.
-        self.jax_abstract: Optional[jax.sharding.AbstractMesh] = None
+        # The jax mesh this one came from (its axis types: jax.make_mesh makes Explicit
+        # axes), which functions are traced under and results laid out over; None: Auto axes.
+        self._jax_mesh: Optional[jax.sharding.Mesh] = None
 
     # -- jax interop ----------------------------------------------------------------
     @classmethod
@@ -61,9 +61,19 @@ class Mesh:
                                 "an abstract mesh has no device order: set a concrete one with jax.set_mesh.")
         return _from_jax(mesh)
 
-    def to_jax(self) -> jax.sharding.Mesh:
-        """This mesh as a `jax.sharding.Mesh` (Auto axes) over its jax devices."""
+    def to_jax(self, auto: bool = False) -> jax.sharding.Mesh:
+        """This mesh as a `jax.sharding.Mesh` over its jax devices: the one it came from
+        (Mesh.from_jax, with that mesh's axis types), else (or with `auto`) one of Auto axes."""
+        if self._jax_mesh is not None and not auto:
+            return self._jax_mesh
         return jax.sharding.Mesh(np.array(self.jax_devices(), dtype=object)[self.devices], self.axis_names)
+
+    def abstract(self) -> jax.sharding.AbstractMesh:
+        """jax's abstract twin (what jax traces under): the jax mesh's it came from, else
+        one of Auto axes."""
+        if self._jax_mesh is not None:
+            return self._jax_mesh.abstract_mesh
+        return jax.sharding.AbstractMesh(self.shape, self.axis_names)
 
     def jax_devices(self) -> list:
         """The jax device of each device id (raises when jax has too few devices)."""
@@ -159,5 +169,5 @@ def as_mesh(mesh, what: str = "") -> Mesh:
 @functools.lru_cache(maxsize=256)
 def _from_jax(mesh: jax.sharding.Mesh) -> Mesh:
     ours = Mesh(mesh.devices, mesh.axis_names)
-    ours.jax_abstract = mesh.abstract_mesh
+    ours._jax_mesh = mesh
     return ours

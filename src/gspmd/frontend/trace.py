@@ -74,8 +74,7 @@ def _as_jax_context(mesh: Optional[Mesh]):
     Conversion.mesh_of finds its devices)."""
     if mesh is None or not jax.sharding.get_abstract_mesh().empty:
         return contextlib.nullcontext()
-    abstract = mesh.jax_abstract or jax.sharding.AbstractMesh(mesh.shape, mesh.axis_names)
-    return jax.sharding.use_abstract_mesh(abstract)
+    return jax.sharding.use_abstract_mesh(mesh.abstract())
 
 
 def _inline(b: Conversion, closed, args: list[Value], on_equation: Optional[OnEquation] = None) -> list[Value]:
