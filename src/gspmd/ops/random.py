@@ -2,9 +2,10 @@
 PRNGs (jax.random.key(seed, impl="rbg" / "unsafe_rbg")), as JAX computes them: threefry
 hashes of the key data and XLA's RngBitGenerator (rng-bit-generator, below).
 
-The IR has no key dtype: a key array of shape K is its uint32 key data, shape K + (2,) (K + (4,) for rbg),
-everywhere in a Program (frontend/keys.py converts at gspmd.jit's boundary and for the
-ops that merely move keys around). The `random_*` primitives become one element-wise op,
+The IR has no key dtype: a key array of shape K is its uint32 key data, shape K + (2,)
+(rbg: K + (4,)), everywhere in a Program (frontend/keys.py converts at gspmd.jit's
+boundary and for the ops that merely move keys around). The `random_*` primitives of
+threefry keys become one element-wise op,
 `threefry2x32` (two key words and two counter words in, two hashed words out), fed with
 iota-based counters. With JAX's partitionable threefry (jax_threefry_partitionable, the
 default) each random element's counter is its row-major index in the generated array, so
@@ -248,8 +249,7 @@ def _generate(instr, key):
 
 
 def _evaluate_rng_bit_generator(instr, args, device):
-    with jax.default_device(jax.devices("cpu")[0]):
-        return [np.asarray(r) for r in _generate(instr, args[0])]
+    return [np.asarray(r) for r in _generate(instr, args[0])]
 
 
 register("rng-bit-generator", converts={"rng_bit_generator": _convert_rng_bit_generator},
