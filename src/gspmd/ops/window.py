@@ -111,6 +111,15 @@ def _dim_factors(instr, plans=None) -> list[fx.Factor]:
             for d, (n, w) in enumerate(zip(instr.outputs[0].shape, _rw_windows(instr)))]
 
 
+def _planned(instr, operand, target, planner):
+    """The op's windows, the dims to split by halo exchange with each one's plan
+    (`planner(size, window, parts)`), their layout, and the factors around them."""
+    windows = _rw_windows(instr)
+    plans, layout = plan_layout(windows, operand, target,
+                                lambda d, parts: planner(operand.shape[d], windows[d], parts))
+    return windows, plans, layout, _dim_factors(instr, plans)
+
+
 def _local_windows(instr, plans, layout, windows):
     """The local emitter of a reduce-window-like op once its operands hold each
     partition's windows along the planned dims."""
@@ -125,9 +134,7 @@ def _local_windows(instr, plans, layout, windows):
 
 def _partition_reduce_window(ctx, instr, operands, targets):
     (x,), (target,) = operands, targets
-    windows = _rw_windows(instr)
-    plans, layout = plan_layout(_rw_windows(instr), x, target, lambda d, parts: plan_dim(x.shape[d], windows[d], parts))
-    factors = _dim_factors(instr, plans)
+    windows, plans, layout, factors = _planned(instr, x, target, plan_dim)
     fill = instr.attrs["reducer"].identity(x.dtype)
     if not plans:
         return fx.partition(ctx, instr, factors, operands, targets)
@@ -141,10 +148,14 @@ def _selected(instr) -> Reducer:
     return MAX if instr.attrs["select"] == "ge" else MIN
 
 
-def _chosen(instr, operand: np.ndarray, windows, slices) -> np.ndarray:
-    """Per window, which of its elements (in window order) it selects: the first extreme,
-    like XLA; padding is never selected."""
-    base = _pad_base(operand, _selected(instr).identity(operand.dtype), windows)
+def _padded_operand(instr, operand: np.ndarray, windows) -> np.ndarray:
+    """The operand padded with what its windows never select."""
+    return _pad_base(operand, _selected(instr).identity(operand.dtype), windows)
+
+
+def _chosen(instr, base: np.ndarray, slices) -> np.ndarray:
+    """Per window of the padded operand `base`, which of its elements (in window order)
+    it selects: the first extreme, like XLA."""
     return (np.argmax if instr.attrs["select"] == "ge" else np.argmin)(np.stack([base[sl] for sl in slices]), axis=0)
 
 
@@ -155,17 +166,15 @@ def _evaluate_select_and_gather_add(instr, args, device):
         return [np.zeros(out.shape, out.dtype)]
     slices = [sl for _, sl in _window_slices(windows, out.shape)]
     picked = np.stack([_pad_base(tangents, np.zeros((), tangents.dtype), windows)[sl] for sl in slices])
-    return [np.take_along_axis(picked, _chosen(instr, operand, windows, slices)[None], axis=0)[0].astype(out.dtype)]
+    chosen = _chosen(instr, _padded_operand(instr, operand, windows), slices)
+    return [np.take_along_axis(picked, chosen[None], axis=0)[0].astype(out.dtype)]
 
 
 def _partition_select_and_gather_add(ctx, instr, operands, targets):
     """As reduce-window: both operands' windows cut out by halo exchange (the operand's
     padding never selected, the tangents' zero)."""
     (tangents, operand), (target,) = operands, targets
-    windows = _rw_windows(instr)
-    plans, layout = plan_layout(windows, operand, target,
-                                lambda d, parts: plan_dim(operand.shape[d], windows[d], parts))
-    factors = _dim_factors(instr, plans)
+    windows, plans, layout, factors = _planned(instr, operand, target, plan_dim)
     if not plans:
         return fx.partition(ctx, instr, factors, operands, targets)
     fills = (np.zeros((), tangents.dtype), _selected(instr).identity(operand.dtype))
@@ -183,8 +192,9 @@ def _evaluate_select_and_scatter_add(instr, args, device):
     slices = [sl for _, sl in _window_slices(windows, source.shape)]
     if not slices or not source.size:
         return [np.zeros(out.shape, out.dtype)]
-    chosen = _chosen(instr, operand, windows, slices)
-    acc = np.zeros(_pad_base(operand, 0, windows).shape, out.dtype)
+    base = _padded_operand(instr, operand, windows)
+    chosen = _chosen(instr, base, slices)
+    acc = np.zeros(base.shape, out.dtype)
     for k, sl in enumerate(slices):
         acc[sl] += np.where(chosen == k, source, 0).astype(out.dtype)
     crop = tuple(slice(w.low, w.low + n) for w, n in zip(windows, out.shape))
@@ -195,10 +205,7 @@ def _partition_select_and_scatter_add(ctx, instr, operands, targets):
     """Each partition runs the windows that touch its own operand elements (source and
     operand ranges by halo exchange) and keeps what lands on its own elements."""
     (source, operand), (target,) = operands, targets
-    windows = _rw_windows(instr)
-    spans, layout = plan_layout(windows, operand, target,
-                                   lambda d, parts: _scatter_span(operand.shape[d], windows[d], parts))
-    factors = _dim_factors(instr, spans)
+    windows, spans, layout, factors = _planned(instr, operand, target, _scatter_span)
     if not spans:
         return fx.partition(ctx, instr, factors, operands, targets)
     fill = _selected(instr).identity(operand.dtype)
@@ -312,22 +319,25 @@ def _convert_generic_reduce_window(b, eqn, args):
     return _convert_reduce_window(reducer)(b, eqn, args[:1])
 
 
+def _select(eqn) -> str:
+    """The select_prim of a max (ge) or min (le) pooling derivative."""
+    select = eqn.params["select_prim"].name
+    if select not in ("ge", "le"):
+        raise ShardingError(f"{eqn.primitive.name} with select_prim {select} is not supported (`{eqn}`): gspmd "
+                            "partitions the derivatives of max and min pooling (ge, le).")
+    return select
+
+
 def _convert_select_and_scatter_add(b, eqn, args):
     p = eqn.params
-    select = {"ge": "ge", "le": "le"}.get(p["select_prim"].name)
-    if select is None:
-        raise ShardingError(f"select_and_scatter_add with select_prim {p['select_prim']} is not supported (`{eqn}`).")
-    return [b.add1("select-and-scatter-add", args, *b.out_aval(eqn), select=select,
+    return [b.add1("select-and-scatter-add", args, *b.out_aval(eqn), select=_select(eqn),
                    window_dimensions=tuple(p["window_dimensions"]), window_strides=tuple(p["window_strides"]),
                    padding=_padding(p))]
 
 
 def _convert_select_and_gather_add(b, eqn, args):
     p = eqn.params
-    select = {"ge": "ge", "le": "le"}.get(p["select_prim"].name)
-    if select is None:
-        raise ShardingError(f"select_and_gather_add with select_prim {p['select_prim']} is not supported (`{eqn}`).")
-    return [b.add1("select-and-gather-add", args, *b.out_aval(eqn), select=select,
+    return [b.add1("select-and-gather-add", args, *b.out_aval(eqn), select=_select(eqn),
                    window_dimensions=tuple(p["window_dimensions"]), window_strides=tuple(p["window_strides"]),
                    padding=_padding(p), base_dilation=tuple(p["base_dilation"]),
                    window_dilation=tuple(p["window_dilation"]))]
