@@ -18,7 +18,6 @@ also see the global value, which JAX allows (it promises nothing about the shard
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import jax
@@ -29,33 +28,21 @@ from jax import lax
 from gspmd.errors import ShardingError
 from gspmd.ir.program import SIDE_EFFECT
 from gspmd.mesh import Mesh
+from gspmd.ops.convert import BoundPrimitive, call_eagerly
 from gspmd.ops.registry import register, replicate_fallback
 from gspmd.sharding import Sharding
-
-
-@dataclass(frozen=True, eq=False)
-class HostCall:
-    """The JAX primitive of a callback with its parameters (the host function in them)."""
-    primitive: object
-    params: dict
-
-    def __call__(self, *args) -> list:
-        return list(self.primitive.bind(*args, **self.params))
-
-    def __repr__(self):
-        return self.primitive.name
 
 
 def _convert(side_effect: bool):
     def convert(b, eqn, args):
         out_types = [b.out_aval(eqn, i) for i in range(len(eqn.outvars))]
         attrs = {SIDE_EFFECT: True} if side_effect else {}
-        return b.add("host-callback", args, out_types, call=HostCall(eqn.primitive, dict(eqn.params)),
+        return b.add("host-callback", args, out_types, call=BoundPrimitive(eqn.primitive, dict(eqn.params)),
                      per_device=bool(b.manual_regions), **attrs)
     return convert
 
 
-def _ordered_debug(call: HostCall) -> bool:
+def _ordered_debug(call: BoundPrimitive) -> bool:
     """jax.debug.print/callback(ordered=True), which JAX runs on one device only (an
     ordered io_callback is fine)."""
     if call.primitive.name == "debug_print":
@@ -63,16 +50,12 @@ def _ordered_debug(call: HostCall) -> bool:
     return type(call.params.get("effect")).__name__ == "OrderedDebugEffect"
 
 
-def _call(instr, args) -> list:
-    return [np.asarray(r).astype(o.dtype, copy=False) for r, o in zip(instr.attrs["call"](*args), instr.outputs)]
-
-
 def _evaluate_all(instr, per_device: list[list[np.ndarray]]) -> list[list[np.ndarray]]:
     """Once, with device 0's operands (every device holds the whole value); in a manual
     region once per device."""
     if instr.attrs["per_device"]:
-        return [_call(instr, args) for args in per_device]
-    results = _call(instr, per_device[0])
+        return [call_eagerly(instr, args) for args in per_device]
+    results = call_eagerly(instr, per_device[0])
     return [results for _ in per_device]
 
 

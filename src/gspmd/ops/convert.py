@@ -8,6 +8,7 @@ jax backend's shard_map: `lower(instr, args, lc)` with `lc` a LowerContext.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import jax
@@ -98,6 +99,28 @@ class Conversion(Builder):
     def out_aval(eqn, i: int = 0) -> tuple[tuple[int, ...], np.dtype]:
         """Shape and dtype of the equation's i-th result (of its key data for keys)."""
         return physical_aval(eqn.outvars[i].aval)
+
+
+@dataclass(frozen=True, eq=False)
+class BoundPrimitive:
+    """A JAX primitive with its parameters, which an op runs as it is on each device's
+    arrays (host callbacks, decompositions): called, its results as a list. Equal only to
+    itself (its parameters may hold functions)."""
+    primitive: object
+    params: dict
+
+    def __call__(self, *args) -> list:
+        results = self.primitive.bind(*args, **self.params)
+        return list(results) if self.primitive.multiple_results else [results]
+
+    def __repr__(self):
+        return self.primitive.name
+
+
+def call_eagerly(instr, args) -> list[np.ndarray]:
+    """The results of instr's `call` (a BoundPrimitive) on NumPy arrays, in its output
+    dtypes: the NumPy reference of ops that run a JAX primitive as it is."""
+    return [np.asarray(r).astype(o.dtype, copy=False) for r, o in zip(instr.attrs["call"](*args), instr.outputs)]
 
 
 def is_key(dtype) -> bool:

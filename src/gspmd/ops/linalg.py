@@ -2,16 +2,15 @@
 initializer's QR) and FFTs (jnp.fft), partitioned as XLA partitions them: along their
 batch dims, each device transforming its own matrices or signals; a split matrix (or
 transformed) dim is gathered first. Every primitive is one `linalg` op holding the JAX
-primitive it runs, which both backends call on each device's data (LAPACK's and the
-FFT library's results, as under jax.jit, signs of eigenvectors included).
+primitive it runs (a BoundPrimitive), which both backends call on each device's data
+(LAPACK's and the FFT library's results, as under jax.jit, signs of eigenvectors
+included).
 jnp.linalg.solve's custom_linear_solve is its solve in place."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
-import numpy as np
-
+from gspmd.ops.convert import BoundPrimitive, call_eagerly
 from gspmd.ops.registry import register
 from gspmd.spmd.cost import ComputeKind
 from gspmd.spmd.factors import REPLICATE, Factor
@@ -23,26 +22,11 @@ _MATRIX_DIMS = {"cholesky": 2, "cholesky_update": 2, "eig": 2, "eigh": 2, "svd":
                 "schur": 2, "hessenberg": 2, "tridiagonal": 2, "tridiagonal_solve": 1, "lu_pivots_to_permutation": 1}
 
 
-@dataclass(frozen=True, eq=False)
-class LinalgCall:
-    """A JAX linear-algebra primitive with its parameters."""
-    primitive: object
-    params: dict
-    batch_dims: int
-
-    def __call__(self, *args) -> list:
-        results = self.primitive.bind(*args, **self.params)
-        return list(results) if self.primitive.multiple_results else [results]
-
-    def __repr__(self):
-        return self.primitive.name
-
-
 def _convert(b, eqn, args):
     name = eqn.primitive.name
     core = len(eqn.params["fft_lengths"]) if name == "fft" else _MATRIX_DIMS[name]   # an FFT: its transformed dims
-    call = LinalgCall(eqn.primitive, dict(eqn.params), args[0].rank - core)
-    return b.add("linalg", args, [b.out_aval(eqn, i) for i in range(len(eqn.outvars))], call=call)
+    return b.add("linalg", args, [b.out_aval(eqn, i) for i in range(len(eqn.outvars))],
+                 call=BoundPrimitive(eqn.primitive, dict(eqn.params)), batch_dims=args[0].rank - core)
 
 
 def _convert_linear_solve(b, eqn, args):
@@ -56,7 +40,7 @@ def _convert_linear_solve(b, eqn, args):
 def _factors(instr) -> list[Factor]:
     """Batch dims pass through; each matrix dim of each operand and result stays whole."""
     tensors = instr.operands + instr.outputs
-    batch = instr.attrs["call"].batch_dims
+    batch = instr.attrs["batch_dims"]
     factors = [Factor(tensors[0].shape[d], (d,) * len(tensors)) for d in range(batch)]
     for t, value in enumerate(tensors):
         factors += [Factor(value.shape[d], tuple(d if u == t else None for u in range(len(tensors))), REPLICATE)
@@ -74,13 +58,13 @@ _CUBIC = {"cholesky": 1 / 3, "lu": 2 / 3, "qr": 4 / 3, "geqrf": 4 / 3, "geqp3": 
 def _flops(instr) -> int:
     """Per batch element: an FFT's 5 N log2 N (half for real signals); a triangular
     solve's m^2 per right-hand side column; a decomposition's count from _CUBIC."""
-    call, x = instr.attrs["call"], instr.operands[0]
-    batch, name = math.prod(x.shape[:call.batch_dims]), call.primitive.name
+    call, x, batch_dims = instr.attrs["call"], instr.operands[0], instr.attrs["batch_dims"]
+    batch, name = math.prod(x.shape[:batch_dims]), call.primitive.name
     if name == "fft":
         n = math.prod(call.params["fft_lengths"])
         return int(batch * 5 * n * math.log2(max(n, 2)) / (2 if call.params["fft_type"].value >= 2 else 1))
     if name == "triangular_solve":
-        return batch * x.shape[-1] * math.prod(instr.operands[1].shape[call.batch_dims:])
+        return batch * x.shape[-1] * math.prod(instr.operands[1].shape[batch_dims:])
     if name not in _CUBIC:   # banded and permutation ops: linear in their size
         return 8 * math.prod(instr.outputs[0].shape)
     m, n = x.shape[-2:]
@@ -90,13 +74,11 @@ def _flops(instr) -> int:
     return int(batch * count * m * n * min(m, n))
 
 
-def _evaluate(instr, args, device):
-    return [np.asarray(r).astype(o.dtype, copy=False) for r, o in zip(instr.attrs["call"](*args), instr.outputs)]
-
-
 def _lower(instr, args, lc):
     return instr.attrs["call"](*args)
 
 
 register("linalg", converts={**{name: _convert for name in (*_MATRIX_DIMS, "fft")},
-                             "custom_linear_solve": _convert_linear_solve}, evaluate=_evaluate, lower=_lower, factors=_factors, flops=_flops, compute=ComputeKind.MATMUL)
+                             "custom_linear_solve": _convert_linear_solve},
+         evaluate=lambda instr, args, device: call_eagerly(instr, args), lower=_lower, factors=_factors,
+         flops=_flops, compute=ComputeKind.MATMUL)
