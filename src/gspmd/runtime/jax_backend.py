@@ -142,16 +142,15 @@ class Executable:
         # The program runs over Auto axes; its results are laid out over the user's jax mesh
         # (whose axes may be Explicit), so that jax code can combine them with its own arrays.
         self.jax_mesh = mesh.to_jax(auto=True)      # raises a clear error when jax has too few devices
-        self.users_mesh = mesh.to_jax()
         ids = mesh.devices.ravel()
         self._ids = None if np.array_equal(ids, np.arange(mesh.size)) else ids
         self.in_shardings = [self.named_sharding(p.sharding, p.shape) for p in self.params]
-        self.out_shardings = [self.named_sharding(v.sharding, v.shape) for v in self.outputs]
-        users = [NamedSharding(self.users_mesh, s.spec) for s in self.out_shardings]
+        self.out_shardings = [NamedSharding(mesh.to_jax(), self.named_sharding(v.sharding, v.shape).spec)
+                              for v in self.outputs]
         self._coarse_in = [self._coarse(ns, v) for ns, v in zip(self.in_shardings, self.params)]
         self._coarse_out = [self._coarse(ns, v) for ns, v in zip(self.out_shardings, self.outputs)]
         self.jitted = jax.jit(wrap(self._run_global), in_shardings=tuple(self.in_shardings),
-                              out_shardings=tuple(users), donate_argnums=tuple(donate))
+                              out_shardings=tuple(self.out_shardings), donate_argnums=tuple(donate))
         self._compiled = None
         self.multiprocess = jax.process_count() > 1
 
