@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 
 import gspmd
-from corpus import cond_mlp, equinox_block, linen_cnn, lm, moe, nnx_mlp, shard_map_ring, sharding_constraints
+from corpus import (cond_mlp, equinox_block, linen_cnn, linen_lstm, lm, moe, nnx_mlp, shard_map_ring,
+                    sharding_constraints)
 from gspmd.frontend.annotation import unpartitioned
 from gspmd.spmd.context import Why
 from util import BACKENDS, assert_same
 
-PROGRAMS = [linen_cnn, nnx_mlp, equinox_block, lm, moe, cond_mlp, sharding_constraints, shard_map_ring]
+PROGRAMS = [linen_cnn, nnx_mlp, equinox_block, lm, moe, cond_mlp, sharding_constraints, shard_map_ring, linen_lstm]
 RTOL, ATOL = 1e-4, 1e-5
 
 
@@ -162,3 +163,13 @@ def test_shard_map_ring_costs_its_permutes_and_the_parameter_gathers():
     # The ring passes the loss and each gradient once (2 data shards); the region needs
     # the ZeRO-split parameters whole; its replicated gradients are sliced locally.
     assert counts(low) == {"collective-permute": 1 + params, "all-gather": params}, low.report()
+
+
+# -- a sharded init with Flax's orthogonal initializer ---------------------------------------
+def test_linen_lstm_initializes_in_place_and_sums_only_gradients():
+    """The QR of the orthogonal recurrent kernels runs whole on each device (its input is
+    drawn there), so nothing is gathered: the step's only collectives sum the gradients
+    over the split batch."""
+    low = checked(linen_lstm)
+    assert set(counts(low)) == {"all-reduce"}, low.report()
+    assert any(i.opcode == "linalg" for i in low.program.instrs), "the orthogonal initializer's QR"
