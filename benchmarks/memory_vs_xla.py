@@ -71,6 +71,8 @@ def cases(size: str) -> dict:
     tcfg = transformer.Config() if small else transformer.Config(batch=8, seq=64, model=128, heads=8,
                                                                  head_dim=16, hidden=512, layers=2)
     mcfg = moe.Config() if small else moe.Config(groups=8, group_size=64, model=64, hidden=128, capacity=16)
+    dcfg = moe.Config(groups=4, group_size=16, model=8, hidden=32, experts=4) if small else \
+        moe.Config(groups=4, group_size=256, model=256, hidden=1024, experts=4)
     # batch 4: its microbatches split evenly over x (an uneven split makes the jax backend
     # take the whole batch and pad it in its body, which the per-device program does not hold)
     pcfg = transformer.Config(batch=4, layers=2) if small else transformer.Config(batch=8, seq=32, model=64, heads=4,
@@ -84,6 +86,8 @@ def cases(size: str) -> dict:
         "transformer": (transformer.make_train_step(transformer.gspmd_annotate(mesh2), tcfg),
                         transformer.example_inputs(tcfg)),
         "moe": (moe.make_train_step(_mesh((8,), ("x",)), cfg=mcfg), moe.example_inputs(mcfg)),
+        "dropless-moe": (moe.make_train_step(mesh2, "x", dcfg, expert_axis="y", dropless=True),
+                         moe.example_inputs(dcfg)),
         "unet": (unet.make_train_step(_mesh((2, 4), ("d", "h")), ("d", "h", -1)),
                  (unet.init_params(rng, width=width), rng.standard_normal((2, 2, side, side, side)).astype(np.float32),
                   rng.standard_normal((2, 1, side, side, side)).astype(np.float32))),

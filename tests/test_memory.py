@@ -182,7 +182,7 @@ def test_model_within_ten_percent_of_xla_on_every_case_study():
                           "--no-donation", "--json"], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads(out.stdout.strip().splitlines()[-1])
-    assert {r["case"] for r in rows} == {"mlp", "transformer", "moe", "unet", "pipeline", "scan", "remat"}
+    assert {r["case"] for r in rows} == {"mlp", "transformer", "moe", "dropless-moe", "unet", "pipeline", "scan", "remat"}
     for r in rows:
         assert 0.9 <= r["ratio"] <= 1.1, r
 

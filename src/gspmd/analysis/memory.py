@@ -10,7 +10,9 @@ What the model follows (each op's record in ops/ says how the op stores its resu
 - Kernel layouts: where a kernel wants an operand laid out otherwise (a batched dot's
   batch dims leading, a convolution's channels last, a collective's dim outermost), a
   transposed copy is made, once for all instructions that want it; some kernels hold
-  scratch while they run (an all-to-all's per-destination pieces).
+  scratch while they run (an all-to-all's per-destination pieces). XLA:CPU runs a
+  grouped matmul as a dense product over masked per-group copies of an operand, which
+  a loop fusion writes right before it (its element-wise producers fused into it).
 - Order: XLA's memory scheduler (depth first from the results, operands feeding the
   most reused values first). XLA:CPU's default concurrency scheduler (breadth first)
   holds more; accelerators schedule for memory.
@@ -223,7 +225,8 @@ class _Step:
 
 def _steps(program: Program, kernel_scratch: bool) -> tuple[list[_Step], dict[Value, Order]]:
     """The program with the layout copies that kernels want, each made before the first
-    instruction that reads it; and the values not laid out row-major, with their order."""
+    instruction that reads it, and the operands XLA:CPU expands, each right before its
+    reader; and the values not laid out row-major, with their order."""
     steps: list[_Step] = []
     copies: dict[tuple[Value, Order], Value] = {}
     stored: dict[Value, Order] = {}   # values not laid out row-major
@@ -231,9 +234,16 @@ def _steps(program: Program, kernel_scratch: bool) -> tuple[list[_Step], dict[Va
         op = ops.lookup(instr.opcode)
         layout = op.layout(instr) if op.layout else None
         operands = list(instr.operands)
+        expanded = op.expanded(instr) if op.expanded and kernel_scratch else {}
+        for index, n in expanded.items():   # written in the layout the kernel wants: no copy
+            v = operands[index]
+            operands[index] = Value(f"{v.name}.expanded", (n, *v.shape), v.dtype)
+            operands[index].sharding = v.sharding
+            steps.append(_Step(None, [v], [operands[index]], Storage.REPEATED if n > 1 else Storage.ELEMENTWISE,
+                               False, f"{n} masked copies of %{v.name} for {made_by(instr)}", source=instr.source))
         for index, wanted in enumerate(layout.operands if layout else ()):
             v = operands[index]
-            if wanted is None or any(same_layout(v.shape, stored.get(v), w) for w in wanted):
+            if index in expanded or wanted is None or any(same_layout(v.shape, stored.get(v), w) for w in wanted):
                 continue
             order = next((w for w in wanted if (v, w) in copies), wanted[0])
             if (v, order) not in copies:
@@ -524,7 +534,7 @@ class _Liveness:
     def _layout_copies(self) -> dict[Value, list[Value]]:
         copies: dict[Value, list[Value]] = {}
         for step in self.steps:
-            if step.instr is None and step.outputs:
+            if step.instr is None and step.storage is Storage.INDEXED:
                 copies.setdefault(step.operands[0], []).append(step.outputs[0])
         return copies
 

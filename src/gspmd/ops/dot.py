@@ -272,6 +272,16 @@ def _ragged_dot_flops(instr) -> int:
     return 2 * math.prod(lhs.shape) * math.prod(rhs.shape[r] for r in rhs_free if r != instr.attrs["rhs_group"])
 
 
+def _expanded_ragged_operands(instr) -> dict[int, int]:
+    """JAX runs a grouped matmul off TPU as one dense product over [groups, ...] copies
+    of each operand with the ragged dim, the other groups' elements zeroed."""
+    a = instr.attrs
+    if a["rhs_group"] is not None:
+        return {0: instr.operands[1].shape[a["rhs_group"]]}
+    return {0: instr.outputs[0].shape[0], 1: instr.outputs[0].shape[0]}
+
+
 register("ragged-dot", converts={"ragged_dot_general": _convert_ragged_dot}, evaluate=_evaluate_ragged_dot,
          lower=_lower_ragged_dot, factors=_ragged_dot_factors, partition=_partition_ragged_dot,
-         priority=CONTRACTION, flops=_ragged_dot_flops, compute=ComputeKind.MATMUL, linear=linear_in((0,), (1,)))
+         priority=CONTRACTION, flops=_ragged_dot_flops, compute=ComputeKind.MATMUL, linear=linear_in((0,), (1,)),
+         expanded=_expanded_ragged_operands)

@@ -105,6 +105,10 @@ class OpDef:
     layout: Optional[Callable[[Instr], "KernelLayout"]] = None
     # bytes the op's kernel holds while it runs beyond its operands and results
     scratch: Optional[Callable[[Instr], int]] = None
+    # expanded(instr) -> {operand index: n}: XLA:CPU reads these operands through a loop
+    # fusion that writes n masked copies of each, one per group (a grouped matmul run as
+    # one dense product); their element-wise producers fuse into it
+    expanded: Optional[Callable[[Instr], dict[int, int]]] = None
     # prune(instr, which results are used): drop what only unused results need
     prune: Optional[Callable[[Instr, list[bool]], None]] = None
     # repeat(ctx, instr) -> its result computed again by other instructions, which no
