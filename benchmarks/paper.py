@@ -190,6 +190,12 @@ def tables() -> list[Table]:
             "H/Y]), but the 57B holds 0.45B parameters per core against the 33B's 1.0B, so with float32 "
             "parameters and gradients it must hold about 4.5 GB less (ours: 4.3 GB less); the paper's holds "
             "0.6 GB more. Within 15% of both would take 33B <= 14.1 GB and 57B >= 11.0 GB: at most 3.1 GB apart.",
+            "Keeping the tokens' M whole over Y instead (Megatron-style dense layers and MoE tokens, [B/X, S, M]; "
+            "measured on 2026-12-02 by planning that variant) moves the failure: 33B 13.3 GB (+8%), 57B 10.6 GB "
+            "(-18%), 420B 12.1 GB (+2%), 804B 10.3 GB (+21%), and each step 0.1-0.5 s longer. Then the 57B and "
+            "the 804B hold activations of the same per-core shapes (B/X = 8, E/X = 1, H/Y = 4096, N/Y = 16) and "
+            "0.45B and 0.39B parameters per core, yet the paper's differ by 4.4 GB (12.9 and 8.5): within 15% "
+            "of both takes 1.2 GB from 0.06B parameters per core, 20 bytes each.",
         ], fit=TPU_REMAT, one_policy=True),
         Table(8, "3D U-Net: spatial partitioning and data parallelism", [
             Row(f"({d},{s}), {size}^3, batch {b}", "unet", planning.Sizes(mesh=(d, s), image_size=size, batch=b),
