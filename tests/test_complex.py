@@ -2,7 +2,7 @@
 reference code), FFTs (jnp.fft: spectral layers, FNO), complex matmuls and sums, forward
 and backward, equal to one device on both backends on uneven splits. Element-wise and
 contraction ops partition as for real numbers; an FFT partitions along its batch dims,
-its transformed dims whole."""
+and over split transformed dims moves the splits onto dims it is done with."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -64,6 +64,40 @@ def test_fft_along_whole_dims_runs_where_the_data_lies(name):
 def test_fft_along_a_split_dim_moves_it_first():
     low = check(lambda x: jnp.fft.fft(split(x, -1, -1, "y"), axis=-1), X, mesh=MESH, rtol=1e-3, atol=1e-3)
     assert collectives(low)
+
+
+IMAGES = RNG.standard_normal((8, 16, 12)).astype(np.float32)   # [batch, height, width]
+
+
+@pytest.mark.parametrize("name, fn, layout", [
+    ("fft2, height split", lambda x: jnp.fft.fft2(x), (-1, "y", -1)),
+    ("fft2, width split", lambda x: jnp.fft.fft2(x), (-1, -1, "y")),
+    ("fft2, both split", lambda x: jnp.fft.fft2(x), (-1, "x", "y")),
+    ("ifft2, height split", lambda x: jnp.fft.ifft2(x * (1 + 1j)), (-1, "y", -1)),
+    ("rfft2, height split", lambda x: jnp.fft.rfft2(x), (-1, "y", -1)),
+    ("fftn over three dims, two split", lambda x: jnp.fft.fftn(x), ("x", "y", -1)),
+    ("fft2 there and back", lambda x: jnp.real(jnp.fft.ifft2(jnp.fft.fft2(x) * 2.0)), (-1, "y", -1)),
+])
+def test_fft_over_split_dims_moves_the_splits_instead_of_gathering(name, fn, layout):
+    """As distributed FFTs (pencils): the whole dims first, then one all-to-all moves each
+    split onto a dim done with, the rest are transformed, and the result goes back to the
+    input's layout (which propagation carries through the FFT): no gather."""
+    low = check(lambda x: fn(split(x, *layout)), IMAGES, mesh=MESH, rtol=1e-3, atol=1e-3)
+    kinds = collectives(low)
+    assert "all-gather" not in kinds and kinds.count("all-to-all") >= 2, kinds
+
+
+@pytest.mark.parametrize("name, fn, layout", [
+    ("rfft2, the batch uneven", lambda x: jnp.fft.rfft2(x), (-1, "y", -1)),
+    ("irfft2, height split", lambda x: jnp.fft.irfft2(jnp.fft.rfft2(x) * 2.0, s=x.shape[1:]), (-1, "y", -1)),
+    ("irfftn, width split", lambda x: jnp.fft.irfftn(jnp.fft.rfftn(x, axes=(1, 2)), s=x.shape[1:], axes=(1, 2)),
+     (-1, -1, "y")),
+    ("rfftn, three dims split unevenly", lambda x: jnp.fft.rfftn(x), ("x", "y", -1)),
+])
+def test_fft_over_split_dims_where_no_dim_can_take_the_split(name, fn, layout):
+    """X (6 x 10 x 8) leaves the splits nowhere to go in some steps: those are gathered
+    before the transform (real data, the smaller), every result equal to one device."""
+    check(lambda x: fn(split(x, *layout)), X, mesh=MESH, rtol=1e-3, atol=1e-3)
 
 
 def test_spectral_convolution_trains():

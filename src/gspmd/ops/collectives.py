@@ -204,8 +204,13 @@ def _lower_all_reduce(instr, args, lc):
 
 
 def _lower_all_gather(instr, args, lc):
-    return [lax.all_gather(args[0], lc.axis, axis=instr.attrs["dim"], axis_index_groups=_axis_groups(instr, lc),
-                           tiled=True)]
+    """Along the outermost dim, moved there and back: the copies XLA makes anyway, but
+    explicit, so that its CPU layout assignment does not hand the gathered dim-major
+    layout on to an FFT that made the operand (its FFT kernel then fails a layout check)."""
+    dim = instr.attrs["dim"]
+    x = jnp.moveaxis(args[0], dim, 0)
+    gathered = lax.all_gather(x, lc.axis, axis=0, axis_index_groups=_axis_groups(instr, lc), tiled=True)
+    return [jnp.moveaxis(gathered, 0, dim)]
 
 
 def _lower_reduce_scatter(instr, args, lc):

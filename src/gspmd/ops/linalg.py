@@ -1,19 +1,28 @@
 """Matrix decompositions and solves (jnp.linalg, jax.scipy.linalg; the orthogonal
-initializer's QR) and FFTs (jnp.fft), partitioned as XLA partitions them: along their
-batch dims, each device transforming its own matrices or signals; a split matrix (or
-transformed) dim is gathered first. Every primitive is one `linalg` op holding the JAX
-primitive it runs (a BoundPrimitive), which both backends call on each device's data
-(LAPACK's and the FFT library's results, as under jax.jit, signs of eigenvectors
-included).
-jnp.linalg.solve's custom_linear_solve is its solve in place."""
+initializer's QR) and FFTs (jnp.fft), partitioned along their batch dims, each device
+transforming its own matrices or signals; a split matrix dim is gathered first, as XLA
+does. Every primitive is one `linalg` op holding the JAX primitive it runs (a
+BoundPrimitive), which both backends call on each device's data (LAPACK's and the FFT
+library's results, as under jax.jit, signs of eigenvectors included).
+An FFT over several dims, some of them split, runs as distributed FFTs do (slabs and
+pencils): the whole dims are transformed first, then each split moves onto a dim done
+with (one all-to-all) and the rest are transformed; its splits pass through it in
+propagation. jnp.linalg.solve's custom_linear_solve is its solve in place."""
 from __future__ import annotations
 
 import math
+from typing import Optional
+
+from jax.lax import FftType
 
 from gspmd.ops.convert import BoundPrimitive, call_eagerly
 from gspmd.ops.registry import register
+from gspmd.spmd import factors as fx
+from gspmd.spmd import reshard as rs
 from gspmd.spmd.cost import ComputeKind
 from gspmd.spmd.factors import REPLICATE, Factor
+from gspmd.sharding import Sharding
+from gspmd.spmd.partitioned import PartitionedValue
 
 # JAX primitive -> how many trailing dims of its first operand make one matrix (or
 # vector): the dims before them are batch dims, shared by every operand and result.
@@ -48,6 +57,101 @@ def _factors(instr) -> list[Factor]:
     return factors
 
 
+def _is_fft(instr) -> bool:
+    return instr.attrs["call"].primitive.name == "fft"
+
+
+def _propagated_factors(instr) -> list[Factor]:
+    """As _factors, but an FFT's dims that keep their size pass their splits through
+    (the partition rule moves them while it transforms)."""
+    if not _is_fft(instr):
+        return _factors(instr)
+    x, out = instr.operands[0], instr.outputs[0]
+    return [Factor(x.shape[d], (d, d)) if x.shape[d] == out.shape[d] else
+            Factor(x.shape[d], (d, None), REPLICATE) for d in range(x.rank)] + \
+        [Factor(out.shape[d], (None, d), REPLICATE) for d in range(x.rank) if x.shape[d] != out.shape[d]]
+
+
+def _partition(ctx, instr, operands, targets) -> list[PartitionedValue]:
+    x = operands[0]
+    if _is_fft(instr) and any(t > 1 for t in x.sharding.tiles[instr.attrs["batch_dims"]:]):
+        return [rs.reshard(ctx, _distributed_fft(ctx, instr, x), targets[0])]
+    return fx.partition(ctx, instr, _factors(instr), operands, targets)
+
+
+def _distributed_fft(ctx, instr, x: PartitionedValue) -> PartitionedValue:
+    """The FFT in steps over the dims that are whole, in an order that keeps a real FFT's
+    real dim first and its inverse's last; where none is, a split moves onto a dim done
+    with (a batch dim or one transformed already). A split that no dim can take is
+    gathered before the first step (where the data is smallest; and XLA:CPU cannot
+    all-gather an FFT's result along an inner dim)."""
+    gathered: list[int] = []
+    while True:
+        start = x.sharding.keep_dims([d for d in range(x.rank) if d not in gathered])
+        steps, stuck = _fft_steps(instr, start, x.shape)
+        if stuck is None:
+            break
+        gathered.append(stuck)
+    x = rs.reshard(ctx, x, start)
+    for step in steps:
+        x = rs.reshard(ctx, x, step) if isinstance(step, Sharding) else _fft_along(ctx, instr, x, *step)
+    return x
+
+
+def _fft_steps(instr, s: Sharding, shape) -> tuple[list, Optional[int]]:
+    """The steps from layout `s`: (dims, FftType) transforms and layouts to move to; or
+    the dim whose split no done dim can take."""
+    kind, batch = instr.attrs["call"].params["fft_type"], instr.attrs["batch_dims"]
+    shape, last, pending, steps = list(shape), len(shape) - 1, list(range(batch, len(shape))), []
+    while pending:
+        whole = [d for d in pending if s.tiles[d] == 1]
+        if kind == FftType.RFFT and last in pending:
+            dims, step = (whole if last in whole else []), FftType.RFFT
+        elif kind == FftType.IRFFT:
+            dims, step = (pending, kind) if whole == pending else ([d for d in whole if d != last], FftType.IFFT)
+        else:
+            dims, step = whole, {FftType.RFFT: FftType.FFT, FftType.IRFFT: FftType.IFFT}.get(kind, kind)
+        if dims:
+            steps.append((dims, step))
+            if dims[-1] == last and step in (FftType.RFFT, FftType.IRFFT):
+                shape[last] = instr.outputs[0].shape[last]
+            pending = [d for d in pending if d not in dims]
+            continue
+        dim = next(d for d in pending if s.tiles[d] > 1 and (kind != FftType.IRFFT or d != last or pending == [last]))
+        done = [d for d in range(len(shape)) if d not in pending]
+        moves = [m for m in rs.whole_along(s, dim, shape)[1:] if any(m.tiles[d] > s.tiles[d] for d in done)]
+        if not moves:
+            return steps, dim
+        s = min(moves, key=lambda m: rs.rounded(rs.cost(s, m, tuple(shape), instr.outputs[0].dtype.itemsize)))
+        steps.append(s)
+    return steps, None
+
+
+def _fft_along(ctx, instr, x: PartitionedValue, dims: list[int], kind: FftType) -> PartitionedValue:
+    """One FFT of `kind` over `dims` (whole on every device; the real dim last), run on
+    each device's piece with those dims moved to the end."""
+    b, call, out = ctx.b, instr.attrs["call"], instr.outputs[0]
+    order = [d for d in range(x.rank) if d not in dims] + dims
+    local = x.local
+    if order != list(range(x.rank)):
+        local = b.add1("transpose", [local], [local.shape[d] for d in order], local.dtype, permutation=tuple(order))
+    lengths = [x.shape[d] for d in dims]
+    shape, dtype = list(local.shape), out.dtype if kind in (FftType.RFFT, FftType.IRFFT) else x.dtype
+    if kind == FftType.RFFT:
+        shape[-1] = lengths[-1] // 2 + 1
+    elif kind == FftType.IRFFT:
+        shape[-1] = lengths[-1] = call.params["fft_lengths"][-1]
+    local = b.add1("linalg", [local], shape, dtype, batch_dims=x.rank - len(dims),
+                   call=BoundPrimitive(call.primitive, {**call.params, "fft_type": kind, "fft_lengths": tuple(lengths)}))
+    if order != list(range(x.rank)):
+        back = [order.index(d) for d in range(x.rank)]
+        local = b.add1("transpose", [local], [shape[i] for i in back], dtype, permutation=tuple(back))
+    global_shape = list(x.shape)
+    if dims[-1] == x.rank - 1:   # a real FFT's real dim changes its size
+        global_shape[-1] = shape[-1]
+    return PartitionedValue(local, x.sharding, tuple(global_shape))
+
+
 # Operations per m x n matrix, in units of m * n * min(m, n) (n^3 for a square one): the
 # textbook (Golub and Van Loan) counts, with vectors where the op returns them.
 _CUBIC = {"cholesky": 1 / 3, "lu": 2 / 3, "qr": 4 / 3, "geqrf": 4 / 3, "geqp3": 4 / 3, "householder_product": 4 / 3,
@@ -80,5 +184,5 @@ def _lower(instr, args, lc):
 
 register("linalg", converts={**{name: _convert for name in (*_MATRIX_DIMS, "fft")},
                              "custom_linear_solve": _convert_linear_solve},
-         evaluate=lambda instr, args, device: call_eagerly(instr, args), lower=_lower, factors=_factors,
-         flops=_flops, compute=ComputeKind.MATMUL)
+         evaluate=lambda instr, args, device: call_eagerly(instr, args), lower=_lower, factors=_propagated_factors,
+         partition=_partition, flops=_flops, compute=ComputeKind.MATMUL)

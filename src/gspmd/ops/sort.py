@@ -106,25 +106,6 @@ def _convert_sort(b, eqn, args):
                  is_stable=p["is_stable"], num_keys=p["num_keys"])
 
 
-def _whole_along(s: Sharding, dim: int, shape) -> list[Sharding]:
-    """Layouts like `s` with `dim` whole: its split gathered, or moved to become the
-    minor part of another dim's split that then still divides evenly (one all-to-all)."""
-    layouts = [s.keep_dims([d for d in range(s.rank) if d != dim])]
-    t = s.tiles[dim]
-    if t == 1 or shape[dim] % t:
-        return layouts
-    for other in range(s.rank):
-        if other != dim and shape[other] % (s.tiles[other] * t) == 0:
-            coords = s.coords().copy()
-            coords[:, other] = coords[:, other] * t + coords[:, dim]
-            coords[:, dim] = 0
-            tiles = list(s.tiles)
-            tiles[other] *= t
-            tiles[dim] = 1
-            layouts.append(Sharding.from_coords(coords, tiles))
-    return layouts
-
-
 def _whole_dim_factors(instr: Instr, dim: int) -> list[fx.Factor]:
     """Every tensor shares every dim; `dim` stays whole (its sizes may differ: top-k)."""
     n = len(instr.operands) + len(instr.outputs)
@@ -136,7 +117,7 @@ def _space_whole_along(instr: Instr, dim: int, operands, targets):
     """The factors and the cheapest layout that keeps `dim` whole (each dim is its own
     factor, so layouts of the operand serve as factor-space layouts)."""
     factors = _whole_dim_factors(instr, dim)
-    moved = [m for o in operands for m in _whole_along(o.sharding, dim, o.shape)]
+    moved = [m for o in operands for m in rs.whole_along(o.sharding, dim, o.shape)]
     return factors, fx.choose_space(instr, factors, operands, targets, candidates=moved)
 
 

@@ -659,6 +659,25 @@ def _label_fallbacks(steps: tuple, src: Sharding, dst: Sharding) -> tuple:
     return tuple(out)
 
 
+def whole_along(s: Sharding, dim: int, shape) -> list[Sharding]:
+    """Layouts like `s` with `dim` whole: its split gathered, or moved to become the
+    minor part of another dim's split that then still divides evenly (one all-to-all)."""
+    layouts = [s.keep_dims([d for d in range(s.rank) if d != dim])]
+    t = s.tiles[dim]
+    if t == 1 or shape[dim] % t:
+        return layouts
+    for other in range(s.rank):
+        if other != dim and shape[other] % (s.tiles[other] * t) == 0:
+            coords = s.coords().copy()
+            coords[:, other] = coords[:, other] * t + coords[:, dim]
+            coords[:, dim] = 0
+            tiles = list(s.tiles)
+            tiles[other] *= t
+            tiles[dim] = 1
+            layouts.append(Sharding.from_coords(coords, tiles))
+    return layouts
+
+
 def cost(src: Sharding, dst: Sharding, shape: Sequence[int], itemsize: int) -> Cost:
     """What resharding takes, in seconds on the hardware being planned for (the
     estimate planning compares)."""
