@@ -109,11 +109,11 @@ def _fft_steps(instr, s: Sharding, shape) -> tuple[list, Optional[int]]:
             dims, step = (whole if last in whole else []), FftType.RFFT
         elif kind == FftType.IRFFT:
             dims, step = (pending, kind) if whole == pending else ([d for d in whole if d != last], FftType.IFFT)
-        else:
-            dims, step = whole, {FftType.RFFT: FftType.FFT, FftType.IRFFT: FftType.IFFT}.get(kind, kind)
+        else:   # complex dims (a real FFT's, once its real dim is done)
+            dims, step = whole, FftType.FFT if kind == FftType.RFFT else kind
         if dims:
             steps.append((dims, step))
-            if dims[-1] == last and step in (FftType.RFFT, FftType.IRFFT):
+            if step in (FftType.RFFT, FftType.IRFFT):   # the real dim, which changes size
                 shape[last] = instr.outputs[0].shape[last]
             pending = [d for d in pending if d not in dims]
             continue
@@ -132,23 +132,20 @@ def _fft_along(ctx, instr, x: PartitionedValue, dims: list[int], kind: FftType) 
     each device's piece with those dims moved to the end."""
     b, call, out = ctx.b, instr.attrs["call"], instr.outputs[0]
     order = [d for d in range(x.rank) if d not in dims] + dims
-    local = x.local
-    if order != list(range(x.rank)):
+    moved, local = order != list(range(x.rank)), x.local
+    if moved:
         local = b.add1("transpose", [local], [local.shape[d] for d in order], local.dtype, permutation=tuple(order))
-    lengths = [x.shape[d] for d in dims]
-    shape, dtype = list(local.shape), out.dtype if kind in (FftType.RFFT, FftType.IRFFT) else x.dtype
-    if kind == FftType.RFFT:
-        shape[-1] = lengths[-1] // 2 + 1
-    elif kind == FftType.IRFFT:
-        shape[-1] = lengths[-1] = call.params["fft_lengths"][-1]
+    lengths, shape, global_shape, dtype = [x.shape[d] for d in dims], list(local.shape), list(x.shape), x.dtype
+    if kind in (FftType.RFFT, FftType.IRFFT):   # the real dim (last) takes the result's size
+        shape[-1] = global_shape[-1] = out.shape[-1]
+        dtype = out.dtype
+        if kind == FftType.IRFFT:
+            lengths[-1] = out.shape[-1]
     local = b.add1("linalg", [local], shape, dtype, batch_dims=x.rank - len(dims),
                    call=BoundPrimitive(call.primitive, {**call.params, "fft_type": kind, "fft_lengths": tuple(lengths)}))
-    if order != list(range(x.rank)):
+    if moved:
         back = [order.index(d) for d in range(x.rank)]
         local = b.add1("transpose", [local], [shape[i] for i in back], dtype, permutation=tuple(back))
-    global_shape = list(x.shape)
-    if dims[-1] == x.rank - 1:   # a real FFT's real dim changes its size
-        global_shape[-1] = shape[-1]
     return PartitionedValue(local, x.sharding, tuple(global_shape))
 
 
