@@ -15,6 +15,7 @@ from __future__ import annotations
 from gspmd.errors import ShardingError
 from gspmd.ir import Instr, Program, Value
 from gspmd.mesh import Mesh
+from gspmd.ops.convert import physical_aval
 from gspmd.ops.registry import CONTRACTION, register
 from gspmd.region import ManualRegion
 from gspmd.sharding import Sharding, dims_mapping_from_spec
@@ -89,7 +90,7 @@ def _emit_manual(b, mesh: Mesh, axes, body_jaxpr, args: list[Value], in_specs, o
     sb = b.on(body)
     sb.origin = "manual"
     jaxpr = body_jaxpr.jaxpr if hasattr(body_jaxpr, "jaxpr") else body_jaxpr
-    params = [sb.param(v.aval.shape, v.aval.dtype, hint="local") for v in jaxpr.invars]
+    params = [sb.param(*physical_aval(v.aval), hint="local") for v in jaxpr.invars]   # keys as their key data
     sb.manual_regions.append(region)
     try:
         body.outputs = sb.inline(body_jaxpr, params)
