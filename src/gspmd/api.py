@@ -13,13 +13,15 @@ from jax.sharding import NamedSharding, PartitionSpec
 from gspmd import propagation
 from gspmd.analysis import Hardware, Report, analyse, memory
 from gspmd.analysis.summary import collective_table
-from gspmd.arguments import Signature, Template, is_array, is_static_key, leaf_key, paths, result_paths
+from gspmd.arguments import (Signature, Template, is_array, is_static_key, key_layout, leaf_key, paths,
+                             result_paths)
+from gspmd.compose import Transforms
 from gspmd.errors import ShardingError
 from gspmd.frontend import mesh_split, trace
-from gspmd.frontend.annotation import tracing
+from gspmd.frontend.annotation import is_tracing, tracing
 from gspmd.ir import Program, Value, format_program, verify
 from gspmd.ir.dce import eliminate_dead_code
-from gspmd.mesh import Mesh, as_mesh
+from gspmd.mesh import Mesh, as_mesh, jax_context_mesh
 from gspmd.frontend.keys import KeyData
 from gspmd.ops.convert import is_key
 from gspmd.partitioner import fit_memory, partition
@@ -28,14 +30,14 @@ from gspmd.sharding import Sharding
 from gspmd.spmd.cost import profile
 
 BACKENDS = ("sim", "jax")
-_JIT_OPTIONS = ("mesh", "backend", "static_argnums", "static_argnames", "donate_argnums", "in_shardings",
-                "out_shardings", "memory_limit", "hardware")
+_JIT_OPTIONS = ("mesh", "backend", "static_argnums", "static_argnames", "donate_argnums", "donate_argnames",
+                "in_shardings", "out_shardings", "memory_limit", "hardware")
 
 
 def jit(fn: Callable, mesh=None, backend: str = "sim", *, static_argnums: Union[int, Sequence[int]] = (),
         static_argnames: Union[str, Sequence[str]] = (), donate_argnums: Union[int, Sequence[int]] = (),
-        in_shardings=None, out_shardings=None, memory_limit: Optional[int] = None,
-        hardware: Union[None, str, Hardware] = None, **unknown) -> "Partitioned":
+        donate_argnames: Union[str, Sequence[str]] = (), in_shardings=None, out_shardings=None,
+        memory_limit: Optional[int] = None, hardware: Union[None, str, Hardware] = None, **unknown) -> "Partitioned":
     """Partition `fn` into one SPMD program for the devices of `mesh`; calling the result
     returns what `fn` returns on one device.
 
@@ -52,8 +54,8 @@ def jit(fn: Callable, mesh=None, backend: str = "sim", *, static_argnums: Union[
     Arguments: array leaves (NumPy, jax.Array, NumPy scalars) are the program's inputs;
     every other leaf (Python numbers, strings, functions, e.g. an Equinox module's
     activation) is static, as in eqx.filter_jit. `static_argnums`/`static_argnames`
-    make whole arguments static; `donate_argnums` lets the outputs reuse those
-    arguments' buffers (jax backend). Keyword arguments work as for jax.jit.
+    make whole arguments static; `donate_argnums`/`donate_argnames` let the outputs
+    reuse those arguments' buffers (jax backend). Keyword arguments work as for jax.jit.
 
     Caching: one trace + completion + partition (+ compile) per signature (the
     arguments' pytree structure, shapes, dtypes and static values); later calls run
@@ -92,7 +94,8 @@ def jit(fn: Callable, mesh=None, backend: str = "sim", *, static_argnums: Union[
                             f"got {memory_limit!r}.")
     hardware = None if hardware is None else profile(hardware)
     limit = memory_limit if memory_limit is not None else (hardware.usable_bytes if hardware else None)
-    return Partitioned(fn, mesh, backend, Signature(fn, static_argnums, static_argnames, donate_argnums),
+    return Partitioned(fn, mesh, backend, Signature(fn, static_argnums, static_argnames, donate_argnums,
+                                                           donate_argnames),
                        in_shardings, out_shardings, limit, hardware)
 
 
@@ -113,6 +116,8 @@ class Partitioned:
         self._fast: dict = {}    # (pytree structure, context mesh) -> (output structure, compiled program)
 
     def __call__(self, *args, **kwargs):
+        if is_tracing():     # inside another gspmd.jit: part of its program
+            return self._traced_fn(*args, **kwargs)
         if not kwargs:
             # Steady state on the jax backend: the compiled program of the last signature
             # with this pytree structure, called with the caller's arrays; jax itself
@@ -166,12 +171,7 @@ _flatten, _unflatten = jax.tree_util.tree_flatten, jax.tree_util.tree_unflatten
 def _context_mesh():
     """jax's context mesh (jax.set_mesh): it says what bare PartitionSpecs in fn mean."""
     abstract = jax.sharding.get_abstract_mesh()
-    if abstract.empty:
-        return abstract
-    try:
-        return abstract, jax.sharding.get_mesh()
-    except ValueError:    # under a jax transformation only the abstract mesh is known
-        return abstract
+    return abstract if abstract.empty else (abstract, jax_context_mesh())
 
 
 def _check_static(static: tuple, leaves: list, keys: tuple, names: list[str], signature: Signature) -> None:
@@ -247,7 +247,11 @@ class Lowered:
         avals = [_abstract(x, name) for x, name in zip(template.dynamic_leaves(leaves), param_names)]
         signature, fn = partitioned.signature, partitioned._traced_fn
 
+        layouts = [_input_layout(key_layout(k), len(k[0]), i in donate)
+                   for i, k in enumerate(template.dynamic_leaves(list(template.keys)))]
+
         def flat_fn(*dynamic):
+            dynamic = [x if layout is None else mesh_split(x, *layout) for x, layout in zip(dynamic, layouts)]
             args, kwargs = jax.tree_util.tree_unflatten(template.treedef, template.leaves(dynamic))
             args, kwargs = signature.rebuild(template.static, args, kwargs)
             return fn(*args, **kwargs)
@@ -276,8 +280,10 @@ class Lowered:
         self._jax: Optional[jax_backend.Executable] = None
         self._execute = self._first_execute
         self._host_program: Optional[Callable] = None
-        self._backward: Optional[Partitioned] = None
-        self._batched: dict = {}
+        # its derivatives and batched forms, partitioned when jax asks for them
+        self.transforms = Transforms(self.flat_fn, _avals(self.program.params), _avals(self.program.outputs),
+                                     signature.name, lambda fn: Partitioned(fn, partitioned.mesh, self.backend),
+                                     partitioned.mesh)
 
     # -- execution ----------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -319,7 +325,7 @@ class Lowered:
         composes with jax.grad, jax.jit and jax.vmap like the function)."""
         if self._jax is None:
             self._jax = jax_backend.Executable(self.spmd, self.program.params, self.program.outputs, self.mesh,
-                                               self.donated, wrap=self._composable)
+                                               self.donated, wrap=self.transforms.wrap)
         return self._jax
 
     def _run_on_host(self, arrays: list) -> list:
@@ -329,7 +335,7 @@ class Lowered:
             return self._run_sim(arrays)
         if self._host_program is None:
             shapes = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in self.program.outputs]
-            self._host_program = self._composable(
+            self._host_program = self.transforms.wrap(
                 lambda *xs: jax.pure_callback(lambda *hs: self._run_sim(hs), shapes, *xs))
         return self._host_program(*arrays)
 
@@ -339,54 +345,6 @@ class Lowered:
         results = sim.run(self.spmd, per_device, self.num_devices)
         return [sim.unshard([results[d][i] for d in range(self.num_devices)], v.sharding, v.shape)
                 for i, v in enumerate(self.program.outputs)]
-
-    # -- composition with JAX transformations ---------------------------------------
-    def _composable(self, program: Callable) -> Callable:
-        """program(*arrays) -> outputs, made to compose with JAX: a custom VJP whose
-        backward pass is a partitioned program too, over a custom vmap rule that
-        partitions the vmapped function."""
-        run = jax.custom_batching.custom_vmap(lambda *xs: tuple(program(*xs)))
-        run.def_vmap(self._vmap_rule)
-        composed = jax.custom_vjp(lambda *xs: run(*xs))
-        composed.defvjp(lambda *xs: (run(*xs), xs), self._pullback)
-        return composed
-
-    def _vmap_rule(self, axis_size: int, in_batched: Sequence[bool], *arrays):
-        key = tuple(in_batched)
-        if key not in self._batched:
-            axes = [0 if b else None for b in in_batched]
-            flat_fn = self.flat_fn
-
-            def batched(*xs):
-                return jax.vmap(lambda *ys: jax.tree_util.tree_leaves(flat_fn(*ys)), in_axes=axes)(*xs)
-            batched.__name__ = f"vmap_{self._partitioned.signature.name}"
-            self._batched[key] = Partitioned(batched, self._partitioned.mesh, self.backend)
-        outs = tuple(self._batched[key](*arrays))
-        return outs, (True,) * len(outs)
-
-    def _pullback(self, primals: tuple, cotangents) -> tuple:
-        """Gradients of the float inputs from a partitioned backward program (which
-        recomputes the forward); integer inputs get float0 zeros."""
-        floats = [i for i, x in enumerate(primals) if jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)]
-        outs = [i for i, v in enumerate(self.program.outputs) if jax.numpy.issubdtype(v.dtype, jax.numpy.inexact)]
-        if self._backward is None:
-            flat_fn, out_avals = self.flat_fn, [(v.shape, v.dtype) for v in self.program.outputs]
-
-            def backward(primals, cotangents):
-                def of_floats(*xs):
-                    full = list(primals)
-                    for i, x in zip(floats, xs):
-                        full[i] = x
-                    return jax.tree_util.tree_leaves(flat_fn(*full))
-                _, vjp = jax.vjp(of_floats, *[primals[i] for i in floats])
-                given = dict(zip(outs, cotangents))
-                return vjp([given[i] if i in given else np.zeros(shape, jax.dtypes.float0)
-                            for i, (shape, _) in enumerate(out_avals)])
-            backward.__name__ = f"grad_{self._partitioned.signature.name}"
-            self._backward = Partitioned(backward, self._partitioned.mesh, self.backend)
-        grads = iter(self._backward(list(primals), [cotangents[i] for i in outs]))
-        return tuple(next(grads) if i in floats else np.zeros(np.shape(x), jax.dtypes.float0)
-                     for i, x in enumerate(primals))
 
     # -- inspection ---------------------------------------------------------------
     def describe(self, sharding: Sharding) -> str:
@@ -519,6 +477,27 @@ def _abstract(x, name: str) -> jax.ShapeDtypeStruct:
     if isinstance(x, jax.ShapeDtypeStruct):
         return x
     return jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(dtype))
+
+
+def _input_layout(committed: Optional[NamedSharding], rank: int, donated: bool) -> Optional[tuple]:
+    """The annotation a committed argument's layout puts on its parameter, as jax.jit
+    keeps such a layout: its split dims; the dims it leaves whole are left to
+    propagation (the results of a gspmd.jit on the jax backend come back whole along
+    dims they split unevenly, and must go in again as they were made), except for a
+    donated argument, whose layout is kept whole so that its own buffer is used.
+    Returns mesh_split's (mesh, spec), or None for no annotation."""
+    if committed is None:
+        return None
+    spec = tuple(committed.spec) + (None,) * (rank - len(committed.spec))
+    if donated:
+        return committed.mesh, PartitionSpec(*spec)
+    if all(e is None for e in spec):
+        return None
+    return committed.mesh, PartitionSpec(*(PartitionSpec.UNCONSTRAINED if e is None else e for e in spec))
+
+
+def _avals(values: Sequence[Value]) -> list[jax.ShapeDtypeStruct]:
+    return [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in values]
 
 
 def _unique(meshes: list) -> list[Mesh]:

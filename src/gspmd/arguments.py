@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 from gspmd.errors import ShardingError
 
@@ -31,10 +32,29 @@ def is_array(x) -> bool:
 
 
 def leaf_key(x) -> tuple:
-    """What a leaf contributes to the cache key: shape and dtype, or its static value."""
+    """What a leaf contributes to the cache key: shape, dtype and committed layout, or
+    its static value."""
     if type(x) in _FAST_ARRAY_TYPES or isinstance(x, _ARRAY_TYPES):
-        return (x.shape, x.dtype)
+        return (x.shape, x.dtype, committed_layout(x))
     return (_STATIC, type(x), x)
+
+
+def committed_layout(x) -> Optional[NamedSharding]:
+    """The layout an argument brings with it, which jax.jit keeps: the NamedSharding of
+    a committed jax.Array (or of a ShapeDtypeStruct given one) over several devices.
+    NumPy arrays and uncommitted or single-device jax.Arrays bring none."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    sharding = getattr(x, "sharding", None)
+    if (not isinstance(sharding, NamedSharding) or sharding.num_devices == 1
+            or (isinstance(x, jax.Array) and not getattr(x, "_committed", True))):
+        return None
+    return sharding
+
+
+def key_layout(key: tuple) -> Optional[NamedSharding]:
+    """The committed layout in an array leaf's cache key."""
+    return None if is_static_key(key) else key[2]
 
 
 def is_static_key(key: tuple) -> bool:
@@ -46,25 +66,35 @@ class Signature:
     and the names reports give them."""
 
     def __init__(self, fn: Callable, static_argnums: Sequence[int], static_argnames: Sequence[str],
-                 donate_argnums: Sequence[int]):
+                 donate_argnums: Sequence[int], donate_argnames: Sequence[str] = ()):
         self.name = getattr(fn, "__name__", type(fn).__name__)
         try:
             self.parameters: Optional[dict] = dict(inspect.signature(fn).parameters)
         except (TypeError, ValueError):   # builtins and some callables have none
             self.parameters = None
         self.static_argnums = _ints(static_argnums, "static_argnums")
-        self.static_argnames = tuple(static_argnames) if not isinstance(static_argnames, str) else (static_argnames,)
+        self.static_argnames = _names(static_argnames, "static_argnames")
         self.donate_argnums = _ints(donate_argnums, "donate_argnums")
+        self.donate_argnames = _names(donate_argnames, "donate_argnames")
         positional = self._positional_names()
         for name in self.static_argnames:
-            if self.parameters is not None and name not in self.parameters and not self._takes_var_keywords():
-                raise ShardingError(f"static_argnames names {name!r}, which is not a parameter of {self.name}"
-                                    f"{self._parameter_list()}; {_suggest(name, self.parameters)}")
+            self._check_name(name, "static_argnames")
             if name in positional:   # also static when passed by position (as jax.jit)
                 self.static_argnums += (positional.index(name),)
+        for name in self.donate_argnames:
+            self._check_name(name, "donate_argnames")
+            if name in positional:   # also donated when passed by position (as jax.jit)
+                self.donate_argnums += (positional.index(name),)
+        self.donate_argnames += tuple(positional[i] for i in self.donate_argnums
+                                      if 0 <= i < len(positional) and positional[i] not in self.donate_argnames)
         self.static_argnames += tuple(positional[i] for i in self.static_argnums
                                       if 0 <= i < len(positional) and positional[i] not in self.static_argnames)
         self.simple = not self.static_argnums and not self.static_argnames
+
+    def _check_name(self, name: str, what: str) -> None:
+        if self.parameters is not None and name not in self.parameters and not self._takes_var_keywords():
+            raise ShardingError(f"{what} names {name!r}, which is not a parameter of {self.name}"
+                                f"{self._parameter_list()}; {_suggest(name, self.parameters)}")
 
     def _positional_names(self) -> list[str]:
         if self.parameters is None:
@@ -122,23 +152,19 @@ class Signature:
         return names[i] if i < len(names) else f"args[{i}]"
 
     def donated_leaves(self, args: tuple, kwargs: dict, static: tuple) -> tuple[int, ...]:
-        """Indices among the flat dynamic leaves of the donated positional arguments."""
-        if not self.donate_argnums:
+        """Indices among the flat dynamic leaves (of (args, kwargs), as tree_flatten
+        orders them) of the donated arguments, given by position or by name."""
+        if not self.donate_argnums and not self.donate_argnames:
             return ()
         full, _ = self.rebuild(static, args, {})
         n = len(full)
         donated = {i % n for i in self.donate_argnums if -n <= i < n}
         static_nums = {w for w, _ in static if isinstance(w, int)}
-        out, start = [], 0
-        for i, a in enumerate(full):
-            if i in static_nums:
-                continue
-            leaves = jax.tree_util.tree_leaves(a)
-            arrays = [j for j, x in enumerate(leaves) if is_array(x)]
-            if i in donated:
-                out.extend(start + j for j in range(len(arrays)))
-            start += len(arrays)
-        return tuple(out)
+        flags = [i in donated for i, a in enumerate(full) if i not in static_nums for x in jax.tree_util.tree_leaves(a)
+                 if is_array(x)]
+        flags += [k in self.donate_argnames for k in sorted(kwargs) for x in jax.tree_util.tree_leaves(kwargs[k])
+                  if is_array(x)]
+        return tuple(i for i, flag in enumerate(flags) if flag)
 
 
 @dataclass(frozen=True)
@@ -190,6 +216,14 @@ def _ints(values, what: str) -> tuple[int, ...]:
         if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
             raise ShardingError(f"{what} must be ints (argument positions), got {v!r}.")
     return tuple(int(v) for v in values)
+
+
+def _names(values, what: str) -> tuple[str, ...]:
+    values = (values,) if isinstance(values, str) else tuple(values)
+    for v in values:
+        if not isinstance(v, str):
+            raise ShardingError(f"{what} must be strings (parameter names), got {v!r}.")
+    return values
 
 
 def _suggest(name: str, parameters: Optional[dict]) -> str:

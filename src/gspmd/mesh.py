@@ -171,3 +171,11 @@ def _from_jax(mesh: jax.sharding.Mesh) -> Mesh:
     ours = Mesh(mesh.devices, mesh.axis_names)
     ours._jax_mesh = mesh
     return ours
+
+
+def jax_context_mesh() -> Optional[jax.sharding.Mesh]:
+    """The concrete mesh jax.set_mesh put around the call, also inside a jax trace
+    (where jax.sharding.get_mesh refuses); None without one."""
+    from jax._src.mesh import get_concrete_mesh    # jax's own reader, which works in traces
+    mesh = get_concrete_mesh()
+    return None if mesh is None or mesh.empty else mesh

@@ -60,6 +60,12 @@ def tracing(mesh: Optional[Mesh]) -> Iterator[Tracing]:
         _tracing.pop()
 
 
+def is_tracing() -> bool:
+    """Whether a gspmd.jit is tracing a function now (a gspmd.jit called inside it is
+    inlined, as jax.jit inlines a nested jax.jit)."""
+    return bool(_tracing)
+
+
 def record_mesh(mesh: Mesh, what: str) -> None:
     """Within a gspmd.jit trace: check an annotation's mesh against the others, and
     remember it (outputs are laid out over the meshes the user named)."""

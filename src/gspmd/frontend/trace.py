@@ -13,7 +13,7 @@ from jax.extend import core as jcore
 
 from gspmd.errors import ShardingError
 from gspmd.frontend import keys
-from gspmd.frontend.annotation import record_mesh
+from gspmd.frontend.annotation import record_mesh, tracing
 from gspmd.frontend.source import source_line
 from gspmd.ir import Program, Value
 from gspmd.mesh import Mesh
@@ -66,6 +66,13 @@ def trace(fn, flat_avals, name: str = "main", mesh: Optional[Mesh] = None,
     for used in b.meshes:      # meshes of jax annotations (with_sharding_constraint, shard_map)
         record_mesh(used, "value annotated with a jax sharding")
     return program, jax.tree_util.tree_structure(out_shape)
+
+
+def jaxpr_of(fn: Callable, flat_avals, mesh: Optional[Mesh] = None):
+    """fn's closed jaxpr, traced as gspmd.jit traces it (for analyses of the function
+    itself, such as which outputs vmap batches)."""
+    with tracing(mesh), _as_jax_context(mesh):
+        return jax.make_jaxpr(fn)(*flat_avals)
 
 
 def _as_jax_context(mesh: Optional[Mesh]):

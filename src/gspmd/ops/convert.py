@@ -17,7 +17,7 @@ from jax import lax
 
 from gspmd.errors import ShardingError
 from gspmd.ir import Builder, Program, Value
-from gspmd.mesh import Mesh
+from gspmd.mesh import Mesh, jax_context_mesh
 
 # convert(conversion, jaxpr equation, operand values) -> result values
 Converter = Callable[["Conversion", object, list[Value]], list[Value]]
@@ -62,8 +62,8 @@ class Conversion(Builder):
         if isinstance(jax_mesh, jax.sharding.Mesh):
             return Mesh.from_jax(jax_mesh)
         axes = tuple(zip(jax_mesh.axis_names, jax_mesh.axis_sizes))
-        context = jax.sharding.get_mesh()
-        for mesh in (None if context.empty else Mesh.from_jax(context), self.mesh):
+        context = jax_context_mesh()
+        for mesh in (None if context is None else Mesh.from_jax(context), self.mesh):
             if mesh is not None and tuple(zip(mesh.axis_names, mesh.shape)) == axes:
                 return mesh
         raise ShardingError(

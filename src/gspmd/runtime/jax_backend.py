@@ -13,6 +13,7 @@ else: jax.jit feeds each process's devices.
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import Callable, Sequence
@@ -149,6 +150,7 @@ class Executable:
                               for v in self.outputs]
         self._coarse_in = [self._coarse(ns, v) for ns, v in zip(self.in_shardings, self.params)]
         self._coarse_out = [self._coarse(ns, v) for ns, v in zip(self.out_shardings, self.outputs)]
+        self._wrap = wrap
         self.jitted = jax.jit(wrap(self._run_global), in_shardings=tuple(self.in_shardings),
                               out_shardings=tuple(self.out_shardings), donate_argnums=tuple(donate))
         self._compiled = None
@@ -204,17 +206,27 @@ class Executable:
         try:
             return list(self.jitted(*flat_args))
         except ValueError:
+            if any(isinstance(x, jax.core.Tracer) for x in flat_args):
+                return list(self._unplaced(*flat_args))
             placed = self.place(flat_args)
             if placed is None:     # not a layout mismatch
                 raise
             return list(self.jitted(*placed))
 
+    @functools.cached_property
+    def _unplaced(self) -> Callable:
+        """The program for traced arguments in other layouts than its own (under grad or
+        vmap, committed arrays whose layouts jax's batching carries over as they are):
+        jitted without input layouts, so XLA moves them into the shard_map's."""
+        return jax.jit(self._wrap(self._run_global), out_shardings=tuple(self.out_shardings))
+
     def place(self, flat_args: Sequence) -> list | None:
         """The arguments with every jax.Array in another layout moved to its input
         sharding (one device_put each), and in multi-process runs every NumPy array
-        made a global jax.Array from this process's shards; None if nothing moved."""
+        made a global jax.Array from this process's shards; None if nothing moved or the
+    arguments are traced (see `_unplaced`)."""
         if any(isinstance(x, jax.core.Tracer) for x in flat_args):
-            return None      # inside a transformation jax places the values
+            return None
         moved = [not x.sharding.is_equivalent_to(s, x.ndim) if isinstance(x, jax.Array) else self.multiprocess
                  for x, s in zip(flat_args, self.in_shardings)]
         if not any(moved):
