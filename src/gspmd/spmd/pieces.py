@@ -55,12 +55,14 @@ class Transfers:
         return np.asarray(edge_colors(list(zip(sender.tolist(), receiver.tolist()))), np.int64)
 
     def bound(self, itemsize: int, num_devices: int) -> float:
-        """cost() bounded above without colouring: every round as large as the largest
-        piece, and its links as loaded as by all pieces at once."""
+        """cost() bounded above without colouring: every round's buffer as large as the
+        box holding every piece (a round's buffer holds its pieces' largest length along
+        each dim, which the largest piece alone may not reach), and its links as loaded
+        as by all pieces at once."""
         remote = self.remote
-        largest = int(np.prod(self.length[remote], axis=1).max(initial=0))
+        box = int(np.prod(self.length[remote].max(axis=0, initial=0)))
         pairs = np.stack([self.sender[remote], self.receiver[remote]], axis=1)
-        return self.rounds() * cm.collective_seconds(cm.Pattern.PERMUTE, largest * itemsize, pairs, num_devices)
+        return self.rounds() * cm.collective_seconds(cm.Pattern.PERMUTE, box * itemsize, pairs, num_devices)
 
     def cost(self, itemsize: int, num_devices: int) -> float:
         """Seconds on the hardware being planned for: one collective-permute per round,
