@@ -63,15 +63,53 @@ def test_integer_and_boolean_keys():
     check(f, rng.randint(-3, 3, (8, 6)).astype(np.int32), rng.rand(8, 6) > 0.5, mesh=MESH)
 
 
-def test_sort_along_a_split_dim_moves_the_split_by_all_to_all():
-    def f(x):
-        return jnp.sort(split(x, LINE, -1, "x"), axis=1)
+@pytest.mark.parametrize("shape", [(16, 32), (10, 30), (9, 32), (16, 27)])
+def test_sort_along_a_split_dim_moves_the_split_by_one_all_to_all(shape):
+    """The split moves onto the other dim (padded where uneven) and the results stay
+    there: one all-to-all of x serves sort, argsort (its iota is made in the moved
+    layout) and a sort of two operands together (y, given no layout, arrives in it),
+    where gathering took one [B, N] per operand (two 2 KB all-gathers for argsort)."""
+    def f(x, y):
+        x = split(x, LINE, -1, "x")
+        return jnp.sort(x, axis=1), jnp.argsort(x, axis=1), lax.sort((x, y), dimension=1, num_keys=1)
 
-    x = np.random.RandomState(4).standard_normal((16, 32)).astype(np.float32)
+    x, y = special_values(4, *shape), special_values(5, *shape)
+    low = check(f, x, y, mesh=LINE)
+    report = low.report()
+    assert report.counts() == {"all-to-all": 1}, report
+    rows, columns = -(-shape[0] // 8), 8 * -(-shape[1] // 8)   # the sorted dim's padding is cut after
+    assert all(c.bytes == rows * columns * 4 for c in report.collectives), report
+    moved = gspmd.Sharding.from_mesh(LINE, ["x", -1], shape)
+    assert all(low.sharding_of(i) == moved for i in range(4)), [low.sharding_of(i) for i in range(4)]
+
+
+def test_sort_on_a_2d_mesh_moves_the_sorted_dims_split_onto_the_split_batch():
+    def f(x):
+        return jnp.argsort(split(x, MESH, "x", "y"), axis=1)
+
+    x = special_values(6, 16, 20)
+    low = check(f, x, mesh=MESH)
+    (c,) = low.report().collectives
+    assert c.kind == "all-to-all" and c.groups == ((0, 1, 2, 3), (4, 5, 6, 7)) and c.bytes == 2 * 20 * 4, c
+    assert low.sharding_of(0) == gspmd.Sharding.from_mesh(MESH, [("x", "y"), -1], x.shape)
+
+
+def test_sort_whose_result_keeps_the_split_moves_it_there_and_back():
+    def f(x):
+        return split(jnp.sort(split(x, LINE, -1, "x"), axis=1), LINE, -1, "x")
+
+    x = np.random.RandomState(4).standard_normal((16, 30)).astype(np.float32)
     low = check(f, x, mesh=LINE, hardware=BANDWIDTH_BOUND)   # 2 KB: with latency, one gather is cheaper
-    counts = low.report().counts()
-    assert counts == {"all-to-all": 2}, low.report()     # there and back, nothing gathered
+    assert low.report().counts() == {"all-to-all": 2}, low.report()     # there and back, nothing gathered
     assert low.sharding_of(0) == gspmd.Sharding.from_mesh(LINE, [-1, "x"], x.shape)
+
+
+def test_sort_of_a_split_vector_gathers_it():
+    def f(x):
+        return jnp.sort(split(x, LINE, "x"))
+
+    low = check(f, special_values(7, 30), mesh=LINE)
+    assert low.report().counts() == {"all-gather": 1}, low.report()   # no other dim to take the split
 
 
 def test_sort_gathers_only_the_sorted_dim_when_no_other_dim_can_take_its_split():

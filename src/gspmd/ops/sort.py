@@ -4,8 +4,10 @@ ordered lexicographically by the first `num_keys`; JAX's sort, jnp.sort, argsort
 JAX's top_k, approx_max_k and approx_min_k).
 
 Both need their whole dim on one device. Where it is split, the split moves to another
-dim (one all-to-all, and another to come back) rather than everything being gathered;
-only where no other dim can take the split is that one dim gathered. A split top-k dim
+dim (one all-to-all, uneven dims padded to whole pieces) rather than everything being
+gathered; only where no other dim can take the split is that one dim gathered. A sort's
+results stay in the moved layout (propagation puts them there) unless a neighbour wants
+them back (a second all-to-all), whichever the cost model finds cheaper. A split top-k dim
 may instead keep its split: each device takes the top k of its own shard, one small
 all-gather brings every shard's k candidates together and a second top-k picks among
 them (the one that moves fewer bytes is chosen).
@@ -19,6 +21,7 @@ An exact top-k is also what approx_max_k/approx_min_k promise at best (recall 1)
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import numpy as np
 from jax import lax
@@ -27,7 +30,7 @@ from jax import numpy as jnp
 from gspmd.dtypes import is_floating
 from gspmd.errors import ShardingError
 from gspmd.ir import Instr
-from gspmd.ops.registry import LAYOUT, elementwise_factors, register
+from gspmd.ops.registry import LAYOUT, register
 from gspmd.sharding import Sharding
 from gspmd.spmd import factors as fx
 from gspmd.spmd import reshard as rs
@@ -121,13 +124,28 @@ def _space_whole_along(instr: Instr, dim: int, operands, targets):
     return factors, fx.choose_space(instr, factors, operands, targets, candidates=moved)
 
 
+def _split_moved_off(s: Sharding, dim: int, shape) -> Sharding:
+    """Where a sort along `dim` leaves a layout's split of it: on another dim that can
+    take it (one that is not split yet first), else nowhere (gathered)."""
+    gathered, *moved = rs.whole_along(s, dim, shape)
+    return min(moved, key=lambda m: -sum(t > 1 for t in m.tiles), default=gathered)
+
+
+def _propagate_sort(instr: Instr, shardings: list[Optional[Sharding]], target: int) -> list[Sharding]:
+    """Every tensor shares every dim, the sorted one whole: its split moves to another
+    dim, so that the sort's operands arrive there by one all-to-all and its results stay
+    (where no neighbour wants them otherwise) instead of moving back."""
+    dim, shape = instr.attrs["dimension"], instr.operands[0].shape
+    return [_split_moved_off(s, dim, shape) for t, s in enumerate(shardings) if t != target and s is not None]
+
+
 def _partition_sort(ctx, instr: Instr, operands, targets) -> list[PartitionedValue]:
     factors, space = _space_whole_along(instr, instr.attrs["dimension"], operands, targets)
     return fx.run(ctx, instr, factors, space, operands, targets)
 
 
 register("sort", converts={"sort": _convert_sort}, evaluate=_evaluate_sort, lower=_lower_sort,
-         factors=elementwise_factors, partition=_partition_sort, priority=LAYOUT)
+         propagate=_propagate_sort, partition=_partition_sort, priority=LAYOUT)
 
 
 # -- top-k: operands (x[, indices]) -> (values, indices) ------------------------------------

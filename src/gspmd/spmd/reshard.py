@@ -661,20 +661,17 @@ def _label_fallbacks(steps: tuple, src: Sharding, dst: Sharding) -> tuple:
 
 def whole_along(s: Sharding, dim: int, shape) -> list[Sharding]:
     """Layouts like `s` with `dim` whole: its split gathered, or moved to become the
-    minor part of another dim's split that then still divides evenly (one all-to-all)."""
+    minor part of another dim's split (one all-to-all, uneven dims padded to whole
+    pieces) where that dim has room for the finer split and its shards nest in the
+    coarser ones."""
     layouts = [s.keep_dims([d for d in range(s.rank) if d != dim])]
     t = s.tiles[dim]
-    if t == 1 or shape[dim] % t:
+    if t == 1:
         return layouts
     for other in range(s.rank):
-        if other != dim and shape[other] % (s.tiles[other] * t) == 0:
-            coords = s.coords().copy()
-            coords[:, other] = coords[:, other] * t + coords[:, dim]
-            coords[:, dim] = 0
-            tiles = list(s.tiles)
-            tiles[other] *= t
-            tiles[dim] = 1
-            layouts.append(Sharding.from_coords(coords, tiles))
+        move = ((dim, other, t),)
+        if other != dim and shape[other] >= s.tiles[other] * t and _moves_nest(s, move, shape):
+            layouts.append(_moved_layout(s, move))
     return layouts
 
 
