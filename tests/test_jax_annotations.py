@@ -305,6 +305,35 @@ def test_gradient_through_shard_map():
     check(step, rand(rng, 6, 8), rand(rng, 8, 5))
 
 
+EXPLICIT = jax.make_mesh((2, 4), ("data", "model"))   # Explicit axes
+
+
+@pytest.mark.parametrize("axes", ["data", ("data", "model")])
+@pytest.mark.parametrize("jit_mesh", ["same", "gspmd", "other types", "none"])
+@pytest.mark.parametrize("mesh", [JMESH, EXPLICIT], ids=["Auto", "Explicit"])
+def test_shard_map_given_a_concrete_jax_mesh_runs_as_under_jax_jit(mesh, jit_mesh, axes):
+    """shard_map(mesh=<a jax.sharding.Mesh>) with a psum inside gspmd.jit, whatever mesh
+    gspmd.jit is given: the same, a gspmd.Mesh of those axes (its context mesh is that of
+    a jax mesh over the same devices), one of the other axis types (traced as jax.jit
+    traces it, without a context mesh), none. The argument is laid out over the mesh,
+    as jax.make_mesh's Explicit axes need for a shard_map under jax.jit; its type keeps
+    that layout here too."""
+    out_specs = P(None, "model") if axes == "data" else P()
+    body = jax.shard_map(lambda b: jax.lax.psum(b, axes), mesh=mesh, in_specs=P("data", "model"), out_specs=out_specs)
+
+    def f(a):
+        return jnp.tanh(body(a * 2))
+
+    jit_mesh = {"same": mesh, "gspmd": gspmd.Mesh(np.arange(8).reshape(2, 4), ("data", "model")),
+                "other types": EXPLICIT if mesh is JMESH else JMESH, "none": None}[jit_mesh]
+    x = jax.device_put(rand(np.random.RandomState(9), 6, 16), NamedSharding(mesh, P("data", "model")))
+    low = check(f, x, mesh=jit_mesh)
+    ids = np.vectorize(lambda d: d.id)(mesh.devices)
+    groups = ids.T if axes == "data" else ids.reshape(1, -1)
+    (psum,) = [c for c in low.report().collectives if "[manual:" in c.origin]
+    assert psum.kind == "all-reduce" and sorted(map(sorted, psum.groups)) == sorted(map(sorted, groups.tolist()))
+
+
 # -- errors ------------------------------------------------------------------------------------
 def test_unknown_meshes_and_shardings_raise():
     x = np.ones((4, 8), np.float32)

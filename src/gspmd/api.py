@@ -21,7 +21,7 @@ from gspmd.frontend import mesh_split, trace
 from gspmd.frontend.annotation import is_tracing, tracing
 from gspmd.ir import Program, Value, format_program, verify
 from gspmd.ir.dce import eliminate_dead_code
-from gspmd.mesh import Mesh, as_mesh, jax_context_mesh
+from gspmd.mesh import Mesh, as_mesh, explicit_sharding, jax_context_mesh
 from gspmd.frontend.keys import KeyData
 from gspmd.ops.convert import is_key
 from gspmd.partitioner import fit_memory, partition
@@ -476,6 +476,8 @@ def _abstract(x, name: str) -> jax.ShapeDtypeStruct:
                             "(static_argnums) if the function reads it in Python.")
     if isinstance(x, jax.ShapeDtypeStruct):
         return x
+    if explicit_sharding(x) is not None:   # its type names its layout, as jax.jit traces it
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
     return jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(dtype))
 
 

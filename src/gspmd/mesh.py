@@ -70,9 +70,13 @@ class Mesh:
 
     def abstract(self) -> jax.sharding.AbstractMesh:
         """jax's abstract twin (what jax traces under): the jax mesh's it came from, else
-        one of Auto axes."""
+        that of one of Auto axes over its jax devices (device kind included: what
+        jax.shard_map derives from a jax.sharding.Mesh over them and compares with the
+        context mesh), or without devices where jax has too few (planning only)."""
         if self._jax_mesh is not None:
             return self._jax_mesh.abstract_mesh
+        if self._jax_devices is not None or self.size <= jax.device_count():
+            return self.to_jax(auto=True).abstract_mesh
         return jax.sharding.AbstractMesh(self.shape, self.axis_names)
 
     def jax_devices(self) -> list:
@@ -152,6 +156,17 @@ def _device_ids(devices) -> tuple[np.ndarray, Optional[tuple]]:
     ids = np.vectorize({d: i for i, d in enumerate(ordered)}.__getitem__, otypes=[np.int64])(arr)
     default = ordered == jax.devices()[:len(ordered)]
     return ids, None if default else tuple(ordered)
+
+
+def explicit_sharding(x) -> Optional[jax.sharding.NamedSharding]:
+    """The layout x's type carries: a jax array's (or jax.ShapeDtypeStruct's) sharding
+    over a mesh with Explicit axes (jax.make_mesh's); None for any other value."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding) and jax.sharding.AxisType.Explicit in sharding.mesh.axis_types:
+        return sharding
+    return None
 
 
 def as_mesh(mesh, what: str = "") -> Mesh:

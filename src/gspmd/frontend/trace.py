@@ -16,7 +16,7 @@ from gspmd.frontend import keys
 from gspmd.frontend.annotation import record_mesh, tracing
 from gspmd.frontend.source import source_line
 from gspmd.ir import Program, Value
-from gspmd.mesh import Mesh
+from gspmd.mesh import Mesh, explicit_sharding
 from gspmd.ops import PRIMITIVES
 from gspmd.ops.convert import Conversion
 
@@ -54,8 +54,7 @@ def trace(fn, flat_avals, name: str = "main", mesh: Optional[Mesh] = None,
     values back to source lines: gspmd.auto)."""
     schedules = _schedules.set([])
     try:
-        with _as_jax_context(mesh):
-            closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*flat_avals)
+        closed, out_shape = _jaxpr(fn, flat_avals, mesh)
         program = Program(name)
         program.schedules = _schedules.get()
     finally:
@@ -71,15 +70,42 @@ def trace(fn, flat_avals, name: str = "main", mesh: Optional[Mesh] = None,
 def jaxpr_of(fn: Callable, flat_avals, mesh: Optional[Mesh] = None):
     """fn's closed jaxpr, traced as gspmd.jit traces it (for analyses of the function
     itself, such as which outputs vmap batches)."""
-    with tracing(mesh), _as_jax_context(mesh):
+    with tracing(mesh), _as_jax_context(mesh, flat_avals):
         return jax.make_jaxpr(fn)(*flat_avals)
 
 
-def _as_jax_context(mesh: Optional[Mesh]):
-    """jax's context mesh for tracing: the user's (jax.set_mesh) if any, else `mesh`'s
-    axes, of the types its jax mesh has (jax asks only for an abstract mesh;
+# What jax.shard_map says when the context mesh is not the abstract mesh of the mesh it is given.
+_SHARD_MAP_REFUSES_CONTEXT = "should match the mesh passed to shard_map"
+
+
+def _jaxpr(fn, flat_avals, mesh: Optional[Mesh]):
+    """fn's closed jaxpr and output shapes, traced under _as_jax_context. Where a
+    jax.shard_map in fn is given a mesh whose axis types differ from that context's (a
+    jax.make_mesh mesh inside gspmd.jit(mesh=<Auto axes>), or the other way round), which
+    jax refuses under any other context mesh, fn is traced as jax.jit traces it: without
+    a context mesh (one the user set with jax.set_mesh stays, and so does jax's error)."""
+    context = _as_jax_context(mesh, flat_avals)
+    try:
+        with context:
+            return jax.make_jaxpr(fn, return_shape=True)(*flat_avals)
+    except ValueError as e:
+        if isinstance(context, contextlib.nullcontext) or _SHARD_MAP_REFUSES_CONTEXT not in str(e):
+            raise
+    _schedules.get().clear()   # what the refused trace recorded
+    return jax.make_jaxpr(fn, return_shape=True)(*flat_avals)
+
+
+def _as_jax_context(mesh: Optional[Mesh], flat_avals):
+    """jax's context mesh for tracing: the user's (jax.set_mesh) if any; else, as jax.jit
+    takes it, the mesh arguments are laid out over by their types (Explicit axes); else
+    `mesh`'s axes, of the types its jax mesh has (jax asks only for an abstract mesh;
     Conversion.mesh_of finds its devices)."""
-    if mesh is None or not jax.sharding.get_abstract_mesh().empty:
+    if not jax.sharding.get_abstract_mesh().empty:
+        return contextlib.nullcontext()
+    typed = [s.mesh.abstract_mesh for s in map(explicit_sharding, flat_avals) if s is not None]
+    if typed:
+        return jax.sharding.use_abstract_mesh(typed[0])
+    if mesh is None:
         return contextlib.nullcontext()
     return jax.sharding.use_abstract_mesh(mesh.abstract())
 
