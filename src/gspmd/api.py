@@ -21,7 +21,7 @@ from gspmd.frontend import mesh_split, trace
 from gspmd.frontend.annotation import is_tracing, tracing
 from gspmd.ir import Program, Value, format_program, verify
 from gspmd.ir.dce import eliminate_dead_code
-from gspmd.mesh import Mesh, as_mesh, explicit_sharding, jax_context_mesh
+from gspmd.mesh import Mesh, as_mesh, jax_context_mesh
 from gspmd.frontend.keys import KeyData
 from gspmd.ops.convert import is_key
 from gspmd.partitioner import fit_memory, partition
@@ -244,11 +244,12 @@ class Lowered:
         self.donated = donate   # parameters whose buffers the results may reuse (donated arguments)
         self._partitioned = partitioned
         param_names = template.dynamic_leaves(names)
-        avals = [_abstract(x, name) for x, name in zip(template.dynamic_leaves(leaves), param_names)]
+        committed = [key_layout(k) for k in template.dynamic_leaves(list(template.keys))]
+        avals = [_abstract(x, name, layout) for x, name, layout in zip(template.dynamic_leaves(leaves), param_names,
+                                                                        committed)]
         signature, fn = partitioned.signature, partitioned._traced_fn
-
-        layouts = [_input_layout(key_layout(k), len(k[0]), i in donate)
-                   for i, k in enumerate(template.dynamic_leaves(list(template.keys)))]
+        mesh = _jit_mesh(partitioned.mesh, committed)
+        layouts = [_input_layout(layout, len(a.shape), i in donate) for i, (layout, a) in enumerate(zip(committed, avals))]
 
         def flat_fn(*dynamic):
             dynamic = [x if layout is None else mesh_split(x, *layout) for x, layout in zip(dynamic, layouts)]
@@ -257,15 +258,15 @@ class Lowered:
             return fn(*args, **kwargs)
         self.keys = KeyData(flat_fn, avals)   # typed PRNG keys cross as their key data
         self.flat_fn = self.keys.fn           # what the program computes: on key data
-        with tracing(partitioned.mesh) as seen:
-            self.program, self.out_tree = _trace(self.keys.fn, self.keys.avals, signature.name, partitioned.mesh,
+        with tracing(mesh) as seen:
+            self.program, self.out_tree = _trace(self.keys.fn, self.keys.avals, signature.name, mesh,
                                                  leaves, names)
         self.program.labels = dict(zip(self.program.params, param_names))
         self.program.labels.update(zip(self.program.outputs, result_paths(self.out_tree)))
         eliminate_dead_code(self.program)
         verify(self.program)
-        self.num_devices = _device_count(self.program, partitioned.mesh)
-        self.meshes = _unique([partitioned.mesh] + seen.meshes)
+        self.num_devices = _device_count(self.program, [mesh] + seen.meshes)
+        self.meshes = _unique([mesh] + seen.meshes)
         self.mesh = self.meshes[0] if self.meshes else Mesh(np.arange(self.num_devices), ("d",))
         self.completion = propagation.complete(self.program, self.num_devices)
         self.spmd = partition(self.program, self.num_devices, partitioned.hardware)
@@ -283,7 +284,7 @@ class Lowered:
         # its derivatives and batched forms, partitioned when jax asks for them
         self.transforms = Transforms(self.flat_fn, _avals(self.program.params), _avals(self.program.outputs),
                                      signature.name, lambda fn: Partitioned(fn, partitioned.mesh, self.backend),
-                                     partitioned.mesh)
+                                     mesh)
 
     # -- execution ----------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -465,8 +466,20 @@ def _trace(flat_fn: Callable, avals: list, name: str, mesh: Optional[Mesh], leav
             "there, or make the function handle the string in Python.") from e
 
 
-def _abstract(x, name: str) -> jax.ShapeDtypeStruct:
-    """The shape and dtype of an array argument; non-numeric arrays are a mistake."""
+def _jit_mesh(mesh: Optional[Mesh], committed: list) -> Optional[Mesh]:
+    """The jit's mesh: jit(mesh=...), else jax.set_mesh's, else the first committed
+    argument's (jax.jit runs where its arguments are)."""
+    if mesh is not None:
+        return mesh
+    context = jax_context_mesh()
+    if context is not None:
+        return Mesh.from_jax(context)
+    return next((Mesh.from_jax(c.mesh) for c in committed if c is not None), None)
+
+
+def _abstract(x, name: str, committed: Optional[NamedSharding] = None) -> jax.ShapeDtypeStruct:
+    """The shape and dtype of an array argument (and over a mesh of Explicit axes, its
+    layout, which is part of its type); non-numeric arrays are a mistake."""
     dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
     if is_key(dtype):
         return jax.ShapeDtypeStruct(np.shape(x), dtype)
@@ -474,11 +487,11 @@ def _abstract(x, name: str) -> jax.ShapeDtypeStruct:
         raise ShardingError(f"Argument {name} is an array of dtype {dtype} (shape {tuple(np.shape(x))}); gspmd.jit "
                             "partitions numeric arrays only: convert it to numbers, or make it static "
                             "(static_argnums) if the function reads it in Python.")
-    if isinstance(x, jax.ShapeDtypeStruct):
+    explicit = committed is not None and jax.sharding.AxisType.Explicit in committed.mesh.axis_types
+    if isinstance(x, jax.ShapeDtypeStruct) and (explicit or x.sharding is None):
         return x
-    if explicit_sharding(x) is not None:   # its type names its layout, as jax.jit traces it
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-    return jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(dtype))
+    return jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(dtype),
+                                sharding=committed if explicit else None)
 
 
 def _input_layout(committed: Optional[NamedSharding], rank: int, donated: bool) -> Optional[tuple]:
@@ -486,15 +499,14 @@ def _input_layout(committed: Optional[NamedSharding], rank: int, donated: bool) 
     keeps such a layout: its split dims; the dims it leaves whole are left to
     propagation (the results of a gspmd.jit on the jax backend come back whole along
     dims they split unevenly, and must go in again as they were made), except for a
-    donated argument, whose layout is kept whole so that its own buffer is used.
+    donated argument, whose layout is kept whole so that its own buffer is used. Even
+    with no dim split it names the devices the program runs on, as under jax.jit.
     Returns mesh_split's (mesh, spec), or None for no annotation."""
     if committed is None:
         return None
     spec = tuple(committed.spec) + (None,) * (rank - len(committed.spec))
     if donated:
         return committed.mesh, PartitionSpec(*spec)
-    if all(e is None for e in spec):
-        return None
     return committed.mesh, PartitionSpec(*(PartitionSpec.UNCONSTRAINED if e is None else e for e in spec))
 
 
@@ -519,10 +531,11 @@ def _layouts_named(instr) -> list[Sharding]:
     return []
 
 
-def _device_count(program: Program, mesh: Optional[Mesh]) -> int:
+def _device_count(program: Program, meshes: list) -> int:
+    """The devices of the program: those of its layouts and of the meshes its trace used
+    (also where the values they annotated are dead)."""
     counts = {s.num_devices for i in program.all_instrs(into_regions=False) for s in _layouts_named(i)}
-    if mesh is not None:
-        counts.add(mesh.size)
+    counts.update(m.size for m in meshes if m is not None)
     if len(counts) > 1:
         raise ShardingError(f"Annotations and jit(mesh=...) use meshes of different sizes {sorted(counts)}; "
                             "all meshes of one program must cover the same devices.")

@@ -10,6 +10,7 @@ from typing import Callable, Optional
 import jax
 import numpy as np
 from jax.extend import core as jcore
+from jax.sharding import AxisType, NamedSharding
 
 from gspmd.errors import ShardingError
 from gspmd.frontend import keys
@@ -19,6 +20,7 @@ from gspmd.ir import Program, Value
 from gspmd.mesh import Mesh, explicit_sharding
 from gspmd.ops import PRIMITIVES
 from gspmd.ops.convert import Conversion
+from gspmd.ops.elementwise import annotate
 
 # Primitives that only wrap a sub-jaxpr: their body is converted in place. (A nested
 # jax.jit may carry shardings: the `sharding` record converts it.)
@@ -129,12 +131,25 @@ def _inline(b: Conversion, closed, args: list[Value], on_equation: Optional[OnEq
         b.origin, b.source = eqn.primitive.name, source_line(eqn) or caller
         b.recomputed = recomputed or _RECOMPUTE_SCOPE in str(eqn.source_info.name_stack)
         operands = [read(a) for a in eqn.invars]
-        outs = _convert(b, eqn, operands)
+        outs = [_typed(b, v, out) for v, out in zip(eqn.outvars, _convert(b, eqn, operands))]
         env.update(zip(eqn.outvars, outs))
         if on_equation is not None:
             on_equation(index, eqn, operands, outs)
     b.origin, b.recomputed, b.source = origin, recomputed, caller
     return [read(v) for v in jaxpr.outvars]
+
+
+def _typed(b: Conversion, var, value: Value) -> Value:
+    """In explicit sharding mode a value's type holds its layout (jax's type rules gave
+    it): that layout is an annotation. Over a mesh with automatic axes too, dims the type
+    leaves unsplit are left to propagation."""
+    sharding = getattr(var.aval, "sharding", None)
+    if b.manual_regions or not isinstance(sharding, NamedSharding):
+        return value
+    types = sharding.mesh.axis_types
+    if AxisType.Explicit not in types:
+        return value
+    return annotate(b, value, sharding, only_named=any(t != AxisType.Explicit for t in types))
 
 
 def _convert(b: Conversion, eqn, args: list[Value]) -> list[Value]:
