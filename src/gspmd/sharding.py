@@ -299,18 +299,20 @@ _remap = functools.lru_cache(maxsize=65536)(Sharding._remap)
 
 @functools.lru_cache(maxsize=4096)
 def _dims_mapping(sharding: Sharding, mesh: Mesh) -> Optional[list]:
-    """Tries each way to hand the mesh axes to tensor dims (meshes have few axes)."""
+    """Reads the mapping off the layout: a tensor dim is split over the mesh axes along
+    which its tile index steps, major (largest step) first; size-1 axes split nothing and
+    go to no dim. One check against from_mesh rejects layouts that are no mapping."""
     if mesh.size != sharding.num_devices:
         return None
-    for owner in itertools.product(range(sharding.rank + 1), repeat=mesh.ndim):   # rank: replicated
-        per_dim = [[a for a in range(mesh.ndim) if owner[a] == d] for d in range(sharding.rank)]
-        if any(math.prod(mesh.shape[a] for a in axes) != t for axes, t in zip(per_dim, sharding.tiles)):
-            continue
-        for orders in itertools.product(*(itertools.permutations(axes) for axes in per_dim)):
-            mapping = [tuple(mesh.axis_names[a] for a in order) or None for order in orders]
-            if Sharding.from_mesh(mesh, mapping, (1,) * sharding.rank) == sharding:
-                return mapping
-    return None
+    tile_index = sharding.coords()[mesh.devices]            # (*mesh shape, rank)
+    axes = [a for a in range(mesh.ndim) if mesh.shape[a] > 1]
+    steps = {a: tile_index[tuple(int(b == a) for b in range(mesh.ndim))] - tile_index[(0,) * mesh.ndim]
+             for a in axes}
+    per_dim = [sorted((a for a in axes if steps[a][i]), key=lambda a: -steps[a][i]) for i in range(sharding.rank)]
+    if sum(map(len, per_dim)) != len(set().union(*per_dim)):   # an axis moves two dims
+        return None
+    mapping = [tuple(mesh.axis_names[a] for a in dims) or None for dims in per_dim]
+    return mapping if Sharding.from_mesh(mesh, mapping, (1,) * sharding.rank) == sharding else None
 
 
 def _mesh_dims(mesh: Mesh, entry, what: str) -> tuple[int, ...]:
