@@ -222,10 +222,17 @@ class Sharding:
         return f"{{devices=[{','.join(map(str, dims))}]{devices}{suffix}}}"
 
     # -- in a mesh's terms --------------------------------------------------------
+    def mesh_axes(self, mesh: Mesh) -> Optional[tuple[tuple[int, ...], ...]]:
+        """Per tensor dim, the mesh dims (major to minor) over which mesh_split over
+        `mesh` splits it to give exactly this sharding (size-1 mesh dims in none), or
+        None when no dims_mapping does."""
+        return _mesh_axes(self, mesh)
+
     def dims_mapping(self, mesh: Mesh) -> Optional[list]:
         """A dims_mapping with which mesh_split over `mesh` gives exactly this sharding
         (entries: None or a tuple of axis names), or None when there is none."""
-        return _dims_mapping(self, mesh)
+        axes = self.mesh_axes(mesh)
+        return None if axes is None else [tuple(mesh.axis_names[a] for a in dims) or None for dims in axes]
 
     def spec(self, mesh: Mesh) -> Optional[PartitionSpec]:
         """This sharding as a PartitionSpec over `mesh`, or None when it is not one."""
@@ -298,21 +305,21 @@ _remap = functools.lru_cache(maxsize=65536)(Sharding._remap)
 
 
 @functools.lru_cache(maxsize=4096)
-def _dims_mapping(sharding: Sharding, mesh: Mesh) -> Optional[list]:
-    """Reads the mapping off the layout: a tensor dim is split over the mesh axes along
-    which its tile index steps, major (largest step) first; size-1 axes split nothing and
-    go to no dim. One check against from_mesh rejects layouts that are no mapping."""
+def _mesh_axes(sharding: Sharding, mesh: Mesh) -> Optional[tuple[tuple[int, ...], ...]]:
+    """Read off the layout: a tensor dim is split over the mesh dims along which its tile
+    index steps, major (largest step) first. One check against from_mesh rejects layouts
+    that no dims_mapping gives."""
     if mesh.size != sharding.num_devices:
         return None
     tile_index = sharding.coords()[mesh.devices]            # (*mesh shape, rank)
     axes = [a for a in range(mesh.ndim) if mesh.shape[a] > 1]
     steps = {a: tile_index[tuple(int(b == a) for b in range(mesh.ndim))] - tile_index[(0,) * mesh.ndim]
              for a in axes}
-    per_dim = [sorted((a for a in axes if steps[a][i]), key=lambda a: -steps[a][i]) for i in range(sharding.rank)]
-    if sum(map(len, per_dim)) != len(set().union(*per_dim)):   # an axis moves two dims
+    per_dim = tuple(tuple(sorted((a for a in axes if steps[a][i]), key=lambda a: -steps[a][i]))
+                    for i in range(sharding.rank))
+    if sum(map(len, per_dim)) != len(set().union(*per_dim)):   # a mesh dim steps two tensor dims
         return None
-    mapping = [tuple(mesh.axis_names[a] for a in dims) or None for dims in per_dim]
-    return mapping if Sharding.from_mesh(mesh, mapping, (1,) * sharding.rank) == sharding else None
+    return per_dim if Sharding.from_mesh(mesh, per_dim, (1,) * sharding.rank) == sharding else None
 
 
 def _mesh_dims(mesh: Mesh, entry, what: str) -> tuple[int, ...]:

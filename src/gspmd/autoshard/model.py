@@ -9,7 +9,6 @@ every choice for one axis with the others held, which is what the solver decides
 """
 from __future__ import annotations
 
-import itertools
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -78,6 +77,9 @@ class Model:
         self.graph, self.mesh, self.pricing = graph, mesh, pricing
         self.axes = range(mesh.ndim)
         self.axis_sizes = mesh.shape
+        # the axes the search decides: size-1 axes split nothing and stay unused (MaxText's
+        # meshes have a dozen of them)
+        self.splitting = [a for a in self.axes if self.axis_sizes[a] > 1]
         # class -> per axis: the Options a user's annotation (or fixed=) leaves open
         self.allowed = dict(allowed or {})
         self.expressible = True   # False: an annotation in the function cannot be said on this mesh
@@ -454,41 +456,10 @@ class _Liveness:
         return int(live[t]), t
 
 
-def layout_of(sharding: Sharding, mesh: Mesh) -> Optional[Layout]:
-    """A sharding as mesh axes per dim (major to minor), or None if this mesh cannot say it."""
-    coords = np.stack(np.unravel_index(np.argsort(mesh.devices.ravel()), mesh.shape), axis=1)   # device -> mesh coords
-    tensor = sharding.coords()
-    used: set = set()
-    layout = []
-    for d, t in enumerate(sharding.tiles):
-        found = _axes_for(tensor[:, d], t, coords, mesh.shape, used)
-        if found is None:
-            return None
-        used.update(found)
-        layout.append(found)
-    return tuple(layout)
-
-
-def _axes_for(column, tiles, coords, sizes, used) -> Optional[tuple]:
-    if tiles == 1:
-        return ()
-    free = [a for a in range(len(sizes)) if a not in used]
-    for r in range(1, len(free) + 1):
-        for combo in itertools.permutations(free, r):
-            if math.prod(sizes[a] for a in combo) != tiles:
-                continue
-            index = np.zeros(len(column), np.int64)
-            for a in combo:
-                index = index * sizes[a] + coords[:, a]
-            if np.array_equal(index, column):
-                return tuple(combo)
-    return None
-
-
 def annotation_options(sharding: Sharding, unspecified: Sequence[int], mesh: Mesh) -> Optional[list]:
     """Per mesh axis, the Options (over the annotated value's dims as factors) that give
     the annotated layout; dims left UNSPECIFIED may take any axis the others leave."""
-    layout = layout_of(sharding, mesh)
+    layout = sharding.mesh_axes(mesh)
     if layout is None:
         return None
     fixed = {a: d for d, axes in enumerate(layout) for a in axes}

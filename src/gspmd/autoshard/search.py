@@ -36,7 +36,7 @@ from gspmd.api import _abstract, jit
 from gspmd.autoshard import plan as plans
 from gspmd.autoshard.costs import Pricing
 from gspmd.autoshard.graph import CARRY, Graph, build
-from gspmd.autoshard.model import UNUSED, Assignment, Estimate, Model, annotation_options, layout_of
+from gspmd.autoshard.model import UNUSED, Assignment, Estimate, Model, annotation_options
 from gspmd.autoshard.solve import BEAM, solve, solve_exact
 from gspmd.errors import ShardingError
 from gspmd.frontend import trace
@@ -355,7 +355,7 @@ def descend(model: Model, assignment: Assignment, memory_price: float, beam: int
     assignment = list(assignment)
     order = _order(model.graph)
     exact = True
-    axes = sorted(model.axes, key=lambda a: -model.axis_sizes[a])
+    axes = sorted(model.splitting, key=lambda a: -model.axis_sizes[a])
     for _ in range(rounds):
         changed = False
         for axis in axes:
@@ -507,7 +507,7 @@ def pins_for(c: Candidate, traced: Traced, layouts: dict, rounds: int = 3, most:
         for v, layout in layouts.items():
             where = traced.location.get(v)
             if (where is not None and where not in pins and v.rank and v in graph.node_of and v in counterpart
-                    and layout_of(counterpart[v].sharding, mesh) != layout):
+                    and counterpart[v].sharding.mesh_axes(mesh) != layout):
                 strays[where] = strays.get(where, 0) + v.nbytes
         found = [traced.intermediate(where, layouts, mesh) for where in sorted(strays, key=lambda w: -strays[w])]
         found = [pin for pin in found if pin is not None][:max(most - len(pins), 0)]
@@ -636,7 +636,7 @@ def _inputs_split(best: Candidate, paths: list[str], limit: int, effort: Effort)
         return None, ""
     c = max(whole, key=lambda c: value_of[c].nbytes)
     found = []
-    for axis in model.axes:
+    for axis in model.splitting:
         for option in model.options(c, best.assignment[c], axis):
             if option != UNUSED:
                 held = tuple(option if a == axis else UNUSED for a in model.axes)
