@@ -5,7 +5,7 @@ import numpy as np
 
 import gspmd
 from gspmd.ir import Builder, Program
-from gspmd.ir.cse import eliminate_common_subexpressions
+from gspmd.passes.cse import eliminate_common_subexpressions
 from util import check, rand
 
 MESH = gspmd.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))

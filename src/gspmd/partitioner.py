@@ -6,14 +6,10 @@ from typing import Mapping, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
-from gspmd import ops
+from gspmd import ops, passes
 from gspmd.analysis import memory
 from gspmd.errors import ShardingError
 from gspmd.ir import Builder, Instr, Program, Value
-from gspmd.ir.cse import eliminate_common_subexpressions
-from gspmd.ir.dce import eliminate_dead_code
-from gspmd.ops.reassociate import reassociate_all_reduces
-from gspmd.ops.accumulate import fold_updates_into_accumulators
 from gspmd.ops.registry import Storage
 from gspmd.sharding import Sharding
 from gspmd.spmd import cost as cm
@@ -68,10 +64,7 @@ def _partition(program: Program, num_devices: int, in_layouts: Sequence[Sharding
     for o, layout in zip(program.outputs, out_layouts):
         b.source = program.labels.get(o, "")
         spmd.outputs.append(rs.reshard(ctx, env[o], layout).local)
-    eliminate_common_subexpressions(spmd)   # one reshard of a value serves all its users
-    fold_updates_into_accumulators(spmd)     # a + scatter(0, i, u) -> scatter(a, i, u), likewise slices
-    reassociate_all_reduces(spmd)            # ar(a) + ar(b) -> ar(a + b)
-    eliminate_dead_code(spmd, ops.prune)
+    passes.run(spmd, passes.AFTER_PARTITION)
     for local, layout in zip(spmd.outputs, out_layouts):
         local.sharding = layout
     return spmd

@@ -41,9 +41,9 @@ from gspmd.autoshard.solve import BEAM, solve, solve_exact
 from gspmd.errors import ShardingError
 from gspmd.frontend import trace
 from gspmd.ir import Builder, Program, Value
-from gspmd.ir.cse import eliminate_common_subexpressions
 from gspmd.ir.dce import eliminate_dead_code
 from gspmd.mesh import Mesh
+from gspmd.passes.cse import eliminate_common_subexpressions
 from gspmd.sharding import UNSPECIFIED, Sharding, dims_mapping_from_spec
 
 AXIS_NAMES = ("x", "y", "z")

@@ -16,7 +16,7 @@ from collections import Counter
 from typing import Optional
 
 from gspmd.ir import Instr, Program, Value
-from gspmd.ir.cse import attrs_key
+from gspmd.passes.cse import attrs_key
 from gspmd.ir.reducer import ADD
 from gspmd.ops.registry import lookup
 
