@@ -24,7 +24,8 @@ from gspmd.ir.dce import eliminate_dead_code
 from gspmd.mesh import Mesh, as_mesh, jax_context_mesh
 from gspmd.frontend.keys import KeyData
 from gspmd.ops.convert import is_key
-from gspmd.partitioner import fit_memory, partition
+from gspmd.partitioner import partition
+from gspmd.passes.fit_memory import fit_memory
 from gspmd.runtime import jax_backend, sim
 from gspmd.sharding import Sharding
 from gspmd.spmd.cost import profile

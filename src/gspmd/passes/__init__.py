@@ -1,6 +1,7 @@
 """Rewrites of a program that keep what it computes. AFTER_PARTITION is the pipeline
 the partitioner runs on every per-device program it makes (a loop's body and a manual
-region's body too), in this order."""
+region's body too), in this order; fit_memory (passes.fit_memory) runs on its own, with
+the limit, when one is given."""
 from __future__ import annotations
 
 from functools import partial
