@@ -138,7 +138,7 @@ def test_a_users_function(capsys, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["transformer", "--vocab", "32000"], "does not vary --vocab"),
+    (["unet", "--vocab", "32000"], "does not vary --vocab"),
     (["transformer", "--image-size", "64"], "does not vary --image-size"),
     (["unet", "--heads", "8"], "does not vary --heads"),
     (["transformer", "--remat", "offload_dot_with_no_batch_dims"], "host memory"),
@@ -157,3 +157,24 @@ def test_a_users_function(capsys, tmp_path, monkeypatch):
 ])
 def test_bad_flags_are_clear_errors(capsys, argv, message):
     assert message in plan_error(capsys, *argv)
+
+
+def test_a_transformer_with_an_embedding_and_softmax(capsys):
+    """--vocab: tokens embedded by a table split on vocabulary (Y) and model dim (X), the
+    tied logits split on vocabulary, a log-softmax reduced across Y: more flops than the
+    plan without them, and the table stays split over all 8 devices."""
+    without = plan_json(capsys, "transformer", *SMALL, "--mesh", "2x4", "--batch", "8")
+    out = plan_json(capsys, "transformer", *SMALL, "--mesh", "2x4", "--batch", "8", "--vocab", "512")
+    assert out["sizes"]["vocab"] == 512 and "vocabulary 512" in out["model"]
+    assert out["flops_per_device"] > without["flops_per_device"]
+    sizes = planning.Sizes(layers=2, model_dim=64, ffn_dim=128, heads=4, head_dim=16, seq=32, vocab=512, batch=8,
+                           mesh=(2, 4))
+    lowered = planning.plan("transformer", sizes).lowered
+    table = next(p for p in lowered.program.params if lowered.label(p).endswith("['embedding']"))
+    assert table.sharding.tiles == (4, 2)
+
+
+def test_vocab_is_refused_where_it_is_not_planned(capsys):
+    assert "--vocab applies to the Transformer without --stages" in plan_error(
+        capsys, "transformer", *SMALL, "--mesh", "2x2x2", "--stages", "2", "--vocab", "512")
+    assert "does not vary --vocab" in plan_error(capsys, "conformer", "--vocab", "512")

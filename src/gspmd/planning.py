@@ -247,9 +247,9 @@ def _divide(what: str, total: int, parts: int, by: str) -> int:
 # -- dense Transformer (Tables 2, 3) and its pipelined form (Table 4) -----------------------
 TRANSFORMER = {"layers": 32, "model_dim": 8192, "ffn_dim": 65536, "heads": 128, "head_dim": 256, "seq": 1024,
                "batch": None, "mesh": (32, 64), "stages": None, "microbatches": None, "schedule": "gpipe",
-               "repeats": 1, "remat": None, "activation_dtype": "bfloat16", "optimizer": "adafactor"}
+               "repeats": 1, "remat": None, "activation_dtype": "bfloat16", "optimizer": "adafactor", "vocab": None}
 # Table 5's Conformers: 23 M^2 parameters per block; M=2944 makes 32 blocks 6.4B (the paper: 6.47B).
-CONFORMER = {**TRANSFORMER, "layers": 32, "model_dim": 2944, "ffn_dim": 11776, "heads": 23, "head_dim": 128,
+CONFORMER = {**{k: v for k, v in TRANSFORMER.items() if k != "vocab"}, "layers": 32, "model_dim": 2944, "ffn_dim": 11776, "heads": 23, "head_dim": 128,
              "seq": 768, "mesh": (8, 1), "stages": 8, "microbatches": 16}
 
 
@@ -290,17 +290,42 @@ def _layer_stack(stack: LayerStack, s: dict, hw: Hardware) -> Case:
     cfg, dtype, policy = stack.config(s, batch), _dtype(s), _policy(s["remat"])
     annotate = transformer.gspmd_annotate(mesh)
 
-    def loss(stacked, x, target):
+    def layers(stacked, x):
         def body(x, p):
             return stack.layer(p, x, annotate, stack.strategy, cfg), None
-        y, _ = jax.lax.scan(_layers(body, policy), x, stacked)
-        return _mse(y, target)
+        return jax.lax.scan(_layers(body, policy), x, stacked)[0]
 
+    stacked = _stack(stack.shapes(cfg), cfg.layers)
+    described = (f"{stack.name}, {cfg.layers} layers, M={cfg.model} H={cfg.hidden} N={cfg.heads} "
+                 f"D={cfg.head_dim}, batch {batch} x seq {cfg.seq}")
+    if s.get("vocab"):
+        tokens = _spec((batch, cfg.seq), jnp.int32)
+        params = {"layers": stacked, "embedding": _spec((s["vocab"], cfg.model))}
+        return Case(f"{described}, vocabulary {s['vocab']}",
+                    *_train(_language_model_loss(layers, annotate, dtype), params, (tokens, tokens), s), mesh,
+                    {**s, "batch": batch}, donate=_in_place(s))
     act = _spec((batch, cfg.seq, cfg.model), dtype)
-    return Case(f"{stack.name}, {cfg.layers} layers, M={cfg.model} H={cfg.hidden} N={cfg.heads} "
-                f"D={cfg.head_dim}, batch {batch} x seq {cfg.seq}",
-                *_train(loss, _stack(stack.shapes(cfg), cfg.layers), (act, act), s), mesh, {**s, "batch": batch},
-                donate=_in_place(s))
+    return Case(described, *_train(lambda stacked, x, target: _mse(layers(stacked, x), target), stacked, (act, act), s),
+                mesh, {**s, "batch": batch}, donate=_in_place(s))
+
+
+# The embedding table [V, M] split as the layers' weights: vocabulary over Y (the model
+# parallel axis, as Megatron-LM splits it), M over X (weight-update sharding); the
+# logits [B, S, V] keep B over X and V over Y, so the softmax reduces across Y.
+EMBEDDING_2D = {"embedding": ["y", "x"], "tokens": ["x", -1], "logits": ["x", -1, "y"]}
+
+
+def _language_model_loss(layers: Callable, annotate: Callable, dtype) -> Callable:
+    """Tokens in, next-token cross-entropy out: embed (a gather of table rows), the layer
+    stack, logits by the same (tied) table, log-softmax over the vocabulary."""
+    def loss(params, tokens, labels):
+        table = annotate(params["embedding"], EMBEDDING_2D["embedding"])
+        x = jnp.take(table, annotate(tokens, EMBEDDING_2D["tokens"]), axis=0).astype(dtype)
+        y = layers(params["layers"], x)
+        logits = annotate(jnp.einsum("bsm,vm->bsv", y, table.astype(dtype)), EMBEDDING_2D["logits"])
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        return -jnp.mean(jnp.sum(jax.nn.one_hot(labels, table.shape[0], dtype=logp.dtype) * logp, axis=-1))
+    return loss
 
 
 def _transformer(s: dict, hw: Hardware) -> Case:
@@ -316,6 +341,9 @@ def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
 def _pipelined(stack: LayerStack, s: dict, hw: Hardware) -> Case:
     """Stages over the mesh's first axis, data parallel over the second, and (3-D
     meshes) the strategy's model parallelism over the third."""
+    if s.get("vocab"):
+        raise ShardingError("--vocab applies to the Transformer without --stages (the pipeline plans its layer "
+                            "stack only); leave out --vocab or --stages.")
     axes = ("p", "x", "y")[:len(s["mesh"])]
     if len(s["mesh"]) < 2 or ("y" not in axes and any("y" in spec for spec in stack.strategy.values())):
         raise ShardingError(f"A pipelined {stack.name} needs a 3-D --mesh LxXxY: L stages, X data parallel, "
