@@ -1,5 +1,7 @@
 """Reduce, reshape, transpose and broadcast under random operand/result shardings,
 with sizes that do not divide the mesh: equal to one device (sim backend)."""
+import itertools
+
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import HealthCheck, given, settings
@@ -7,6 +9,7 @@ from hypothesis import strategies as st
 
 import gspmd
 from strategies import dims_mappings, meshes
+from util import check
 
 SIZES = st.sampled_from([1, 2, 3, 4, 5, 6, 7, 8, 12])
 REDUCERS = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min, "prod": jnp.prod}
@@ -76,6 +79,49 @@ def test_random_transpose_then_broadcast(case):
     expected = np.broadcast_to(np.transpose(x, perm)[None], (new,) + tuple(shape[p] for p in perm))
     run(lambda a: jnp.broadcast_to(jnp.transpose(a, perm)[None], expected.shape) * 2, x, mesh, in_map, out_map,
         expected * 2)
+
+
+def _held(s: gspmd.Sharding, shape) -> list:
+    """Per device, the row-major indices of the elements of its shard (even splits)."""
+    flat, n = np.arange(int(np.prod(shape))).reshape(shape), s.shard_shape(shape)
+    return [set(flat[tuple(slice(c * k, (c + 1) * k) for c, k in zip(coords, n))].ravel()) for coords in s.coords()]
+
+
+def test_reshaped_layout_keeps_every_devices_elements_and_misses_no_tiling():
+    from gspmd.ops.shape import reshaped_layout
+    rng = np.random.RandomState(0)
+    for _ in range(300):
+        dims = [int(d) for d in rng.choice([1, 2, 3, 4, 6, 8], rng.randint(2, 5))]
+        src, dst = [tuple(int(np.prod(g)) for g in np.split(dims, sorted(set(rng.randint(1, len(dims), 2)))))
+                    for _ in range(2)]
+        tiles, left = [], 8
+        for d in src:
+            tiles.append(int(rng.choice([t for t in (1, 2, 4, 8) if d % t == 0 and left % t == 0])))
+            left //= tiles[-1]
+        s = gspmd.Sharding(rng.permutation(8).reshape(tuple(tiles) + (left,)))
+        got, held = reshaped_layout(s, src, dst), _held(s, src)
+        if got is not None:
+            assert _held(got, dst) == held, (src, dst, s, got)
+            continue
+        for candidate in itertools.product(*[[t for t in (1, 2, 4, 8) if d % t == 0] for d in dst]):
+            if np.prod(candidate) == np.prod(tiles):    # the same tiles, in dst's dims: none holds the same
+                assert _held(gspmd.Sharding(s.tile_assignment.reshape(candidate + (left,))), dst) != held
+
+
+def test_reshape_spreads_and_merges_a_split_without_communication():
+    """[16] split 8 ways is [2, 8] split (2, 4): each device's rows stay where they are,
+    both ways, also when the other side is annotated."""
+    mesh = gspmd.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
+
+    def f(a):
+        a = gspmd.mesh_split(a, mesh, [("x", "y"), -1])
+        b = gspmd.mesh_split(jnp.tanh(a.reshape(2, 8, 5)), mesh, ["x", "y", -1])
+        return (b * 2).reshape(16, 5)
+
+    x = np.random.RandomState(2).standard_normal((16, 5)).astype(np.float32)
+    low = check(f, x, mesh=mesh)
+    assert low.sharding_of(0) == gspmd.Sharding.from_mesh(mesh, [("x", "y"), -1], (16, 5))
+    assert not low.report().collectives
 
 
 def test_reshape_carries_a_split_through_merge_and_split_without_communication():

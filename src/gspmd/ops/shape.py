@@ -85,6 +85,45 @@ def reshape_dim_pairs(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[
     return pairs
 
 
+def reshaped_layout(s: Sharding, src: tuple[int, ...], dst: tuple[int, ...]) -> Optional[Sharding]:
+    """The layout of a reshape from src to dst in which each device holds exactly the
+    elements of its shard of s, so the reshape is local; None when there is none. Per
+    run of dims with equal element counts, s cuts the flattened run into factors, each
+    split (tile index) or whole (within a tile), major to minor; a dst dim takes split
+    factors first, then whole ones (16 split 4 ways -> [2, 8] split (2, 2); [2, 8] split
+    (2, 2) -> 16 split 4 ways). Splits that are uneven or whose shards are not
+    contiguous in the run have none."""
+    if any(size == 1 and t > 1 for size, t in zip(src, s.tiles)):
+        return None
+    tiles = [1] * len(dst)
+    for ga, gb in reshape_groups(src, dst):
+        if any(src[d] % s.tiles[d] for d in ga):
+            return None
+        factors = []       # [size, split?], adjacent ones of a kind merged
+        for d in ga:
+            for size, split in ((s.tiles[d], True), (src[d] // s.tiles[d], False)):
+                if size > 1 and factors and factors[-1][1] == split:
+                    factors[-1][0] *= size
+                elif size > 1:
+                    factors.append([size, split])
+        for d in gb:
+            left, whole = dst[d], False
+            while left > 1:
+                size, split = factors[0]
+                take = math.gcd(size, left)
+                if (split and whole) or take not in (size, left):   # not a tile, or a factor cut unevenly
+                    return None
+                if split:
+                    tiles[d] *= take
+                whole = whole or not split
+                left //= take
+                if take == size:
+                    factors.pop(0)
+                else:
+                    factors[0][0] //= take
+    return Sharding(s.tile_assignment.reshape(tuple(tiles) + (s.num_replicas,)))
+
+
 def _carry_map(s: Sharding, pairs, forward: bool) -> list[Optional[int]]:
     dim_map: list[Optional[int]] = [None] * s.rank
     for a, b, modulus in pairs:
@@ -130,6 +169,9 @@ def _reshape_propagate(instr, shardings, target):
     if source is None:
         return []
     forward = target == 1
+    exact = reshaped_layout(source, *((x.shape, out.shape) if forward else (out.shape, x.shape)))
+    if exact is not None:
+        return [exact]
     source = _major_part(source, pairs, forward, x.shape if forward else out.shape)
     dim_map = _carry_map(source, pairs, forward)
     runs = _uneven_runs(source, reshape_groups(x.shape, out.shape), dim_map, forward)
@@ -186,15 +228,19 @@ def _reshape_partition(ctx, instr, operands, targets):
         return [realigned]
     pairs = reshape_dim_pairs(x.shape, out.shape)
 
-    def plan(op_layout):
-        out_layout = _carry(op_layout, pairs, True, out.rank)
+    def plan(op_layout, out_layout=None):
+        out_layout = out_layout or _carry(op_layout, pairs, True, out.rank)
         cost = rs.add_costs(rs.cost(x.sharding, op_layout, x.shape, x.dtype.itemsize),
                             rs.cost(out_layout, target, out.shape, out.dtype.itemsize))
         return rs.rounded(cost), op_layout.order_key(), op_layout, out_layout
 
     from_target = _carry(target, pairs, False, x.rank)
     from_operand = _carry(_carry(x.sharding, pairs, True, out.rank), pairs, False, x.rank)
-    _, _, op_layout, out_layout = min(plan(from_target), plan(from_operand))
+    # First (preferred on ties) the layouts a local reshape keeps whole: the operand's, the target's.
+    exact_out, exact_op = reshaped_layout(x.sharding, x.shape, out.shape), reshaped_layout(target, out.shape, x.shape)
+    plans = ([plan(x.sharding, exact_out)] if exact_out is not None else []) + \
+        ([plan(exact_op, target)] if exact_op is not None else []) + [plan(from_target), plan(from_operand)]
+    _, _, op_layout, out_layout = min(plans, key=lambda p: p[:2])
     local_x = rs.reshard(ctx, x, op_layout).local
     y = ctx.b.add1("reshape", [local_x], out_layout.shard_shape(out.shape), out.dtype)
     return [rs.reshard(ctx, PartitionedValue(y, out_layout, out.shape), target)]
