@@ -45,8 +45,8 @@ def test_pipeline_equals_layers_in_order(schedule, repeats, microbatches, backen
 
     np.testing.assert_allclose(jax.jit(f)(ws, xs), sequential(stage_fn, ws, xs), rtol=1e-5, atol=1e-5)
     low = check(f, ws, xs, mesh=MESH, backends=backends)
-    if repeats == 1:   # the layer stack stays split by stage: no device holds another stage's layers
-        assert low.program.params[0].sharding.tiles[0] == 4
+    # The layer stack stays split by stage (layer order too): no device holds another stage's layers.
+    assert low.program.params[0].sharding.tiles[0] == 4
 
 
 @pytest.mark.parametrize("schedule,repeats,microbatches,backends", [
@@ -109,16 +109,29 @@ def test_one_collective_permute_per_step_each_way_and_gradients_reduced_once(sch
     assert low.program.params[0].sharding.tiles[0] == 4 and low.program.outputs[0].sharding.tiles[0] == 4
 
 
-def test_circular_in_layer_order_still_equals_the_sequential_model():
-    """Layer-ordered stacks work too; their stage split is not contiguous, so it costs a
-    gather (stage_major_order avoids it)."""
+@pytest.mark.parametrize("schedule,repeats,backends", [("circular", 2, BACKENDS), ("1f1b", 2, ("sim",)),
+                                                      ("circular", 4, ("sim",))])
+def test_layer_ordered_stacks_stay_split_by_stage(schedule, repeats, backends):
+    """A layer-ordered stack, its gradient and its update are split by stage as a
+    stage-ordered one is: moved into stage order once each way (R | L: one-layer pieces;
+    L | R: an all-to-all), never gathered whole; values equal the stage-ordered run's."""
     rng = np.random.RandomState(3)
-    ws, xs, ts = rand(rng, 8, 8, 8) / 3, rand(rng, 4, 4, 8), rand(rng, 4, 4, 8)
-    major = gspmd.jit(_train_step("circular", 2, stage_major=True), mesh=MESH)(
-        gspmd.stage_major_order(ws, 4, 2), xs, ts)
-    check(_train_step("circular", 2), ws, xs, ts, mesh=MESH, backends=("sim",))
-    np.testing.assert_allclose(major, gspmd.stage_major_order(jax.jit(_train_step("circular", 2))(ws, xs, ts), 4, 2),
-                               rtol=1e-5, atol=1e-6)
+    ws, xs, ts = rand(rng, 4 * repeats, 8, 8) / 3, rand(rng, 4, 4, 8), rand(rng, 4, 4, 8)
+    check(_train_step(schedule, repeats), ws, xs, ts, mesh=MESH, backends=backends)
+    major = gspmd.jit(_train_step(schedule, repeats, stage_major=True), mesh=MESH)
+    np.testing.assert_allclose(major(gspmd.stage_major_order(ws, 4, repeats), xs, ts), gspmd.stage_major_order(
+        jax.jit(_train_step(schedule, repeats))(ws, xs, ts), 4, repeats), rtol=1e-5, atol=1e-6)
+
+    big = jax.ShapeDtypeStruct((4 * repeats, 256, 256), np.float32), jax.ShapeDtypeStruct((8, 4, 256), np.float32)
+    reports = {}
+    for stage_major in (False, True):
+        low = gspmd.jit(_train_step(schedule, repeats, stage_major=stage_major), mesh=MESH).lower(*big, big[1])
+        assert low.program.params[0].sharding.tiles[0] == 4 and low.program.outputs[0].sharding.tiles[0] == 4
+        reports[stage_major] = low.report()
+    share = repeats * 256 * 256 * 4         # a stage's layers: what any one device holds of the stack
+    assert all(c.bytes <= share for c in reports[False].collectives), reports[False]
+    # Beyond the stage-ordered run it holds its stage's layers once more (the moved copy).
+    assert reports[False].peak_memory_bytes - reports[True].peak_memory_bytes <= 1.05 * share
 
 
 @pytest.mark.parametrize("schedule,repeats,microbatches", [

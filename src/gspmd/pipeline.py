@@ -22,8 +22,11 @@ gradients are masked to exactly zero, whatever the stage computes there. Inputs 
 outputs live in per-stage buffers [L, M, ...] split like the state, so that reading a
 fresh microbatch and storing a finished one stay local: the only per-step collective is
 the shift. Parameters are [L*R, ...] stacks in layer order, or with `stage_major=True`
-in stage order (index s*R + r holds layer r*L + s), which keeps circular parameters,
-their gradients and optimizer state split by stage (see `stage_major_order`).
+in stage order (index s*R + r holds layer r*L + s, see `stage_major_order`). Either way
+they, their gradients and optimizer state are split in blocks over the stage axis; a
+circular schedule moves a layer-ordered stack into stage order once per call (one
+exchange of each stage's layers, and one back for the gradient), which stage order
+saves.
 """
 from __future__ import annotations
 
@@ -53,7 +56,9 @@ def pipeline(stage_fn: Callable, stacked_params, microbatches, *, mesh: Mesh, st
     its kept input instead of keeping the stage's intermediates; or a jax.checkpoint policy
     (jax.checkpoint_policies.dots_saveable, ...): it keeps what the policy saves. manual_stages: the
     stages run as a manual region over the stage axis (paper 3.4) instead of a vmap;
-    stage_fn's annotations over the other axes partition it inside."""
+    stage_fn's annotations over the other axes partition it inside. stage_major: the
+    stacks are in stage order (`stage_major_order`), which saves moving a circular
+    schedule's layers into it."""
     if schedule == "1f1b":
         raise ShardingError("The 1f1b schedule interleaves backward slots with forward slots, so it needs the "
                             "loss: use gspmd.pipeline_loss(stage_fn, loss_fn, ...) instead of gspmd.pipeline.")
@@ -154,7 +159,8 @@ class _Pipeline:
                 raise ShardingError(f"Stacked parameter of shape {np.shape(leaf)} must have a leading layer dim of "
                                     f"{stages} stages x {repeats} repeats = {stages * repeats} (stage axis "
                                     f"{stage_axis!r} of {mesh}).")
-        self.stage_fn, self.mesh, self.axis, self.stage_major = stage_fn, mesh, stage_axis, stage_major
+        self.stage_fn, self.mesh, self.axis = stage_fn, mesh, stage_axis
+        self.in_stage_order = stage_major or repeats == 1     # (with one repeat both orders are one)
         self.manual_stages = manual_stages
         self.L, self.R = stages, repeats
         self.timing = _Timing(stages, m, repeats)
@@ -166,18 +172,22 @@ class _Pipeline:
         return mesh_split(x, self.mesh, [self.axis] + [UNSPECIFIED] * (jnp.ndim(x) - 1))
 
     def by_stage(self, p):
-        """A [L*R, ...] stack as [L, R, ...]: stage s holds layers s, L+s, 2L+s, ..."""
+        """A [L*R, ...] stack as [L, R, ...]: stage s holds layers s, L+s, 2L+s, ...
+        The stack is split in blocks over the stage axis. In stage order that is a local
+        reshape; in layer order a local reshape and transpose, then one exchange of each
+        stage's layers (an all-to-all or R one-layer collective-permutes) where one of L
+        and R divides the other (else a gather)."""
         rest = jnp.shape(p)[1:]
-        if self.stage_major and self.R > 1:    # (with one repeat both orders are one)
+        if self.in_stage_order:
             return self.split(jnp.reshape(self.split(p), (self.L, self.R) + rest))
-        return self.split(jnp.swapaxes(jnp.reshape(p, (self.R, self.L) + rest), 0, 1))
+        return self.split(jnp.swapaxes(jnp.reshape(self.split(p), (self.R, self.L) + rest), 0, 1))
 
     def from_stages(self, p):
         """Inverse of by_stage."""
         rest = jnp.shape(p)[2:]
-        if self.stage_major and self.R > 1:
-            return self.split(jnp.reshape(p, (self.L * self.R,) + rest))
-        return jnp.reshape(jnp.swapaxes(p, 0, 1), (self.L * self.R,) + rest)
+        if not self.in_stage_order:
+            p = jnp.swapaxes(p, 0, 1)
+        return self.split(jnp.reshape(p, (self.L * self.R,) + rest))
 
     def per_stage_buffer(self, xs):
         """[M, ...] -> [L, M, ...] split by stage: every stage holds the whole array, and
