@@ -60,8 +60,7 @@ def pipeline(stage_fn: Callable, stacked_params, microbatches, *, mesh: Mesh, st
     stacks are in stage order (`stage_major_order`), which saves moving a circular
     schedule's layers into it."""
     if schedule == "1f1b":
-        raise ShardingError("The 1f1b schedule interleaves backward slots with forward slots, so it needs the "
-                            "loss: use gspmd.pipeline_loss(stage_fn, loss_fn, ...) instead of gspmd.pipeline.")
+        raise ShardingError(_one_f_one_b_rewrite(stage_axis, repeats, stage_major, manual_stages))
     run = _Pipeline(stage_fn, stacked_params, microbatches, mesh, stage_axis, schedule, repeats, stage_major,
                     manual_stages)
     record_schedule(run.timing.schedule(schedule))
@@ -83,6 +82,21 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stacked_params, microba
                     manual_stages)
     record_schedule(run.timing.schedule(schedule))
     return run.one_f_one_b(loss_fn, stacked_params, microbatches, targets)
+
+
+def _one_f_one_b_rewrite(stage_axis: str, repeats: int, stage_major: bool, manual_stages: bool) -> str:
+    """Why gspmd.pipeline refuses schedule="1f1b", and the call to write instead."""
+    options = f"mesh=mesh, stage_axis={stage_axis!r}" + (f", repeats={repeats}" if repeats != 1 else "") + \
+        (", stage_major=True" if stage_major else "") + (", manual_stages=True" if manual_stages else "")
+    return ("gspmd.pipeline(..., schedule='1f1b') cannot run 1F1B: its backward slots need each microbatch's "
+            "loss gradient while the forward loop still runs, and gspmd.pipeline returns the outputs, not the "
+            "loss. Give the loss to gspmd.pipeline_loss; rewrite\n"
+            f"    ys = gspmd.pipeline(stage_fn, params, xs, {options}, schedule='1f1b')\n"
+            "    loss = jnp.sum(jax.vmap(loss_fn)(ys, targets))\n"
+            "as\n"
+            f"    loss = gspmd.pipeline_loss(stage_fn, loss_fn, params, xs, targets, {options}, schedule='1f1b')\n"
+            "with loss_fn(y, t) one microbatch's loss; jax.grad of it runs forward and backward slots in one "
+            "loop. For outputs without a loss keep gspmd.pipeline with schedule='gpipe' or 'circular'.")
 
 
 def stage_major_order(stacked_params, stages: int, repeats: int):
