@@ -70,11 +70,21 @@ class Estimate:
         return dict(sorted(out.items()))
 
 
-class Model:
-    """One graph priced on one mesh: layouts, per-axis problems, whole estimates."""
+@dataclass
+class Tally:
+    """What one search has done: the strategies it solved (one descent over the mesh
+    axes each), over all the models it priced."""
+    strategies: int = 0
 
-    def __init__(self, graph: Graph, mesh: Mesh, pricing: Pricing, allowed: Optional[dict] = None):
+
+class Model:
+    """One graph priced on one mesh: layouts, per-axis problems, whole estimates.
+    `tally`: the search's count, shared by the models of one search."""
+
+    def __init__(self, graph: Graph, mesh: Mesh, pricing: Pricing, allowed: Optional[dict] = None,
+                 tally: Optional[Tally] = None):
         self.graph, self.mesh, self.pricing = graph, mesh, pricing
+        self.tally = tally or Tally()
         self.axes = range(mesh.ndim)
         self.axis_sizes = mesh.shape
         # the axes the search decides: size-1 axes split nothing and stay unused (MaxText's

@@ -109,6 +109,7 @@ class Plan:
     runner_ups: list[RunnerUp] = field(default_factory=list)
     search_seconds: float = 0.0
     exact: bool = True                 # every decision solved exactly (no beam truncation)
+    strategies_searched: int = 0       # strategies the search solved (one descent over the mesh axes each)
 
     # -- what it costs ------------------------------------------------------------------
     @property

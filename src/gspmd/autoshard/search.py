@@ -36,7 +36,7 @@ from gspmd.api import _abstract, jit
 from gspmd.autoshard import plan as plans
 from gspmd.autoshard.costs import Pricing
 from gspmd.autoshard.graph import CARRY, Graph, build
-from gspmd.autoshard.model import UNUSED, Assignment, Estimate, Model, annotation_options
+from gspmd.autoshard.model import UNUSED, Assignment, Estimate, Model, Tally, annotation_options
 from gspmd.autoshard.solve import BEAM, solve, solve_exact
 from gspmd.errors import ShardingError
 from gspmd.frontend import trace
@@ -107,7 +107,8 @@ def auto(fn: Callable, *args, devices: Optional[int] = None, mesh: Optional[Mesh
     graph = build(traced.program, {traced.program.params[i]: repr(m) for i, m in fixed_params.items()},
                   traced.carried_state())
     steps = Steps(progress or (lambda done, total, what: None), len(meshes) + min(REFINED, len(meshes)) + 2)
-    found = _search_meshes(graph, meshes, fixed_params, hw, limit, effort, steps)
+    tally = Tally()
+    found = _search_meshes(graph, meshes, fixed_params, hw, limit, effort, steps, tally)
     best, verified = _partition_best(found, traced, paths, limit, hw, effort, verify, steps)
     steps("runner-ups")
     best, replicated = _against(best, *_state_replicated(best.candidate, limit), traced, paths, limit, hw, 1.0)
@@ -116,7 +117,7 @@ def auto(fn: Callable, *args, devices: Optional[int] = None, mesh: Optional[Mesh
     steps("done")
     return plans.Plan(fn, abstract, best.candidate.mesh, best.parameters, best.intermediates, best.report,
                       best.candidate.estimate, limit, runner_ups, time.perf_counter() - start,
-                      all(c.exact for c in found))
+                      all(c.exact for c in found), tally.strategies)
 
 
 class Steps:
@@ -131,13 +132,13 @@ class Steps:
 
 
 def _search_meshes(graph: Graph, meshes: list[Mesh], fixed_params: dict, hw: Hardware, limit: int, effort: Effort,
-                   steps: Steps) -> list[Candidate]:
+                   steps: Steps, tally: Tally) -> list[Candidate]:
     """The best strategy on each mesh, best first: every mesh screened, the best few
     searched again, harder, from where screening ended."""
     screened: list[Candidate] = []
     for m in meshes:
         steps(f"mesh {_mesh_text(m)}")
-        model = Model(graph, m, Pricing(m, hw), _allowed(graph, fixed_params, m))
+        model = Model(graph, m, Pricing(m, hw), _allowed(graph, fixed_params, m), tally)
         if model.expressible and all(a is not None for a in model.allowed.values()):
             screened.append(optimize(model, limit, _screening(len(meshes), effort)))
     if not screened:
@@ -352,6 +353,7 @@ def _start(model: Model) -> Assignment:
 def descend(model: Model, assignment: Assignment, memory_price: float, beam: int, rounds: int,
             exact_solver: bool = False, peaks: Optional[list] = None):
     """Decide the axes one at a time (largest first), others held, until a sweep changes nothing."""
+    model.tally.strategies += 1
     assignment = list(assignment)
     order = _order(model.graph)
     exact = True
@@ -618,7 +620,7 @@ def _state_replicated(best: Candidate, limit: int) -> tuple[Optional[Candidate],
     allowed = dict(best.model.allowed)
     for c in state:
         allowed.setdefault(c, [{UNUSED} for _ in best.model.axes])
-    return optimize(Model(graph, best.mesh, best.model.pricing, allowed), limit, SCREEN), text
+    return optimize(Model(graph, best.mesh, best.model.pricing, allowed, best.model.tally), limit, SCREEN), text
 
 
 def _inputs_split(best: Candidate, paths: list[str], limit: int, effort: Effort) -> tuple[Optional[Candidate], str]:
@@ -640,7 +642,7 @@ def _inputs_split(best: Candidate, paths: list[str], limit: int, effort: Effort)
         for option in model.options(c, best.assignment[c], axis):
             if option != UNUSED:
                 held = tuple(option if a == axis else UNUSED for a in model.axes)
-                pinned = Model(graph, best.mesh, model.pricing, {**model.allowed, c: [{o} for o in held]})
+                pinned = Model(graph, best.mesh, model.pricing, {**model.allowed, c: [{o} for o in held]}, model.tally)
                 found.append(optimize(pinned, limit, effort))
     if not found:
         return None, ""
