@@ -10,6 +10,10 @@
    changes, from two starts. Memory first: while the estimated peak exceeds the limit,
    the bytes live at the peaks seen so far are priced ever higher (a Lagrangian) and
    the axes decided again; among plans that fit, the estimated step time decides.
+   The limit prunes as well: memory is fitted from the better start only, not at all
+   on a mesh whose unconstrained strategy is no faster than a plan that fits already,
+   and no further once a higher price no longer moves the peak (Plan.strategies_searched
+   counts the descents).
 3. The best candidates become annotations: every parameter's layout, and where
    sharding completion would lay a call's result out otherwise than the strategy, an
    annotation at that call in the source. gspmd partitions and reports them for real
@@ -18,7 +22,8 @@
    So do two counterfactuals on the best mesh where gspmd's report agrees: the data-
    parallel one (the updated state whole on every device) where the estimate prefers
    it, and the largest input the plan holds whole split instead, where the estimate
-   puts it within its error of the plan.
+   puts it within its error of the plan. Both start from the plan at its memory price;
+   the data-parallel one is not searched where the state alone exceeds the limit.
 """
 from __future__ import annotations
 
@@ -140,7 +145,8 @@ def _search_meshes(graph: Graph, meshes: list[Mesh], fixed_params: dict, hw: Har
         steps(f"mesh {_mesh_text(m)}")
         model = Model(graph, m, Pricing(m, hw), _allowed(graph, fixed_params, m), tally)
         if model.expressible and all(a is not None for a in model.allowed.values()):
-            screened.append(optimize(model, limit, _screening(len(meshes), effort)))
+            fastest = min((c.estimate.step_seconds for c in screened if c.fits), default=math.inf)
+            screened.append(optimize(model, limit, _screening(len(meshes), effort), beat=fastest))
     if not screened:
         raise ShardingError(f"No candidate mesh ({', '.join(_mesh_text(m) for m in meshes)}) can express the "
                             "annotations in the function or in fixed=; name mesh axes that exist "
@@ -285,16 +291,15 @@ def _same_shapes(a, b) -> bool:
 
 # -- one mesh -------------------------------------------------------------------------------
 def optimize(model: Model, limit: int, effort: Effort = Effort(), start: Optional[Assignment] = None,
-             price: float = 0.0) -> Candidate:
+             price: float = 0.0, beat: float = math.inf) -> Candidate:
     """The fastest strategy on this mesh whose estimated peak fits `limit` (else the one
     with the smallest peak found), from `start` with memory priced at `price`; without a
     start, from nothing split and (with effort.seeds) from every parameter split on its
     first dim over the largest axis (the axes are decided one at a time, so where the
-    search starts matters)."""
-    if start is None:
-        starts = [_start(model)] + ([_seed(model)] if effort.seeds else [])
-        return min((optimize(model, limit, effort, s, price) for s in starts), key=_rank)
-
+    search starts matters). Memory is fitted from the best start only, and not at all
+    where that is already no faster than `beat` (a plan that fits elsewhere): pricing
+    memory only slows a strategy down."""
+    starts = [start] if start is not None else [_start(model)] + ([_seed(model)] if effort.seeds else [])
     peaks: list = []    # when the strategies seen so far peak: memory there is priced
 
     def run(begin: Assignment, at: float) -> Candidate:
@@ -305,17 +310,22 @@ def optimize(model: Model, limit: int, effort: Effort = Effort(), start: Optiona
             peaks.append(when)
         return Candidate(model.mesh, model, assignment, est, est.peak_memory_bytes <= limit, solved, at)
 
-    best = run(start, price)
+    best = min((run(s, price) for s in starts), key=_rank)
     if not best.fits:
         smallest, stuck = best, 0
         # Start where a peak's worth of bytes costs about a step, or one collective.
         latency = model.pricing.rate("all-gather", tuple(model.axes))[0]
         price = price or 0.25 * (best.estimate.step_seconds + latency) / max(best.estimate.peak_memory_bytes, 1)
-        while not best.fits and stuck < 3:   # price memory higher until the peak fits (or stops shrinking)
+        # Price memory higher until the peak fits; stop where it stops shrinking, where a
+        # higher price no longer moves it, or where the strategy is no faster than `beat`.
+        cand = best
+        while not best.fits and stuck < 3 and cand.estimate.step_seconds < beat:
             price *= 8
-            cand = run(smallest.assignment, price)
+            last, cand = cand, run(smallest.assignment, price)
             if cand.fits:
                 best = cand
+            elif cand.estimate.peak_memory_bytes == last.estimate.peak_memory_bytes:
+                break
             elif cand.estimate.peak_memory_bytes < smallest.estimate.peak_memory_bytes:
                 smallest, stuck = cand, 0
             else:
@@ -476,11 +486,16 @@ def calibrated(c: Candidate, traced: Traced, paths: list[str], limit: int, hw: H
     v = verify_candidate(c, traced, paths, limit, hw, compare)
     for _ in range(tries):
         ratio = v.report.peak_memory_bytes / max(v.candidate.estimate.peak_memory_bytes, 1)
-        if v.fits and ratio > 1 - CALIBRATED:
+        # (Found with memory free, a plan that fits gains nothing from a looser limit.)
+        if v.fits and (ratio > 1 - CALIBRATED or (ratio <= 1 and not v.candidate.price)):
             break
         target = int(limit / ratio)
-        again = optimize(c.model, target, effort, v.candidate.assignment, v.candidate.price)
-        if not again.fits:
+        # Its own price would find the candidate again: where it fits the new target, the
+        # search starts where memory costs less (it may be faster), else more.
+        fits = v.candidate.estimate.peak_memory_bytes <= target
+        price = v.candidate.price * (0.5 if fits else 8) if v.candidate.price else 0.0
+        again = optimize(c.model, target, effort, v.candidate.assignment, price)
+        if not again.fits or again.assignment == v.candidate.assignment:   # (nothing new to partition)
             break
         v = min(v, verify_candidate(again, traced, paths, limit, hw, compare), key=_real_rank)
     return v
@@ -617,10 +632,13 @@ def _state_replicated(best: Candidate, limit: int) -> tuple[Optional[Candidate],
     state = _state(graph)
     if not state or all(all(o == UNUSED for o in best.assignment[c]) for c in state):
         return None, text
-    allowed = dict(best.model.allowed)
-    for c in state:
-        allowed.setdefault(c, [{UNUSED} for _ in best.model.axes])
-    return optimize(Model(graph, best.mesh, best.model.pricing, allowed, best.model.tally), limit, SCREEN), text
+    whole = [c for c in state if c not in best.model.allowed]
+    if sum(v.nbytes for c in whole for n in graph.classes[c] for v, _ in n.values) > limit:
+        return None, text     # the state whole on every device alone exceeds the limit: nothing to search
+    allowed = {**best.model.allowed, **{c: [{UNUSED} for _ in best.model.axes] for c in whole}}
+    start = [tuple(UNUSED for _ in o) if c in whole else o for c, o in enumerate(best.assignment)]
+    model = Model(graph, best.mesh, best.model.pricing, allowed, best.model.tally)
+    return optimize(model, limit, SCREEN, start, best.price, beat=best.estimate.step_seconds), text
 
 
 def _inputs_split(best: Candidate, paths: list[str], limit: int, effort: Effort) -> tuple[Optional[Candidate], str]:
@@ -637,13 +655,14 @@ def _inputs_split(best: Candidate, paths: list[str], limit: int, effort: Effort)
     if not whole:
         return None, ""
     c = max(whole, key=lambda c: value_of[c].nbytes)
-    found = []
+    found, effort = [], replace(effort, refine=False)   # (from the plan's price: a counterfactual, not a plan)
     for axis in model.splitting:
         for option in model.options(c, best.assignment[c], axis):
             if option != UNUSED:
                 held = tuple(option if a == axis else UNUSED for a in model.axes)
                 pinned = Model(graph, best.mesh, model.pricing, {**model.allowed, c: [{o} for o in held]}, model.tally)
-                found.append(optimize(pinned, limit, effort))
+                start = [held if k == c else o for k, o in enumerate(best.assignment)]
+                found.append(optimize(pinned, limit, effort, start, best.price, beat=NEAR * best.estimate.step_seconds))
     if not found:
         return None, ""
     alternative = min(found, key=_rank)
@@ -674,8 +693,9 @@ def why_not_report(v: Verified, best: Verified, limit: int) -> str:
 def why_not(c: Candidate, best: Candidate, limit: int) -> str:
     """The counterfactual's verdict: what it would take, or what it costs more."""
     if not c.fits:
+        slower = c.estimate.step_seconds >= best.estimate.step_seconds   # (then the search stops fitting it)
         return (f"does not fit: estimated peak {plans.bytes_text(c.estimate.peak_memory_bytes)} > limit "
-                f"{plans.bytes_text(limit)}")
+                f"{plans.bytes_text(limit)}" + (" and no faster than the plan even so" if slower else ""))
     a, b = c.estimate, best.estimate
     parts = {"compute": a.compute_seconds - b.compute_seconds}
     mine, theirs = a.by_kind(), b.by_kind()
