@@ -361,3 +361,19 @@ def test_rng_bit_generator_out_sharding(backend):
                            np.zeros(4, np.uint32), backend=backend)
     if backend == "jax":
         assert out.sharding.is_equivalent_to(NamedSharding(m, P("x")), 2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("program", ["sum0", "transpose", "grad"])
+def test_explicit_mode_inside_jax_jit_mixes_with_jax_values(program, backend):
+    """Traced inside jax.jit, arguments' types give their layouts and results come back
+    typed as jax's own, so they combine with the caller's values."""
+    m = EXPLICIT["2x4"]
+    fn, spec = _explicit_programs(m)[program]
+    ours = gspmd.jit(fn, backend=backend)
+    with jax.set_mesh(m):
+        x = jax.device_put(_data((8, 8)), spec)
+        got = jax.jit(lambda a: ours(a) + fn(a))(x)
+        want = jax.jit(lambda a: 2 * fn(a))(x)
+    assert_close(got, want)
+    assert got.sharding.is_equivalent_to(want.sharding, want.ndim)

@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from gspmd.errors import ShardingError
+from gspmd.mesh import jax_context_mesh
 
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, jax.core.Tracer, jax.ShapeDtypeStruct)
 try:   # the concrete jax.Array class, looked up by exact type before the isinstance checks
@@ -44,12 +45,22 @@ def committed_layout(x) -> Optional[NamedSharding]:
     a committed jax.Array (or of a ShapeDtypeStruct given one) over several devices.
     NumPy arrays and uncommitted or single-device jax.Arrays bring none."""
     if isinstance(x, jax.core.Tracer):
-        return None
+        return _typed_layout(x.aval)
     sharding = getattr(x, "sharding", None)
     if (not isinstance(sharding, NamedSharding) or sharding.num_devices == 1
             or (isinstance(x, jax.Array) and not getattr(x, "_committed", True))):
         return None
     return sharding
+
+
+def _typed_layout(aval) -> Optional[NamedSharding]:
+    """A traced value's layout, where its type holds one (explicit sharding mode under
+    jax.set_mesh): over the concrete mesh that the type's abstract mesh stands for."""
+    sharding, mesh = getattr(aval, "sharding", None), jax_context_mesh()
+    if (mesh is None or not isinstance(sharding, NamedSharding) or sharding.mesh != mesh.abstract_mesh
+            or jax.sharding.AxisType.Explicit not in mesh.axis_types):
+        return None
+    return NamedSharding(mesh, sharding.spec)
 
 
 def key_layout(key: tuple) -> Optional[NamedSharding]:

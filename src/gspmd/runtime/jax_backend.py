@@ -187,9 +187,16 @@ class Executable:
             raise OtherSignature()      # jax retraces for another signature: not this program's
         in_specs = tuple(s.spec for s in self.in_shardings)
         out_specs = tuple(P() if coarse is not None else s.spec for s, coarse in zip(self.out_shardings, self._coarse_out))
-        with jax.sharding.use_abstract_mesh(self.jax_mesh.abstract_mesh):   # whatever jax.set_mesh says outside
-            return jax.shard_map(self._body, mesh=self.jax_mesh, in_specs=in_specs, out_specs=out_specs,
-                                 check_vma=False)(*args)
+
+        def run(*args):
+            with jax.sharding.use_abstract_mesh(self.jax_mesh.abstract_mesh):   # whatever jax.set_mesh says outside
+                return jax.shard_map(self._body, mesh=self.jax_mesh, in_specs=in_specs, out_specs=out_specs,
+                                     check_vma=False)(*args)
+        context = jax.sharding.get_abstract_mesh()
+        if jax.sharding.AxisType.Explicit in context.axis_types and context == self.mesh.to_jax().abstract_mesh:
+            # traced in explicit mode over the user's mesh: results typed with their layouts, as jax's are
+            return jax.sharding.auto_axes(run, out_sharding=tuple(self.out_shardings))(*args)
+        return run(*args)
 
     def _body(self, *blocks):
         lc = LowerContext(self.jax_mesh.axis_names, lambda program, args: _run_body(program, args, lc), self._ids)
