@@ -22,14 +22,12 @@ class Mesh:
     """
 
     def __init__(self, devices, axis_names: Sequence[str]):
-        if isinstance(axis_names, str):
-            raise ShardingError(f"Mesh axis_names {axis_names!r} is one string; give one name per mesh "
-                                f"dimension, e.g. ({axis_names!r},).")
-        axis_names = tuple(axis_names)
+        axis_names = _axis_names(axis_names)
         devices, self._jax_devices = _device_ids(devices)
-        if devices.dtype.kind not in "iu":
-            raise ShardingError(f"Mesh devices must be integer device ids (or jax devices), got dtype "
-                                f"{devices.dtype}.")
+        if devices.size == 0 or devices.dtype.kind not in "iu":
+            raise ShardingError(f"Mesh devices must be integer device ids (or jax devices), got "
+                                f"{devices.tolist()!r:.60} of dtype {devices.dtype}; use e.g. "
+                                "np.arange(8).reshape(2, 4).")
         if len(axis_names) != devices.ndim:
             raise ShardingError(
                 f"Mesh of shape {devices.shape} needs {devices.ndim} axis names, got {axis_names}: "
@@ -56,6 +54,9 @@ class Mesh:
     def from_jax(cls, mesh) -> "Mesh":
         """The gspmd.Mesh of a `jax.sharding.Mesh` (any axis types, e.g. from
         jax.make_mesh): same devices, same layout, same axis names."""
+        if isinstance(mesh, Mesh):
+            raise ShardingError(f"Mesh.from_jax needs a jax.sharding.Mesh, got the gspmd {mesh!r}: use it as it is "
+                                "(or mesh.to_jax() for its jax twin).")
         if not isinstance(mesh, jax.sharding.Mesh):
             raise ShardingError(f"Mesh.from_jax needs a jax.sharding.Mesh with devices, got {mesh!r}; "
                                 "an abstract mesh has no device order: set a concrete one with jax.set_mesh.")
@@ -139,10 +140,25 @@ class Mesh:
         return f"Mesh({axes}{order}{where})"
 
 
+def _axis_names(names) -> tuple[str, ...]:
+    """Mesh axis names: a sequence of distinct non-empty strings, in mesh dim order."""
+    if isinstance(names, str):
+        raise ShardingError(f"Mesh axis_names {names!r} is one string; give one name per mesh "
+                            f"dimension, e.g. ({names!r},).")
+    if not isinstance(names, (tuple, list)) or not all(isinstance(n, str) and n for n in names):
+        raise ShardingError(f"Mesh axis_names must be a tuple of non-empty strings, one per mesh dimension "
+                            f"(in order), got {names!r:.60}; e.g. ('data', 'model').")
+    return tuple(names)
+
+
 def _device_ids(devices) -> tuple[np.ndarray, Optional[tuple]]:
     """Device ids, and the jax devices they stand for when jax devices were given (None
     when those are the first N of jax.devices(), the default)."""
-    arr = np.asarray(devices)
+    try:
+        arr = np.asarray(devices)
+    except ValueError:
+        raise ShardingError(f"Mesh devices {devices!r:.60} are not a rectangular array (rows of different "
+                            "lengths); give an n-d array of device ids, e.g. np.arange(8).reshape(2, 4).") from None
     if arr.dtype != object or arr.size == 0 or not all(hasattr(d, "platform") for d in arr.ravel()):
         return arr, None
     position = {d: i for i, d in enumerate(jax.devices())}

@@ -18,8 +18,9 @@ import math
 from typing import Optional, Sequence
 
 import numpy as np
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
+from gspmd.checks import count, describe
 from gspmd.errors import ShardingError
 
 from gspmd.mesh import Mesh, as_mesh
@@ -46,9 +47,17 @@ class Sharding:
     __slots__ = ("tile_assignment", "_coords", "_key", "_hash", "is_replicated")
 
     def __init__(self, tile_assignment):
-        arr = np.asarray(tile_assignment, dtype=np.int64)
-        if arr.ndim < 1:
-            raise ShardingError("A tile assignment needs at least the replication dim.")
+        self._set(_tile_assignment(tile_assignment))
+
+    @classmethod
+    def _of(cls, arr: np.ndarray) -> "Sharding":
+        """The sharding of a tile assignment gspmd built itself (a permutation of the
+        device ids already), without checking it again."""
+        sharding = cls.__new__(cls)
+        sharding._set(arr.astype(np.int64, copy=False))
+        return sharding
+
+    def _set(self, arr: np.ndarray) -> None:
         # Devices inside one replication group are interchangeable: keep them sorted so
         # equal layouts compare equal.
         arr = np.sort(arr, axis=-1)
@@ -62,19 +71,21 @@ class Sharding:
     # -- constructors -------------------------------------------------------------
     @classmethod
     def replicated(cls, rank: int, num_devices: int) -> "Sharding":
-        return cls(np.arange(num_devices).reshape((1,) * rank + (num_devices,)))
+        rank = count(rank, "Sharding.replicated(rank)", minimum=0)
+        num_devices = count(num_devices, "Sharding.replicated(num_devices)")
+        return cls._of(np.arange(num_devices).reshape((1,) * rank + (num_devices,)))
 
     @classmethod
     def tiled(cls, devices) -> "Sharding":
         """Fully tiled: `devices` has one dim per tensor dim."""
-        devices = np.asarray(devices)
-        return cls(devices.reshape(devices.shape + (1,)))
+        devices = _tile_assignment(devices)
+        return cls._of(devices.reshape(devices.shape + (1,)))
 
     @classmethod
     def from_coords(cls, coords: np.ndarray, tiles: Sequence[int]) -> Optional["Sharding"]:
         """Sharding in which device d holds tile coords[d]; None when tiles are not all
         held by the same number of devices (no valid layout)."""
-        tiles = tuple(int(t) for t in tiles)
+        coords, tiles = np.asarray(coords), tuple(int(t) for t in tiles)
         n = coords.shape[0]
         ntiles = math.prod(tiles)
         if n % ntiles:
@@ -83,16 +94,17 @@ class Sharding:
         if not np.all(np.bincount(linear, minlength=ntiles) == n // ntiles):
             return None
         order = np.argsort(linear, kind="stable")   # by tile, then by device id
-        return cls(order.reshape(tiles + (n // ntiles,)))
+        return cls._of(order.reshape(tiles + (n // ntiles,)))
 
     @classmethod
     def from_mesh(cls, mesh, dims_mapping, shape: Sequence[int]) -> "Sharding":
         """The sharding `mesh_split(x, mesh, dims_mapping)` asks for (UNSPECIFIED dims
         are left unsplit here; the annotation records them as open). `mesh` may be a
         jax.sharding.Mesh and `dims_mapping` a PartitionSpec (padded with None like JAX)."""
-        mesh = as_mesh(mesh, f"for the value of shape {tuple(shape)}")
-        what = f"value of shape {tuple(shape)} on {mesh}"
-        dims_mapping = normalize_dims_mapping(dims_mapping, shape, what)
+        shape = _shape(shape)
+        mesh = as_mesh(mesh, f"for the value of shape {shape}")
+        what = f"value of shape {shape} on {mesh}"
+        dims_mapping = normalize_dims_mapping(dims_mapping, shape, mesh, what)
         per_dim = [_mesh_dims(mesh, entry, what) for entry in dims_mapping]
         used = [m for dims in per_dim for m in dims]
         if len(set(used)) != len(used):
@@ -103,11 +115,14 @@ class Sharding:
         unused = [m for m in range(mesh.ndim) if m not in used]
         arr = mesh.devices.transpose(used + unused)
         tiles = [math.prod(mesh.shape[m] for m in dims) for dims in per_dim]
-        return cls(arr.reshape(tiles + [math.prod(mesh.shape[m] for m in unused)]))
+        return cls._of(arr.reshape(tiles + [math.prod(mesh.shape[m] for m in unused)]))
 
     @classmethod
     def from_named(cls, named, shape: Sequence[int]) -> "Sharding":
         """The sharding of a jax NamedSharding for a value of this shape."""
+        if not isinstance(named, NamedSharding):
+            raise ShardingError(f"Sharding.from_named needs a jax.sharding.NamedSharding, got {describe(named)}; for "
+                                "a PartitionSpec use Sharding.from_mesh(mesh, spec, shape).")
         return cls.from_mesh(named.mesh, named.spec, shape)
 
     # -- basic properties ---------------------------------------------------------
@@ -148,6 +163,8 @@ class Sharding:
     def merge(self, other: "Sharding") -> Optional["Sharding"]:
         """The sharding that agrees with both on every dim either one splits
         (paper Fig. 3, AyB + BCx -> AyCx), or None if they are incompatible."""
+        if not isinstance(other, Sharding):
+            raise ShardingError(f"Sharding.merge needs another Sharding, got {describe(other)}.")
         return _merge(self, other)
 
     def _merge(self, other: "Sharding") -> Optional["Sharding"]:
@@ -191,7 +208,7 @@ class Sharding:
 
     def insert_dim(self, dim: int) -> "Sharding":
         """Add an unsplit dim at position `dim`."""
-        return Sharding(np.expand_dims(self.tile_assignment, dim))
+        return Sharding._of(np.expand_dims(self.tile_assignment, dim))
 
     # -- identity & printing ------------------------------------------------------
     def __eq__(self, other):
@@ -231,6 +248,7 @@ class Sharding:
     def dims_mapping(self, mesh: Mesh) -> Optional[list]:
         """A dims_mapping with which mesh_split over `mesh` gives exactly this sharding
         (entries: None or a tuple of axis names), or None when there is none."""
+        mesh = as_mesh(mesh, "for Sharding.dims_mapping")
         axes = self.mesh_axes(mesh)
         return None if axes is None else [tuple(mesh.axis_names[a] for a in dims) or None for dims in axes]
 
@@ -243,6 +261,7 @@ class Sharding:
         """"P('data', None) over Mesh(data=2, model=4) {devices=[2,1,4]<=[8] ...}": the
         spec over the first of `meshes` that expresses it, next to XLA's form."""
         for mesh in meshes:
+            mesh = None if mesh is None else as_mesh(mesh, "for Sharding.describe")
             spec = self.spec(mesh) if mesh is not None and mesh.size == self.num_devices else None
             if spec is not None:
                 return f"{format_spec(spec)} over {mesh} {self}"
@@ -259,26 +278,55 @@ def format_spec(spec: PartitionSpec) -> str:
     return f"P({', '.join(map(repr, spec))}{',' if len(spec) == 1 else ''})"
 
 
-def normalize_dims_mapping(dims_mapping, shape: Sequence[int], what: str) -> list:
-    """A dims_mapping as a list of one entry per dim of `shape`: a PartitionSpec as
-    dims_mapping_from_spec reads it; a string is a mistake."""
-    rank = len(shape)
+def normalize_dims_mapping(dims_mapping, shape: Optional[Sequence[int]], mesh: Mesh, what: str) -> list:
+    """A dims_mapping as a list of one entry per dim of `shape` (shape None: rank not
+    known yet, not checked): a PartitionSpec as dims_mapping_from_spec reads it; a string,
+    a set or any other container is a mistake."""
+    rank = 2 if shape is None else len(shape)
     if isinstance(dims_mapping, str):
         raise ShardingError(
             f"dims_mapping {dims_mapping!r} for the {what} is a string, not one entry per tensor dim; write "
             f"[{dims_mapping!r}{', None' * max(rank - 1, 0)}] (or P({dims_mapping!r})).")
     if isinstance(dims_mapping, PartitionSpec):
         return dims_mapping_from_spec(dims_mapping, shape)
-    try:
-        dims_mapping = list(dims_mapping)
-    except TypeError:
-        raise ShardingError(f"dims_mapping {dims_mapping!r} for the {what} is not a sequence; give one entry "
-                            "per tensor dim, e.g. ['data', None], or a PartitionSpec.") from None
-    if len(dims_mapping) != rank:
+    if not isinstance(dims_mapping, (list, tuple)):
+        raise ShardingError(f"dims_mapping {dims_mapping!r:.60} for the {what} is of type "
+                            f"{type(dims_mapping).__name__}, not a sequence (list or tuple) of one entry per tensor "
+                            f"dim in order; write e.g. {example_mapping(mesh, rank)}, or a PartitionSpec.")
+    dims_mapping = list(dims_mapping)
+    if shape is not None and len(dims_mapping) != rank:
         raise ShardingError(
             f"dims_mapping {dims_mapping} has {len(dims_mapping)} entries but the {what} "
             f"has rank {rank}: give one entry per tensor dim (-1 or None for unsplit).")
     return dims_mapping
+
+
+def example_mapping(mesh: Mesh, rank: int) -> list:
+    """A dims_mapping to show in a message: dim 0 split over the mesh's first axis."""
+    return [mesh.axis_names[0]] + [None] * (rank - 1) if rank else []
+
+
+def _tile_assignment(devices) -> np.ndarray:
+    """A tile assignment as given: a rectangular integer array holding each device id
+    0..N-1 once, with at least the replication dim."""
+    try:
+        arr = np.asarray(devices)
+    except ValueError:
+        arr = None
+    if arr is None or arr.ndim < 1 or arr.dtype.kind not in "iu" or not np.array_equal(
+            np.sort(arr.ravel()), np.arange(arr.size)):
+        raise ShardingError(f"A tile assignment must be an integer array (one dim per tensor dim, then the "
+                            f"replication dim) holding each device id 0..N-1 once, got {describe(devices)}; build "
+                            "layouts with Sharding.from_mesh(mesh, dims_mapping, shape) or Sharding.replicated.")
+    return arr.astype(np.int64)
+
+
+def _shape(shape) -> tuple[int, ...]:
+    """A value's shape: a sequence of non-negative ints."""
+    if isinstance(shape, (tuple, list)) and all(isinstance(d, (int, np.integer)) and not isinstance(d, bool)
+                                                and d >= 0 for d in shape):
+        return tuple(int(d) for d in shape)
+    raise ShardingError(f"A value's shape must be a tuple of non-negative ints, got {describe(shape)}; e.g. (8, 16).")
 
 
 def _iota_form(flat: np.ndarray) -> Optional[str]:
@@ -335,10 +383,11 @@ def _mesh_dims(mesh: Mesh, entry, what: str) -> tuple[int, ...]:
         raise ShardingError(f"Bad dims_mapping entry {entry!r} for the {what}: {e}") from None
 
 
-def dims_mapping_from_spec(spec: PartitionSpec, shape: Sequence[int]) -> list:
+def dims_mapping_from_spec(spec: PartitionSpec, shape: Optional[Sequence[int]]) -> list:
     """A jax PartitionSpec as a dims_mapping for a value of `shape`: a short spec leaves
-    the trailing dims unsplit (as in JAX) and P.UNCONSTRAINED leaves a dim to propagation."""
-    if len(spec) > len(shape):
+    the trailing dims unsplit (as in JAX) and P.UNCONSTRAINED leaves a dim to propagation.
+    Without a shape, one entry per entry of the spec."""
+    if shape is not None and len(spec) > len(shape):
         raise ShardingError(f"{spec} has {len(spec)} entries but the value of shape {tuple(shape)} has rank "
                             f"{len(shape)}: give at most one entry per dim.")
 
@@ -346,4 +395,4 @@ def dims_mapping_from_spec(spec: PartitionSpec, shape: Sequence[int]) -> list:
         if e is PartitionSpec.UNCONSTRAINED:
             return UNSPECIFIED
         return (tuple(e) or None) if isinstance(e, (tuple, list)) else e
-    return [entry(e) for e in spec] + [None] * (len(shape) - len(spec))
+    return [entry(e) for e in spec] + [None] * (0 if shape is None else len(shape) - len(spec))

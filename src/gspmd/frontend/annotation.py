@@ -13,13 +13,13 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
-import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from gspmd.checks import array_shape
 from gspmd.errors import ShardingError, UnpartitionedWarning
 from gspmd.mesh import Mesh, as_mesh
-from gspmd.sharding import UNSPECIFIED, Sharding, normalize_dims_mapping
+from gspmd.sharding import UNSPECIFIED, Sharding, example_mapping, normalize_dims_mapping
 
 mesh_split_p = Primitive("mesh_split")
 _substitutes: list[Callable] = []
@@ -106,15 +106,13 @@ def mesh_split(x, mesh, dims_mapping=None):
             raise ShardingError(f"mesh_split(x, {mesh}, {dims_mapping!r}): a NamedSharding already holds the "
                                 "spec; drop the dims_mapping, or pass the mesh instead of the NamedSharding.")
         mesh, dims_mapping = mesh.mesh, mesh.spec
-    if isinstance(x, (str, bytes)):
-        raise ShardingError(f"mesh_split got the string {x!r} where an array belongs: pass a numeric array.")
-    shape = np.shape(x)
-    what = f"value of shape {tuple(shape)}"
+    shape = array_shape(x, "The value mesh_split annotates")
+    what = f"value of shape {shape}"
     mesh = as_mesh(mesh, f"for mesh_split of the {what}")
     if dims_mapping is None:
         raise ShardingError(f"mesh_split of the {what} on {mesh} needs a dims_mapping (one entry per dim, e.g. "
-                            f"{[mesh.axis_names[0]] + [None] * (len(shape) - 1)}) or a NamedSharding.")
-    dims_mapping = normalize_dims_mapping(dims_mapping, shape, f"{what} on {mesh}")
+                            f"{example_mapping(mesh, len(shape))}) or a NamedSharding.")
+    dims_mapping = normalize_dims_mapping(dims_mapping, shape, mesh, f"{what} on {mesh}")
     if _substitutes:
         return _substitutes[-1](x, mesh, dims_mapping)
     if _tracing:
