@@ -88,6 +88,8 @@ class Signature:
         self.donate_argnums = _ints(donate_argnums, "donate_argnums")
         self.donate_argnames = _names(donate_argnames, "donate_argnames")
         positional = self._positional_names()
+        self._check_positions(self.static_argnums, "static_argnums", len(positional))
+        self._check_positions(self.donate_argnums, "donate_argnums", len(positional))
         for name in self.static_argnames:
             self._check_name(name, "static_argnames")
             if name in positional:   # also static when passed by position (as jax.jit)
@@ -100,7 +102,23 @@ class Signature:
                                       if 0 <= i < len(positional) and positional[i] not in self.donate_argnames)
         self.static_argnames += tuple(positional[i] for i in self.static_argnums
                                       if 0 <= i < len(positional) and positional[i] not in self.static_argnames)
+        both = sorted(set(self.static_argnames) & set(self.donate_argnames))
+        if both:
+            raise ShardingError(f"Argument {both[0]!r} of {self.name} is both static and donated: a static argument "
+                                "is a Python value that keys the cache, not a buffer to reuse; drop it from "
+                                "static_argnums/static_argnames or from donate_argnums/donate_argnames.")
         self.simple = not self.static_argnums and not self.static_argnames
+
+    def _check_positions(self, nums: tuple[int, ...], what: str, n: int) -> None:
+        """Positions must exist (as jax.jit checks) where the function says how many it takes."""
+        if self.parameters is None or any(p.kind is inspect.Parameter.VAR_POSITIONAL
+                                          for p in self.parameters.values()):
+            return
+        wrong = [i for i in nums if not -n <= i < n]
+        if wrong:
+            raise ShardingError(f"{what}={nums} names argument position {wrong[0]}, but {self.name}"
+                                f"{self._parameter_list()} takes {n} positional argument{'s' * (n != 1)}: use "
+                                f"0..{n - 1} (or -{n}..-1), or name the argument in {what[:-4]}names.")
 
     def _check_name(self, name: str, what: str) -> None:
         if self.parameters is not None and name not in self.parameters and not self._takes_var_keywords():
@@ -222,19 +240,25 @@ def result_paths(out_tree) -> list[str]:
 
 
 def _ints(values, what: str) -> tuple[int, ...]:
-    values = (values,) if isinstance(values, int) else tuple(values)
-    for v in values:
-        if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
-            raise ShardingError(f"{what} must be ints (argument positions), got {v!r}.")
-    return tuple(int(v) for v in values)
+    """Argument positions: an int, a sequence of ints, or None (none), as jax.jit takes them."""
+    for v in _entries(values):
+        if not isinstance(v, (int, np.integer)) or isinstance(v, (bool, np.bool_)):
+            raise ShardingError(f"{what} must be ints (argument positions), got {v!r}; pass e.g. {what}=(1,).")
+    return tuple(int(v) for v in _entries(values))
 
 
 def _names(values, what: str) -> tuple[str, ...]:
-    values = (values,) if isinstance(values, str) else tuple(values)
-    for v in values:
+    """Parameter names: a string, a sequence of strings, or None (none), as jax.jit takes them."""
+    for v in _entries(values):
         if not isinstance(v, str):
-            raise ShardingError(f"{what} must be strings (parameter names), got {v!r}.")
-    return values
+            raise ShardingError(f"{what} must be strings (parameter names), got {v!r}; pass e.g. {what}=('w',).")
+    return _entries(values)
+
+
+def _entries(values) -> tuple:
+    if values is None:
+        return ()
+    return tuple(values) if isinstance(values, (list, tuple, set, frozenset)) else (values,)
 
 
 def _suggest(name: str, parameters: Optional[dict]) -> str:
