@@ -126,7 +126,7 @@ MISTAKES = [
     ("an unhashable static argument", lambda: gspmd.jit(mlp, mesh=MESH, static_argnums=1)(X, np.ones(3)),
      ["static argument 1 of mlp", "not hashable", "make it hashable"]),
     ("Lowered called with another shape", lambda: lowered()(np.ones((4, 16), np.float32), W),
-     [r"Argument x has shape \(4, 16\)", r"lowered for \(8, 16\)", "call the jitted function"]),
+     [r"Argument x has shape \(4, 16\)", r"lowered for shape \(8, 16\)", "call the jitted function"]),
     ("Lowered called with too few arguments", lambda: lowered()(X),
      ["Expected 2 array arguments", "got 1", "array arguments"]),
     # -- inspection ------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import gc
+import re
 from typing import Callable, Iterator, Optional, Sequence, Union
 
 import jax
@@ -15,6 +16,7 @@ from gspmd.analysis import Hardware, Report, analyse, memory
 from gspmd.analysis.summary import collective_table
 from gspmd.arguments import (Signature, Template, is_array, is_static_key, key_layout, leaf_key, paths,
                              result_paths)
+from gspmd.checks import count, describe
 from gspmd.compose import Transforms
 from gspmd.errors import ShardingError
 from gspmd.frontend import mesh_split, trace
@@ -31,6 +33,7 @@ from gspmd.sharding import Sharding
 from gspmd.spmd.cost import profile
 
 BACKENDS = ("sim", "jax")
+_LOWER_AGAIN = "call the jitted function (it lowers again) or lower anew."
 _JIT_OPTIONS = ("mesh", "backend", "static_argnums", "static_argnames", "donate_argnums", "donate_argnames",
                 "in_shardings", "out_shardings", "memory_limit", "hardware")
 
@@ -90,10 +93,11 @@ def jit(fn: Callable, mesh=None, backend: str = "sim", *, static_argnums: Union[
     if not callable(fn):
         raise ShardingError(f"gspmd.jit needs a function, got {type(fn).__name__} {fn!r:.60}.")
     mesh = None if mesh is None else as_mesh(mesh, "for gspmd.jit(mesh=...)")
-    if memory_limit is not None and (not isinstance(memory_limit, (int, np.integer)) or memory_limit <= 0):
-        raise ShardingError(f"jit(memory_limit=...) needs a positive number of bytes per device, "
-                            f"got {memory_limit!r}.")
+    memory_limit = None if memory_limit is None else count(memory_limit, "jit(memory_limit=...)",
+                                                            example="memory_limit=8 * 2**30 (bytes per device)")
     hardware = None if hardware is None else profile(hardware)
+    _check_layouts(in_shardings, "in_shardings", mesh)
+    _check_layouts(out_shardings, "out_shardings", mesh)
     limit = memory_limit if memory_limit is not None else (hardware.usable_bytes if hardware else None)
     return Partitioned(fn, mesh, backend, Signature(fn, static_argnums, static_argnames, donate_argnums,
                                                            donate_argnames),
@@ -213,19 +217,28 @@ def _is_layout(s) -> bool:
     return s is None or isinstance(s, (PartitionSpec, NamedSharding))
 
 
+def _check_layouts(layouts, what: str, mesh: Optional[Mesh]) -> None:
+    """in_shardings/out_shardings: a pytree (a prefix of the arguments' or results')
+    whose leaves are PartitionSpecs (given a mesh), NamedShardings or None."""
+    for layout in jax.tree_util.tree_leaves(layouts, is_leaf=_is_layout):
+        if not _is_layout(layout):
+            raise ShardingError(f"{what} holds {describe(layout)}; give one PartitionSpec, NamedSharding or None per "
+                                f"entry (a prefix of its pytree), e.g. {what}=(P('data', None), None).")
+        if isinstance(layout, PartitionSpec) and mesh is None:
+            raise ShardingError(f"{what} gives {layout} without a mesh; pass gspmd.jit(..., mesh=...) or use "
+                                "NamedShardings.")
+
+
 def _annotate(layouts, tree, mesh: Optional[Mesh], what: str, of: str):
     def split(layout, x):
         if layout is None or not is_array(x):
             return x
-        if isinstance(layout, PartitionSpec):
-            if mesh is None:
-                raise ShardingError(f"{what} gives {layout} without a mesh; pass gspmd.jit(..., mesh=...) or use "
-                                    "NamedShardings.")
-            return mesh_split(x, mesh, layout)
-        return mesh_split(x, layout)
+        return mesh_split(x, mesh, layout) if isinstance(layout, PartitionSpec) else mesh_split(x, layout)
     try:
         return jax.tree_util.tree_map(lambda layout, sub: jax.tree_util.tree_map(lambda x: split(layout, x), sub),
                                       layouts, tree, is_leaf=_is_layout)
+    except ShardingError as e:
+        raise ShardingError(f"{what} {layouts}: {e}") from None
     except ValueError as e:
         raise ShardingError(f"{what} {layouts} does not match the structure of {of}: give one PartitionSpec, "
                             f"NamedSharding or None per entry (a prefix of its pytree). ({e})") from None
@@ -262,6 +275,7 @@ class Lowered:
         with tracing(mesh) as seen:
             self.program, self.out_tree = _trace(self.keys.fn, self.keys.avals, signature.name, mesh,
                                                  leaves, names)
+        self._leaf_names = names
         self.program.labels = dict(zip(self.program.params, param_names))
         self.program.labels.update(zip(self.program.outputs, result_paths(self.out_tree)))
         eliminate_dead_code(self.program)
@@ -290,18 +304,40 @@ class Lowered:
     # -- execution ----------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         """Run on arguments of the signature this was lowered for."""
-        args, kwargs, _ = self._partitioned.signature.split_static(args, kwargs)
-        leaves, _ = _flatten((args, kwargs))
-        arrays = self._template.dynamic_leaves(leaves) if len(leaves) == len(self._template.keys) else \
-            [x for x in leaves if is_array(x)]
-        if len(arrays) != len(self.program.params):
-            raise ShardingError(f"Expected {len(self.program.params)} array arguments, got {len(arrays)}.")
-        for x, p in zip(self.keys.args(arrays), self.program.params):
-            if tuple(np.shape(x)) != p.shape:
-                raise ShardingError(f"Argument {self.program.labels[p]} has shape {tuple(np.shape(x))} but the "
-                                    f"program was lowered for {p.shape}; call the jitted function (it lowers again) "
-                                    "or lower anew.")
+        dynamic, dynamic_kwargs, static = self._partitioned.signature.split_static(args, kwargs)
+        leaves, treedef = _flatten((dynamic, dynamic_kwargs))
+        if treedef != self._template.treedef or static != self._template.static:
+            self._other_structure(leaves, args, kwargs)
+        self._check_leaves(leaves)
         return self._run(leaves)
+
+    def _other_structure(self, leaves: list, args: tuple, kwargs: dict) -> None:
+        """Why a call of another pytree structure (or other static arguments) than the
+        lowered one cannot run: too many or few arrays, a call the function cannot take."""
+        expected = [f"{n}: {_type_text(k[0], k[1])}" for n, k in zip(self._leaf_names, self._template.keys)
+                    if not is_static_key(k)]
+        arrays = sum(map(is_array, leaves))
+        if arrays != len(expected):
+            raise ShardingError(f"Expected {len(expected)} array arguments ({', '.join(expected)}), got {arrays}; "
+                                f"{_LOWER_AGAIN}")
+        self._partitioned.signature.check_call(args, kwargs)
+        static = f"; static: {dict(self._template.static)}" if self._template.static else ""
+        raise ShardingError(f"{self._partitioned.signature.name} was lowered for arguments of another pytree structure "
+                            f"or other static arguments ({', '.join(expected)}{static}); {_LOWER_AGAIN}")
+
+    def _check_leaves(self, leaves: list) -> None:
+        """Each leaf as lowered, as a compiled jax function checks: the same static
+        value, or an array of the same shape and dtype."""
+        for x, key, name in zip(leaves, self._template.keys, self._leaf_names):
+            if is_static_key(key):
+                if leaf_key(x) != key:
+                    raise ShardingError(f"Argument {name} is {describe(x)} but the program was lowered for the "
+                                        f"static value {key[2]!r}; {_LOWER_AGAIN}")
+            elif not is_array(x) or (tuple(x.shape), _dtype(x.dtype)) != (key[0], _dtype(key[1])):
+                given = f"has shape {tuple(x.shape)} and dtype {_dtype(x.dtype)}" if is_array(x) else \
+                    f"is {describe(x)}"
+                raise ShardingError(f"Argument {name} {given} but the program was lowered for shape {key[0]} and "
+                                    f"dtype {_dtype(key[1])}; {_LOWER_AGAIN}")
 
     def _run(self, leaves: list):
         arrays = self.keys.args(self._template.dynamic_leaves(leaves))
@@ -351,10 +387,14 @@ class Lowered:
     # -- inspection ---------------------------------------------------------------
     def describe(self, sharding: Sharding) -> str:
         """A sharding as a PartitionSpec over the user's mesh, next to XLA's form."""
+        if not isinstance(sharding, Sharding):
+            raise ShardingError(f"Lowered.describe needs a gspmd.Sharding, got {describe(sharding)}; for a value "
+                                "use explain(value) or describe(sharding_of(value)).")
         return sharding.describe(*self.meshes)
 
-    def label(self, v: Value) -> str:
-        """The user's name of a value: its pytree path for parameters and results."""
+    def label(self, ref: Union[int, str, Value]) -> str:
+        """The user's name of a value (see `value`): its pytree path for parameters and results."""
+        v = self.value(ref)
         return self.program.labels.get(v, f"%{v.name}")
 
     def as_text(self) -> str:
@@ -389,6 +429,9 @@ class Lowered:
         ("params['w1']", "result[0]", or a unique last key like "w1"), by %name, or itself."""
         if isinstance(ref, Value):
             return ref
+        if isinstance(ref, (bool, np.bool_)) or not isinstance(ref, (int, np.integer, str)):
+            raise ShardingError(f"A value is named by output index (an int), pytree path or %name (a str), got "
+                                f"{describe(ref)}; e.g. {next(iter(self.program.labels.values()), 'result')!r} or 0.")
         if isinstance(ref, (int, np.integer)):
             if not -len(self.program.outputs) <= ref < len(self.program.outputs):
                 raise ShardingError(f"Output index {ref} is out of range: the program has "
@@ -452,19 +495,33 @@ def _at(instr) -> str:
 
 
 def _trace(flat_fn: Callable, avals: list, name: str, mesh: Optional[Mesh], leaves: list, names: list[str]):
-    """trace(), with a clear error when the function fails on a static string."""
+    """trace(), with a clear error when the function fails on an argument gspmd.jit
+    passed through as static that was meant as an array."""
     try:
         return trace(flat_fn, avals, name, mesh)
     except (TypeError, AttributeError, ShardingError) as e:
-        strings = [(n, x) for x, n in zip(leaves, names) if isinstance(x, (str, bytes))
-                   and (not isinstance(e, ShardingError) or repr(x) in str(e))]
-        if not strings:
+        suspect = _meant_as_array(e, leaves, names)
+        if suspect is None:
             raise
-        where, text = strings[0]
+        where, text = suspect
         raise ShardingError(
-            f"Tracing {name} failed ({type(e).__name__}: {e}) and argument {where} is the string {text!r}: gspmd.jit "
+            f"Tracing {name} failed ({type(e).__name__}: {e}) and argument {where} is {text}: gspmd.jit "
             "passes non-array arguments through unchanged (static, as eqx.filter_jit does). Pass a numeric array "
-            "there, or make the function handle the string in Python.") from e
+            "there (np.asarray of a rectangular list), or make the function handle it in Python.") from e
+
+
+def _meant_as_array(e: Exception, leaves: list, names: list[str]) -> Optional[tuple[str, str]]:
+    """(argument, what it is) of a static leaf the failed trace probably meant as an
+    array: a string, or (where the error speaks of a list) a list of Python numbers."""
+    for x, n in zip(leaves, names):
+        if isinstance(x, (str, bytes)) and (not isinstance(e, ShardingError) or repr(x) in str(e)):
+            return n, f"the string {x!r}"
+    if isinstance(e, ShardingError) or not re.search(r"\b(list|tuple)\b", str(e)):
+        return None
+    for x, n in zip(leaves, names):
+        if isinstance(x, (int, float, complex)) and re.search(r"\[\d+\]$", n):
+            return re.sub(r"(\[\d+\])+$", "", n), "a list of Python numbers"
+    return None
 
 
 def _jit_mesh(mesh: Optional[Mesh], committed: list) -> Optional[Mesh]:
@@ -509,6 +566,15 @@ def _input_layout(committed: Optional[NamedSharding], rank: int, donated: bool) 
     if donated:
         return committed.mesh, PartitionSpec(*spec)
     return committed.mesh, PartitionSpec(*(PartitionSpec.UNCONSTRAINED if e is None else e for e in spec))
+
+
+def _dtype(dtype):
+    """A dtype as jax computes in it (float64 is float32 unless x64 is on)."""
+    return jax.dtypes.canonicalize_dtype(dtype, allow_extended_dtype=True)
+
+
+def _type_text(shape, dtype) -> str:
+    return f"{_dtype(dtype)}[{','.join(map(str, shape))}]"
 
 
 def _avals(values: Sequence[Value]) -> list[jax.ShapeDtypeStruct]:

@@ -38,6 +38,7 @@ from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
 
+from gspmd.checks import count, describe, flag, number
 from gspmd.errors import ShardingError
 
 GiB = 1 << 30
@@ -159,6 +160,23 @@ class Hardware:
     # leaving "15.48G hbm"; 1.25 GiB of a TPU v4 chip's 32 GiB).
     reserved_bytes: int = 0
 
+    def __post_init__(self):
+        """A profile given wrong numbers (or its fields out of order) fails here, not in a plan."""
+        if not isinstance(self.name, str) or not self.name:
+            raise ShardingError(f"Hardware(name=...) needs a non-empty string, got {describe(self.name)}.")
+        for name in ("flops_per_s", "hbm_bytes_per_s"):
+            number(getattr(self, name), f"Hardware({name}=...)")
+        count(self.memory_bytes, "Hardware(memory_bytes=...)", example="memory_bytes=16 * 2**30")
+        count(self.reserved_bytes, "Hardware(reserved_bytes=...)", minimum=0, example="reserved_bytes=0")
+        if not isinstance(self.interconnect, (Torus, Hosts)):
+            raise ShardingError(f"Hardware(interconnect=...) needs a Torus or Hosts of gspmd.spmd.cost, got "
+                                f"{describe(self.interconnect)}; e.g. Hosts(8, 450e9, 3e-6, 50e9, 10e-6).")
+        for name in ("matmul_efficiency", "overlap"):
+            number(getattr(self, name), f"Hardware({name}=...)", positive=name == "matmul_efficiency", at_most=1)
+        number(self.collective_overhead_s, "Hardware(collective_overhead_s=...)", positive=False)
+        for name in ("kernel_scratch", "rematerializes"):
+            flag(getattr(self, name), f"Hardware({name}=...)")
+
     @property
     def usable_bytes(self) -> int:
         """Memory per device a program (its arguments included) may use."""
@@ -189,7 +207,7 @@ def profile(hardware: Union[None, str, Hardware]) -> Hardware:
         return DEFAULT
     if isinstance(hardware, Hardware):
         return hardware
-    if hardware not in PROFILES:
+    if not isinstance(hardware, str) or hardware not in PROFILES:
         raise ShardingError(f"Unknown hardware {hardware!r}; choose one of {sorted(PROFILES)} "
                             "or pass a gspmd.Hardware(...).")
     return PROFILES[hardware]
