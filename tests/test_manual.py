@@ -60,7 +60,7 @@ def test_bad_manual_specs_raise():
         gspmd.jit(lambda v: gspmd.manual(lambda u: u, MESH, [["y", -1]], ["y", -1])(v), mesh=MESH).lower(a)
     with pytest.raises(gspmd.ShardingError, match="not manual"):
         gspmd.manual(lambda u: u, MESH, [["x", -1]], ["x", -1], manual_axes=("y",))(a)
-    with pytest.raises(gspmd.ShardingError, match="one entry per dim"):
+    with pytest.raises(gspmd.ShardingError, match="one entry per tensor dim"):
         gspmd.manual(lambda u: u, MESH, [["x"]], ["x", -1])(a)
     with pytest.raises(gspmd.ShardingError, match="inside gspmd.manual"):
         gspmd.jit(lambda v: jax.vmap(lambda u: jax.lax.psum(u, "i"), axis_name="i")(v)).lower(a)

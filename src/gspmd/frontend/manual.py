@@ -21,9 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive, jaxpr_as_fun
 from jax.interpreters import mlir
+from jax.sharding import PartitionSpec
 
+from gspmd.checks import array_shape, describe, function
 from gspmd.errors import ShardingError
 from gspmd.mesh import Mesh, as_mesh
+from gspmd.sharding import normalize_dims_mapping
 
 manual_p = Primitive("manual")
 manual_p.multiple_results = True
@@ -33,20 +36,25 @@ def manual(fn: Callable, mesh: Mesh, in_specs: Sequence, out_specs: Sequence,
            manual_axes: Optional[Sequence[str]] = None) -> Callable:
     """Wrap `fn` (positional array arguments, a tuple or single array result) so that
     it runs per manual partition. in_specs/out_specs: one dims_mapping per argument /
-    result (mesh axis names or -1/None per dim). `mesh`: a gspmd.Mesh or jax Mesh."""
+    result (mesh axis names or -1/None per dim; a PartitionSpec in_specs applies to every
+    argument). `mesh`: a gspmd.Mesh or jax Mesh."""
     mesh = as_mesh(mesh, "for gspmd.manual")
-    axes = tuple(manual_axes) if manual_axes is not None else mesh.axis_names
-    for a in axes:
-        mesh.axis_index(a)   # validates the name
-    single = not isinstance(out_specs, (list, tuple)) or (len(out_specs) > 0 and not isinstance(
-        out_specs[0], (list, tuple)))
+    axes = _manual_axes(mesh, manual_axes)
+    single = isinstance(out_specs, PartitionSpec) or not isinstance(out_specs, (list, tuple)) or (
+        len(out_specs) > 0 and not isinstance(out_specs[0], (list, tuple)))
     out_specs = [out_specs] if single else list(out_specs)
+    if not isinstance(in_specs, (list, tuple)):
+        raise ShardingError(f"gspmd.manual(in_specs=...) needs one dims_mapping per argument of fn, got "
+                            f"{describe(in_specs)}; e.g. in_specs=[['{mesh.axis_names[0]}', None]] for one argument.")
+    if not isinstance(in_specs, PartitionSpec):
+        function(fn, "gspmd.manual's fn (it gets one argument per entry of in_specs)", arity=len(in_specs))
 
     def wrapped(*args):
-        if len(args) != len(in_specs):
-            raise ShardingError(f"gspmd.manual got {len(args)} arguments but {len(in_specs)} in_specs.")
-        in_norm = tuple(_spec(mesh, axes, s, np.shape(x), f"argument {i}") for i, (x, s) in
-                        enumerate(zip(args, in_specs)))
+        specs = [in_specs] * len(args) if isinstance(in_specs, PartitionSpec) else in_specs
+        if len(args) != len(specs):
+            raise ShardingError(f"gspmd.manual got {len(args)} arguments but {len(specs)} in_specs.")
+        in_norm = tuple(_spec(mesh, axes, s, array_shape(x, f"Argument {i} of gspmd.manual"), f"argument {i}")
+                        for i, (x, s) in enumerate(zip(args, specs)))
         out_norm = tuple(_spec(mesh, axes, s, None, f"result {i}") for i, s in enumerate(out_specs))
         outs = _Region(fn, mesh, axes, in_norm, out_norm).differentiable()(*args)
         return outs[0] if single else tuple(outs)
@@ -76,6 +84,11 @@ class _Region:
         if len(avals) != len(self.out_specs):
             raise ShardingError(f"gspmd.manual: fn returns {len(avals)} values but {len(self.out_specs)} out_specs "
                                 "were given.")
+        for i, (spec, aval) in enumerate(zip(self.out_specs, avals)):
+            if len(spec) != len(aval.shape):
+                raise ShardingError(f"gspmd.manual: out_specs[{i}] has {len(spec)} entries but result {i} of fn has "
+                                    f"rank {len(aval.shape)} (per partition {aval.str_short()}): give one entry per "
+                                    "dim (-1 or None for unsplit).")
         return self.out_specs
 
     def unsplit_axes(self, spec) -> tuple:
@@ -143,20 +156,44 @@ def _as_tuple(x):
     return tuple(x) if isinstance(x, (list, tuple)) else (x,)
 
 
+def _manual_axes(mesh: Mesh, manual_axes) -> tuple[str, ...]:
+    """The manual axes by name (all of the mesh's by default), each once."""
+    if manual_axes is None:
+        return mesh.axis_names
+    if isinstance(manual_axes, str) or not isinstance(manual_axes, (list, tuple, set, frozenset)):
+        raise ShardingError(f"gspmd.manual(manual_axes=...) needs a tuple of mesh axis names, got "
+                            f"{describe(manual_axes)}; e.g. manual_axes=({mesh.axis_names[0]!r},).")
+    try:
+        axes = tuple(mesh.axis_names[mesh.axis_index(a)] for a in manual_axes)
+    except ShardingError as e:
+        raise ShardingError(f"gspmd.manual(manual_axes={manual_axes!r}): {e}") from None
+    if len(set(axes)) != len(axes):
+        raise ShardingError(f"gspmd.manual(manual_axes={manual_axes!r}) names an axis more than once on {mesh}; "
+                            "name each manual axis once.")
+    return axes
+
+
 def _spec(mesh: Mesh, axes, spec, shape, what: str) -> tuple:
-    """dims_mapping -> per dim, the tuple of manual axis names splitting it."""
-    if shape is not None and len(spec) != len(shape):
-        raise ShardingError(f"gspmd.manual: the spec {list(spec)} of {what} (shape {tuple(shape)}) needs one "
-                            f"entry per dim on {mesh}.")
+    """dims_mapping -> per dim, the tuple of manual axis names splitting it (shape None:
+    a result's, whose rank `_Region.results` checks)."""
+    of = f"{what} of gspmd.manual" + ("" if shape is None else f" (shape {tuple(shape)})")
+    spec = normalize_dims_mapping(spec, shape, mesh, of)
     out = []
     for entry in spec:
         names = () if entry is None or entry == -1 else tuple(entry) if isinstance(entry, (list, tuple)) \
             else (entry,)
-        names = tuple(mesh.axis_names[mesh.axis_index(n)] for n in names)
+        try:
+            names = tuple(mesh.axis_names[mesh.axis_index(n)] for n in names)
+        except ShardingError as e:
+            raise ShardingError(f"gspmd.manual: bad entry {entry!r} in the spec {list(spec)} of {what}: {e}") from None
         if any(n not in axes for n in names):
             raise ShardingError(f"gspmd.manual: the spec {list(spec)} of {what} names a mesh axis that is not "
                                 f"manual ({axes}) on {mesh}; add it to manual_axes or leave that dim unsplit.")
         out.append(names)
+    used = [n for names in out for n in names]
+    if len(set(used)) != len(used):
+        raise ShardingError(f"gspmd.manual: the spec {list(spec)} of {what} uses a mesh axis more than once on "
+                            f"{mesh}; each mesh axis may split at most one dim.")
     return tuple(out)
 
 
