@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
+from gspmd.checks import array_shape, count, describe, flag, function
 from gspmd.errors import ShardingError
 from gspmd.frontend import manual, mesh_split, record_schedule
 from gspmd.ir.schedule import PipelineSchedule
@@ -59,6 +60,9 @@ def pipeline(stage_fn: Callable, stacked_params, microbatches, *, mesh: Mesh, st
     stage_fn's annotations over the other axes partition it inside. stage_major: the
     stacks are in stage order (`stage_major_order`), which saves moving a circular
     schedule's layers into it."""
+    if not isinstance(remat, bool) and not callable(remat):
+        raise ShardingError(f"gspmd.pipeline(remat=...) needs True, False or a jax.checkpoint policy, got "
+                            f"{describe(remat)}; e.g. remat=jax.checkpoint_policies.dots_saveable.")
     if schedule == "1f1b":
         raise ShardingError(_one_f_one_b_rewrite(stage_axis, repeats, stage_major, manual_stages))
     run = _Pipeline(stage_fn, stacked_params, microbatches, mesh, stage_axis, schedule, repeats, stage_major,
@@ -74,6 +78,10 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stacked_params, microba
     jax.grad of it (with respect to parameters, microbatches or targets) runs the
     schedule's backward pass; with schedule="1f1b" that is interleaved with the forward
     pass in one loop, whose activation memory does not grow with the microbatches."""
+    function(loss_fn, "gspmd.pipeline_loss(stage_fn, loss_fn, ...)'s loss_fn (it gets (ys[m], targets[m]))",
+             arity=2)
+    _check_leading(targets, _microbatch_count(microbatches), "targets of gspmd.pipeline_loss", "one per microbatch",
+                   "microbatch dim")
     if schedule != "1f1b":
         ys = pipeline(stage_fn, stacked_params, microbatches, mesh=mesh, stage_axis=stage_axis, schedule=schedule,
                       repeats=repeats, stage_major=stage_major, manual_stages=manual_stages)
@@ -103,6 +111,9 @@ def stage_major_order(stacked_params, stages: int, repeats: int):
     """Layer-ordered stacks [L*R, ...] in stage order (index s*R + r holds layer r*L + s),
     as `pipeline(..., stage_major=True)` takes them: a stage's layers are contiguous, so
     splitting the leading dim over the stage axis gives each stage its own."""
+    stages, repeats = count(stages, "stage_major_order(stages=...)"), count(repeats, "stage_major_order(repeats=...)")
+    _check_leading(stacked_params, stages * repeats, "Stacked parameter", f"{stages} stages x {repeats} repeats")
+
     def reorder(p):
         shape = jnp.shape(p)
         return jnp.reshape(jnp.swapaxes(jnp.reshape(p, (repeats, stages) + shape[1:]), 0, 1), shape)
@@ -157,22 +168,23 @@ def _mask_tree(valid, tree):
 class _Pipeline:
     def __init__(self, stage_fn, stacked_params, microbatches, mesh: Mesh, stage_axis: str, schedule: str,
                  repeats: int, stage_major: bool, manual_stages: bool):
-        if schedule not in SCHEDULES:
+        if not isinstance(schedule, str) or schedule not in SCHEDULES:
             raise ShardingError(f"Unknown pipeline schedule {schedule!r}; choose one of {SCHEDULES}.")
+        function(stage_fn, "gspmd.pipeline's stage_fn (it gets (params_i, x))", arity=2)
+        repeats = count(repeats, "gspmd.pipeline(repeats=...)")
+        stage_major, manual_stages = flag(stage_major, "gspmd.pipeline(stage_major=...)"), \
+            flag(manual_stages, "gspmd.pipeline(manual_stages=...)")
         if schedule == "gpipe" and repeats != 1:
             raise ShardingError(f"The gpipe schedule runs each layer once (repeats=1), got repeats={repeats}; "
                                 "use schedule='circular' (or '1f1b') for repeats > 1.")
         mesh = as_mesh(mesh, "for gspmd.pipeline")
-        stages = mesh.shape[mesh.axis_index(stage_axis)]
-        m = np.shape(microbatches)[0] if np.ndim(microbatches) else 0
-        if m < 1 or repeats < 1:
-            raise ShardingError(f"A pipeline needs at least one microbatch (the leading dim of microbatches of shape "
-                                f"{np.shape(microbatches)}) and repeats >= 1 (got {repeats}).")
-        for leaf in jax.tree_util.tree_leaves(stacked_params):
-            if np.shape(leaf)[:1] != (stages * repeats,):
-                raise ShardingError(f"Stacked parameter of shape {np.shape(leaf)} must have a leading layer dim of "
-                                    f"{stages} stages x {repeats} repeats = {stages * repeats} (stage axis "
-                                    f"{stage_axis!r} of {mesh}).")
+        try:
+            stages = mesh.shape[mesh.axis_index(stage_axis)]
+        except ShardingError as e:
+            raise ShardingError(f"gspmd.pipeline(stage_axis={stage_axis!r}): {e}") from None
+        m = _microbatch_count(microbatches)
+        _check_leading(stacked_params, stages * repeats, "Stacked parameter",
+                       f"{stages} stages x {repeats} repeats (stage axis {stage_axis!r} of {mesh})")
         self.stage_fn, self.mesh, self.axis = stage_fn, mesh, stage_axis
         self.in_stage_order = stage_major or repeats == 1     # (with one repeat both orders are one)
         self.manual_stages = manual_stages
@@ -237,10 +249,22 @@ class _Pipeline:
         return jax.lax.dynamic_update_index_in_dim(buffer, new, m, axis=1)
 
     def all_stages(self):
-        """(layers [L, ...], inputs [L, ...]) -> outputs [L, ...]: every stage at once."""
-        if not self.manual_stages:
-            return jax.vmap(self.stage_fn)
+        """(layers [L, ...], inputs [L, ...]) -> outputs [L, ...]: every stage at once; a
+        stage must return its input's shape and dtype (it feeds the next stage)."""
+        stages = jax.vmap(self.stage_fn) if not self.manual_stages else self.manual_region()
 
+        def checked(layer, x):
+            y = stages(layer, x)
+            if (jnp.shape(y), jnp.result_type(y)) != (jnp.shape(x), jnp.result_type(x)):
+                raise ShardingError(f"gspmd.pipeline: stage_fn maps a microbatch of shape {jnp.shape(x)[1:]} and "
+                                    f"dtype {jnp.result_type(x)} to shape {jnp.shape(y)[1:]} and dtype "
+                                    f"{jnp.result_type(y)}; a stage must return a value of its input's shape and "
+                                    "dtype, which the next stage takes.")
+            return y
+        return checked
+
+    def manual_region(self):
+        """All stages as a manual region over the stage axis (paper 3.4)."""
         def one_stage(layer, x):    # a stage's piece, with its unit stage dim
             return self.stage_fn(jax.tree_util.tree_map(lambda p: p[0], layer), x[0])[None]
 
@@ -370,6 +394,24 @@ class _Pipeline:
                  self.from_stage(carry["d_xs"], 0) if want_d_xs else jnp.zeros_like(xs),
                  self.from_stage(carry["d_ys"], L - 1) if want_d_ys else jnp.zeros_like(ys))
         return jnp.sum(carry["loss"]), grads
+
+
+def _microbatch_count(microbatches) -> int:
+    """M: the leading dim of the microbatches array, at least 1."""
+    shape = array_shape(microbatches, "microbatches of gspmd.pipeline")
+    if not shape or shape[0] < 1:
+        raise ShardingError(f"A pipeline needs at least one microbatch (the leading dim of microbatches of shape "
+                            f"{shape}); stack them as [M, *microbatch].")
+    return shape[0]
+
+
+def _check_leading(tree, size: int, what: str, why: str, dim: str = "layer dim") -> None:
+    """Every leaf of `tree` an array whose leading dim (layers, or microbatches) is `size`."""
+    for leaf in jax.tree_util.tree_leaves(tree):
+        shape = array_shape(leaf, what)
+        if shape[:1] != (size,):
+            given = f"of shape {shape}" if hasattr(leaf, "shape") else describe(leaf)
+            raise ShardingError(f"{what} {given} must have a leading {dim} of {why} = {size}.")
 
 
 def _index(x, m, axis: int = 0):
