@@ -33,7 +33,6 @@ from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence, Union
 
 import jax
-import numpy as np
 
 from gspmd import propagation
 from gspmd.spmd.cost import Hardware, device_mesh, profile
@@ -43,13 +42,14 @@ from gspmd.autoshard.costs import Pricing
 from gspmd.autoshard.graph import CARRY, Graph, build
 from gspmd.autoshard.model import UNUSED, Assignment, Estimate, Model, Tally, annotation_options
 from gspmd.autoshard.solve import BEAM, solve, solve_exact
+from gspmd.checks import array_shape, count, describe, function, is_number_list
 from gspmd.errors import ShardingError
 from gspmd.frontend import trace
 from gspmd.ir import Builder, Program, Value
 from gspmd.ir.dce import eliminate_dead_code
-from gspmd.mesh import Mesh
+from gspmd.mesh import Mesh, as_mesh
 from gspmd.passes.cse import eliminate_common_subexpressions
-from gspmd.sharding import UNSPECIFIED, Sharding, dims_mapping_from_spec
+from gspmd.sharding import UNSPECIFIED, Sharding, normalize_dims_mapping
 
 AXIS_NAMES = ("x", "y", "z")
 REFINED = 3   # meshes searched again, harder, after all were screened
@@ -101,14 +101,17 @@ def auto(fn: Callable, *args, devices: Optional[int] = None, mesh: Optional[Mesh
     estimated step time on `hardware` decides. `verify` is how many of the best candidates gspmd partitions
     and reports for real (the search's estimate ranks them; gspmd's report decides)."""
     start = time.perf_counter()
+    _check_options(fn, args, fixed, progress, effort, verify)
     hw = profile(hardware)
-    limit = hw.usable_bytes if memory_limit is None else int(memory_limit)
+    limit = hw.usable_bytes if memory_limit is None else count(memory_limit, "gspmd.auto(memory_limit=...)",
+                                                                 example="memory_limit=8 * 2**30 (bytes per device)")
+    mesh = None if mesh is None else as_mesh(mesh, "for gspmd.auto(mesh=...)")
     meshes = candidate_meshes(devices, mesh, hw)
     paths = plans.parameter_paths(fn, args)
     leaves, tree = jax.tree_util.tree_flatten(args)
     abstract = jax.tree_util.tree_unflatten(tree, [_abstract(x, path) for x, path in zip(leaves, paths)])
     traced = Traced(fn, abstract, mesh)
-    fixed_params = _fixed_parameters(fixed or {}, paths, traced.program)
+    fixed_params = _fixed_parameters(fixed or {}, paths, traced.program, meshes[0])
     graph = build(traced.program, {traced.program.params[i]: repr(m) for i, m in fixed_params.items()},
                   traced.carried_state())
     steps = Steps(progress or (lambda done, total, what: None), len(meshes) + min(REFINED, len(meshes)) + 2)
@@ -123,6 +126,23 @@ def auto(fn: Callable, *args, devices: Optional[int] = None, mesh: Optional[Mesh
     return plans.Plan(fn, abstract, best.candidate.mesh, best.parameters, best.intermediates, best.report,
                       best.candidate.estimate, limit, runner_ups, time.perf_counter() - start,
                       all(c.exact for c in found), tally.strategies)
+
+
+def _check_options(fn, args: tuple, fixed, progress, effort, verify) -> None:
+    """auto's arguments other than the mesh and hardware, up front."""
+    function(fn, "gspmd.auto(fn, ...)", arity=len(args))
+    for i, a in enumerate(args):
+        if isinstance(a, list) and is_number_list(a):
+            array_shape(a, f"Argument {i} of gspmd.auto")
+    if fixed is not None and not isinstance(fixed, dict):
+        raise ShardingError(f"gspmd.auto(fixed=...) needs a dict from parameter path to dims_mapping, got "
+                            f"{describe(fixed)}; e.g. fixed={{'x': ['x', None]}}.")
+    if progress is not None:
+        function(progress, "gspmd.auto(progress=...) (it gets (done, total, what))", arity=3)
+    if not isinstance(effort, Effort):
+        raise ShardingError(f"gspmd.auto(effort=...) needs a gspmd.autoshard.search.Effort, got {describe(effort)}; "
+                            "e.g. Effort(beam=64).")
+    count(verify, "gspmd.auto(verify=...) (candidates partitioned for real)")
 
 
 class Steps:
@@ -192,16 +212,12 @@ def _no_plan_fits(limit: int, smallest: int, how: str):
 def candidate_meshes(devices: Optional[int], mesh: Optional[Mesh], hardware: Hardware) -> list[Mesh]:
     """The given mesh, or each factorization of the device count laid onto the
     hardware's network as jax's mesh_utils would (spmd.cost.device_mesh)."""
+    n = jax.device_count() if devices is None else count(devices, "gspmd.auto(devices=...) (a device count)")
     if mesh is not None:
-        if not isinstance(mesh, Mesh):
-            raise ShardingError(f"auto(mesh=...) needs a gspmd.Mesh, got {type(mesh).__name__}.")
         if devices is not None and devices != mesh.size:
             raise ShardingError(f"auto got devices={devices} and a mesh of {mesh.size}; pass one of them.")
         return [mesh]
-    n = jax.device_count() if devices is None else devices
-    if not isinstance(n, (int, np.integer)) or n < 1:
-        raise ShardingError(f"auto(devices=...) needs a positive device count, got {devices!r}.")
-    return [Mesh(device_mesh(shape, hardware), AXIS_NAMES[:len(shape)]) for shape in factorizations(int(n))]
+    return [Mesh(device_mesh(shape, hardware), AXIS_NAMES[:len(shape)]) for shape in factorizations(n)]
 
 
 def factorizations(n: int, most: int = 3) -> list[tuple[int, ...]]:
@@ -416,7 +432,7 @@ def _screening(meshes: int, effort: Effort) -> Effort:
 
 
 # -- fixed layouts ------------------------------------------------------------------------------
-def _fixed_parameters(fixed: dict, paths: list[str], program: Program) -> dict:
+def _fixed_parameters(fixed: dict, paths: list[str], program: Program, mesh: Mesh) -> dict:
     """Parameter index -> (its dims_mapping with UNSPECIFIED entries, as given)."""
     out = {}
     for path, spec in fixed.items():
@@ -425,10 +441,7 @@ def _fixed_parameters(fixed: dict, paths: list[str], program: Program) -> dict:
                                 f"{', '.join(paths[:8])}{', ...' if len(paths) > 8 else ''}.")
         i = paths.index(path)
         shape = program.params[i].shape
-        mapping = dims_mapping_from_spec(spec, shape) if isinstance(spec, jax.sharding.PartitionSpec) else list(spec)
-        if len(mapping) != len(shape):
-            raise ShardingError(f"fixed[{path!r}] = {spec} has {len(mapping)} entries for a value of shape {shape}.")
-        out[i] = mapping
+        out[i] = normalize_dims_mapping(spec, shape, mesh, f"fixed[{path!r}] (shape {shape})")
     return out
 
 
