@@ -3,10 +3,12 @@ as a PNG (matplotlib). Both packages are optional: `pip install 'gspmd[viz]'`.""
 from __future__ import annotations
 
 import io
+import os
 from typing import Optional, Union
 
 import jax
 
+from gspmd.checks import describe, flag
 from gspmd.errors import ShardingError
 from gspmd.mesh import Mesh
 from gspmd.runtime import sim
@@ -25,6 +27,10 @@ def visualize(target, which: Union[None, int, str] = None, *, png: Optional[str]
     output index, or %name; default: output 0), which covers the sim backend too.
     Prints a table (rich) when `show`, writes a PNG (matplotlib) to `png` if given,
     and returns the table as text. A 3-D value is drawn as one grid per tile of dim 0."""
+    show = flag(show, "gspmd.visualize(show=...)")
+    if png is not None and not isinstance(png, (str, os.PathLike)):
+        raise ShardingError(f"gspmd.visualize(png=...) needs a file path (a str or pathlib.Path), got "
+                            f"{describe(png)}; e.g. png='layout.png'.")
     title, shape, blocks = _layout(target, which)
     if not 1 <= len(shape) <= 3:
         raise ShardingError(f"gspmd.visualize draws values of rank 1 to 3; {title} has rank {len(shape)}. "
