@@ -34,20 +34,20 @@ class Transforms:
     the given input and output avals, each partitioned by `partition` when first used."""
 
     def __init__(self, flat_fn: Callable, in_avals: Sequence, out_avals: Sequence, name: str, partition: Partition,
-                 mesh: Optional[Mesh] = None):
+                 mesh: Optional[Mesh] = None, out_batched: Sequence[bool] = ()):
         """`mesh`: the jit's, under which the function is traced."""
         self.flat_fn, self.name, self.partition, self.mesh = flat_fn, name, partition, mesh
         self.in_avals, self.out_avals = list(in_avals), list(out_avals)
         self.floats = [i for i, a in enumerate(self.in_avals) if _inexact(a.dtype)]   # inputs with tangents
         self.float_outs = [i for i, a in enumerate(self.out_avals) if _inexact(a.dtype)]
-        self._tangent_map = self._pullback = None
-        self._batched: dict = {}     # in_batched -> (the vmapped function partitioned, its outputs batched)
+        self.out_batched = list(out_batched)     # of a batched form: which outputs carry the batch dim
+        self._tangent_map = self._pullback = self._program = None
         self._vmapped: dict = {}     # (in_batched, size) -> the vmapped function's Transforms
 
     def wrap(self, program: Callable) -> Callable:
         """program(*arrays) -> outputs, made to compose with jvp, grad and vmap."""
         run = jax.custom_batching.custom_vmap(lambda *xs: tuple(program(*xs)))
-        run.def_vmap(lambda axis_size, in_batched, *xs: self._vmap_rule(program, in_batched, *xs))
+        run.def_vmap(lambda axis_size, in_batched, *xs: self._vmap_rule(program, axis_size, in_batched, *xs))
         composed = jax.custom_jvp(lambda *xs: run(*xs))
 
         def jvp(primals, tangents):
@@ -93,26 +93,10 @@ class Transforms:
         return self._pullback
 
     def batched(self, in_batched: tuple[bool, ...], size: int) -> "Transforms":
-        """The transforms of the function vmapped over dim 0 of the batched inputs (every
-        output batched along dim 0)."""
+        """The transforms of the function vmapped over dim 0 of the batched inputs; its
+        outputs that depend on no batched input stay unbatched (`out_batched`)."""
         key = (in_batched, size)
         if key not in self._vmapped:
-            in_axes = [0 if b else None for b in in_batched]
-            flat_fn = self.flat_fn
-
-            def batched(*xs):
-                return jax.vmap(lambda *ys: jax.tree_util.tree_leaves(flat_fn(*ys)), in_axes=in_axes, axis_size=size)(*xs)
-            in_avals = [jax.ShapeDtypeStruct((size, *a.shape) if b else a.shape, a.dtype)
-                        for a, b in zip(self.in_avals, in_batched)]
-            out_avals = [jax.ShapeDtypeStruct((size, *a.shape), a.dtype) for a in self.out_avals]
-            self._vmapped[key] = Transforms(batched, in_avals, out_avals, f"vmap_{self.name}", self.partition, self.mesh)
-        return self._vmapped[key]
-
-    def _vmap_rule(self, program: Callable, in_batched: Sequence[bool], *arrays):
-        if not any(in_batched):
-            return tuple(program(*arrays)), (False,) * len(self.out_avals)
-        key = tuple(in_batched)
-        if key not in self._batched:
             in_axes = [0 if b else None for b in in_batched]
             out_batched = _batched_outputs(self.flat_fn, self.in_avals, in_batched, self.mesh)
             out_axes = [0 if b else None for b in out_batched]
@@ -120,11 +104,27 @@ class Transforms:
 
             def batched(*xs):
                 return jax.vmap(lambda *ys: jax.tree_util.tree_leaves(flat_fn(*ys)), in_axes=in_axes,
-                                out_axes=out_axes)(*xs)
+                                out_axes=out_axes, axis_size=size)(*xs)
             batched.__name__ = f"vmap_{self.name}"
-            self._batched[key] = self.partition(batched), out_batched
-        program, out_batched = self._batched[key]
-        return tuple(program(*arrays)), tuple(out_batched)
+            in_avals = [jax.ShapeDtypeStruct((size, *a.shape) if b else a.shape, a.dtype)
+                        for a, b in zip(self.in_avals, in_batched)]
+            out_avals = [jax.ShapeDtypeStruct((size, *a.shape) if b else a.shape, a.dtype)
+                         for a, b in zip(self.out_avals, out_batched)]
+            self._vmapped[key] = Transforms(batched, in_avals, out_avals, batched.__name__, self.partition, self.mesh,
+                                            out_batched)
+        return self._vmapped[key]
+
+    def program(self) -> Callable:
+        """The function itself, partitioned (for a batched form: what vmap runs)."""
+        if self._program is None:
+            self._program = self.partition(self.flat_fn)
+        return self._program
+
+    def _vmap_rule(self, program: Callable, axis_size: int, in_batched: Sequence[bool], *arrays):
+        if not any(in_batched):
+            return tuple(program(*arrays)), (False,) * len(self.out_avals)
+        batched = self.batched(tuple(in_batched), axis_size)
+        return tuple(batched.program()(*arrays)), tuple(batched.out_batched)
 
 
 def _batched_outputs(flat_fn: Callable, in_avals: Sequence, in_batched: Sequence[bool], mesh) -> list[bool]:
@@ -185,8 +185,9 @@ def _batch(args, dims, *, transforms: Transforms):
                for i in range(len(primals))]
     along = batched + [batched[i] for i in transforms.floats]
     args = [_along_0(x, d, size) if b else x for x, d, b in zip(args, dims, along)]
-    outs = tangent_p.bind(*args, transforms=transforms.batched(tuple(batched), size))
-    return list(outs), [0] * len(outs)
+    on_batched = transforms.batched(tuple(batched), size)
+    outs = tangent_p.bind(*args, transforms=on_batched)
+    return list(outs), [0 if on_batched.out_batched[i] else None for i in on_batched.float_outs]
 
 
 def _along_0(x, dim, size: int):
