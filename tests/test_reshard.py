@@ -10,6 +10,7 @@ import gspmd
 from gspmd.spmd import cost as cm
 from gspmd.spmd import reshard as rs
 from gspmd.spmd.context import Why
+from gspmd.spmd.reshard_steps import AllToAllStep, ExchangeStep, GatherStep, SliceStep
 from strategies import dims_mappings, meshes
 from util import BYTES_RECEIVED
 
@@ -144,12 +145,11 @@ def test_random_reshards(case):
     dst = gspmd.Sharding.from_mesh(dst_mesh, dst_map, shape)
     if dst.refines(src):
         assert kinds(low) == []   # replicated/partial -> tiled needs no communication
-    with cm.pricing(BYTES_RECEIVED):
-        assert bool(low.report().fallbacks) == any(getattr(s, "why", None) is Why.FALLBACK
-                                                   for s in rs.plan(src, dst, shape, 4))
-        _no_dearer_than_the_oracle(src, dst, shape)
-        # One cost model: what the planner estimated is what the report prices.
-        planned = rs.cost(src, dst, shape, 4)
+    assert bool(low.report().fallbacks) == any(getattr(s, "why", None) is Why.FALLBACK
+                                               for s in rs.plan(src, dst, shape, 4, BYTES_RECEIVED))
+    _no_dearer_than_the_oracle(src, dst, shape, BYTES_RECEIVED)
+    # One cost model: what the planner estimated is what the report prices.
+    planned = rs.cost(src, dst, shape, 4, BYTES_RECEIVED)
     assert low.report(hardware=BYTES_RECEIVED).communication_seconds == pytest.approx(planned, rel=1e-9, abs=1e-15)
 
 
@@ -162,9 +162,9 @@ def test_a_search_out_of_budget_still_plans_exactly(tiny_search_budget, case):
     x = np.random.RandomState(1).standard_normal(shape).astype(np.float32)
     lower_and_check(reshard_program(src_mesh, src_map, dst_mesh, dst_map), x, mesh=src_mesh)
     src, dst = gspmd.Sharding.from_mesh(src_mesh, src_map, shape), gspmd.Sharding.from_mesh(dst_mesh, dst_map, shape)
-    with cm.pricing(BYTES_RECEIVED):
-        everything = tuple(rs.GatherStep(d, t) for d, t in enumerate(src.tiles) if t > 1) + (rs.SliceStep(dst),)
-        assert rs.cost(src, dst, shape, 4) <= rs._chain_cost(everything, src, shape, 4) * (1 + 1e-9) + 1e-15
+    everything = tuple(GatherStep(d, t) for d, t in enumerate(src.tiles) if t > 1) + (SliceStep(dst),)
+    assert rs.cost(src, dst, shape, 4, BYTES_RECEIVED) <= \
+        rs._chain_cost(everything, src, shape, 4, BYTES_RECEIVED) * (1 + 1e-9) + 1e-15
 
 
 # -- the oracle: reference plans built from the layouts alone, priced by the cost model -----
@@ -182,7 +182,7 @@ def _to_common_layout(cur, dst, shape):
             ts % m == 0 and td % m == 0 and _nested(shape[d], ts, m) and _nested(shape[d], td, m)
             and np.array_equal(cur.coords()[:, d] // (ts // m), dst.coords()[:, d] // (td // m))))
         if ts > m:
-            steps.append(rs.GatherStep(d, ts // m))
+            steps.append(GatherStep(d, ts // m))
     common = cur
     for step in steps:
         common = step.result(common)
@@ -195,10 +195,10 @@ def _finishes(cur, dst, shape):
     dim again)."""
     if cur == dst:
         return [([], False)]
-    options = [([rs.ExchangeStep(dst)], False)] if cur.tile_assignment.shape == dst.tile_assignment.shape else []
+    options = [([ExchangeStep(dst)], False)] if cur.tile_assignment.shape == dst.tile_assignment.shape else []
     gathers, common = _to_common_layout(cur, dst, shape)
     resplit = any(dst.tiles[g.dim] > common.tiles[g.dim] for g in gathers)
-    return options + [(gathers + ([rs.SliceStep(dst)] if common != dst else []), resplit)]
+    return options + [(gathers + ([SliceStep(dst)] if common != dst else []), resplit)]
 
 
 def _all_to_all_moves(s, shape):
@@ -214,23 +214,23 @@ def _all_to_all_moves(s, shape):
                     coords[:, a] //= k
                     tiles = list(s.tiles)
                     tiles[a], tiles[b] = tiles[a] // k, tiles[b] * k
-                    yield rs.AllToAllStep(((a, b, k),), gspmd.Sharding.from_coords(coords, tiles))
+                    yield AllToAllStep(((a, b, k),), gspmd.Sharding.from_coords(coords, tiles))
 
 
-def _references(src, dst, shape):
+def _references(src, dst, shape, hw):
     """(seconds, uses a fallback) of the reference plans: up to two all-to-alls, then a
     permute or partial gathers and a cut."""
     starts = [([], src)]
     for first in _all_to_all_moves(src, shape):
         starts.append(([first], first.target))
         starts += [([first, second], second.target) for second in _all_to_all_moves(first.target, shape)]
-    return [(rs._chain_cost(steps + rest, src, shape, 4), fallback)
+    return [(rs._chain_cost(steps + rest, src, shape, 4, hw), fallback)
             for steps, cur in starts for rest, fallback in _finishes(cur, dst, shape)]
 
 
-def _no_dearer_than_the_oracle(src, dst, shape):
-    planned, plan = rs.cost(src, dst, shape, 4), rs.plan(src, dst, shape, 4)
-    references = _references(src, dst, shape)
+def _no_dearer_than_the_oracle(src, dst, shape, hw):
+    planned, plan = rs.cost(src, dst, shape, 4, hw), rs.plan(src, dst, shape, 4, hw)
+    references = _references(src, dst, shape, hw)
     slack = 1e-9 * planned + 1e-15
     assert planned <= min(r[0] for r in references) + slack, (src, dst, shape, plan, planned, references)
     if any(getattr(s, "why", None) is Why.FALLBACK for s in plan):
@@ -242,9 +242,8 @@ def _no_dearer_than_the_oracle(src, dst, shape):
 @given(reshard_cases(), st.sampled_from([None, BYTES_RECEIVED, "a100"]))
 def test_plans_cost_no_more_than_the_oracles_reference_plans(case, hardware):
     src_mesh, src_map, dst_mesh, dst_map, shape = case
-    with cm.pricing(hardware):
-        _no_dearer_than_the_oracle(gspmd.Sharding.from_mesh(src_mesh, src_map, shape),
-                                   gspmd.Sharding.from_mesh(dst_mesh, dst_map, shape), shape)
+    _no_dearer_than_the_oracle(gspmd.Sharding.from_mesh(src_mesh, src_map, shape),
+                               gspmd.Sharding.from_mesh(dst_mesh, dst_map, shape), shape, cm.profile(hardware))
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
@@ -254,8 +253,8 @@ def test_the_lower_bound_the_partitioner_prunes_with_never_exceeds_the_plan(case
     # a bound above a plan's cost would skip the cheapest.
     src_mesh, src_map, dst_mesh, dst_map, shape = case
     src, dst = gspmd.Sharding.from_mesh(src_mesh, src_map, shape), gspmd.Sharding.from_mesh(dst_mesh, dst_map, shape)
-    with cm.pricing(hardware):
-        assert rs.rounded(rs.at_least(src, dst, shape, 4)) <= rs.rounded(rs.cost(src, dst, shape, 4))
+    hw = cm.profile(hardware)
+    assert cm.rounded(cm.at_least(src, dst, shape, 4, hw)) <= cm.rounded(rs.cost(src, dst, shape, 4, hw))
 
 
 @pytest.mark.parametrize("hardware, src_mesh, src_map, dst_mesh, dst_map, shape", [
@@ -272,9 +271,8 @@ def test_the_lower_bound_the_partitioner_prunes_with_never_exceeds_the_plan(case
      ["a", "b"], gspmd.Mesh(np.arange(16), ("a",)), [-1, -1], (4, 16)),
 ])
 def test_plans_the_oracle_found_dearer_once(hardware, src_mesh, src_map, dst_mesh, dst_map, shape):
-    with cm.pricing(hardware):
-        _no_dearer_than_the_oracle(gspmd.Sharding.from_mesh(src_mesh, src_map, shape),
-                                   gspmd.Sharding.from_mesh(dst_mesh, dst_map, shape), shape)
+    _no_dearer_than_the_oracle(gspmd.Sharding.from_mesh(src_mesh, src_map, shape),
+                               gspmd.Sharding.from_mesh(dst_mesh, dst_map, shape), shape, cm.profile(hardware))
 
 
 @pytest.mark.slow
@@ -339,8 +337,7 @@ def test_the_planners_estimate_is_the_reports_communication_time(hardware):
     for src_map, dst_map in [(["x", -1, -1], ["y", -1, -1]), (["y", -1, -1], [-1, "y", -1]),
                              ([("x", "y"), -1, -1], ["x", -1, -1]), (["y", "x", -1], ["x", "y", -1])]:
         low = gspmd.jit(reshard_program(MESH, src_map, MESH, dst_map), mesh=MESH, hardware=hardware).lower(X)
-        with cm.pricing(hardware):
-            planned = rs.cost(gspmd.Sharding.from_mesh(MESH, src_map, shape),
-                              gspmd.Sharding.from_mesh(MESH, dst_map, shape), shape, 4)
+        planned = rs.cost(gspmd.Sharding.from_mesh(MESH, src_map, shape),
+                          gspmd.Sharding.from_mesh(MESH, dst_map, shape), shape, 4, cm.profile(hardware))
         assert planned > 0
         assert low.report(hardware=hardware).communication_seconds == pytest.approx(planned, rel=1e-9)

@@ -20,14 +20,13 @@ from gspmd.spmd.partitioned import PartitionedValue
 def partition(program: Program, num_devices: int, hardware: Union[None, str, cm.Hardware] = None) -> Program:
     """The per-device program; choices between plans are priced on `hardware` (the
     default profile when None)."""
-    with cm.pricing(hardware):
-        spmd = _partition(program, num_devices, [p.sharding for p in program.params],
-                          [o.sharding for o in program.outputs])
+    spmd = _partition(program, num_devices, cm.profile(hardware), [p.sharding for p in program.params],
+                      [o.sharding for o in program.outputs])
     spmd.schedules = list(program.schedules)
     return spmd
 
 
-def _partition(program: Program, num_devices: int, in_layouts: Sequence[Sharding],
+def _partition(program: Program, num_devices: int, hw: cm.Hardware, in_layouts: Sequence[Sharding],
                out_layouts: Sequence[Sharding], subgroups: Optional[np.ndarray] = None) -> Program:
     """Per-device code for `program` whose parameters arrive laid out as `in_layouts`
     and whose results must leave as `out_layouts` (a loop body's carry, say); inside a
@@ -39,11 +38,11 @@ def _partition(program: Program, num_devices: int, in_layouts: Sequence[Sharding
     def partition_subprogram(sub, ins, outs, region_subgroups=None):
         """A loop body in the same devices, or a manual region's body in its subgroups."""
         if region_subgroups is None:
-            return _partition(sub, num_devices, ins, outs, subgroups)
-        return _partition(sub, region_subgroups.shape[1], ins, outs, region_subgroups)
+            return _partition(sub, num_devices, hw, ins, outs, subgroups)
+        return _partition(sub, region_subgroups.shape[1], hw, ins, outs, region_subgroups)
 
     ctx = DeviceContext(b, num_devices, partition_subprogram=partition_subprogram, partitioned=env.__getitem__,
-                        subgroups=subgroups)
+                        subgroups=subgroups, hardware=hw)
     for p, layout in zip(program.params, in_layouts):
         local = b.param(layout.shard_shape(p.shape), p.dtype, hint=p.name)
         local.sharding = layout

@@ -25,10 +25,11 @@ from jax import lax
 from gspmd.ops.registry import CONTRACTION, KernelLayout, register
 from gspmd.ops.window import pad_array, window_attrs, windows_of
 from gspmd.sharding import Sharding
-from gspmd.spmd.cost import ComputeKind, Pattern
+from gspmd.spmd import cost as cm
 from gspmd.spmd import factors as fx
-from gspmd.spmd import reshard as rs
+from gspmd.spmd.cost import ComputeKind
 from gspmd.spmd.halo import DimPlan, local_base, partition_windowed, pinned_space, plan_dim, slice_outputs
+from gspmd.spmd.layout import groups_along
 from gspmd.spmd.partitioned import PartitionedValue
 
 OUT, WINDOW = "out", "window"   # how a split spatial dim is partitioned
@@ -137,7 +138,7 @@ def _partition_conv(ctx, instr, operands, targets):
     (target,) = targets
     (_, _, *ls), (_, _, *rsp), (ob, of, *osp) = _dims(instr)
     modes, spatial = min(_spatial_options(instr, lhs, rhs, target),
-                         key=lambda option: rs.rounded(_estimate(instr, operands, target, *option)))
+                         key=lambda option: cm.rounded(_estimate(instr, operands, target, *option, ctx.hardware)))
     plans = _plans(instr, lhs, rhs, modes, spatial)
     factors = conv_factors(instr, modes)
     emit = _local_conv(instr, plans, spatial)
@@ -171,22 +172,23 @@ def _spatial_options(instr, lhs, rhs, target):
                spatial.keep_dims([ls[j] for j in kept]))
 
 
-def _estimate(instr, operands, target, modes, spatial: Sharding) -> rs.Cost:
-    """What partitioning with these spatial splits costs: the factor partitioner's
-    choice around them, plus the halos of split inputs."""
+def _estimate(instr, operands, target, modes, spatial: Sharding, hw: cm.Hardware) -> cm.Cost:
+    """What partitioning with these spatial splits costs on `hw`: the factor
+    partitioner's choice around them, plus the halos of split inputs."""
     lhs, rhs = operands
     (_, _, *ls), _, _ = _dims(instr)
     plans = _plans(instr, lhs, rhs, modes, spatial)
     factors = conv_factors(instr, modes)
     pinned = pinned_space(factors, 0, [ls[j] for j in plans], spatial, lhs.rank)
-    cost = fx.cheapest_space(instr, factors, operands, [target], pinned)[1]
+    cost = fx.cheapest_space(instr, factors, operands, [target], hw, pinned)[1]
     local = lhs.sharding.shard_shape(lhs.shape)
     for j, plan in plans.items():
         if lhs.sharding.tiles[ls[j]] > 1 and plan.count > plan.shard:
             halo = (plan.count - plan.shard) * math.prod(local) // local[ls[j]] * lhs.dtype.itemsize
-            line = rs.groups_along(lhs.sharding, [ls[j]])
+            line = groups_along(lhs.sharding, [ls[j]])
             neighbours = np.stack([line[:, :-1].ravel(), line[:, 1:].ravel()], axis=1)
-            cost = rs.add_costs(cost, rs.priced(Pattern.PERMUTE, halo, neighbours, lhs.sharding.num_devices))
+            cost = cm.add_costs(cost, cm.collective_seconds(cm.Pattern.PERMUTE, halo, neighbours,
+                                                            lhs.sharding.num_devices, hw))
     return cost
 
 

@@ -222,7 +222,7 @@ def _partition_ragged_dot(ctx: DeviceContext, instr, operands, targets):
     within its elements follow from all the sizes (tokens split: no communication where
     the ragged dim is free, partial sums per group where it contracts)."""
     factors = _ragged_dot_factors(instr)
-    space = fx.choose_space(instr, factors, operands, targets)
+    space = fx.choose_space(instr, factors, operands, targets, ctx.hardware)
     ragged = next(f for f, fac in enumerate(factors) if fac.dims[0] == instr.attrs["lhs_ragged"])
     group = len(factors) - 1
 

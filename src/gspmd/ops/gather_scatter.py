@@ -293,7 +293,7 @@ def _emit_scatter(layout: Sharding, ctx, instr, operands, shapes):
 def _partition_with(factor_fn, emit):
     def partition_rule(ctx, instr, operands, targets):
         factors = factor_fn(instr)
-        space = fx.choose_space(instr, factors, operands, targets)
+        space = fx.choose_space(instr, factors, operands, targets, ctx.hardware)
         layout = fx.tensor_layout(factors, 0, space, instr.operands[0].rank)
         return fx.run(ctx, instr, factors, space, operands, targets, partial(emit, layout))
     return partition_rule

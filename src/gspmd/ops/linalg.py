@@ -18,9 +18,11 @@ from jax.lax import FftType
 from gspmd.ops.convert import BoundPrimitive, call_eagerly
 from gspmd.ops.registry import register
 from gspmd.spmd import factors as fx
+from gspmd.spmd import cost as cm
 from gspmd.spmd import reshard as rs
 from gspmd.spmd.cost import ComputeKind
 from gspmd.spmd.factors import REPLICATE, Factor
+from gspmd.spmd.layout import whole_along
 from gspmd.sharding import Sharding
 from gspmd.spmd.partitioned import PartitionedValue
 
@@ -88,7 +90,7 @@ def _distributed_fft(ctx, instr, x: PartitionedValue) -> PartitionedValue:
     gathered: list[int] = []
     while True:
         start = x.sharding.keep_dims([d for d in range(x.rank) if d not in gathered])
-        steps, stuck = _fft_steps(instr, start, x.shape)
+        steps, stuck = _fft_steps(instr, start, x.shape, ctx.hardware)
         if stuck is None:
             break
         gathered.append(stuck)
@@ -98,9 +100,9 @@ def _distributed_fft(ctx, instr, x: PartitionedValue) -> PartitionedValue:
     return x
 
 
-def _fft_steps(instr, s: Sharding, shape) -> tuple[list, Optional[int]]:
-    """The steps from layout `s`: (dims, FftType) transforms and layouts to move to; or
-    the dim whose split no done dim can take."""
+def _fft_steps(instr, s: Sharding, shape, hw: cm.Hardware) -> tuple[list, Optional[int]]:
+    """The steps from layout `s`: (dims, FftType) transforms and layouts to move to (the
+    cheapest on `hw`); or the dim whose split no done dim can take."""
     kind, batch = instr.attrs["call"].params["fft_type"], instr.attrs["batch_dims"]
     shape, last, pending, steps = list(shape), len(shape) - 1, list(range(batch, len(shape))), []
     while pending:
@@ -119,10 +121,10 @@ def _fft_steps(instr, s: Sharding, shape) -> tuple[list, Optional[int]]:
             continue
         dim = next(d for d in pending if s.tiles[d] > 1 and (kind != FftType.IRFFT or d != last or pending == [last]))
         done = [d for d in range(len(shape)) if d not in pending]
-        moves = [m for m in rs.whole_along(s, dim, shape)[1:] if any(m.tiles[d] > s.tiles[d] for d in done)]
+        moves = [m for m in whole_along(s, dim, shape)[1:] if any(m.tiles[d] > s.tiles[d] for d in done)]
         if not moves:
             return steps, dim
-        s = min(moves, key=lambda m: rs.rounded(rs.cost(s, m, tuple(shape), instr.outputs[0].dtype.itemsize)))
+        s = min(moves, key=lambda m: cm.rounded(rs.cost(s, m, tuple(shape), instr.outputs[0].dtype.itemsize, hw)))
         steps.append(s)
     return steps, None
 

@@ -35,6 +35,7 @@ from gspmd.spmd import factors as fx
 from gspmd.spmd import reshard as rs
 from gspmd.spmd.context import INDEX_DTYPE, DeviceContext, Why
 from gspmd.spmd.factors import PASS, REDUCE, Factor
+from gspmd.spmd.layout import groups_along
 from gspmd.spmd.padding import mask_padding
 from gspmd.spmd.partitioned import PartitionedValue
 
@@ -151,7 +152,7 @@ def _variadic_factors(instr: Instr) -> list[Factor]:
 def _partition_variadic_reduce(ctx: DeviceContext, instr: Instr, operands, targets) -> list[PartitionedValue]:
     n, b = len(instr.outputs), ctx.b
     factors = _variadic_factors(instr)
-    space = fx.choose_space(instr, factors, operands, targets)
+    space = fx.choose_space(instr, factors, operands, targets, ctx.hardware)
     split = [d for d in instr.attrs["dims"] if space.tiles[d] > 1]   # factor f is operand dim f
     inits = [o.local for o in operands[n:]]
     xs = []
@@ -164,7 +165,7 @@ def _partition_variadic_reduce(ctx: DeviceContext, instr: Instr, operands, targe
     types = [(layout.shard_shape(out.shape), out.dtype) for layout, out in zip(layouts, instr.outputs)]
     partials = b.add("variadic-reduce", xs + inits, types, **instr.attrs)
     if split:
-        groups = rs.groups_along(space, split)
+        groups = groups_along(space, split)
         stacked = [ctx.all_gather(b.add1("reshape", [p], (1, *p.shape), p.dtype), 0, groups, Why.PARTIAL_RESULTS,
                                   "partial reductions") for p in partials]
         partials = b.add("variadic-reduce", stacked + inits, types, **dict(instr.attrs, dims=(0,)))
@@ -206,7 +207,7 @@ def _lower_cumulative(instr, args, lc):
 
 def _partition_cumulative(ctx: DeviceContext, instr: Instr, operands, targets) -> list[PartitionedValue]:
     factors = elementwise_factors(instr)   # factor f is dim f: the space is the layout
-    space = fx.choose_space(instr, factors, operands, targets)
+    space = fx.choose_space(instr, factors, operands, targets, ctx.hardware)
     a = instr.attrs
     if space.tiles[a["dim"]] == 1:
         return fx.run(ctx, instr, factors, space, operands, targets)
@@ -224,7 +225,7 @@ def _carry_in(ctx: DeviceContext, instr: Instr, x: PartitionedValue) -> Value:
     unit = local.shape[:dim] + (1,) + local.shape[dim + 1:]
     total = b.add1("reduce", [local], unit[:dim] + unit[dim + 1:], local.dtype, dims=(dim,), reducer=reducer)
     total = b.add1("reshape", [total], unit, local.dtype)
-    totals = ctx.all_gather(total, dim, rs.groups_along(s, [dim]), Why.PARTIAL_RESULTS, "shard totals")
+    totals = ctx.all_gather(total, dim, groups_along(s, [dim]), Why.PARTIAL_RESULTS, "shard totals")
     shape = totals.shape
     shard = b.add1("iota", [], shape, INDEX_DTYPE, dimension=dim)
     mine = b.add1("broadcast", [ctx.table_lookup(s.coords()[:, dim])], shape, INDEX_DTYPE, dims=())

@@ -10,10 +10,12 @@ from jax import numpy as jnp
 
 from gspmd.ops.registry import EXPAND, LAYOUT, Storage, jointly_linear, register
 from gspmd.sharding import Sharding
+from gspmd.spmd import cost as cm
 from gspmd.spmd import reshard as rs
 from gspmd.spmd.cost import ComputeKind
 from gspmd.spmd.halo import windowed_ranges
 from gspmd.spmd.factors import Factor
+from gspmd.spmd.layout import coarsen
 from gspmd.spmd.partitioned import PartitionedValue
 
 
@@ -158,7 +160,7 @@ def _major_part(s: Sharding, pairs, forward: bool, shape) -> Sharding:
         src = a if forward else b
         t = s.tiles[src]
         if t > 1 and modulus % t and shape[src] % t == 0:
-            s = rs.coarsen(s, src, t // math.gcd(modulus, t))
+            s = coarsen(s, src, t // math.gcd(modulus, t))
     return s
 
 
@@ -230,9 +232,9 @@ def _reshape_partition(ctx, instr, operands, targets):
 
     def plan(op_layout, out_layout=None):
         out_layout = out_layout or _carry(op_layout, pairs, True, out.rank)
-        cost = rs.add_costs(rs.cost(x.sharding, op_layout, x.shape, x.dtype.itemsize),
-                            rs.cost(out_layout, target, out.shape, out.dtype.itemsize))
-        return rs.rounded(cost), op_layout.order_key(), op_layout, out_layout
+        cost = cm.add_costs(rs.cost(x.sharding, op_layout, x.shape, x.dtype.itemsize, ctx.hardware),
+                            rs.cost(out_layout, target, out.shape, out.dtype.itemsize, ctx.hardware))
+        return cm.rounded(cost), op_layout.order_key(), op_layout, out_layout
 
     from_target = _carry(target, pairs, False, x.rank)
     from_operand = _carry(_carry(x.sharding, pairs, True, out.rank), pairs, False, x.rank)

@@ -289,7 +289,7 @@ def _partition_dynamic_slice(ctx, instr, operands, targets):
         windows = _slice_windows(x.shape, starts, [s + k for s, k in zip(starts, out.shape)], [1] * x.rank)
         return [_partition_unit(ctx, instr, operands[0], windows, None, targets[0])]
     factors = _dynamic_slice_factors(instr)
-    space = fx.choose_space(instr, factors, operands, targets)
+    space = fx.choose_space(instr, factors, operands, targets, ctx.hardware)
     layout = fx.tensor_layout(factors, 0, space, x.rank)
     split = _split_cut_dims(layout, x.shape, out.shape)
 
@@ -309,7 +309,7 @@ def _partition_dynamic_update_slice(ctx, instr, operands, targets):
     by position); no gather of the operand."""
     x, update = instr.operands[:2]
     factors = _dynamic_update_slice_factors(instr)
-    space = fx.choose_space(instr, factors, operands, targets)
+    space = fx.choose_space(instr, factors, operands, targets, ctx.hardware)
     layout = fx.tensor_layout(factors, 0, space, x.rank)
     if not _split_cut_dims(layout, x.shape, update.shape):
         return fx.run(ctx, instr, factors, space, operands, targets)

@@ -35,7 +35,8 @@ from gspmd.sharding import Sharding
 from gspmd.spmd import factors as fx
 from gspmd.spmd import reshard as rs
 from gspmd.spmd.context import INDEX_DTYPE, DeviceContext, Why
-from gspmd.spmd.cost import Pattern
+from gspmd.spmd import cost as cm
+from gspmd.spmd.layout import groups_along, whole_along
 from gspmd.spmd.padding import mask_padding
 from gspmd.spmd.partitioned import PartitionedValue
 
@@ -116,18 +117,18 @@ def _whole_dim_factors(instr: Instr, dim: int) -> list[fx.Factor]:
             for d, size in enumerate(instr.operands[0].shape)]
 
 
-def _space_whole_along(instr: Instr, dim: int, operands, targets):
+def _space_whole_along(instr: Instr, dim: int, operands, targets, hw: cm.Hardware):
     """The factors and the cheapest layout that keeps `dim` whole (each dim is its own
-    factor, so layouts of the operand serve as factor-space layouts)."""
+    factor, so layouts of the operand serve as factor-space layouts), on `hw`."""
     factors = _whole_dim_factors(instr, dim)
-    moved = [m for o in operands for m in rs.whole_along(o.sharding, dim, o.shape)]
-    return factors, fx.choose_space(instr, factors, operands, targets, candidates=moved)
+    moved = [m for o in operands for m in whole_along(o.sharding, dim, o.shape)]
+    return factors, fx.choose_space(instr, factors, operands, targets, hw, candidates=moved)
 
 
 def _split_moved_off(s: Sharding, dim: int, shape) -> Sharding:
     """Where a sort along `dim` leaves a layout's split of it: on another dim that can
     take it (one that is not split yet first), else nowhere (gathered)."""
-    gathered, *moved = rs.whole_along(s, dim, shape)
+    gathered, *moved = whole_along(s, dim, shape)
     return min(moved, key=lambda m: -sum(t > 1 for t in m.tiles), default=gathered)
 
 
@@ -140,7 +141,7 @@ def _propagate_sort(instr: Instr, shardings: list[Optional[Sharding]], target: i
 
 
 def _partition_sort(ctx, instr: Instr, operands, targets) -> list[PartitionedValue]:
-    factors, space = _space_whole_along(instr, instr.attrs["dimension"], operands, targets)
+    factors, space = _space_whole_along(instr, instr.attrs["dimension"], operands, targets, ctx.hardware)
     return fx.run(ctx, instr, factors, space, operands, targets)
 
 
@@ -197,11 +198,11 @@ def _top_k_factors(instr: Instr) -> list[fx.Factor]:
 def _partition_top_k(ctx, instr: Instr, operands, targets) -> list[PartitionedValue]:
     """Move the split away from the top-k dim, or take candidates per shard: the cheaper."""
     axis = instr.attrs["axis"]
-    factors, space = _space_whole_along(instr, axis, operands, targets)
+    factors, space = _space_whole_along(instr, axis, operands, targets, ctx.hardware)
     x = operands[0]
     if len(operands) == 1 and x.sharding.tiles[axis] > 1:
-        by_candidates = _candidates_cost(instr, x, targets)
-        if rs.rounded(by_candidates) < rs.rounded(fx.cost(factors, space, operands, instr, targets)):
+        by_candidates = _candidates_cost(instr, x, targets, ctx.hardware)
+        if cm.rounded(by_candidates) < cm.rounded(fx.cost(factors, space, operands, instr, targets, ctx.hardware)):
             return _top_k_of_candidates(ctx, instr, x, targets)
     return fx.run(ctx, instr, factors, space, operands, targets)
 
@@ -215,15 +216,15 @@ def _candidates_layout(x: PartitionedValue, axis: int) -> Sharding:
     return x.sharding.keep_dims([d for d in range(x.rank) if d != axis])
 
 
-def _candidates_cost(instr: Instr, x: PartitionedValue, targets) -> rs.Cost:
+def _candidates_cost(instr: Instr, x: PartitionedValue, targets, hw: cm.Hardware) -> cm.Cost:
     axis, s = instr.attrs["axis"], x.sharding
     shape = list(s.shard_shape(x.shape))
     shape[axis] = s.tiles[axis] * _candidate_count(instr, x)
-    layout, groups = _candidates_layout(x, axis), rs.groups_along(s, [axis])
-    costs = [rs.priced(Pattern.ALL_GATHER, math.prod(shape) * o.dtype.itemsize, groups, s.num_devices)
-             for o in instr.outputs]
-    costs += [rs.cost(layout, t, o.shape, o.dtype.itemsize) for o, t in zip(instr.outputs, targets)]
-    return rs.add_costs(*costs)
+    layout, groups = _candidates_layout(x, axis), groups_along(s, [axis])
+    costs = [cm.collective_seconds(cm.Pattern.ALL_GATHER, math.prod(shape) * o.dtype.itemsize, groups, s.num_devices,
+                                   hw) for o in instr.outputs]
+    costs += [rs.cost(layout, t, o.shape, o.dtype.itemsize, hw) for o, t in zip(instr.outputs, targets)]
+    return cm.add_costs(*costs)
 
 
 def _top_k_of_candidates(ctx: DeviceContext, instr: Instr, x: PartitionedValue, targets) -> list[PartitionedValue]:
@@ -241,7 +242,7 @@ def _top_k_of_candidates(ctx: DeviceContext, instr: Instr, x: PartitionedValue, 
     if indices.dtype != INDEX_DTYPE:
         start = b.add1("convert", [start], (), indices.dtype)
     pos = b.add1("add", [pos, b.add1("broadcast", [start], shape, indices.dtype, dims=())], shape, indices.dtype)
-    groups = rs.groups_along(s, [axis])
+    groups = groups_along(s, [axis])
     top = ctx.all_gather(top, axis, groups, Why.PARTIAL_RESULTS, "top-k candidates")
     pos = ctx.all_gather(pos, axis, groups, Why.PARTIAL_RESULTS, "top-k candidate indices")
     shape[axis] = a["k"]

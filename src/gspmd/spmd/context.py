@@ -9,6 +9,7 @@ import numpy as np
 
 from gspmd.ir import Builder, Program, Value
 from gspmd.ir.reducer import Reducer
+from gspmd.spmd.cost import DEFAULT, Hardware
 
 INDEX_DTYPE = np.int32
 
@@ -37,11 +38,13 @@ class DeviceContext:
     def __init__(self, builder: Builder, num_devices: int,
                  partition_subprogram: Optional[PartitionSubprogram] = None,
                  partitioned: Optional[Callable[[Value], object]] = None,
-                 subgroups: Optional[np.ndarray] = None):
+                 subgroups: Optional[np.ndarray] = None, hardware: Hardware = DEFAULT):
         """The driver's hooks: partition_subprogram partitions loop bodies and conditions;
         partitioned(value) is the PartitionedValue of any value already partitioned (for
-        rules that look through their operands' producers)."""
+        rules that look through their operands' producers). `hardware` is what the
+        rules' choices (reshard plans, layouts) are priced on."""
         self.b = builder
+        self.hardware = hardware
         self.num_devices = num_devices
         self.subgroups = np.arange(num_devices)[None] if subgroups is None else np.asarray(subgroups)
         self.virtual = np.empty(self.subgroups.size, np.int64)   # real device -> its virtual device

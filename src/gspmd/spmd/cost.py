@@ -27,19 +27,18 @@ Latencies and per-byte rates depend only on the groups, so each is computed once
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import enum
 import functools
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence, Union
+from typing import Sequence, Union
 
 import numpy as np
 
 from gspmd.checks import count, describe, flag, number
 from gspmd.errors import ShardingError
+from gspmd.sharding import Sharding
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -213,23 +212,6 @@ def profile(hardware: Union[None, str, Hardware]) -> Hardware:
     return PROFILES[hardware]
 
 
-_CURRENT: contextvars.ContextVar[Hardware] = contextvars.ContextVar("gspmd_hardware", default=DEFAULT)
-
-
-@contextlib.contextmanager
-def pricing(hardware: Union[None, str, Hardware]) -> Iterator[Hardware]:
-    """Within this block, plans are priced on `hardware` (the partitioner sets it)."""
-    token = _CURRENT.set(profile(hardware))
-    try:
-        yield _CURRENT.get()
-    finally:
-        _CURRENT.reset(token)
-
-
-def current() -> Hardware:
-    return _CURRENT.get()
-
-
 # -- compute -----------------------------------------------------------------------------
 def compute_seconds(kind: ComputeKind, flops: float, nbytes: float, hw: Hardware) -> float:
     """One op: MATMUL is a roofline of FLOPs at the matmul efficiency and its operands'
@@ -255,17 +237,17 @@ class Rate:
 
 
 def collective_seconds(pattern: Pattern, nbytes: float, groups: np.ndarray, num_devices: int,
-                       hw: Optional[Hardware] = None) -> float:
+                       hw: Hardware) -> float:
     """Time of one collective over `groups` ([G, k] device ids; [P, 2] (source, target)
     pairs for a permute) whose result holds `nbytes` per device, in a program over
     `num_devices` devices (ids are positions in that many devices' network)."""
     return rate(pattern, groups, num_devices, hw).seconds(nbytes)
 
 
-def rate(pattern: Pattern, groups: np.ndarray, num_devices: int, hw: Optional[Hardware] = None) -> Rate:
+def rate(pattern: Pattern, groups: np.ndarray, num_devices: int, hw: Hardware) -> Rate:
     groups = np.ascontiguousarray(groups, np.int64)
     groups = groups.reshape(-1, groups.shape[-1]) if groups.size else groups.reshape(0, 2)
-    return _rate(pattern, groups.tobytes(), groups.shape, current() if hw is None else hw, num_devices)
+    return _rate(pattern, groups.tobytes(), groups.shape, hw, num_devices)
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -445,3 +427,45 @@ def device_mesh(shape: Sequence[int], hardware: Union[None, str, Hardware] = Non
     ids = np.arange(n).reshape([f for _, f, _ in factors])
     order = sorted(range(len(factors)), key=lambda i: (factors[i][2], factors[i][0]))
     return ids.transpose(order).reshape(shape)
+
+
+# -- pricing reshards --------------------------------------------------------------------
+Cost = float  # estimated seconds on the hardware being planned for
+FREE: Cost = 0.0
+
+
+def add_costs(*costs: Cost) -> Cost:
+    return float(sum(costs))
+
+
+def rounded(cost: Cost) -> float:
+    """A cost to compare: equal plans priced by different sums must tie (so that the
+    layout order decides between them)."""
+    return round(cost, 12)
+
+
+def at_least(src: Sharding, dst: Sharding, shape: Sequence[int], itemsize: int, hw: Hardware) -> Cost:
+    """A lower bound of what resharding src to dst takes on `hw`, without planning:
+    callers comparing alternatives skip the plans that cannot win."""
+    return _at_least(src, dst, tuple(shape), itemsize, hw)
+
+
+@functools.lru_cache(maxsize=65536)
+def _at_least(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int, hw: Hardware) -> Cost:
+    return FREE if src == dst else lacking(src, dst, shape, itemsize, hw)
+
+
+def lacking(cur: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int, hw: Hardware) -> Cost:
+    """A lower bound of what turning cur into dst takes: the most data any device lacks
+    (what it needs of its dst tile minus what its cur tile holds), received over all of
+    its links at once by one collective."""
+    n, m, size = np.asarray(cur.shard_shape(shape)), np.asarray(dst.shard_shape(shape)), np.asarray(shape)
+    lo_c, lo_d = cur.coords() * n, dst.coords() * m
+    hi_c, hi_d = np.minimum(lo_c + n, size), np.minimum(lo_d + m, size)
+    need = np.prod(np.maximum(hi_d - lo_d, 0), axis=1)
+    have = np.prod(np.maximum(np.minimum(hi_c, hi_d) - np.maximum(lo_c, lo_d), 0), axis=1)
+    missing = int((need - have).max()) * itemsize
+    if not missing:
+        return FREE
+    links = sum(d.bandwidth * (2 if d.link is Link.RING else 1) for d in hw.network(cur.num_devices).dims)
+    return hw.collective_overhead_s + missing / links

@@ -24,6 +24,8 @@ from gspmd.sharding import Sharding
 from gspmd.spmd import cost as cm
 from gspmd.spmd import reshard as rs
 from gspmd.spmd.context import DeviceContext, Why
+from gspmd.spmd.cost import Cost, add_costs, at_least, rounded
+from gspmd.spmd.layout import groups_along
 from gspmd.spmd.padding import is_padded, mask_padding
 from gspmd.spmd.partitioned import PartitionedValue
 
@@ -81,7 +83,7 @@ def _scattered(space: Sharding, red: list[int], out: Sharding, shape) -> dict[in
     """Per output dim, where a reduce-scatter over the reduce groups along it lands (the
     position in the group becomes the minor factor of the dim's split); dims whose
     local part does not divide into whole shards are left out."""
-    groups = rs.groups_along(space, red)
+    groups = groups_along(space, red)
     k = groups.shape[1]
     position = np.empty(space.num_devices, np.int64)
     position[groups] = np.arange(k)
@@ -99,23 +101,24 @@ def _scattered(space: Sharding, red: list[int], out: Sharding, shape) -> dict[in
 
 
 def _combine_plan(space: Sharding, red: list[int], out: Sharding, target: Sharding, shape,
-                  itemsize: int, reshard: Callable = rs.cost) -> tuple[Optional[int], rs.Cost]:
+                  itemsize: int, hw: cm.Hardware, reshard: Callable = rs.cost) -> tuple[Optional[int], Cost]:
     """How to combine partial results on their way to `target`: a reduce-scatter along
     some dim (then a reshard) or an all-reduce (dim None, then a reshard), whichever
     costs less; at equal cost, the reduce-scatter that lands on the target, then the
-    all-reduce, then the first dim. `reshard` prices the reshards (rs.at_least: a lower
-    bound of the cost)."""
-    groups = rs.groups_along(space, red)
+    all-reduce, then the first dim, on `hw`. `reshard` prices the reshards (at_least: a
+    lower bound of the cost)."""
+    groups = groups_along(space, red)
     local_bytes = math.prod(out.shard_shape(shape)) * itemsize
-    options = [(None, rs.priced(cm.Pattern.ALL_REDUCE, local_bytes, groups, space.num_devices), out)]
-    options += [(d, rs.priced(cm.Pattern.REDUCE_SCATTER, local_bytes // groups.shape[1], groups, space.num_devices),
-                 landed) for d, landed in _scattered(space, red, out, shape).items()]
+    options = [(None, cm.collective_seconds(cm.Pattern.ALL_REDUCE, local_bytes, groups, space.num_devices, hw), out)]
+    options += [(d, cm.collective_seconds(cm.Pattern.REDUCE_SCATTER, local_bytes // groups.shape[1], groups,
+                                          space.num_devices, hw), landed)
+                for d, landed in _scattered(space, red, out, shape).items()]
 
     def key(i: int, price: Callable) -> tuple:
         d, combining, landed = options[i]
-        seconds = rs.add_costs(combining, price(landed, target, shape, itemsize))
-        return rs.rounded(seconds), not (d is not None and landed == target), i, seconds
-    i, (*_, seconds) = _cheapest(range(len(options)), lambda i: key(i, rs.at_least), lambda i: key(i, reshard))
+        seconds = add_costs(combining, price(landed, target, shape, itemsize, hw))
+        return rounded(seconds), not (d is not None and landed == target), i, seconds
+    i, (*_, seconds) = _cheapest(range(len(options)), lambda i: key(i, at_least), lambda i: key(i, reshard))
     return options[i][0], seconds
 
 
@@ -151,21 +154,21 @@ def partition(ctx: DeviceContext, instr: Instr, factors: Sequence[Factor],
     locally, combine partial results, reshard to the targets. `pinned`, a factor-space
     layout, is merged first into every candidate: the op's local code relies on those
     splits (convolution spatial dims after halo exchange)."""
-    space = choose_space(instr, factors, operands, targets, pinned)
+    space = choose_space(instr, factors, operands, targets, ctx.hardware, pinned)
     return run(ctx, instr, factors, space, operands, targets, emit_local)
 
 
 def choose_space(instr: Instr, factors: Sequence[Factor], operands: Sequence[PartitionedValue],
-                 targets: Sequence[Sharding], pinned: Optional[Sharding] = None,
+                 targets: Sequence[Sharding], hw: cm.Hardware, pinned: Optional[Sharding] = None,
                  candidates: Sequence[Sharding] = ()) -> Sharding:
-    """The cheapest factor-space layout among those each tensor's layout suggests and
-    the given `candidates`."""
-    return cheapest_space(instr, factors, operands, targets, pinned, candidates)[0]
+    """The cheapest factor-space layout on `hw` among those each tensor's layout
+    suggests and the given `candidates`."""
+    return cheapest_space(instr, factors, operands, targets, hw, pinned, candidates)[0]
 
 
 def cheapest_space(instr: Instr, factors: Sequence[Factor], operands: Sequence[PartitionedValue],
-                   targets: Sequence[Sharding], pinned: Optional[Sharding] = None,
-                   candidates: Sequence[Sharding] = ()) -> tuple[Sharding, rs.Cost]:
+                   targets: Sequence[Sharding], hw: cm.Hardware, pinned: Optional[Sharding] = None,
+                   candidates: Sequence[Sharding] = ()) -> tuple[Sharding, Cost]:
     """choose_space's layout, with what it costs."""
     n_in = len(operands)
     shardings = [o.sharding for o in operands] + list(targets)
@@ -175,9 +178,9 @@ def cheapest_space(instr: Instr, factors: Sequence[Factor], operands: Sequence[P
     merged.add(_greedy_merge(first + views[n_in:] + views[:n_in]))
     merged = {_whole_groups(factors, c) for c in merged.union(candidates)}
     def key(c: Sharding, price: Callable) -> tuple:
-        seconds = cost(factors, c, operands, instr, targets, price)
-        return rs.rounded(seconds), c.order_key(), seconds
-    best, (*_, seconds) = _cheapest(list(merged), lambda c: key(c, rs.at_least), lambda c: key(c, rs.cost))
+        seconds = cost(factors, c, operands, instr, targets, hw, price)
+        return rounded(seconds), c.order_key(), seconds
+    best, (*_, seconds) = _cheapest(list(merged), lambda c: key(c, at_least), lambda c: key(c, rs.cost))
     return best, seconds
 
 
@@ -188,21 +191,21 @@ def _whole_groups(factors: Sequence[Factor], space: Sharding) -> Sharding:
 
 
 def cost(factors: Sequence[Factor], space: Sharding, operands: Sequence[PartitionedValue], instr: Instr,
-         targets: Sequence[Sharding], reshard: Callable = rs.cost) -> rs.Cost:
+         targets: Sequence[Sharding], hw: cm.Hardware, reshard: Callable = rs.cost) -> Cost:
     """What running `instr` in factor-space layout `space` takes in communication
-    (seconds on the hardware being planned for): resharding the operands, combining
-    partial results, resharding the results to `targets`. `reshard` prices each
-    reshard (rs.at_least: a lower bound of the cost)."""
-    costs = [reshard(o.sharding, tensor_layout(factors, t, space, o.rank), o.shape, o.dtype.itemsize)
+    (seconds on `hw`): resharding the operands, combining partial results, resharding
+    the results to `targets`. `reshard` prices each reshard (at_least: a lower bound
+    of the cost)."""
+    costs = [reshard(o.sharding, tensor_layout(factors, t, space, o.rank), o.shape, o.dtype.itemsize, hw)
              for t, o in enumerate(operands)]
     red = _reduce_factors(factors, space)
     for j, (out, target) in enumerate(zip(instr.outputs, targets)):
         local = tensor_layout(factors, len(operands) + j, space, out.rank)
         if red:
-            costs.append(_combine_plan(space, red, local, target, out.shape, out.dtype.itemsize, reshard)[1])
+            costs.append(_combine_plan(space, red, local, target, out.shape, out.dtype.itemsize, hw, reshard)[1])
         else:
-            costs.append(reshard(local, target, out.shape, out.dtype.itemsize))
-    return rs.add_costs(*costs)
+            costs.append(reshard(local, target, out.shape, out.dtype.itemsize, hw))
+    return add_costs(*costs)
 
 
 def run(ctx: DeviceContext, instr: Instr, factors: Sequence[Factor], space: Sharding,
@@ -232,8 +235,8 @@ def run(ctx: DeviceContext, instr: Instr, factors: Sequence[Factor], space: Shar
 
 
 def _combine_partials(ctx, pv: PartitionedValue, space, red, reducer, target) -> PartitionedValue:
-    groups = rs.groups_along(space, red)
-    d, _ = _combine_plan(space, red, pv.sharding, target, pv.shape, pv.dtype.itemsize)
+    groups = groups_along(space, red)
+    d, _ = _combine_plan(space, red, pv.sharding, target, pv.shape, pv.dtype.itemsize, ctx.hardware)
     if d is not None:
         y = ctx.reduce_scatter(pv.local, d, groups, reducer, Why.PARTIAL_RESULTS, "reduce-scatter")
         return PartitionedValue(y, _scattered(space, red, pv.sharding, pv.shape)[d], pv.shape)

@@ -20,6 +20,7 @@ from gspmd.sharding import Sharding
 from gspmd.spmd import factors as fx
 from gspmd.spmd import reshard as rs
 from gspmd.spmd.context import INDEX_DTYPE, DeviceContext, Why
+from gspmd.spmd.layout import groups_along
 from gspmd.spmd.partitioned import PartitionedValue
 
 
@@ -180,7 +181,7 @@ def _exchange(ctx, pv: PartitionedValue, dim: int, first: np.ndarray, count: int
     touches = data_hi > data_lo
     a, b = (int(data_lo[touches].min()), int(data_hi[touches].max())) if touches.any() else (0, 0)
     start, end = min(int(lo.min()), a), max(int(hi.max()), b)
-    groups = rs.groups_along(pv.sharding, [dim])
+    groups = groups_along(pv.sharding, [dim])
     pieces = [pad_piece(ctx, pv.local, dim, a - start, fill)] if a > start else []
     for delta in range(a // n, -(-b // n)) if b > a else ():   # shard of partition p + delta
         piece = _slice(ctx, pv.local, dim, max(a, delta * n) - delta * n, min(b, (delta + 1) * n) - delta * n)

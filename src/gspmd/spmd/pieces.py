@@ -54,7 +54,7 @@ class Transfers:
                 return nth
         return np.asarray(edge_colors(list(zip(sender.tolist(), receiver.tolist()))), np.int64)
 
-    def bound(self, itemsize: int, num_devices: int) -> float:
+    def bound(self, itemsize: int, num_devices: int, hw: cm.Hardware) -> float:
         """cost() bounded above without colouring: every round's buffer as large as the
         box holding every piece (a round's buffer holds its pieces' largest length along
         each dim, which the largest piece alone may not reach), and its links as loaded
@@ -62,18 +62,18 @@ class Transfers:
         remote = self.remote
         box = int(np.prod(self.length[remote].max(axis=0, initial=0)))
         pairs = np.stack([self.sender[remote], self.receiver[remote]], axis=1)
-        return self.rounds() * cm.collective_seconds(cm.Pattern.PERMUTE, box * itemsize, pairs, num_devices)
+        return self.rounds() * cm.collective_seconds(cm.Pattern.PERMUTE, box * itemsize, pairs, num_devices, hw)
 
-    def cost(self, itemsize: int, num_devices: int) -> float:
-        """Seconds on the hardware being planned for: one collective-permute per round,
-        as large as its largest piece."""
+    def cost(self, itemsize: int, num_devices: int, hw: cm.Hardware) -> float:
+        """Seconds on `hw`: one collective-permute per round, as large as its largest
+        piece."""
         remote, colors = np.flatnonzero(self.remote), self.colors
         total = 0.0
         for r in range(colors.max(initial=-1) + 1):
             which = remote[colors == r]
             nbytes = int(np.prod(self.length[which].max(axis=0))) * itemsize
             pairs = np.stack([self.sender[which], self.receiver[which]], axis=1)
-            total += cm.collective_seconds(cm.Pattern.PERMUTE, nbytes, pairs, num_devices)
+            total += cm.collective_seconds(cm.Pattern.PERMUTE, nbytes, pairs, num_devices, hw)
         return total
 
 

@@ -18,6 +18,7 @@ import numpy as np
 from gspmd.ir import Value
 from gspmd.sharding import Sharding
 from gspmd.spmd import pieces
+from gspmd.spmd import cost as cm
 from gspmd.spmd import reshard as rs
 from gspmd.spmd.context import DeviceContext, Why
 from gspmd.spmd.partitioned import PartitionedValue
@@ -63,9 +64,10 @@ def assemble(ctx: DeviceContext, segments: Sequence[Segment], sources: Sequence[
         layouts = [_source_layout(s.sharding, target, dim, others, whole) for s in sources]
         moves = _transfers(segments, sources, layouts, dim, tuple(shape), target)
         if moves is not None:
-            cost = rs.add_costs(*[rs.cost(s.sharding, lay, s.shape, itemsize) for s, lay in zip(sources, layouts)],
-                                *[t.cost(itemsize, target.num_devices) for t in moves.values()])
-            options.append((rs.rounded(cost), whole, layouts, moves))
+            cost = cm.add_costs(*[rs.cost(s.sharding, lay, s.shape, itemsize, ctx.hardware)
+                                  for s, lay in zip(sources, layouts)],
+                                *[t.cost(itemsize, target.num_devices, ctx.hardware) for t in moves.values()])
+            options.append((cm.rounded(cost), whole, layouts, moves))
     _, _, layouts, moves = min(options, key=lambda o: o[:2])
     locals_ = [rs.reshard(ctx, s, lay).local for s, lay in zip(sources, layouts)]
     tile = target.shard_shape(shape)
