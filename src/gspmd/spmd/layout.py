@@ -50,15 +50,15 @@ def nests(size: int, fine_tiles: int, k: int) -> bool:
     return coarse == 1 or -(-size // coarse) == k * -(-size // fine_tiles)
 
 
-def shard_len(shape, s: Sharding, dim: int) -> int:
+def shard_len(shape: Sequence[int], s: Sharding, dim: int) -> int:
     return -(-shape[dim] // s.tiles[dim])
 
 
-def local_nbytes(shape, s: Sharding, itemsize: int) -> int:
+def local_nbytes(shape: Sequence[int], s: Sharding, itemsize: int) -> int:
     return math.prod(s.shard_shape(shape)) * itemsize
 
 
-def subdivides(dst: Sharding, src: Sharding, shape) -> bool:
+def subdivides(dst: Sharding, src: Sharding, shape: Sequence[int]) -> bool:
     """Does every device's dst tile lie inside its src tile?"""
     if any(d % s for d, s in zip(dst.tiles, src.tiles)):
         return False
@@ -104,14 +104,14 @@ def move_groups(s: Sharding, moves: Sequence[Move]) -> np.ndarray:
     return s.tile_assignment.reshape(shape).transpose(rest + digits).reshape(-1, k)
 
 
-def moves_nest(s: Sharding, moves: Sequence[Move], shape) -> bool:
+def moves_nest(s: Sharding, moves: Sequence[Move], shape: Sequence[int]) -> bool:
     """Uneven dims take part only where the shards before and after nest."""
     out, into = move_factors(moves, s.rank, 0), move_factors(moves, s.rank, 1)
     return all(nests(shape[d], s.tiles[d], out[d]) and nests(shape[d], s.tiles[d] * into[d], into[d])
                for d in range(s.rank))
 
 
-def whole_along(s: Sharding, dim: int, shape) -> list[Sharding]:
+def whole_along(s: Sharding, dim: int, shape: Sequence[int]) -> list[Sharding]:
     """Layouts like `s` with `dim` whole: its split gathered, or moved to become the
     minor part of another dim's split (one all-to-all, uneven dims padded to whole
     pieces) where that dim has room for the finer split and its shards nest in the
