@@ -4,11 +4,19 @@ planner (spmd/reshard.py): where they agree, and where they do not.
 The search prices a reshard as its own short recipe over mesh axes (the axes each dim
 keeps stay; the others move by all-to-all to the dim that takes them, or are gathered),
 which is fast enough for hundreds of thousands of layouts; the planner searches chains
-of cuts, gathers, all-to-alls and exchanges. On shapes whose shards nest they agree
+of cuts, gathers, all-to-alls and exchanges (the search pricing with the planner itself
+found the same plans for benchmarks/bench_auto.py's MLP and 2-layer Transformer on 8
+devices, in 2.3x and 4.4x the time). On shapes whose shards nest they agree
 exactly on the transitions one collective does (a dim gathering its minor axes, one
 axis moving by all-to-all) on torus networks; on switched networks the planner gathers
-across hosts for less. Elsewhere they differ both ways (measured on random layouts:
-see the xfail below and the report of the branch that added this file)."""
+across hosts for less. Elsewhere they differ both ways. On 1832 random pairs of layouts
+(meshes of 8 to 64 devices, tpu-v3 and a100), the search's price / the planner's:
+- shapes every split divides: equal 52-63%, dearer 31-44% (95th percentile 1.6-2.3x,
+  at most 6.2x: it all-to-alls or gathers whole where the planner cuts first or does
+  with fewer collectives), cheaper 5% (down to 0.17x: it moves a dim's major axis by
+  one all-to-all, which the partitioner's all-to-all cannot; the xfail below);
+- uneven shapes: equal ~30%, dearer ~30%, cheaper ~40% (down to 0.22x: it takes
+  uneven shards to nest, so it calls free what takes the planner an exchange)."""
 import math
 
 import pytest
