@@ -91,10 +91,6 @@ def _flush(waiting: dict, deferred: list[Instr], env: dict, lc: LowerContext) ->
     deferred.clear()
 
 
-def is_even(sharding: Sharding, shape: Sequence[int]) -> bool:
-    return all(d % t == 0 for d, t in zip(shape, sharding.tiles))
-
-
 def _assemble(local, sharding: Sharding, shape: Sequence[int], lc: LowerContext):
     """Inside the body: the global array from the (padded) shards, gathered within each
     group of devices that holds one whole copy (one replica's tiles, in tile order)."""
