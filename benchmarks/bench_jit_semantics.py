@@ -18,7 +18,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import gspmd  # noqa: E402
-from gspmd.runtime.jax_backend import hlo_collective_bytes  # noqa: E402
+from gspmd.analysis.xla import hlo_collective_bytes  # noqa: E402
 
 MESH = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("x", "y"))
 

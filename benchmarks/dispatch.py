@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 import gspmd  # noqa: E402
 from gspmd import ops  # noqa: E402
 from gspmd.frontend.annotation import mesh_split_as  # noqa: E402
-from gspmd.runtime import jax_backend  # noqa: E402
+from gspmd.analysis import xla  # noqa: E402
 
 MESH = gspmd.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
 
@@ -80,7 +80,7 @@ def _first_calls(make: Callable, args, repeats: int) -> dict[str, list[float]]:
         jax.block_until_ready(gspmd.jit(make(), backend="jax")(*args))
         times["gspmd"].append(time.perf_counter() - start)
         start = time.perf_counter()
-        with mesh_split_as(jax_backend.xla_constraint):
+        with mesh_split_as(xla.xla_constraint):
             jax.block_until_ready(jax.jit(make())(*args))
         times["jax.jit"].append(time.perf_counter() - start)
     return times
@@ -98,7 +98,7 @@ def measure(name: str, case, repeats: int, calls: int, first: int) -> list[str]:
     f = gspmd.jit(make(), backend="jax")
     low = f.lower(*args)
     exe = low.jax_executable()
-    with mesh_split_as(jax_backend.xla_constraint):
+    with mesh_split_as(xla.xla_constraint):
         reference = jax.jit(make(), in_shardings=jax.tree_util.tree_unflatten(
             jax.tree_util.tree_structure(args), exe.in_shardings),
             out_shardings=jax.tree_util.tree_unflatten(low.out_tree, exe.out_shardings))
@@ -106,7 +106,7 @@ def measure(name: str, case, repeats: int, calls: int, first: int) -> list[str]:
     leaves = jax.tree_util.tree_leaves(args)
     placed = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args),
                                           [jax.device_put(a, s) for a, s in zip(leaves, exe.in_shardings)])
-    with mesh_split_as(jax_backend.xla_constraint):    # trace for both input kinds with the constraints
+    with mesh_split_as(xla.xla_constraint):    # trace for both input kinds with the constraints
         jax.block_until_ready(reference(*args))
         jax.block_until_ready(reference(*placed))
     lines = [f"\n### {name}", "| | gspmd.jit | jax.jit | ratio |", "|---|---:|---:|---:|"]

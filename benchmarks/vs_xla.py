@@ -40,6 +40,7 @@ import gspmd  # noqa: E402
 import gspmd.api  # noqa: E402
 from gspmd import propagation  # noqa: E402
 from gspmd.frontend.annotation import mesh_split_as  # noqa: E402
+from gspmd.analysis.xla import hlo_collective_bytes, xla_constraint  # noqa: E402
 from gspmd.runtime import jax_backend  # noqa: E402
 
 DEVICE_COUNTS = (8, 64, 512, 2048)
@@ -132,7 +133,7 @@ def _xla(case: Case, args, low: gspmd.Lowered, exe: jax_backend.Executable):
     layouts (so both start and end with the same data on each device)."""
     mesh, in_tree = _mesh(case, 8), jax.tree_util.tree_structure(args)
     ins, outs = exe.in_shardings, exe.out_shardings
-    with mesh_split_as(jax_backend.xla_constraint):
+    with mesh_split_as(xla_constraint):
         jitted = jax.jit(case.make_step(mesh), in_shardings=jax.tree_util.tree_unflatten(in_tree, ins),
                          out_shardings=jax.tree_util.tree_unflatten(low.out_tree, outs))
         compiled = jitted.lower(*args).compile()
@@ -168,8 +169,8 @@ def compare(case: Case, repeats: int) -> None:
     args = case.inputs(8)
     low, exe, run_ours = _ours(case, args)
     xla, run_xla = _xla(case, args, low, exe)
-    ours_bytes = jax_backend.hlo_collective_bytes(exe.compiled.as_text())
-    xla_bytes = jax_backend.hlo_collective_bytes(xla.as_text())
+    ours_bytes = hlo_collective_bytes(exe.compiled.as_text())
+    xla_bytes = hlo_collective_bytes(xla.as_text())
     times = _step_times({"ours": run_ours, "xla": run_xla}, repeats)
     diff = _max_difference(exe(jax.tree_util.tree_leaves(args)), jax.tree_util.tree_leaves(run_xla()))
     print(f"\n## {case.name} (8 devices, mesh {case.mesh_shapes[8]}; max |ours - XLA| = {diff:.1e})")
@@ -311,7 +312,7 @@ def pattern_bytes(case, hardware) -> tuple[int, Optional[int], bool]:
             text = jax.jit(fn, in_shardings=ins, out_shardings=outs).lower(*args).compile().as_text()
     except jax.errors.JaxRuntimeError:
         return ours, None, evened
-    return ours, sum(jax_backend.hlo_collective_bytes(text).values()), evened
+    return ours, sum(hlo_collective_bytes(text).values()), evened
 
 
 def patterns() -> None:

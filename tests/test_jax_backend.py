@@ -10,6 +10,7 @@ import pytest
 
 import gspmd
 from gspmd import ops
+from gspmd.analysis import xla
 from gspmd.frontend.annotation import mesh_split_as
 from gspmd.ir import Builder, Program, Value
 from gspmd.models import mlp
@@ -151,7 +152,7 @@ def test_uneven_outputs_are_gathered_only_over_their_split():
     a = np.arange(30, dtype=np.float32).reshape(10, 3)
     low = gspmd.jit(lambda x: gspmd.mesh_split(x * 2, MESH, ["y", None]), mesh=MESH, backend="jax").lower(a)
     np.testing.assert_array_equal(low.jax_executable()([a])[0], a * 2)
-    assert jax_backend.hlo_collective_bytes(low.jax_executable().compiled.as_text()) == {"all-gather": 4 * 3 * 3 * 4}
+    assert xla.hlo_collective_bytes(low.jax_executable().compiled.as_text()) == {"all-gather": 4 * 3 * 3 * 4}
 
 
 def test_compiled_once_per_signature_with_native_collectives():
@@ -163,7 +164,7 @@ def test_compiled_once_per_signature_with_native_collectives():
     assert step.lower(*args).jax_executable().compiled is compiled
     hlo = compiled.as_text()
     assert "replica_groups={{0,1,2,3},{4,5,6,7}}" in hlo
-    assert jax_backend.hlo_collective_bytes(hlo) == {"all-reduce": 4 * 4 * 4}   # [8/2, 4] partial sums
+    assert xla.hlo_collective_bytes(hlo) == {"all-reduce": 4 * 4 * 4}   # [8/2, 4] partial sums
 
 
 def test_independent_reduce_scatters_run_as_one():
@@ -196,7 +197,7 @@ def test_hlo_collective_bytes_reads_tuples_and_async_pairs_once():
   %b = bf16[8]{0} all-gather-start(%y), dimensions={0}
   %c = bf16[8]{0} all-gather-done(%b)
   %d = f32[] all-reduce(%z), to_apply=%add"""
-    assert jax_backend.hlo_collective_bytes(hlo) == {"all-to-all": 6 * 8 * 4, "all-gather": 16, "all-reduce": 4}
+    assert xla.hlo_collective_bytes(hlo) == {"all-to-all": 6 * 8 * 4, "all-gather": 16, "all-reduce": 4}
 
 
 def test_missing_lowering_names_the_opcode(monkeypatch):
@@ -224,7 +225,7 @@ def test_outputs_share_the_users_mesh_and_meet_in_one_jax_jit():
 
 def test_mesh_split_as_hands_the_annotations_to_xla():
     mesh = gspmd.Mesh(np.arange(N)[::-1].reshape(2, 4), ("x", "y"))
-    with mesh_split_as(jax_backend.xla_constraint):
+    with mesh_split_as(xla.xla_constraint):
         step = jax.jit(mlp.make_train_step(mesh, "x", "y"))
         args = mlp.example_inputs()
         compiled = step.lower(*args).compile()

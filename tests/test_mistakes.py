@@ -649,8 +649,8 @@ def test_mesh_split_outside_gspmd_jit_warns_once_per_call_site(where, monkeypatc
 
 def test_no_warning_inside_gspmd_jit_or_when_handing_the_model_to_xla(recwarn):
     from gspmd.frontend.annotation import mesh_split_as
-    from gspmd.runtime import jax_backend
+    from gspmd.analysis import xla
     gspmd.jit(mlp, mesh=MESH)(X, W)
-    with mesh_split_as(jax_backend.xla_constraint):
+    with mesh_split_as(xla.xla_constraint):
         jax.jit(mlp)(X, W)
     assert not [w for w in recwarn if issubclass(w.category, gspmd.UnpartitionedWarning)]

@@ -8,7 +8,7 @@ from jax.sharding import Mesh as JaxMesh
 
 import gspmd
 from gspmd.models import transformer as T
-from gspmd.runtime.jax_backend import hlo_collective_bytes
+from gspmd.analysis.xla import hlo_collective_bytes
 from util import check
 
 MESH = gspmd.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
