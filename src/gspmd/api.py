@@ -14,8 +14,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from gspmd import propagation
 from gspmd.analysis import Hardware, Report, analyse, memory
 from gspmd.analysis.summary import collective_table
-from gspmd.arguments import (Signature, Template, is_array, is_static_key, key_layout, leaf_key, paths,
-                             result_paths)
+from gspmd.arguments import (Signature, Template, abstract_argument, is_array, is_static_key, key_layout, leaf_key,
+                             paths, result_paths)
 from gspmd.checks import count, describe
 from gspmd.compose import Transforms
 from gspmd.errors import ShardingError
@@ -25,7 +25,6 @@ from gspmd.ir import Program, Value, format_program, verify
 from gspmd.ir.dce import eliminate_dead_code
 from gspmd.mesh import Mesh, as_mesh, jax_context_mesh
 from gspmd.frontend.keys import KeyData
-from gspmd.ops.convert import is_key
 from gspmd.partitioner import partition
 from gspmd.passes.fit_memory import fit_memory
 from gspmd.runtime import jax_backend, sim
@@ -259,7 +258,7 @@ class Lowered:
         self._partitioned = partitioned
         param_names = template.dynamic_leaves(names)
         committed = [key_layout(k) for k in template.dynamic_leaves(list(template.keys))]
-        avals = [_abstract(x, name, layout) for x, name, layout in zip(template.dynamic_leaves(leaves), param_names,
+        avals = [abstract_argument(x, name, layout) for x, name, layout in zip(template.dynamic_leaves(leaves), param_names,
                                                                         committed)]
         signature, fn = partitioned.signature, partitioned._traced_fn
         mesh = _jit_mesh(partitioned.mesh, committed)
@@ -533,23 +532,6 @@ def _jit_mesh(mesh: Optional[Mesh], committed: list) -> Optional[Mesh]:
     if context is not None:
         return Mesh.from_jax(context)
     return next((Mesh.from_jax(c.mesh) for c in committed if c is not None), None)
-
-
-def _abstract(x, name: str, committed: Optional[NamedSharding] = None) -> jax.ShapeDtypeStruct:
-    """The shape and dtype of an array argument (and over a mesh of Explicit axes, its
-    layout, which is part of its type); non-numeric arrays are a mistake."""
-    dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
-    if is_key(dtype):
-        return jax.ShapeDtypeStruct(np.shape(x), dtype)
-    if not (jax.numpy.issubdtype(dtype, jax.numpy.number) or dtype == np.bool_):
-        raise ShardingError(f"Argument {name} is an array of dtype {dtype} (shape {tuple(np.shape(x))}); gspmd.jit "
-                            "partitions numeric arrays only: convert it to numbers, or make it static "
-                            "(static_argnums) if the function reads it in Python.")
-    explicit = committed is not None and jax.sharding.AxisType.Explicit in committed.mesh.axis_types
-    if isinstance(x, jax.ShapeDtypeStruct) and (explicit or x.sharding is None):
-        return x
-    return jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(dtype),
-                                sharding=committed if explicit else None)
 
 
 def _input_layout(committed: Optional[NamedSharding], rank: int, donated: bool) -> Optional[tuple]:

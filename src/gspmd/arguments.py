@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 
 from gspmd.errors import ShardingError
 from gspmd.mesh import jax_context_mesh
+from gspmd.ops.convert import is_key
 
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, jax.core.Tracer, jax.ShapeDtypeStruct)
 try:   # the concrete jax.Array class, looked up by exact type before the isinstance checks
@@ -70,6 +71,23 @@ def key_layout(key: tuple) -> Optional[NamedSharding]:
 
 def is_static_key(key: tuple) -> bool:
     return key[0] is _STATIC
+
+
+def abstract_argument(x, name: str, committed: Optional[NamedSharding] = None) -> jax.ShapeDtypeStruct:
+    """The shape and dtype of an array argument (and over a mesh of Explicit axes, its
+    layout, which is part of its type); non-numeric arrays are a mistake."""
+    dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+    if is_key(dtype):
+        return jax.ShapeDtypeStruct(np.shape(x), dtype)
+    if not (jax.numpy.issubdtype(dtype, jax.numpy.number) or dtype == np.bool_):
+        raise ShardingError(f"Argument {name} is an array of dtype {dtype} (shape {tuple(np.shape(x))}); gspmd.jit "
+                            "partitions numeric arrays only: convert it to numbers, or make it static "
+                            "(static_argnums) if the function reads it in Python.")
+    explicit = committed is not None and jax.sharding.AxisType.Explicit in committed.mesh.axis_types
+    if isinstance(x, jax.ShapeDtypeStruct) and (explicit or x.sharding is None):
+        return x
+    return jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(dtype),
+                                sharding=committed if explicit else None)
 
 
 class Signature:

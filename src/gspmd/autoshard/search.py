@@ -36,11 +36,12 @@ import jax
 
 from gspmd import propagation
 from gspmd.spmd.cost import Hardware, device_mesh, profile
-from gspmd.api import _abstract, jit
+from gspmd.api import jit
 from gspmd.autoshard import plan as plans
 from gspmd.autoshard.costs import Pricing
 from gspmd.autoshard.graph import CARRY, Graph, build
 from gspmd.autoshard.model import UNUSED, Assignment, Estimate, Model, Tally, annotation_options
+from gspmd.arguments import abstract_argument
 from gspmd.autoshard.solve import BEAM, solve, solve_exact
 from gspmd.checks import array_shape, count, describe, function, is_number_list
 from gspmd.errors import ShardingError
@@ -109,7 +110,7 @@ def auto(fn: Callable, *args, devices: Optional[int] = None, mesh: Optional[Mesh
     meshes = candidate_meshes(devices, mesh, hw)
     paths = plans.parameter_paths(fn, args)
     leaves, tree = jax.tree_util.tree_flatten(args)
-    abstract = jax.tree_util.tree_unflatten(tree, [_abstract(x, path) for x, path in zip(leaves, paths)])
+    abstract = jax.tree_util.tree_unflatten(tree, [abstract_argument(x, path) for x, path in zip(leaves, paths)])
     traced = Traced(fn, abstract, mesh)
     fixed_params = _fixed_parameters(fixed or {}, paths, traced.program, meshes[0])
     graph = build(traced.program, {traced.program.params[i]: repr(m) for i, m in fixed_params.items()},
