@@ -70,7 +70,9 @@ class Case:
 
 
 @dataclass
-class Plan:
+class CasePlan:
+    """A case study lowered at its sizes and reported (what `gspmd plan` prints);
+    gspmd.Plan is gspmd.auto's proposal of annotations, another thing."""
     case: Case
     lowered: Lowered
     report: Report
@@ -107,7 +109,7 @@ def _executions(report: Report) -> dict:
     return counts
 
 
-def plan(model: str, sizes: Sizes = Sizes(), hardware: Union[str, Hardware] = "tpu-v3") -> Plan:
+def plan(model: str, sizes: Sizes = Sizes(), hardware: Union[str, Hardware] = "tpu-v3") -> CasePlan:
     """Lower `model` ("transformer", "moe", "hybrid-moe", "unet", "conformer" or
     "module:function") at `sizes` and report it on `hardware`. sizes.remat "auto": the
     least rematerialization that fits the hardware's memory (see plan_to_fit)."""
@@ -119,7 +121,7 @@ def plan(model: str, sizes: Sizes = Sizes(), hardware: Union[str, Hardware] = "t
     lowered = jit(case.step, mesh=case.mesh, hardware=hw, donate_argnums=case.donate).lower(*case.args)
     report = lowered.report()
     report.bubble_fraction = case.bubble_fraction
-    return Plan(case, lowered, report, time.perf_counter() - start)
+    return CasePlan(case, lowered, report, time.perf_counter() - start)
 
 
 # Rematerialization from the least recompute to the most: what --remat auto tries.
@@ -127,7 +129,7 @@ FIT_ORDER = (None, "dots_saveable", "dots_with_no_batch_dims_saveable", "nothing
 
 
 def plan_to_fit(model: str, sizes: Sizes = Sizes(), hardware: Union[str, Hardware] = "tpu-v3",
-                policies: Sequence[Optional[str]] = FIT_ORDER) -> Plan:
+                policies: Sequence[Optional[str]] = FIT_ORDER) -> CasePlan:
     """The plan with the first of `policies` (--remat values, None: no rematerialization)
     whose peak fits the hardware's memory; the last one's if none does. Its sizes say
     which was chosen; its planning time counts every plan tried."""
