@@ -27,6 +27,7 @@ What the model follows (each op's record in ops/ says how the op stores its resu
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
@@ -36,7 +37,20 @@ from gspmd.ops.registry import Order, Storage, same_layout
 from gspmd.sharding import Sharding
 
 FUSIBLE = (Storage.ELEMENTWISE, Storage.INDEXED, Storage.REPEATED, Storage.IN_PLACE, Storage.BITCAST)
-ARGUMENT, RESULT, TEMPORARY = "argument", "result", "temporary"
+
+
+class BufferKind(str, enum.Enum):
+    """What a buffer's allocation is. Each compares equal to its name as a str, the
+    form reports and `gspmd plan --json` give it."""
+    ARGUMENT = "argument"     # the caller's: held throughout
+    RESULT = "result"         # returned: an allocation of its own
+    TEMPORARY = "temporary"   # on the heap while live
+
+    def __str__(self) -> str:
+        return self.value
+
+
+ARGUMENT, RESULT, TEMPORARY = BufferKind.ARGUMENT, BufferKind.RESULT, BufferKind.TEMPORARY
 
 
 @dataclass(frozen=True)
@@ -48,14 +62,14 @@ class LiveTensor:
     nbytes: int
     sharding: Optional[Sharding]  # the layout of the global value it is a shard of
     origin: str                   # what made it (see made_by)
-    kind: str                     # ARGUMENT, RESULT or TEMPORARY
+    kind: BufferKind
     where: str = ""               # "" at top level, else the loop it lives in
     source: str = ""              # the user's line that made it ("train.py:12 (loss)"), or an argument's pytree path
 
     def __str__(self):
         layout = f" {self.sharding}" if self.sharding is not None else ""
         where = f" [{self.where}]" if self.where else ""
-        at = "" if not self.source else f" {self.source}" if self.origin == ARGUMENT else f", at {self.source}"
+        at = "" if not self.source else f" {self.source}" if self.kind is ARGUMENT else f", at {self.source}"
         return (f"{self.nbytes:>14,} B  %{self.name}: {self.dtype}[{','.join(map(str, self.shape))}] "
                 f"{self.kind}{where}{layout}  <- {self.origin}{at}")
 
@@ -165,11 +179,9 @@ class BudgetChoice:
                 f"peak {self.peak_bytes_shared:,} -> {self.peak_bytes:,} bytes, {verdict}")
 
 
-def made_by(instr: Optional[Instr]) -> str:
+def made_by(instr: Instr) -> str:
     """Where a value came from: the instruction and rule that made it. The one place to
     add the Python source line once instructions carry it."""
-    if instr is None:
-        return ARGUMENT
     return instr.origin or instr.opcode
 
 
@@ -328,7 +340,7 @@ class _Buffer:
     values: list[Value]       # the values it holds, in order (in-place updates append)
     start: int                # the step that writes its first value (-1: an argument)
     end: int                  # the last step that needs it
-    kind: str = TEMPORARY     # its allocation
+    kind: BufferKind = TEMPORARY
     reserved: bool = False    # a donated argument's or a loop carry's: kept for its result
     origin: str = ""
     source: str = ""          # the user's line that made it, or an argument's pytree path
@@ -401,7 +413,7 @@ class _Liveness:
         program, copies = self.program, self._result_copies()
         last = len(self.steps) - 1 + bool(copies)
         donated = {program.params[i] for i in self.aliases}
-        holding = {p: _Buffer(p.nbytes, [p], -1, last, ARGUMENT, p in donated, ARGUMENT, program.labels.get(p, ""))
+        holding = {p: _Buffer(p.nbytes, [p], -1, last, ARGUMENT, p in donated, "argument", program.labels.get(p, ""))
                    for p in program.params}
         buffers = list(holding.values())
         extra = []
@@ -426,7 +438,7 @@ class _Liveness:
             buffers += [_Buffer(v.nbytes, [v], last, last, origin="copy of a returned value") for v in copies]
             extra.append((0, None))
         for buf in buffers:
-            if buf.kind != ARGUMENT and self.entry and buf.value in self.results:
+            if buf.kind is not ARGUMENT and self.entry and buf.value in self.results:
                 buf.kind = RESULT
         return buffers, extra
 
@@ -458,7 +470,7 @@ class _Liveness:
             return None   # still read later: XLA copies it first
         for v in self._in_place_candidates(step, index):
             buf = holding.get(v)
-            if (buf is not None and buf.value is v and buf.kind == TEMPORARY and buf.end == s
+            if (buf is not None and buf.value is v and buf.kind is TEMPORARY and buf.end == s
                     and buf.nbytes == out.nbytes):
                 return buf
         return None
@@ -488,8 +500,8 @@ class _Liveness:
     # -- pass 2: allocations -----------------------------------------------------------
     def run(self) -> MemoryProfile:
         buffers, extra = self.buffers()
-        fixed = [b for b in buffers if b.kind != TEMPORARY]
-        heap = _pack_into_results([b for b in buffers if b.kind == TEMPORARY], [b for b in buffers if b.kind == RESULT])
+        fixed = [b for b in buffers if b.kind is not TEMPORARY]
+        heap = _pack_into_results([b for b in buffers if b.kind is TEMPORARY], [b for b in buffers if b.kind is RESULT])
         change = [0] * (len(extra) + 1)
         for b in heap:
             change[max(b.start, 0)] += b.nbytes
@@ -505,7 +517,7 @@ class _Liveness:
         at_peak = fixed + [b for b in heap if b.live_at(peak)]
         return MemoryProfile(
             peak_bytes=timeline[peak], arguments_bytes=sum(p.nbytes for p in self.program.params),
-            results_bytes=sum(b.nbytes for b in buffers if b.kind == RESULT),
+            results_bytes=sum(b.nbytes for b in buffers if b.kind is RESULT),
             aliased_bytes=sum(self.program.outputs[j].nbytes for j in self.aliases.values()),
             timeline=timeline, labels=labels, peak_step=peak,
             live_at_peak=self._tensors(at_peak, extra[peak][1]),
@@ -543,7 +555,7 @@ class _Liveness:
                               b.origin, b.kind, source=b.source) for b in held if b.nbytes]
         if loop is not None:
             tensors += [dataclasses.replace(t, where=t.where or f"in a loop of {self.program.name}")
-                        for t in loop.live_at_peak if t.kind != ARGUMENT]
+                        for t in loop.live_at_peak if t.kind is not ARGUMENT]
         return sorted(tensors, key=lambda t: -t.nbytes)
 
 
