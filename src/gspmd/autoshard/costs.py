@@ -20,7 +20,7 @@ from gspmd.mesh import Mesh
 from gspmd.spmd import cost
 
 Layout = tuple   # per tensor dim: a tuple of mesh axis indices (major to minor)
-Collective = tuple   # (kind, axes, result bytes per device)
+Collective = tuple   # (cost.Pattern, axes, result bytes per device)
 
 
 class Pricing:
@@ -40,18 +40,18 @@ class Pricing:
     def group_size(self, axes) -> int:
         return math.prod(self.sizes[a] for a in axes)
 
-    def rate(self, kind: str, axes: tuple) -> tuple[float, float]:
+    def rate(self, pattern: cost.Pattern, axes: tuple) -> tuple[float, float]:
         """(latency, seconds per result byte) of one collective over the groups `axes` form."""
-        key = (kind, axes)
+        key = (pattern, axes)
         if key not in self._rates:
-            rate = cost.rate(cost.Pattern(kind), axis_groups(self.devices, axes), self.devices.size, self.hardware)
+            rate = cost.rate(pattern, axis_groups(self.devices, axes), self.devices.size, self.hardware)
             self._rates[key] = (rate.latency, rate.per_byte)
         return self._rates[key]
 
     def seconds(self, collectives) -> float:
         total = 0.0
-        for kind, axes, nbytes in collectives:
-            latency, per_byte = self.rate(kind, axes)
+        for pattern, axes, nbytes in collectives:
+            latency, per_byte = self.rate(pattern, axes)
             total += latency + nbytes * per_byte
         return total
 
@@ -98,14 +98,14 @@ class Pricing:
         for a, dim in leaving.items():
             to = arriving.get(a)
             if to is not None and to != dim:
-                steps.append(("all-to-all", (a,), self.local_bytes(_freeze(current), shape, itemsize)))
+                steps.append((cost.Pattern.ALL_TO_ALL, (a,), self.local_bytes(_freeze(current), shape, itemsize)))
                 current[dim].remove(a)
                 current[to].append(a)
         for dim in range(len(src)):
             gone = tuple(a for a in src[dim][keep[dim]:] if a in current[dim])   # gathered (then sliced anew)
             if gone:
                 current[dim] = [a for a in current[dim] if a not in gone]
-                steps.append(("all-gather", tuple(sorted(gone)), self.local_bytes(_freeze(current), shape, itemsize)))
+                steps.append((cost.Pattern.ALL_GATHER, tuple(sorted(gone)), self.local_bytes(_freeze(current), shape, itemsize)))
         return steps
 
 

@@ -21,6 +21,7 @@ from gspmd.autoshard.costs import Layout, Pricing
 from gspmd.autoshard.graph import CARRY, DimMap, Graph, Node, value_index
 from gspmd.mesh import Mesh
 from gspmd.sharding import Sharding
+from gspmd.spmd.cost import Pattern
 
 NONE = -1
 # What the solver charges for any change of layout along an edge, even a free slice:
@@ -53,7 +54,7 @@ class Estimate:
     """The search's estimate of a whole strategy (one step, per device)."""
     exposed: float                  # the share of communication compute does not hide
     compute_seconds: float = 0.0
-    collectives: Counter = field(default_factory=Counter)   # (kind, axes, bytes) -> how many
+    collectives: Counter = field(default_factory=Counter)   # (Pattern, axes, bytes) -> how many
     communication_seconds: float = 0.0
     peak_memory_bytes: int = 0
 
@@ -61,13 +62,13 @@ class Estimate:
     def step_seconds(self) -> float:
         return self.compute_seconds + self.exposed * self.communication_seconds
 
-    def by_kind(self) -> dict:
-        """kind -> (count, bytes per device)"""
+    def by_kind(self) -> dict[Pattern, tuple]:
+        """Pattern -> (count, bytes per device), in the order of the kinds' names"""
         out: dict = {}
-        for (kind, _, nbytes), n in self.collectives.items():
-            count, total = out.get(kind, (0, 0))
-            out[kind] = (count + n, total + n * nbytes)
-        return dict(sorted(out.items()))
+        for (pattern, _, nbytes), n in self.collectives.items():
+            count, total = out.get(pattern, (0, 0))
+            out[pattern] = (count + n, total + n * nbytes)
+        return dict(sorted(out.items(), key=lambda item: item[0].value))
 
 
 @dataclass
@@ -184,9 +185,9 @@ class Model:
         for v, dimmap in node.values[:len(node.instr.outputs)]:
             nbytes = self.pricing.local_bytes(self.layout(options, dimmap, True), v.shape, v.dtype.itemsize)
             if scattered:
-                found.append(("reduce-scatter", scattered, nbytes))
+                found.append((Pattern.REDUCE_SCATTER, scattered, nbytes))
             if summed:
-                found.append(("all-reduce", summed, nbytes))
+                found.append((Pattern.ALL_REDUCE, summed, nbytes))
         return found
 
     def compute_seconds(self, node: Node, options: tuple) -> float:

@@ -35,7 +35,7 @@ from typing import Callable, Optional, Sequence, Union
 import jax
 
 from gspmd import propagation
-from gspmd.spmd.cost import Hardware, device_mesh, profile
+from gspmd.spmd.cost import Hardware, Pattern, device_mesh, profile
 from gspmd.api import jit
 from gspmd.autoshard import plan as plans
 from gspmd.autoshard.costs import Pricing
@@ -331,7 +331,7 @@ def optimize(model: Model, limit: int, effort: Effort = Effort(), start: Optiona
     if not best.fits:
         smallest, stuck = best, 0
         # Start where a peak's worth of bytes costs about a step, or one collective.
-        latency = model.pricing.rate("all-gather", tuple(model.axes))[0]
+        latency = model.pricing.rate(Pattern.ALL_GATHER, tuple(model.axes))[0]
         price = price or 0.25 * (best.estimate.step_seconds + latency) / max(best.estimate.peak_memory_bytes, 1)
         # Price memory higher until the peak fits; stop where it stops shrinking, where a
         # higher price no longer moves it, or where the strategy is no faster than `beat`.
@@ -711,27 +711,26 @@ def why_not(c: Candidate, best: Candidate, limit: int) -> str:
         return (f"does not fit: estimated peak {plans.bytes_text(c.estimate.peak_memory_bytes)} > limit "
                 f"{plans.bytes_text(limit)}" + (" and no faster than the plan even so" if slower else ""))
     a, b = c.estimate, best.estimate
-    parts = {"compute": a.compute_seconds - b.compute_seconds}
+    compute = a.compute_seconds - b.compute_seconds
     mine, theirs = a.by_kind(), b.by_kind()
     seconds = _seconds_by_kind(c), _seconds_by_kind(best)
-    for kind in set(mine) | set(theirs):
-        parts[kind] = seconds[0].get(kind, 0.0) - seconds[1].get(kind, 0.0)
-    worst = max(parts, key=lambda k: parts[k])
-    if parts[worst] <= 0:
-        return "no faster"
-    if worst == "compute":
-        return f"compute +{plans.seconds_text(parts[worst])} (less of the work split)"
-    nbytes = mine.get(worst, (0, 0))[1] - theirs.get(worst, (0, 0))[1]
-    return f"{worst} +{plans.seconds_text(parts[worst])} ({_signed_bytes(nbytes)} per device)"
+    slower = {p: seconds[0].get(p, 0.0) - seconds[1].get(p, 0.0) for p in set(mine) | set(theirs)}
+    worst = max(slower, key=lambda p: slower[p], default=None)
+    if worst is not None and slower[worst] > max(compute, 0.0):   # (a tie goes to compute)
+        nbytes = mine.get(worst, (0, 0))[1] - theirs.get(worst, (0, 0))[1]
+        return f"{worst.value} +{plans.seconds_text(slower[worst])} ({_signed_bytes(nbytes)} per device)"
+    if compute > 0:
+        return f"compute +{plans.seconds_text(compute)} (less of the work split)"
+    return "no faster"
 
 
 def _signed_bytes(nbytes: float) -> str:
     return ("+" if nbytes >= 0 else "-") + plans.bytes_text(abs(nbytes))
 
 
-def _seconds_by_kind(c: Candidate) -> dict:
-    """kind -> the step time its collectives add (what compute does not hide)."""
+def _seconds_by_kind(c: Candidate) -> dict[Pattern, float]:
+    """Pattern -> the step time its collectives add (what compute does not hide)."""
     out: dict = {}
-    for (kind, axes, nbytes), n in c.estimate.collectives.items():
-        out[kind] = out.get(kind, 0.0) + n * c.estimate.exposed * c.model.pricing.seconds([(kind, axes, nbytes)])
+    for (pattern, axes, nbytes), n in c.estimate.collectives.items():
+        out[pattern] = out.get(pattern, 0.0) + n * c.estimate.exposed * c.model.pricing.seconds([(pattern, axes, nbytes)])
     return out
