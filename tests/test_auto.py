@@ -16,10 +16,13 @@ import gspmd
 from gspmd import cli
 from gspmd.autoshard import plan as plans
 from gspmd.autoshard.costs import Pricing
+from gspmd.autoshard.descent import optimize
 from gspmd.autoshard.graph import build
 from gspmd.autoshard.model import UNUSED, Model
-from gspmd.autoshard.search import Traced, _state_replicated, factorizations, optimize
+from gspmd.autoshard.runner_ups import state_replicated
+from gspmd.autoshard.search import factorizations
 from gspmd.autoshard.solve import solve, solve_exact, total_cost
+from gspmd.autoshard.traced import Traced
 from gspmd.models import mlp, moe, transformer, unet
 from gspmd.spmd.cost import profile
 from util import assert_close
@@ -150,8 +153,8 @@ def test_the_data_parallel_counterfactual_is_not_searched_where_the_state_alone_
     assert plan.fits and any(o != UNUSED for o in plan.assignment[0] + plan.assignment[1])   # (the weights split)
     state = sum(w.size * 4 for w in MLP_ARGS[0])     # the weights, traced as float32
     searched = model.tally.strategies
-    assert _state_replicated(plan, state - 1)[0] is None and model.tally.strategies == searched
-    assert _state_replicated(plan, 10 * state)[0] is not None and model.tally.strategies > searched
+    assert state_replicated(plan, state - 1)[0] is None and model.tally.strategies == searched
+    assert state_replicated(plan, 10 * state)[0] is not None and model.tally.strategies > searched
 
 
 def test_moe_expert_sharding_needs_intermediate_annotations():

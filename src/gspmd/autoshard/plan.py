@@ -305,6 +305,10 @@ def _take(tree, specs) -> tuple:
 
 
 # -- the report ------------------------------------------------------------------------------
+def mesh_text(mesh: Mesh) -> str:
+    return "x".join(map(str, mesh.shape))
+
+
 def seconds_text(seconds: float) -> str:
     for unit, scale in (("s", 1.0), ("ms", 1e-3)):
         if abs(seconds) >= scale:
