@@ -1,38 +1,37 @@
-"""gspmd.jit: trace -> complete shardings -> partition -> execute; and Lowered."""
+"""gspmd.jit: trace -> complete shardings -> partition -> execute; and Lowered (its
+lowering; running it is execution.py's, inspecting it inspection.py's)."""
 from __future__ import annotations
 
-import contextlib
 import difflib
-import gc
 import re
-from typing import Callable, Iterator, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from gspmd import propagation
-from gspmd.analysis import Hardware, Report, analyse, memory
-from gspmd.analysis.summary import collective_table
+from gspmd.analysis import Hardware, memory
 from gspmd.arguments import (Signature, Template, abstract_argument, is_array, is_static_key, key_layout, leaf_key,
                              paths, result_paths)
 from gspmd.checks import count, describe
 from gspmd.compose import Transforms
 from gspmd.errors import ShardingError
+from gspmd.execution import Execution, gc_paused
 from gspmd.frontend import mesh_split, trace
 from gspmd.frontend.annotation import is_tracing, tracing
-from gspmd.ir import Program, Value, format_program, verify
+from gspmd.inspection import Inspection
+from gspmd.ir import Program, Value, verify
 from gspmd.ir.dce import eliminate_dead_code
 from gspmd.mesh import Mesh, as_mesh, jax_context_mesh
 from gspmd.frontend.keys import KeyData
 from gspmd.partitioner import partition
 from gspmd.passes.fit_memory import fit_memory
-from gspmd.runtime import jax_backend, sim
+from gspmd.runtime import jax_backend
 from gspmd.sharding import Sharding
 from gspmd.spmd.cost import profile
 
 BACKENDS = ("sim", "jax")
-_LOWER_AGAIN = "call the jitted function (it lowers again) or lower anew."
 _JIT_OPTIONS = ("mesh", "backend", "static_argnums", "static_argnames", "donate_argnums", "donate_argnames",
                 "in_shardings", "out_shardings", "memory_limit", "hardware")
 
@@ -160,7 +159,7 @@ class Partitioned:
         _check_static(static, leaves, keys, names, self.signature)
         key = (treedef, static, keys, _context_mesh())
         if key not in self._cache:
-            with _gc_paused():
+            with gc_paused():
                 self._cache[key] = Lowered(self, Template.of(treedef, keys, static), leaves, names,
                                            self.signature.donated_leaves(args, kwargs, static))
         return self._cache[key]
@@ -243,23 +242,24 @@ def _annotate(layouts, tree, mesh: Optional[Mesh], what: str, of: str):
                             f"NamedSharding or None per entry (a prefix of its pytree). ({e})") from None
 
 
-class Lowered:
+class Lowered(Execution, Inspection):
     """One traced, completed and partitioned program for one call signature.
 
     `program` is the completed program (every value's sharding), `spmd` the per-device
-    program. Call it like the function; inspect with as_text, report, summary,
-    explain, sharding_of; values are named by pytree path ("params['w1']",
-    "result[0]"), output index or %name."""
+    program. Call it like the function (execution.py); inspect with as_text, report,
+    summary, explain, sharding_of (inspection.py); values are named by pytree path
+    ("params['w1']", "result[0]"), output index or %name. Lowering is here: trace,
+    complete, partition, fit to the memory limit."""
 
     def __init__(self, partitioned: Partitioned, template: Template, leaves: list, names: list[str],
                  donate: tuple[int, ...] = ()):
         self.backend, self._template = partitioned.backend, template
         self.donated = donate   # parameters whose buffers the results may reuse (donated arguments)
-        self._partitioned = partitioned
+        self._signature = partitioned.signature
         param_names = template.dynamic_leaves(names)
         committed = [key_layout(k) for k in template.dynamic_leaves(list(template.keys))]
-        avals = [abstract_argument(x, name, layout) for x, name, layout in zip(template.dynamic_leaves(leaves), param_names,
-                                                                        committed)]
+        avals = [abstract_argument(x, name, layout)
+                 for x, name, layout in zip(template.dynamic_leaves(leaves), param_names, committed)]
         signature, fn = partitioned.signature, partitioned._traced_fn
         mesh = _jit_mesh(partitioned.mesh, committed)
         layouts = [_input_layout(layout, len(a.shape), i in donate) for i, (layout, a) in enumerate(zip(committed, avals))]
@@ -292,205 +292,11 @@ class Lowered:
             hardware=partitioned.hardware)
         verify(self.spmd)
         self.hardware = partitioned.hardware
-        self._jax: Optional[jax_backend.Executable] = None
-        self._execute = self._first_execute
-        self._host_program: Optional[Callable] = None
+        self._ready_to_run()
         # its derivatives and batched forms, partitioned when jax asks for them
         self.transforms = Transforms(self.flat_fn, _avals(self.program.params), _avals(self.program.outputs),
                                      signature.name, lambda fn: Partitioned(fn, partitioned.mesh, self.backend),
                                      mesh)
-
-    # -- execution ----------------------------------------------------------------
-    def __call__(self, *args, **kwargs):
-        """Run on arguments of the signature this was lowered for."""
-        dynamic, dynamic_kwargs, static = self._partitioned.signature.split_static(args, kwargs)
-        leaves, treedef = _flatten((dynamic, dynamic_kwargs))
-        if treedef != self._template.treedef or static != self._template.static:
-            self._other_structure(leaves, args, kwargs)
-        self._check_leaves(leaves)
-        return self._run(leaves)
-
-    def _other_structure(self, leaves: list, args: tuple, kwargs: dict) -> None:
-        """Why a call of another pytree structure (or other static arguments) than the
-        lowered one cannot run: too many or few arrays, a call the function cannot take."""
-        expected = [f"{n}: {_type_text(k[0], k[1])}" for n, k in zip(self._leaf_names, self._template.keys)
-                    if not is_static_key(k)]
-        arrays = sum(map(is_array, leaves))
-        if arrays != len(expected):
-            raise ShardingError(f"Expected {len(expected)} array arguments ({', '.join(expected)}), got {arrays}; "
-                                f"{_LOWER_AGAIN}")
-        self._partitioned.signature.check_call(args, kwargs)
-        static = f"; static: {dict(self._template.static)}" if self._template.static else ""
-        raise ShardingError(f"{self._partitioned.signature.name} was lowered for arguments of another pytree structure "
-                            f"or other static arguments ({', '.join(expected)}{static}); {_LOWER_AGAIN}")
-
-    def _check_leaves(self, leaves: list) -> None:
-        """Each leaf as lowered, as a compiled jax function checks: the same static
-        value, or an array of the same shape and dtype."""
-        for x, key, name in zip(leaves, self._template.keys, self._leaf_names):
-            if is_static_key(key):
-                if leaf_key(x) != key:
-                    raise ShardingError(f"Argument {name} is {describe(x)} but the program was lowered for the "
-                                        f"static value {key[2]!r}; {_LOWER_AGAIN}")
-            elif not is_array(x) or (tuple(x.shape), _dtype(x.dtype)) != (key[0], _dtype(key[1])):
-                given = f"has shape {tuple(x.shape)} and dtype {_dtype(x.dtype)}" if is_array(x) else \
-                    f"is {describe(x)}"
-                raise ShardingError(f"Argument {name} {given} but the program was lowered for shape {key[0]} and "
-                                    f"dtype {_dtype(key[1])}; {_LOWER_AGAIN}")
-
-    def _run(self, leaves: list):
-        arrays = self.keys.args(self._template.dynamic_leaves(leaves))
-        return jax.tree_util.tree_unflatten(self.out_tree, self.keys.results(self._execute(arrays)))
-
-    def _first_execute(self, arrays: list) -> list:
-        self._execute = self.jax_executable() if self.backend == "jax" else self._run_on_host
-        with _gc_paused():   # the jax backend traces and compiles here
-            return self._execute(arrays)
-
-    @property
-    def fast_call(self) -> Optional[tuple]:
-        """(output structure, compiled program taking the flat arrays) when a call can
-        go straight to the compiled program: jax backend, every leaf an array (no typed
-        PRNG keys), one process."""
-        if (self._jax is None or self._template.dynamic is not None or self._jax.multiprocess
-                or any(self.keys.key_args) or any(self.keys.key_results)):
-            return None
-        return self.out_tree, self._jax.jitted
-
-    def jax_executable(self) -> jax_backend.Executable:
-        """The SPMD program as one jitted shard_map on the mesh's jax devices (it
-        composes with jax.grad, jax.jit and jax.vmap like the function)."""
-        if self._jax is None:
-            self._jax = jax_backend.Executable(self.spmd, self.program.params, self.program.outputs, self.mesh,
-                                               self.donated, wrap=self.transforms.wrap)
-        return self._jax
-
-    def _run_on_host(self, arrays: list) -> list:
-        """The sim backend; called with tracers (under grad, jit, vmap) it runs as a host
-        callback inside the caller's computation."""
-        if not any(isinstance(x, jax.core.Tracer) for x in arrays):
-            return self._run_sim(arrays)
-        if self._host_program is None:
-            shapes = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in self.program.outputs]
-            self._host_program = self.transforms.wrap(
-                lambda *xs: jax.pure_callback(lambda *hs: self._run_sim(hs), shapes, *xs))
-        return self._host_program(*arrays)
-
-    def _run_sim(self, flat) -> list[np.ndarray]:
-        per_param = [sim.shard(np.asarray(x, p.dtype), p.sharding) for x, p in zip(flat, self.program.params)]
-        per_device = [[shards[d] for shards in per_param] for d in range(self.num_devices)]
-        results = sim.run(self.spmd, per_device, self.num_devices)
-        return [sim.unshard([results[d][i] for d in range(self.num_devices)], v.sharding, v.shape)
-                for i, v in enumerate(self.program.outputs)]
-
-    # -- inspection ---------------------------------------------------------------
-    def describe(self, sharding: Sharding) -> str:
-        """A sharding as a PartitionSpec over the user's mesh, next to XLA's form."""
-        if not isinstance(sharding, Sharding):
-            raise ShardingError(f"Lowered.describe needs a gspmd.Sharding, got {describe(sharding)}; for a value "
-                                "use explain(value) or describe(sharding_of(value)).")
-        return sharding.describe(*self.meshes)
-
-    def label(self, ref: Union[int, str, Value]) -> str:
-        """The user's name of a value (see `value`): its pytree path for parameters and results."""
-        v = self.value(ref)
-        return self.program.labels.get(v, f"%{v.name}")
-
-    def as_text(self) -> str:
-        """The completed program (every value's sharding) and the per-device program,
-        after the parameters' and results' layouts in the user's terms."""
-        layouts = "\n".join(f"//   {self.label(v):<28} %{v.name}: {v.type_str()}  {self.describe(v.sharding)}"
-                            for v in self.program.params + self.program.outputs)
-        return (f"// parameters and results:\n{layouts}\n\n"
-                f"// completed program: every value's sharding\n{format_program(self.program)}\n\n"
-                f"// SPMD program run by each of {self.num_devices} devices\n"
-                f"{format_program(self.spmd, with_sharding=False)}")
-
-    def report(self, hardware: Union[None, str, Hardware] = None) -> Report:
-        """Collectives (kind, bytes, groups, the op and rule that made each and the
-        source line or pytree path it came from), peak memory and FLOPs per device;
-        with a hardware profile ("tpu-v3", "tpu-v4", "a100", "h100", "h200", "cpu")
-        also the estimated step time and FLOPs utilization. `.memory` shows where the peak is: the buffers
-        held then, largest first, and the bytes held over the run
-        (`.memory.plot("out.png")`); `.memory_budget` how the program was fitted to
-        jit(memory_limit=...)."""
-        report = analyse(self.spmd, self.num_devices, hardware if hardware is not None else self.hardware,
-                         self.donated)
-        report.memory_budget = self.memory_budget
-        return report
-
-    def summary(self) -> str:
-        """One table of per-device collective bytes, by source line and collective kind."""
-        return collective_table(self.report())
-
-    def value(self, ref: Union[int, str, Value]) -> Value:
-        """A value of the completed program: by output index, by pytree path
-        ("params['w1']", "result[0]", or a unique last key like "w1"), by %name, or itself."""
-        if isinstance(ref, Value):
-            return ref
-        if isinstance(ref, (bool, np.bool_)) or not isinstance(ref, (int, np.integer, str)):
-            raise ShardingError(f"A value is named by output index (an int), pytree path or %name (a str), got "
-                                f"{describe(ref)}; e.g. {next(iter(self.program.labels.values()), 'result')!r} or 0.")
-        if isinstance(ref, (int, np.integer)):
-            if not -len(self.program.outputs) <= ref < len(self.program.outputs):
-                raise ShardingError(f"Output index {ref} is out of range: the program has "
-                                    f"{len(self.program.outputs)} outputs; name a value instead.")
-            return self.program.outputs[ref]
-        by_path = {label: v for v, label in self.program.labels.items()}
-        if ref in by_path:
-            return by_path[ref]
-        try:
-            return self.program.find(ref.lstrip("%"))
-        except KeyError:
-            pass
-        ends = [label for label in by_path if label.endswith((f"[{ref!r}]", f".{ref}"))]
-        if len(ends) == 1:
-            return by_path[ends[0]]
-        if ends:
-            raise ShardingError(f"{ref!r} names several values ({', '.join(ends)}); give the whole path.")
-        raise ShardingError(f"No value named {ref!r}; name a parameter or result by its path ("
-                            f"{', '.join(list(by_path)[:6])}{', ...' if len(by_path) > 6 else ''}) or a value by its "
-                            "%name in as_text().")
-
-    def sharding_of(self, ref: Union[int, str, Value]) -> Sharding:
-        """The completed sharding of a value (see `value` for how to name one)."""
-        return self.value(ref).sharding
-
-    def explain(self, ref: Union[int, str, Value]) -> str:
-        """Which annotations a value's sharding came from, and through which ops: one
-        shortest chain per annotation, each step with its source line and the layout
-        it left behind."""
-        v = self.value(ref)
-        lines = [f"{self.label(v)} (%{v.name}: {v.type_str()}): {self.describe(v.sharding)}"]
-        chains = self.completion.origins(v)
-        if not chains:
-            lines.append("  no annotation reaches it: replicated")
-        for (annotated, first), *rest in chains:
-            source = (f"annotation %{annotated.name} = mesh_split({self.label(first.instr.operands[0])})"
-                      if propagation.is_annotation(first.instr) else f"the specs of {first.instr.opcode} %{annotated.name}")
-            lines.append(f"  from {source}{_at(first.instr)}: {self.describe(first.sharding)}")
-            for u, step in rest:
-                way = "forward" if u in step.instr.outputs else "backward"
-                lines.append(f"    -> {step.instr.opcode} ({way} from %{step.source.name}){_at(step.instr)}: "
-                             f"{self.label(u)} {self.describe(step.sharding)}")
-        return "\n".join(lines)
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Lowering allocates many objects and frees few; pausing the cyclic garbage
-    collector meanwhile saves up to a third of its time."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def _at(instr) -> str:
-    return f" at {instr.source}" if instr.source else ""
 
 
 def _trace(flat_fn: Callable, avals: list, name: str, mesh: Optional[Mesh], leaves: list, names: list[str]):
@@ -548,15 +354,6 @@ def _input_layout(committed: Optional[NamedSharding], rank: int, donated: bool) 
     if donated:
         return committed.mesh, PartitionSpec(*spec)
     return committed.mesh, PartitionSpec(*(PartitionSpec.UNCONSTRAINED if e is None else e for e in spec))
-
-
-def _dtype(dtype):
-    """A dtype as jax computes in it (float64 is float32 unless x64 is on)."""
-    return jax.dtypes.canonicalize_dtype(dtype, allow_extended_dtype=True)
-
-
-def _type_text(shape, dtype) -> str:
-    return f"{_dtype(dtype)}[{','.join(map(str, shape))}]"
 
 
 def _avals(values: Sequence[Value]) -> list[jax.ShapeDtypeStruct]:

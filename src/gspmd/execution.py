@@ -1,0 +1,155 @@
+"""How a lowered program runs (Lowered's running half): a call checked leaf by leaf
+against the signature it was lowered for, then the sim backend (NumPy, all devices in
+this process; under jax transformations a host callback) or the jax backend (one
+compiled shard_map, see runtime/jax_backend.py). Its derivatives and batched forms
+(compose.py) wrap whichever runs.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+from typing import Callable, Iterator, Optional
+
+import jax
+import numpy as np
+
+from gspmd.arguments import Signature, Template, is_array, is_static_key, leaf_key
+from gspmd.checks import describe
+from gspmd.compose import Transforms
+from gspmd.errors import ShardingError
+from gspmd.frontend.keys import KeyData
+from gspmd.ir import Program
+from gspmd.mesh import Mesh
+from gspmd.runtime import jax_backend, sim
+
+_LOWER_AGAIN = "call the jitted function (it lowers again) or lower anew."
+_flatten = jax.tree_util.tree_flatten
+
+
+class Execution:
+    """Running a Lowered (a mixin). It reads what lowering made: the signature, the
+    call's template and leaf names, the programs (`program`: completed, `spmd`: per device),
+    the mesh, the donated parameters, `keys` (typed PRNG keys as key data) and
+    `transforms`; `_ready_to_run` sets up its own state."""
+    backend: str
+    program: Program
+    spmd: Program
+    mesh: Mesh
+    num_devices: int
+    donated: tuple[int, ...]
+    keys: KeyData
+    out_tree: object
+    transforms: Transforms
+    _signature: Signature
+    _template: Template
+    _leaf_names: list[str]
+
+    def _ready_to_run(self) -> None:
+        """Nothing compiled yet: the first call picks the backend's way to run."""
+        self._jax: Optional[jax_backend.Executable] = None
+        self._execute: Callable[[list], list] = self._first_execute
+        self._host_program: Optional[Callable] = None
+
+    def __call__(self, *args, **kwargs):
+        """Run on arguments of the signature this was lowered for."""
+        dynamic, dynamic_kwargs, static = self._signature.split_static(args, kwargs)
+        leaves, treedef = _flatten((dynamic, dynamic_kwargs))
+        if treedef != self._template.treedef or static != self._template.static:
+            self._other_structure(leaves, args, kwargs)
+        self._check_leaves(leaves)
+        return self._run(leaves)
+
+    def _other_structure(self, leaves: list, args: tuple, kwargs: dict) -> None:
+        """Why a call of another pytree structure (or other static arguments) than the
+        lowered one cannot run: too many or few arrays, a call the function cannot take."""
+        expected = [f"{n}: {_type_text(k[0], k[1])}" for n, k in zip(self._leaf_names, self._template.keys)
+                    if not is_static_key(k)]
+        arrays = sum(map(is_array, leaves))
+        if arrays != len(expected):
+            raise ShardingError(f"Expected {len(expected)} array arguments ({', '.join(expected)}), got {arrays}; "
+                                f"{_LOWER_AGAIN}")
+        self._signature.check_call(args, kwargs)
+        static = f"; static: {dict(self._template.static)}" if self._template.static else ""
+        raise ShardingError(f"{self._signature.name} was lowered for arguments of another pytree structure "
+                            f"or other static arguments ({', '.join(expected)}{static}); {_LOWER_AGAIN}")
+
+    def _check_leaves(self, leaves: list) -> None:
+        """Each leaf as lowered, as a compiled jax function checks: the same static
+        value, or an array of the same shape and dtype."""
+        for x, key, name in zip(leaves, self._template.keys, self._leaf_names):
+            if is_static_key(key):
+                if leaf_key(x) != key:
+                    raise ShardingError(f"Argument {name} is {describe(x)} but the program was lowered for the "
+                                        f"static value {key[2]!r}; {_LOWER_AGAIN}")
+            elif not is_array(x) or (tuple(x.shape), _dtype(x.dtype)) != (key[0], _dtype(key[1])):
+                given = f"has shape {tuple(x.shape)} and dtype {_dtype(x.dtype)}" if is_array(x) else \
+                    f"is {describe(x)}"
+                raise ShardingError(f"Argument {name} {given} but the program was lowered for shape {key[0]} and "
+                                    f"dtype {_dtype(key[1])}; {_LOWER_AGAIN}")
+
+    def _run(self, leaves: list):
+        arrays = self.keys.args(self._template.dynamic_leaves(leaves))
+        return jax.tree_util.tree_unflatten(self.out_tree, self.keys.results(self._execute(arrays)))
+
+    def _first_execute(self, arrays: list) -> list:
+        self._execute = self.jax_executable() if self.backend == "jax" else self._run_on_host
+        with gc_paused():   # the jax backend traces and compiles here
+            return self._execute(arrays)
+
+    @property
+    def fast_call(self) -> Optional[tuple]:
+        """(output structure, compiled program taking the flat arrays) when a call can
+        go straight to the compiled program: jax backend, every leaf an array (no typed
+        PRNG keys), one process."""
+        if (self._jax is None or self._template.dynamic is not None or self._jax.multiprocess
+                or any(self.keys.key_args) or any(self.keys.key_results)):
+            return None
+        return self.out_tree, self._jax.jitted
+
+    def jax_executable(self) -> jax_backend.Executable:
+        """The SPMD program as one jitted shard_map on the mesh's jax devices (it
+        composes with jax.grad, jax.jit and jax.vmap like the function)."""
+        if self._jax is None:
+            self._jax = jax_backend.Executable(self.spmd, self.program.params, self.program.outputs, self.mesh,
+                                               self.donated, wrap=self.transforms.wrap)
+        return self._jax
+
+    def _run_on_host(self, arrays: list) -> list:
+        """The sim backend; called with tracers (under grad, jit, vmap) it runs as a host
+        callback inside the caller's computation."""
+        if not any(isinstance(x, jax.core.Tracer) for x in arrays):
+            return self._run_sim(arrays)
+        if self._host_program is None:
+            shapes = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in self.program.outputs]
+            self._host_program = self.transforms.wrap(
+                lambda *xs: jax.pure_callback(lambda *hs: self._run_sim(hs), shapes, *xs))
+        return self._host_program(*arrays)
+
+    def _run_sim(self, flat) -> list[np.ndarray]:
+        per_param = [sim.shard(np.asarray(x, p.dtype), p.sharding) for x, p in zip(flat, self.program.params)]
+        per_device = [[shards[d] for shards in per_param] for d in range(self.num_devices)]
+        results = sim.run(self.spmd, per_device, self.num_devices)
+        return [sim.unshard([results[d][i] for d in range(self.num_devices)], v.sharding, v.shape)
+                for i, v in enumerate(self.program.outputs)]
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Lowering allocates many objects and frees few; pausing the cyclic garbage
+    collector meanwhile saves up to a third of its time."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _dtype(dtype):
+    """A dtype as jax computes in it (float64 is float32 unless x64 is on)."""
+    return jax.dtypes.canonicalize_dtype(dtype, allow_extended_dtype=True)
+
+
+def _type_text(shape, dtype) -> str:
+    return f"{_dtype(dtype)}[{','.join(map(str, shape))}]"
