@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from gspmd import propagation
 from gspmd.analysis import Hardware, memory
 from gspmd.arguments import (Signature, Template, abstract_argument, is_array, is_static_key, key_layout, leaf_key,
-                             paths, result_paths)
+                             logical_axes, paths, result_logical_axes, result_paths)
 from gspmd.checks import count, describe
 from gspmd.compose import Transforms
 from gspmd.errors import ShardingError
@@ -161,7 +161,8 @@ class Partitioned:
         if key not in self._cache:
             with gc_paused():
                 self._cache[key] = Lowered(self, Template.of(treedef, keys, static), leaves, names,
-                                           self.signature.donated_leaves(args, kwargs, static))
+                                           self.signature.donated_leaves(args, kwargs, static),
+                                           logical_axes((args, kwargs)))
         return self._cache[key]
 
     def __repr__(self):
@@ -252,7 +253,7 @@ class Lowered(Execution, Inspection):
     complete, partition, fit to the memory limit."""
 
     def __init__(self, partitioned: Partitioned, template: Template, leaves: list, names: list[str],
-                 donate: tuple[int, ...] = ()):
+                 donate: tuple[int, ...] = (), logical: Optional[list] = None):
         self.backend, self._template = partitioned.backend, template
         self.donated = donate   # parameters whose buffers the results may reuse (donated arguments)
         self._signature = partitioned.signature
@@ -277,6 +278,10 @@ class Lowered(Execution, Inspection):
         self._leaf_names = names
         self.program.labels = dict(zip(self.program.params, param_names))
         self.program.labels.update(zip(self.program.outputs, result_paths(self.out_tree)))
+        # the logical axis names flax variables declare (MaxText's embed, mlp, ...), per dim
+        declared = template.dynamic_leaves(logical or [None] * len(leaves)) + result_logical_axes(self.out_tree)
+        self.logical_axes = {v: names for v, names in zip(self.program.params + self.program.outputs, declared)
+                             if names is not None and len(names) == len(v.shape)}
         eliminate_dead_code(self.program)
         verify(self.program)
         self.num_devices = _device_count(self.program, [mesh] + seen.meshes)

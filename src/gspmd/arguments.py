@@ -250,11 +250,50 @@ def paths(signature: Signature, args: tuple, kwargs: dict, static: tuple) -> lis
 
 def result_paths(out_tree) -> list[str]:
     """result, result[0], result['loss'], ...: the user's name for each output leaf."""
-    try:
-        tree = jax.tree_util.tree_unflatten(out_tree, [0] * out_tree.num_leaves)
-    except Exception:   # a custom pytree that cannot be rebuilt from placeholders
+    tree = _placeholders(out_tree)
+    if tree is None:
         return [f"result[{i}]" for i in range(out_tree.num_leaves)]
     return ["result" + jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def result_logical_axes(out_tree) -> list[Optional[tuple]]:
+    """logical_axes of the function's results (flax variables it returns keep their metadata)."""
+    tree = _placeholders(out_tree)
+    return [None] * out_tree.num_leaves if tree is None else logical_axes(tree)
+
+
+def _placeholders(out_tree):
+    try:
+        return jax.tree_util.tree_unflatten(out_tree, [0] * out_tree.num_leaves)
+    except Exception:   # a custom pytree that cannot be rebuilt from placeholders
+        return None
+
+
+# Where flax keeps a variable's logical axis names: nnx metadata (out_sharding since flax
+# 0.12, sharding_names and sharding before); linen's LogicallyPartitioned box: names.
+_LOGICAL_METADATA = ("out_sharding", "sharding_names", "sharding")
+
+
+def logical_axes(tree) -> list[Optional[tuple]]:
+    """Per leaf of `tree` (tree_flatten order): the logical axis names (MaxText's embed,
+    mlp, heads, ...) that the flax variable holding it declares, or None."""
+    out = []
+    for node in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: _declared_axes(x) is not None):
+        out += [_declared_axes(node)] * len(jax.tree_util.tree_leaves(node))
+    return out
+
+
+def _declared_axes(node) -> Optional[tuple]:
+    get_metadata = getattr(node, "get_metadata", None)
+    metadata = get_metadata() if callable(get_metadata) and not isinstance(node, type) else {}
+    candidates = [metadata.get(key) for key in _LOGICAL_METADATA] if isinstance(metadata, dict) else []
+    if hasattr(node, "unbox") and hasattr(node, "rules"):   # linen's LogicallyPartitioned
+        candidates.append(getattr(node, "names", None))
+    for names in candidates:
+        if (isinstance(names, (tuple, list)) and any(isinstance(n, str) for n in names)
+                and all(n is None or isinstance(n, str) for n in names)):
+            return tuple(names)
+    return None
 
 
 def _ints(values, what: str) -> tuple[int, ...]:

@@ -33,6 +33,7 @@ class Inspection:
     hardware: Optional[Hardware]
     donated: tuple[int, ...]
     memory_budget: Optional[BudgetChoice]
+    logical_axes: dict[Value, tuple]   # parameters' and results' logical axis names, as flax declares them
 
     def describe(self, sharding: Sharding) -> str:
         """A sharding as a PartitionSpec over the user's mesh, next to XLA's form."""
@@ -40,6 +41,12 @@ class Inspection:
             raise ShardingError(f"Lowered.describe needs a gspmd.Sharding, got {describe(sharding)}; for a value "
                                 "use explain(value) or describe(sharding_of(value)).")
         return sharding.describe(*self.meshes)
+
+    def _layout(self, v: Value, sharding: Optional[Sharding] = None) -> str:
+        """describe(), after the logical axis names the value's flax variable declares."""
+        text = self.describe(v.sharding if sharding is None else sharding)
+        names = self.logical_axes.get(v)
+        return text if names is None else f"logical axes {names}: {text}"
 
     def label(self, ref: Union[int, str, Value]) -> str:
         """The user's name of a value (see `value`): its pytree path for parameters and results."""
@@ -49,7 +56,7 @@ class Inspection:
     def as_text(self) -> str:
         """The completed program (every value's sharding) and the per-device program,
         after the parameters' and results' layouts in the user's terms."""
-        layouts = "\n".join(f"//   {self.label(v):<28} %{v.name}: {v.type_str()}  {self.describe(v.sharding)}"
+        layouts = "\n".join(f"//   {self.label(v):<28} %{v.name}: {v.type_str()}  {self._layout(v)}"
                             for v in self.program.params + self.program.outputs)
         return (f"// parameters and results:\n{layouts}\n\n"
                 f"// completed program: every value's sharding\n{format_program(self.program)}\n\n"
@@ -111,7 +118,7 @@ class Inspection:
         shortest chain per annotation, each step with its source line and the layout
         it left behind."""
         v = self.value(ref)
-        lines = [f"{self.label(v)} (%{v.name}: {v.type_str()}): {self.describe(v.sharding)}"]
+        lines = [f"{self.label(v)} (%{v.name}: {v.type_str()}): {self._layout(v)}"]
         chains = self.completion.origins(v)
         if not chains:
             lines.append("  no annotation reaches it: replicated")
@@ -122,7 +129,7 @@ class Inspection:
             for u, step in rest:
                 way = "forward" if u in step.instr.outputs else "backward"
                 lines.append(f"    -> {step.instr.opcode} ({way} from %{step.source.name}){_at(step.instr)}: "
-                             f"{self.label(u)} {self.describe(step.sharding)}")
+                             f"{self.label(u)} {self._layout(u, step.sharding)}")
         return "\n".join(lines)
 
 
