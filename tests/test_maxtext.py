@@ -1,0 +1,122 @@
+"""MaxText unchanged through gspmd.jit (issue 24): its own config system (pyconfig over
+base.yml), its 12-axis mesh with data=2 x tensor=4, its model, AdamW and train step
+(`get_functional_train_with_signature`'s function and in/out shardings), for the default
+Llama-2 decoder and a Mixtral-style MoE decoder (megablox off on CPU: the dense matmul
+path, and sparse_matmul's dropless ragged_dot path), unrolled and scanned; the step
+equals jax.jit of the same function with the same shardings, and explain() names
+MaxText's logical axes (embed, mlp, ...) of its parameters.
+
+MaxText needs Python >= 3.12 (the test extra installs it there); elsewhere these tests
+skip. A train step costs about 30 s to compile under each of jax.jit and gspmd.jit on
+CPU, so only MaxText's default configuration (Llama-2, scanned layers) runs by default;
+the others are marked slow (`pytest -m slow tests/test_maxtext.py`).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import Counter
+
+import jax
+import numpy as np
+import pytest
+
+pytest.importorskip("maxtext.trainers.pre_train.train",
+                    reason="MaxText (Python >= 3.12, installed by the test extra there) is not importable")
+
+from flax import nnx                                              # noqa: E402
+from flax.linen import partitioning as nn_partitioning            # noqa: E402
+from maxtext.configs import pyconfig                              # noqa: E402
+from maxtext.trainers.pre_train import train                      # noqa: E402
+from maxtext.utils import maxtext_utils, sharding, train_utils    # noqa: E402
+from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR             # noqa: E402
+
+import gspmd                                                      # noqa: E402
+
+TINY = dict(base_emb_dim=32, base_num_query_heads=4, base_num_kv_heads=4, base_mlp_dim=64, head_dim=8,
+            base_num_decoder_layers=2, vocab_size=128, per_device_batch_size=1, max_target_length=16,
+            dataset_type="synthetic", enable_checkpointing=False, attention="dot_product", dtype="float32",
+            enable_dropout=False, ici_data_parallelism=2, ici_tensor_parallelism=4, hardware="cpu", steps=1,
+            skip_jax_distributed_system=True, enable_goodput_recording=False, run_name="gspmd")
+MOE = dict(decoder_block="mixtral", num_experts=4, num_experts_per_tok=2, base_moe_mlp_dim=64, megablox=False)
+DECODERS = {"llama2": dict(decoder_block="llama2"),
+            "mixtral": dict(MOE, sparse_matmul=False),
+            "mixtral-dropless": dict(MOE, sparse_matmul=True)}
+slow = pytest.mark.slow
+
+
+class Step:
+    """MaxText's train step for one configuration, as its train loop builds it."""
+
+    def __init__(self, decoder: str, scan_layers: bool, output_dir: str):
+        overrides = {**TINY, **DECODERS[decoder], "scan_layers": scan_layers,
+                     "base_output_directory": output_dir}
+        self.config = pyconfig.initialize(["", os.path.join(MAXTEXT_CONFIGS_DIR, "base.yml")]
+                                          + [f"{k}={v}" for k, v in overrides.items()])
+        _, _, shardings, _, self.mesh, _, data, _, _, _, state = train_utils.setup_train_loop(self.config, None)
+        model, self.state = nnx.split(state)
+        params_shardings, shardings = sharding.maybe_update_params_sharding_with_opt(self.config, shardings)
+        self.fn, self.in_shardings, self.out_shardings, _, _ = maxtext_utils.get_functional_train_with_signature(
+            train.train_step, sharding.get_input_data_sharding(self.config, self.mesh), shardings, model,
+            self.config, params_shardings)
+        self.batch = next(data)
+
+    @contextlib.contextmanager
+    def context(self):
+        """MaxText's train loop runs its step under its mesh and logical axis rules."""
+        with jax.set_mesh(self.mesh), nn_partitioning.axis_rules(self.config.logical_axis_rules):
+            yield
+
+    def run(self, jit):
+        with self.context():
+            return jit(self.fn, in_shardings=self.in_shardings, out_shardings=self.out_shardings)(self.state,
+                                                                                               self.batch)
+
+
+def _numbers(x) -> np.ndarray:
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return np.asarray(x, np.float64)
+
+
+def assert_same_step(got, want) -> None:
+    """New train state (params, AdamW moments, step, rngs) and loss as jax.jit's, up to
+    float reassociation."""
+    (got_state, got_metrics), (want_state, want_metrics) = got, want
+    np.testing.assert_allclose(_numbers(got_metrics["scalar"]["learning/loss"]),
+                               _numbers(want_metrics["scalar"]["learning/loss"]), rtol=1e-5)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(want_state)[0]]
+    assert len(jax.tree.leaves(got_state)) == len(paths)
+    for path, g, w in zip(paths, jax.tree.leaves(got_state), jax.tree.leaves(want_state)):
+        np.testing.assert_allclose(_numbers(g), _numbers(w), rtol=1e-4, atol=1e-6, err_msg=path)
+
+
+def check(decoder: str, scan_layers: bool, backend: str, tmp_path) -> gspmd.Lowered:
+    step = Step(decoder, scan_layers, str(tmp_path))
+    want = step.run(jax.jit)
+    partitioned = []
+
+    def gspmd_jit(fn, **kw):
+        partitioned.append(gspmd.jit(fn, mesh=step.mesh, backend=backend, **kw))
+        return partitioned[-1]
+    assert_same_step(step.run(gspmd_jit), want)
+    with step.context():
+        lowered = partitioned[0].lower(step.state, step.batch)   # cached: no second trace
+    counts = Counter(c.kind for c in lowered.report().collectives)
+    # data parallelism sums gradients, tensor parallelism the contractions over split features
+    assert counts["all-reduce"] + counts["reduce-scatter"] > 0, counts
+    return lowered
+
+
+def test_llama2_scanned_jax_backend(tmp_path):
+    """MaxText's default: Llama-2 decoder, layers under one scan."""
+    lowered = check("llama2", True, "jax", tmp_path)
+    kernel = lowered.explain("state['model']['decoder']['layers']['mlp']['wi_0']['kernel'].value")
+    assert "logical axes ('embed', 'layers', 'mlp')" in kernel, kernel
+
+
+@slow
+@pytest.mark.parametrize("decoder, scan_layers, backend", [
+    ("llama2", False, "jax"), ("mixtral", False, "jax"), ("mixtral-dropless", True, "jax"), ("llama2", False, "sim")])
+def test_other_decoders_and_backends(decoder, scan_layers, backend, tmp_path):
+    check(decoder, scan_layers, backend, tmp_path)
