@@ -59,3 +59,21 @@ def test_names_of_the_wrong_rank_are_not_shown():
     w = nnx.Param(jnp.ones((16, 32)), out_sharding=("embed",), eager_sharding=False)
     low = gspmd.jit(lambda w: w[...] * 2, mesh=MESH).lower(w)
     assert "logical axes" not in low.as_text()
+
+
+class Boxed:
+    """A user's pytree whose get_metadata means something else: never called."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def get_metadata(self, key):
+        raise AssertionError(f"gspmd called get_metadata({key!r})")
+
+
+jax.tree_util.register_pytree_node(Boxed, lambda b: ((b.value,), None), lambda _, children: Boxed(*children))
+
+
+def test_other_pytrees_are_not_asked_for_metadata():
+    low = gspmd.jit(lambda b: b.value * 2, mesh=MESH).lower(Boxed(np.ones((8, 4), np.float32)))
+    assert "logical axes" not in low.as_text()

@@ -284,8 +284,10 @@ def logical_axes(tree) -> list[Optional[tuple]]:
 
 
 def _declared_axes(node) -> Optional[tuple]:
+    if not type(node).__module__.startswith("flax."):   # (other pytrees' methods of these names mean other things)
+        return None
     get_metadata = getattr(node, "get_metadata", None)
-    metadata = get_metadata() if callable(get_metadata) and not isinstance(node, type) else {}
+    metadata = get_metadata() if callable(get_metadata) else {}
     candidates = [metadata.get(key) for key in _LOGICAL_METADATA] if isinstance(metadata, dict) else []
     if hasattr(node, "unbox") and hasattr(node, "rules"):   # linen's LogicallyPartitioned
         candidates.append(getattr(node, "names", None))
