@@ -91,7 +91,7 @@ def test_a_failing_partition_rule_names_the_instruction(monkeypatch):
     def broken(ctx, instr, operands, targets):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(ops.OPS["maximum"], "partition", broken)
+    monkeypatch.setattr(ops.OPS["maximum"].rule, "partition", broken)
     with pytest.raises(gspmd.ShardingError, match=r"Internal error partitioning %maximum.*boom"):
         gspmd.jit(mlp, mesh=MESH).lower(*ARGS)
 

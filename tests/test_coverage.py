@@ -34,7 +34,7 @@ def test_docs_list_is_current():
 
 def primitives_doc() -> str:
     """docs/primitives.md: each primitive the programs emit, with its status."""
-    opcode = {name: op.opcode for op in OPS.values() for name in (*op.converts, *op.converts_keys)}
+    opcode = {name: op.opcode for op in OPS.values() for name in (*op.frontend.converts, *op.frontend.converts_keys)}
     rows = []
     for name, (cases, _) in sorted(emitted().items()):
         how = {"converted": f"`{opcode.get(name)}` op", "inlined": "body converted in place",

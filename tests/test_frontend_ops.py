@@ -172,8 +172,9 @@ def test_every_op_record_has_a_reference_and_a_lowering():
     on jax devices (manual regions are inlined into the SPMD program by partitioning)."""
     from gspmd.ops import OPS
     for opcode, op in OPS.items():
-        assert op.evaluate or op.evaluate_all or op.evaluate_programs or opcode == "manual", opcode
-        assert op.lower is not None or opcode == "manual", opcode
+        semantics = op.semantics
+        assert semantics.evaluate or semantics.evaluate_all or semantics.evaluate_programs or opcode == "manual", opcode
+        assert semantics.lower is not None or opcode == "manual", opcode
 
 
 def test_select_n_with_many_cases():

@@ -201,7 +201,7 @@ def test_hlo_collective_bytes_reads_tuples_and_async_pairs_once():
 
 
 def test_missing_lowering_names_the_opcode(monkeypatch):
-    monkeypatch.setattr(ops.lookup("maximum"), "lower", None)
+    monkeypatch.setattr(ops.lookup("maximum").semantics, "lower", None)
     with pytest.raises(gspmd.ShardingError, match="no lowering for opcode 'maximum'"):
         gspmd.jit(_mlp, mesh=MESH, backend="jax")(*_mlp_args())
 

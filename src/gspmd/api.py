@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from gspmd import propagation
+from gspmd import ops, propagation
 from gspmd.analysis import Hardware, memory
 from gspmd.arguments import (Signature, Template, abstract_argument, is_array, is_static_key, key_layout, leaf_key,
                              logical_axes, paths, result_logical_axes, result_paths)
@@ -373,19 +373,10 @@ def _unique(meshes: list) -> list[Mesh]:
     return out
 
 
-def _layouts_named(instr) -> list[Sharding]:
-    """Layouts the user wrote: annotations and the specs of manual regions."""
-    if instr.opcode == "sharding":
-        return [instr.attrs["sharding"]]
-    if instr.opcode == "manual":
-        return list(instr.attrs["in_shardings"]) + list(instr.attrs["out_shardings"])
-    return []
-
-
 def _device_count(program: Program, meshes: list) -> int:
     """The devices of the program: those of its layouts and of the meshes its trace used
     (also where the values they annotated are dead)."""
-    counts = {s.num_devices for i in program.all_instrs(into_regions=False) for s in _layouts_named(i)}
+    counts = {s.num_devices for i in program.all_instrs(into_regions=False) for s in ops.layouts_named(i)}
     counts.update(m.size for m in meshes if m is not None)
     if len(counts) > 1:
         raise ShardingError(f"Annotations and jit(mesh=...) use meshes of different sizes {sorted(counts)}; "

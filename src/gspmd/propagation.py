@@ -21,7 +21,7 @@ from typing import Iterator, Optional
 
 from gspmd import ops
 from gspmd.ir import Instr, Program, Value
-from gspmd.ops.registry import priority
+from gspmd.ops.registry import is_annotation, priority
 from gspmd.sharding import Sharding
 
 FORWARD, BACKWARD = 0, 1   # towards an instruction's outputs / towards its operands
@@ -63,10 +63,6 @@ def _chain(u: Value, first: Step, parent) -> list[tuple[Value, Step]]:
         u, step = parent[u]
         chain.append((u, step))
     return chain
-
-
-def is_annotation(instr: Instr) -> bool:
-    return instr.opcode == "sharding"
 
 
 def complete(program: Program, num_devices: int) -> Completion:

@@ -33,7 +33,7 @@ from typing import Mapping, Optional, Sequence
 
 from gspmd import ops
 from gspmd.ir import Instr, Program, Value
-from gspmd.ops.registry import Order, Storage, same_layout
+from gspmd.ops.registry import Order, Storage, same_order
 from gspmd.sharding import Sharding
 
 FUSIBLE = (Storage.ELEMENTWISE, Storage.INDEXED, Storage.REPEATED, Storage.IN_PLACE, Storage.BITCAST)
@@ -243,8 +243,9 @@ def _steps(program: Program, kernel_scratch: bool) -> tuple[list[_Step], dict[Va
     copies: dict[tuple[Value, Order], Value] = {}
     stored: dict[Value, Order] = {}   # values not laid out row-major
     for instr in program.instrs:
-        op = ops.lookup(instr.opcode)
-        layout = op.layout(instr) if op.layout else None
+        op = ops.lookup(instr.opcode).memory
+        orders = ops.lookup(instr.opcode).kernel.orders
+        kernel = orders(instr) if orders else None
         operands = list(instr.operands)
         expanded = op.expanded(instr) if op.expanded and kernel_scratch else {}
         for index, n in expanded.items():   # written in the layout the kernel wants: no copy
@@ -253,9 +254,9 @@ def _steps(program: Program, kernel_scratch: bool) -> tuple[list[_Step], dict[Va
             operands[index].sharding = v.sharding
             steps.append(_Step(None, [v], [operands[index]], Storage.REPEATED if n > 1 else Storage.ELEMENTWISE,
                                False, f"{n} masked copies of %{v.name} for {made_by(instr)}", source=instr.source))
-        for index, wanted in enumerate(layout.operands if layout else ()):
+        for index, wanted in enumerate(kernel.operands if kernel else ()):
             v = operands[index]
-            if index in expanded or wanted is None or any(same_layout(v.shape, stored.get(v), w) for w in wanted):
+            if index in expanded or wanted is None or any(same_order(v.shape, stored.get(v), w) for w in wanted):
                 continue
             order = next((w for w in wanted if (v, w) in copies), wanted[0])
             if (v, order) not in copies:
@@ -267,8 +268,8 @@ def _steps(program: Program, kernel_scratch: bool) -> tuple[list[_Step], dict[Va
         expensive = op.expensive(instr) if callable(op.expensive) else op.expensive
         steps.append(_Step(instr, operands, list(instr.outputs), ops.storage(instr), expensive, made_by(instr),
                            op.scratch(instr) if op.scratch and kernel_scratch else 0, instr.source))
-        if layout is not None and layout.result is not None:
-            stored.update((out, layout.result) for out in instr.outputs)
+        if kernel is not None and kernel.result is not None:
+            stored.update((out, kernel.result) for out in instr.outputs)
     return steps, stored
 
 
@@ -451,7 +452,7 @@ class _Liveness:
             v = step.operands[0]
             while v in self.fused and self.producer[v].storage is Storage.BITCAST:
                 v = self.producer[v].operands[0]
-            row_major = v not in self.fused and same_layout(v.shape, self.stored.get(v), tuple(range(v.rank)))
+            row_major = v not in self.fused and same_order(v.shape, self.stored.get(v), tuple(range(v.rank)))
             return v if row_major else None
         if step.storage is Storage.VIEW or index in _passed_through(step):
             return step.operands[index]

@@ -180,7 +180,7 @@ def _walk(program: Program, executions: int, report: Report, seen_groups: Option
     conditional once (what it may cost, not which branch a run takes)."""
     seen_groups = {} if seen_groups is None else seen_groups
     for instr in program.instrs:
-        op = ops.lookup(instr.opcode)
+        op = ops.lookup(instr.opcode).timing
         if op.collective is not None:
             groups = np.asarray(instr.attrs["pairs"] if "pairs" in instr.attrs else instr.attrs["groups"])
             # Many collectives share their groups: convert each distinct array once.

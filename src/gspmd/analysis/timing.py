@@ -37,7 +37,7 @@ def time_program(program: Program, hw: cm.Hardware, num_devices: int) -> Timing:
     compute = sum(d for d, s in zip(durations, streams) if s is not _NETWORK)
     network = sum(d for d, s in zip(durations, streams) if s is _NETWORK)
     for i, instr in enumerate(program.instrs):   # loops: what their bodies spent on each
-        op = ops.lookup(instr.opcode)
+        op = ops.lookup(instr.opcode).timing
         if op.runs is not None:
             inner = [(time_program(p, hw, num_devices), n) for p, n in op.runs(instr)]
             compute += sum(t.compute_seconds * n for t, n in inner) - durations[i]
@@ -52,7 +52,7 @@ def _durations(program: Program, hw: cm.Hardware, num_devices: int) -> tuple[lis
     materialized, into_matmul = _materialized(program), _into_matmul(program)
     durations, streams = [], []
     for instr in program.instrs:
-        op = ops.lookup(instr.opcode)
+        op = ops.lookup(instr.opcode).timing
         if op.collective is not None:
             durations.append(cm.collective_seconds(op.collective, instr.output.nbytes, _groups(instr),
                                                    num_devices, hw))
@@ -126,7 +126,7 @@ def _next_start(free: float, pending: list, runnable: list):
 
 
 def op_seconds(instr: Instr, hw: cm.Hardware, materialized: set) -> float:
-    op = ops.lookup(instr.opcode)
+    op = ops.lookup(instr.opcode).timing
     flops = ops.flops(instr)
     if op.bytes_accessed is not None:
         nbytes = op.bytes_accessed(instr)
@@ -140,7 +140,7 @@ def _groups(instr: Instr):
 
 
 def _fusible(instr: Instr) -> bool:
-    op = ops.lookup(instr.opcode)
+    op = ops.lookup(instr.opcode).timing
     return op.compute is not cm.ComputeKind.MATMUL and op.collective is None and op.runs is None
 
 
@@ -156,7 +156,7 @@ def _into_matmul(program: Program) -> set:
     outputs, folded = set(program.outputs), set()
 
     def matmul(instr) -> bool:
-        return ops.lookup(instr.opcode).compute is cm.ComputeKind.MATMUL
+        return ops.lookup(instr.opcode).timing.compute is cm.ComputeKind.MATMUL
 
     for instr in reversed(program.instrs):      # readers before the values they read
         if not _fusible(instr):
@@ -165,7 +165,7 @@ def _into_matmul(program: Program) -> set:
                for v in instr.outputs):
             folded.add(instr)
     for instr in program.instrs:
-        if ops.lookup(instr.opcode).transposes and all(
+        if ops.lookup(instr.opcode).kernel.transposes and all(
                 v.producer is not None and matmul(v.producer) and readers[v] == [instr] for v in instr.operands):
             folded.add(instr)
     return folded

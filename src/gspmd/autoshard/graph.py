@@ -16,16 +16,15 @@ is the sum over its members).
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 import numpy as np
 
 from gspmd import ops
 from gspmd.ir import Instr, Program, Value
-from gspmd.propagation import is_annotation
 from gspmd.sharding import Sharding
-from gspmd.spmd.factors import PASS, REDUCE, REPLICATE, Factor, FactorKind
+from gspmd.spmd.factors import PASS, PERMUTE, REDUCE, REPLICATE, Factor, FactorKind
 
 DimMap = tuple   # per dim of a value: the node's factor that occupies it, or None
 ROUNDS = 3       # how far around a node tying looks
@@ -125,13 +124,13 @@ class _Builder:
         flops = ops.flops(instr)
         self._new([f.size for f in factors], [f.kind for f in factors], instr,
                   list(zip(instr.outputs, dimmaps[n_in:])), list(zip(instr.operands, dimmaps[:n_in])),
-                  (instr.opcode,), flops, instr if is_annotation(instr) else None)
+                  (instr.opcode,), flops, instr if ops.is_annotation(instr) else None)
 
     def _follows(self, instr: Instr, factors: list[Factor]) -> Optional[tuple[Node, DimMap]]:
         """(operand's node, output dim map) when `instr` only re-lays its one operand."""
         shaped = [t for t, v in enumerate(instr.operands) if v.rank > 0]
-        if (len(instr.outputs) != 1 or len(shaped) != 1 or is_annotation(instr)
-                or ops.lookup(instr.opcode).flops is not None or instr.operands[shaped[0]] not in self.node_of):
+        if (len(instr.outputs) != 1 or len(shaped) != 1 or ops.is_annotation(instr)
+                or ops.lookup(instr.opcode).timing.flops is not None or instr.operands[shaped[0]] not in self.node_of):
             return None
         t, out = shaped[0], instr.output
         x = instr.operands[t]
@@ -148,10 +147,11 @@ class _Builder:
 
 
 def factors_of(instr: Instr) -> list[Factor]:
-    """The op record's factors, else factors probed from its propagation rule."""
-    record = ops.lookup(instr.opcode)
-    if record.factors is not None:
-        return record.factors(instr)
+    """The op record's factors (a permutation factor priced as pass-through, as
+    propagation carries it), else factors probed from its propagation rule."""
+    factors = ops.lookup(instr.opcode).rule.factors
+    if factors is not None:
+        return [replace(f, kind=PASS) if f.kind is PERMUTE else f for f in factors(instr)]
     return probed_factors(instr)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gspmd import propagation
+from gspmd import ops, propagation
 from gspmd.api import jit
 from gspmd.autoshard import plan as plans
 from gspmd.autoshard.descent import Candidate, Effort, optimize
@@ -129,7 +129,7 @@ def annotated_copy(program: Program, annotations: dict) -> tuple[Program, dict]:
 
     def place(v: Value, new: Value) -> None:
         if v in annotations:
-            new = b.add1("sharding", [new], v.shape, v.dtype, sharding=annotations[v], unspecified=())
+            new = ops.annotated(b, new, annotations[v])
         counterpart[v] = new
 
     for p in program.params:

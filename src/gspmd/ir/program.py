@@ -32,15 +32,6 @@ class Value:
     def type_str(self) -> str:
         return f"{self.dtype.name}[{','.join(map(str, self.shape))}]"
 
-    def is_zero(self) -> bool:
-        """A constant zero, or a broadcast of one."""
-        p = self.producer
-        if p is None:
-            return False
-        if p.opcode == "constant":
-            return not np.any(p.attrs["value"])
-        return p.opcode == "broadcast" and p.operands[0].is_zero()
-
     def __repr__(self):
         return f"%{self.name}:{self.type_str()}"
 

@@ -2,8 +2,10 @@
 # Importing each op family registers its opcodes.
 from gspmd.ops import (callbacks, collectives, control, conv, dot, elementwise, gather_scatter, linalg,  # noqa: F401
                        manual, random, reduce, shape, slicing, sort, window)
-from gspmd.ops.registry import (KEY_PRIMITIVES, OPS, PRIMITIVES, OpDef, flops, informants, lookup,
-                                partition, propagate, prune, runs, seeds, storage, tensors)
+from gspmd.ops.elementwise import annotated
+from gspmd.ops.registry import (KEY_PRIMITIVES, OPS, PRIMITIVES, OpDef, flops, informants, is_annotation, is_zero,
+                                layouts_named, lookup, partition, propagate, prune, runs, seeds, storage, tensors)
 
-__all__ = ["KEY_PRIMITIVES", "OPS", "PRIMITIVES", "OpDef", "flops", "informants", "lookup",
-           "partition", "propagate", "prune", "runs", "seeds", "storage", "tensors"]
+__all__ = ["KEY_PRIMITIVES", "OPS", "PRIMITIVES", "OpDef", "annotated", "flops", "informants", "is_annotation",
+           "is_zero", "layouts_named", "lookup", "partition", "propagate", "prune", "runs", "seeds", "storage",
+           "tensors"]

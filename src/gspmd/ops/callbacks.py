@@ -29,7 +29,7 @@ from gspmd.errors import ShardingError
 from gspmd.ir.program import SIDE_EFFECT
 from gspmd.mesh import Mesh
 from gspmd.ops.convert import BoundPrimitive, call_eagerly
-from gspmd.ops.registry import register, replicate_fallback
+from gspmd.ops.registry import Frontend, Rule, Semantics, register, replicate_fallback
 from gspmd.sharding import Sharding
 
 
@@ -107,9 +107,12 @@ def as_jax_sharding(sharding: Sharding, mesh: Optional[Mesh] = None):
     return jax.sharding.NamedSharding(mesh, spec)
 
 
-register("inspect-sharding", converts={"inspect_sharding": _convert_inspect}, partition=_partition_inspect,
-         evaluate=lambda instr, args, device: [], lower=lambda instr, args, lc: [])
+register("inspect-sharding",
+         frontend=Frontend(converts={"inspect_sharding": _convert_inspect}),
+         semantics=Semantics(evaluate=lambda instr, args, device: [], lower=lambda instr, args, lc: []),
+         rule=Rule(partition=_partition_inspect))
 register("host-callback",
-         converts={"debug_print": _convert(True), "debug_callback": _convert(True), "io_callback": _convert(True),
-                   "pure_callback": _convert(False)},
-         evaluate_all=_evaluate_all, lower=_lower, partition=replicate_fallback)
+         frontend=Frontend(converts={"debug_print": _convert(True), "debug_callback": _convert(True), "io_callback": _convert(True),
+                   "pure_callback": _convert(False)}),
+         semantics=Semantics(evaluate_all=_evaluate_all, lower=_lower),
+         rule=Rule(partition=replicate_fallback))

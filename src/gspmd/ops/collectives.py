@@ -18,7 +18,9 @@ from gspmd.errors import ShardingError
 from gspmd.ir import Instr, Value
 from gspmd.ir.reducer import ADD, AND, MAX, MIN, OR, Reducer
 from gspmd.mesh import Mesh
-from gspmd.ops.registry import KernelLayout, elementwise_factors, major_first, register
+from gspmd.ops.loop_motion import groups_within
+from gspmd.ops.registry import (Facets, Frontend, Kernel, KernelOrders, Memory, Rewrites, Rule, Semantics, Timing,
+                                elementwise_factors, major_first, register)
 from gspmd.spmd.context import DeviceContext
 from gspmd.spmd.cost import ComputeKind, Pattern
 from gspmd.spmd.factors import PASS, REPLICATE, Factor
@@ -285,11 +287,11 @@ def _empty_safe(lower):
     return safe
 
 
-def _along_dim(instr) -> KernelLayout:
+def _along_dim(instr) -> KernelOrders:
     """XLA gathers and scatters along the outermost dim: it lays the collective's dim
     out first in the operand and the result."""
     order = major_first(instr.outputs[0].rank, instr.attrs["dim"])
-    return KernelLayout(((order,),), order)
+    return KernelOrders(((order,),), order)
 
 
 def _gather_apart(ctx, instr) -> Value:
@@ -310,21 +312,53 @@ def _all_to_all_pieces(instr) -> int:
     return instr.operands[0].nbytes
 
 
-register("partition-id", converts={"axis_index": _convert_axis_index}, evaluate=_evaluate_partition_id,
-         lower=_lower_partition_id, compute=ComputeKind.FREE)
-register("all-reduce", converts={"psum": _convert_psum(ADD), "psum_invariant": _convert_psum(ADD),
-                                 "pmax": _convert_psum(MAX), "pmin": _convert_psum(MIN)},
-         evaluate_all=_evaluate_all_reduce, lower=_empty_safe(_lower_all_reduce), collective=Pattern.ALL_REDUCE,
-         factors=elementwise_factors)
-register("all-gather", converts={"all_gather": _convert_all_gather, "all_gather_invariant": _convert_all_gather},
-         evaluate_all=_evaluate_all_gather, lower=_empty_safe(_lower_all_gather), layout=_along_dim,
-         collective=Pattern.ALL_GATHER, repeat=_gather_apart, factors=_whole_along("dim"))
-register("reduce-scatter", converts={"reduce_scatter": _convert_reduce_scatter},
-         evaluate_all=_evaluate_reduce_scatter, lower=_empty_safe(_lower_reduce_scatter), layout=_along_dim,
-         lower_together=(_scatter_key, _lower_reduce_scatters),
-         collective=Pattern.REDUCE_SCATTER, factors=_whole_along("dim"))
-register("all-to-all", converts={"all_to_all": _convert_all_to_all}, evaluate_all=_evaluate_all_to_all,
-         lower=_empty_safe(_lower_all_to_all), scratch=_all_to_all_pieces,
-         collective=Pattern.ALL_TO_ALL, factors=_whole_along("split_dim", "concat_dim"))
-register("collective-permute", converts={"ppermute": _convert_ppermute}, evaluate_all=_evaluate_collective_permute,
-         lower=_empty_safe(_lower_collective_permute), collective=Pattern.PERMUTE, factors=elementwise_factors)
+def _uniform_within_groups(instr, groups, uniform) -> bool:
+    """All-reduce and all-gather results are the same on every device of their groups."""
+    return groups_within(groups, np.asarray(instr.attrs["groups"]))
+
+
+def _varying(instr, groups, uniform) -> bool:
+    """Each device receives its own part."""
+    return False
+
+
+register("partition-id",
+         frontend=Frontend(converts={"axis_index": _convert_axis_index}),
+         semantics=Semantics(evaluate=_evaluate_partition_id, lower=_lower_partition_id),
+         timing=Timing(compute=ComputeKind.FREE),
+         facets=Facets(uniform=lambda instr, groups, uniform: groups.shape[1] == 1))
+register("all-reduce",
+         frontend=Frontend(converts={"psum": _convert_psum(ADD), "psum_invariant": _convert_psum(ADD),
+                                 "pmax": _convert_psum(MAX), "pmin": _convert_psum(MIN)}),
+         semantics=Semantics(evaluate_all=_evaluate_all_reduce, lower=_empty_safe(_lower_all_reduce)),
+         rule=Rule(factors=elementwise_factors),
+         timing=Timing(collective=Pattern.ALL_REDUCE),
+         facets=Facets(uniform=_uniform_within_groups))
+register("all-gather",
+         frontend=Frontend(converts={"all_gather": _convert_all_gather, "all_gather_invariant": _convert_all_gather}),
+         semantics=Semantics(evaluate_all=_evaluate_all_gather, lower=_empty_safe(_lower_all_gather)),
+         rule=Rule(factors=_whole_along("dim")),
+         timing=Timing(collective=Pattern.ALL_GATHER),
+         kernel=Kernel(orders=_along_dim),
+         rewrites=Rewrites(repeat=_gather_apart),
+         facets=Facets(uniform=_uniform_within_groups))
+register("reduce-scatter",
+         frontend=Frontend(converts={"reduce_scatter": _convert_reduce_scatter}),
+         semantics=Semantics(evaluate_all=_evaluate_reduce_scatter, lower=_empty_safe(_lower_reduce_scatter), lower_together=(_scatter_key, _lower_reduce_scatters)),
+         rule=Rule(factors=_whole_along("dim")),
+         timing=Timing(collective=Pattern.REDUCE_SCATTER),
+         kernel=Kernel(orders=_along_dim),
+         facets=Facets(uniform=_varying))
+register("all-to-all",
+         frontend=Frontend(converts={"all_to_all": _convert_all_to_all}),
+         semantics=Semantics(evaluate_all=_evaluate_all_to_all, lower=_empty_safe(_lower_all_to_all)),
+         rule=Rule(factors=_whole_along("split_dim", "concat_dim")),
+         timing=Timing(collective=Pattern.ALL_TO_ALL),
+         memory=Memory(scratch=_all_to_all_pieces),
+         facets=Facets(uniform=_varying))
+register("collective-permute",
+         frontend=Frontend(converts={"ppermute": _convert_ppermute}),
+         semantics=Semantics(evaluate_all=_evaluate_collective_permute, lower=_empty_safe(_lower_collective_permute)),
+         rule=Rule(factors=elementwise_factors),
+         timing=Timing(collective=Pattern.PERMUTE),
+         facets=Facets(uniform=_varying))

@@ -30,7 +30,8 @@ from gspmd.ir.dce import eliminate_dead_code
 from gspmd.ir.reducer import OR
 from gspmd.ops.convert import Conversion, physical_aval
 from gspmd.ops.loop_motion import defer_reductions, finish_reductions
-from gspmd.ops.registry import ELEMENTWISE, Storage, prune, register
+from gspmd.ops.registry import (ELEMENTWISE, Frontend, Memory, Rewrites, Rule, Semantics, Storage, Timing,
+                                prune, register)
 from gspmd.spmd import reshard as rs
 from gspmd.spmd.partitioned import PartitionedValue
 
@@ -220,10 +221,13 @@ def _prune_while(instr: Instr, used: list[bool]) -> None:
     eliminate_dead_code(body, prune)
 
 
-register("while", converts={"while": _convert_while, "scan": _convert_scan}, evaluate_programs=_evaluate_while,
-         lower=_lower_while, propagate=_same_layout(_tied_places), tied=tied_values, informants=_tied_places,
-         partition=_partition_while, runs=_while_runs, priority=ELEMENTWISE, storage=Storage.CARRIED,
-         prune=_prune_while)
+register("while",
+         frontend=Frontend(converts={"while": _convert_while, "scan": _convert_scan}),
+         semantics=Semantics(evaluate_programs=_evaluate_while, lower=_lower_while),
+         rule=Rule(propagate=_same_layout(_tied_places), tied=tied_values, informants=_tied_places, partition=_partition_while, priority=ELEMENTWISE),
+         timing=Timing(runs=_while_runs),
+         memory=Memory(storage=Storage.CARRIED),
+         rewrites=Rewrites(prune=_prune_while))
 
 
 # -- conditional: operands (index, *args), attrs branches (a tuple of programs over args) --
@@ -314,8 +318,9 @@ def _prune_conditional(instr: Instr, used: list[bool]) -> None:
         branch.params = [branch.params[i] for i in needed]
 
 
-register("conditional", converts={"cond": _convert_cond}, evaluate_programs=_evaluate_conditional,
-         lower=_lower_conditional, propagate=_same_layout(_branch_places), tied=_branch_values,
-         informants=_branch_places, partition=_partition_conditional,
-         runs=lambda instr: [(branch, 1) for branch in instr.attrs["branches"]], priority=ELEMENTWISE,
-         prune=_prune_conditional)
+register("conditional",
+         frontend=Frontend(converts={"cond": _convert_cond}),
+         semantics=Semantics(evaluate_programs=_evaluate_conditional, lower=_lower_conditional),
+         rule=Rule(propagate=_same_layout(_branch_places), tied=_branch_values, informants=_branch_places, partition=_partition_conditional, priority=ELEMENTWISE),
+         timing=Timing(runs=lambda instr: [(branch, 1) for branch in instr.attrs["branches"]]),
+         rewrites=Rewrites(prune=_prune_conditional))

@@ -15,6 +15,7 @@ factor partitioner then handles batch and feature dims around them (paper 4.4).
 """
 from __future__ import annotations
 
+import enum
 import itertools
 import math
 from typing import Optional
@@ -22,7 +23,7 @@ from typing import Optional
 import numpy as np
 from jax import lax
 
-from gspmd.ops.registry import CONTRACTION, KernelLayout, register
+from gspmd.ops.registry import CONTRACTION, Frontend, Kernel, KernelOrders, Rule, Semantics, Timing, register
 from gspmd.ops.window import pad_array, window_attrs, windows_of
 from gspmd.sharding import Sharding
 from gspmd.spmd import cost as cm
@@ -32,7 +33,14 @@ from gspmd.spmd.halo import DimPlan, local_base, partition_windowed, pinned_spac
 from gspmd.spmd.layout import groups_along
 from gspmd.spmd.partitioned import PartitionedValue
 
-OUT, WINDOW = "out", "window"   # how a split spatial dim is partitioned
+class SpatialSplit(enum.Enum):
+    """How a split spatial dim is partitioned."""
+    OUT = "out"          # input and output split alike; each device's windows by halo exchange
+    WINDOW = "window"    # input and window split alike (a window larger than the output:
+                         # weight gradients); partial sums over the split
+
+
+OUT, WINDOW = SpatialSplit.OUT, SpatialSplit.WINDOW
 
 
 def _evaluate_conv(instr, args, device):
@@ -67,7 +75,7 @@ def _dims(instr):
     return a["lhs_spec"], a["rhs_spec"], a["out_spec"]
 
 
-def _default_modes(instr) -> list[str]:
+def _default_modes(instr) -> list[SpatialSplit]:
     """For propagation: spatial dims carry between input and output, except when the
     window is larger than the output (weight gradients), where they carry between input
     and window."""
@@ -76,7 +84,7 @@ def _default_modes(instr) -> list[str]:
     return [OUT if out.shape[o] >= rhs.shape[r] else WINDOW for r, o in zip(rsp, osp)]
 
 
-def conv_factors(instr, modes: Optional[list[Optional[str]]] = None) -> list[fx.Factor]:
+def conv_factors(instr, modes: Optional[list[Optional[SpatialSplit]]] = None) -> list[fx.Factor]:
     """Factors of a convolution; `modes` says per spatial dim whether it is split by
     outputs, by window, or kept whole (None). Grouped convolutions split along the
     groups: feature group j (the j-th part of the lhs features, of the rhs and result
@@ -97,9 +105,9 @@ def conv_factors(instr, modes: Optional[list[Optional[str]]] = None) -> list[fx.
                    fx.Factor(o, (None, ro, of))]
     for mode, l, r, q in zip(modes or _default_modes(instr), ls, rsp, osp):
         size = lhs.shape[l]
-        if mode == OUT:
+        if mode is OUT:
             factors += [fx.Factor(size, (l, None, q)), fx.Factor(rhs.shape[r], (None, r, None), fx.REPLICATE)]
-        elif mode == WINDOW:
+        elif mode is WINDOW:
             factors += [fx.Factor(size, (l, r, None), fx.REDUCE), fx.Factor(1, (None, None, q), fx.REPLICATE)]
         else:
             factors.append(fx.Factor(size, (l, r, q), fx.REPLICATE))
@@ -113,7 +121,7 @@ def _spatial_layout(instr, lhs: PartitionedValue, rhs: PartitionedValue, target:
     (_, _, *ls), (_, _, *rsp), (_, _, *osp) = _dims(instr)
     out = instr.outputs[0]
     layout = Sharding.replicated(lhs.rank, lhs.sharding.num_devices)
-    modes: list[Optional[str]] = []
+    modes: list[Optional[SpatialSplit]] = []
     for l, r, q in zip(ls, rsp, osp):
         t_lhs, t_rhs, t_out = lhs.sharding.tiles[l], rhs.sharding.tiles[r], target.tiles[q]
         if t_rhs > 1 and (out.shape[q] < rhs.shape[r] or t_lhs == t_out == 1):
@@ -144,7 +152,7 @@ def _partition_conv(ctx, instr, operands, targets):
     emit = _local_conv(instr, plans, spatial)
     if not plans:
         return fx.partition(ctx, instr, factors, operands, targets, emit_local=emit)
-    out_map = {ls[j]: osp[j] for j, mode in enumerate(modes) if mode == OUT}
+    out_map = {ls[j]: osp[j] for j, mode in enumerate(modes) if mode is OUT}
     return [partition_windowed(ctx, instr, operands, target, factors, 0, {ls[j]: p for j, p in plans.items()},
                                spatial, out_map, [ob, of], 0, emit)]
 
@@ -152,7 +160,7 @@ def _partition_conv(ctx, instr, operands, targets):
 def _plans(instr, lhs, rhs, modes, spatial: Sharding) -> dict[int, DimPlan]:
     (_, _, *ls), (_, _, *rsp), _ = _dims(instr)
     windows = windows_of(instr.attrs, [rhs.shape[r] for r in rsp])
-    return {j: plan_dim(lhs.shape[ls[j]], windows[j], spatial.tiles[ls[j]], window_parts=(m == WINDOW))
+    return {j: plan_dim(lhs.shape[ls[j]], windows[j], spatial.tiles[ls[j]], window_parts=(m is WINDOW))
             for j, m in enumerate(modes) if m is not None}
 
 
@@ -245,13 +253,16 @@ def _lower_conv(instr, args, lc):
         preferred_element_type=out.dtype)]
 
 
-def _layout(instr) -> KernelLayout:
+def _layout(instr) -> KernelOrders:
     """XLA's CPU convolutions work on [batch, spatial..., feature] inputs and results and
     [spatial..., in, out] kernels."""
     (lb, lf, *ls), (ro, ri, *rsp), (ob, of, *osp) = _dims(instr)
-    return KernelLayout((((lb, *ls, lf),), ((*rsp, ri, ro),)), (ob, *osp, of))
+    return KernelOrders((((lb, *ls, lf),), ((*rsp, ri, ro),)), (ob, *osp, of))
 
 
-register("convolution", converts={"conv_general_dilated": _convert_conv}, evaluate=_evaluate_conv, lower=_lower_conv,
-         flops=_conv_flops, factors=conv_factors, partition=_partition_conv, priority=CONTRACTION, layout=_layout,
-         compute=ComputeKind.MATMUL)
+register("convolution",
+         frontend=Frontend(converts={"conv_general_dilated": _convert_conv}),
+         semantics=Semantics(evaluate=_evaluate_conv, lower=_lower_conv),
+         rule=Rule(factors=conv_factors, partition=_partition_conv, priority=CONTRACTION),
+         timing=Timing(flops=_conv_flops, compute=ComputeKind.MATMUL),
+         kernel=Kernel(orders=_layout))

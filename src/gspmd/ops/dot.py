@@ -11,7 +11,8 @@ from jax import lax
 from jax import numpy as jnp
 
 from gspmd.dtypes import is_floating
-from gspmd.ops.registry import CONTRACTION, KernelLayout, linear_in, register, same_layout
+from gspmd.ops.registry import (CONTRACTION, Frontend, Kernel, KernelOrders, Memory, Rewrites, Rule, Semantics,
+                                Timing, linear_in, register, same_order)
 from gspmd.spmd import factors as fx
 from gspmd.spmd.context import DeviceContext
 from gspmd.spmd.cost import ComputeKind
@@ -87,7 +88,7 @@ def _lower_dot(instr, args, lc):
     return [lax.dot_general(lhs, rhs, dims, preferred_element_type=out.dtype)]
 
 
-def _layout(instr) -> KernelLayout:
+def _layout(instr) -> KernelOrders:
     """XLA's CPU matmuls read row-major operands whose dims run [batch, free,
     contracting] or [batch, contracting, free]; another operand is transposed into the
     first (lhs) or the second (rhs) first."""
@@ -98,13 +99,17 @@ def _layout(instr) -> KernelLayout:
         free = [d for d in range(x.rank) if d not in batch and d not in contracting]
         orders = [(*batch, *free, *contracting), (*batch, *contracting, *free)]
         row_major = tuple(range(x.rank))
-        wanted.append((row_major,) if any(same_layout(x.shape, row_major, o) for o in orders) else (orders[index],))
-    return KernelLayout(tuple(wanted))
+        wanted.append((row_major,) if any(same_order(x.shape, row_major, o) for o in orders) else (orders[index],))
+    return KernelOrders(tuple(wanted))
 
 
-register("dot", converts={"dot_general": _convert_dot_general}, evaluate=_evaluate_dot,
-         lower=_lower_dot, factors=_dot_factors, priority=CONTRACTION, flops=_dot_flops, layout=_layout,
-         compute=ComputeKind.MATMUL, linear=linear_in((0,), (1,)))
+register("dot",
+         frontend=Frontend(converts={"dot_general": _convert_dot_general}),
+         semantics=Semantics(evaluate=_evaluate_dot, lower=_lower_dot),
+         rule=Rule(factors=_dot_factors, priority=CONTRACTION),
+         timing=Timing(flops=_dot_flops, compute=ComputeKind.MATMUL),
+         kernel=Kernel(orders=_layout),
+         rewrites=Rewrites(linear=linear_in((0,), (1,))))
 
 
 # -- ragged-dot: lax.ragged_dot_general -------------------------------------------------
@@ -281,7 +286,10 @@ def _expanded_ragged_operands(instr) -> dict[int, int]:
     return {0: instr.outputs[0].shape[0], 1: instr.outputs[0].shape[0]}
 
 
-register("ragged-dot", converts={"ragged_dot_general": _convert_ragged_dot}, evaluate=_evaluate_ragged_dot,
-         lower=_lower_ragged_dot, factors=_ragged_dot_factors, partition=_partition_ragged_dot,
-         priority=CONTRACTION, flops=_ragged_dot_flops, compute=ComputeKind.MATMUL, linear=linear_in((0,), (1,)),
-         expanded=_expanded_ragged_operands)
+register("ragged-dot",
+         frontend=Frontend(converts={"ragged_dot_general": _convert_ragged_dot}),
+         semantics=Semantics(evaluate=_evaluate_ragged_dot, lower=_lower_ragged_dot),
+         rule=Rule(factors=_ragged_dot_factors, partition=_partition_ragged_dot, priority=CONTRACTION),
+         timing=Timing(flops=_ragged_dot_flops, compute=ComputeKind.MATMUL),
+         memory=Memory(expanded=_expanded_ragged_operands),
+         rewrites=Rewrites(linear=linear_in((0,), (1,))))

@@ -11,7 +11,7 @@ Complex numbers are out of scope (the frontend says so).
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import jax
 import numpy as np
@@ -20,10 +20,11 @@ from jax.sharding import NamedSharding
 
 from gspmd.dtypes import is_floating
 from gspmd.errors import ShardingError
-from gspmd.ir import Instr, Value
+from gspmd.ir import Builder, Instr, Value
+from gspmd.ir.reducer import ADD
 from gspmd.ops.convert import Conversion, Converter
-from gspmd.ops.registry import (ELEMENTWISE, Storage, elementwise_factors, elementwise_flops, jointly_linear, linear_in,
-                                register)
+from gspmd.ops.registry import (ELEMENTWISE, Facets, Frontend, Memory, Rewrites, Rule, Semantics, Storage, Timing,
+                                elementwise_factors, elementwise_flops, jointly_linear, linear_in, register)
 from gspmd.sharding import UNSPECIFIED, Sharding, dims_mapping_from_spec
 from gspmd.spmd import factors as fx
 from gspmd.spmd import reshard as rs
@@ -85,18 +86,23 @@ def _lower_with(fn: Callable, params: Sequence[str] = ()) -> Callable:
 
 def elementwise(opcode: str, numpy_fn: Optional[Callable], lax_fn: Callable, primitives: Sequence[str] = (),
                 converts: Optional[dict[str, Converter]] = None, params: Sequence[str] = (),
-                evaluate: Optional[Callable] = None, **fields) -> None:
+                evaluate: Optional[Callable] = None, partition: Optional[Callable] = None,
+                flops: Optional[Callable] = elementwise_flops, compute: ComputeKind = ComputeKind.MEMORY,
+                storage: Storage = Storage.ELEMENTWISE, expensive: Union[bool, Callable] = False,
+                linear: Optional[Callable] = None, facets: Optional[Facets] = None) -> None:
     """Register element-wise `opcode`: each JAX primitive in `primitives` becomes it
     (more converters in `converts`), its `params` becoming attributes that numpy_fn and
     lax_fn take by name; numpy_fn None: the reference runs lax_fn eagerly (or is
     `evaluate`, a whole reference of its own). One operation per element unless `flops`
     says otherwise."""
-    fields.setdefault("flops", elementwise_flops)
     if evaluate is None:
         evaluate = _evaluate_eagerly(lax_fn, params) if numpy_fn is None else _evaluate_with(numpy_fn, params)
-    register(opcode, converts={**{p: convert_as(opcode, params) for p in primitives}, **(converts or {})},
-             evaluate=evaluate, lower=_lower_with(lax_fn, params), factors=elementwise_factors,
-             priority=ELEMENTWISE, **{"storage": Storage.ELEMENTWISE, **fields})
+    register(opcode,
+             frontend=Frontend(converts={**{p: convert_as(opcode, params) for p in primitives}, **(converts or {})}),
+             semantics=Semantics(evaluate=evaluate, lower=_lower_with(lax_fn, params)),
+             rule=Rule(factors=elementwise_factors, partition=partition, priority=ELEMENTWISE),
+             timing=Timing(flops=flops, compute=compute),
+             memory=Memory(storage=storage, expensive=expensive), rewrites=Rewrites(linear=linear), facets=facets or Facets())
 
 
 # -- HLO semantics where NumPy differs ------------------------------------------------------
@@ -199,7 +205,7 @@ def _float_division(instr) -> bool:
 
 
 # Binary ops (bitwise on integers, logical on booleans, as in HLO).
-elementwise("add", np.add, lax.add, ["add", "add_any"], linear=jointly_linear)
+elementwise("add", np.add, lax.add, ["add", "add_any"], linear=jointly_linear, facets=Facets(combines=ADD))
 elementwise("subtract", np.subtract, lax.sub, ["sub"], linear=jointly_linear)
 elementwise("multiply", np.multiply, lax.mul, ["mul"], converts={"square": _square}, linear=linear_in((0,), (1,)))
 elementwise("divide", _divide, lax.div, ["div"], expensive=_float_division, linear=linear_in((0,)))
@@ -303,11 +309,14 @@ def _lower_compare(instr, args, lc):
 
 
 # eq_to, lt_to, le_to: the total order (jax.random.choice with p= compares with le_to)
-register("compare", converts={**{p: convert_as("compare", direction=p.upper()) for p in ("eq", "ne", "lt", "le", "gt", "ge")},
+register("compare",
+         frontend=Frontend(converts={**{p: convert_as("compare", direction=p.upper()) for p in ("eq", "ne", "lt", "le", "gt", "ge")},
                               **{f"{p}_to": convert_as("compare", direction=p.upper(), total_order=True)
-                                 for p in ("eq", "lt", "le")}},
-         evaluate=_evaluate_compare, lower=_lower_compare, factors=elementwise_factors, priority=ELEMENTWISE,
-         storage=Storage.ELEMENTWISE, flops=elementwise_flops)
+                                 for p in ("eq", "lt", "le")}}),
+         semantics=Semantics(evaluate=_evaluate_compare, lower=_lower_compare),
+         rule=Rule(factors=elementwise_factors, priority=ELEMENTWISE),
+         timing=Timing(flops=elementwise_flops),
+         memory=Memory(storage=Storage.ELEMENTWISE))
 
 
 def _select_n(b, eqn, args):
@@ -333,9 +342,13 @@ def _evaluate_select(instr, args, device):
     return [np.where(pred, on_true, on_false).astype(instr.outputs[0].dtype, copy=False)]
 
 
-register("select", converts={"select_n": _select_n}, evaluate=_evaluate_select, lower=_lower_with(lax.select),
-         factors=elementwise_factors, priority=ELEMENTWISE, storage=Storage.ELEMENTWISE, flops=elementwise_flops,
-         linear=linear_in((1, 2)))
+register("select",
+         frontend=Frontend(converts={"select_n": _select_n}),
+         semantics=Semantics(evaluate=_evaluate_select, lower=_lower_with(lax.select)),
+         rule=Rule(factors=elementwise_factors, priority=ELEMENTWISE),
+         timing=Timing(flops=elementwise_flops),
+         memory=Memory(storage=Storage.ELEMENTWISE),
+         rewrites=Rewrites(linear=linear_in((1, 2))))
 
 
 def _convert(b, eqn, args):
@@ -366,10 +379,14 @@ def _reshard_to_target(ctx, instr, operands, targets):
     return [rs.reshard(ctx, operands[0], targets[0])]
 
 
+def annotated(b: Builder, x: Value, layout: Sharding, unspecified: Sequence[int] = ()) -> Value:
+    """x annotated with `layout`, its dims `unspecified` left to propagation."""
+    return b.add1("sharding", [x], x.shape, x.dtype, sharding=layout, unspecified=tuple(unspecified))
+
+
 def _annotation(b, eqn, args):
-    shape, dtype = b.out_aval(eqn)
     sharding = b.local_layout(eqn.params["sharding"], f"the value {args[0].type_str()}")
-    return [b.add1("sharding", args, shape, dtype, sharding=sharding, unspecified=eqn.params["unspecified"])]
+    return [annotated(b, args[0], sharding, eqn.params["unspecified"])]
 
 
 def annotate(b: Conversion, x: Value, sharding, unconstrained=(), only_named: bool = False) -> Value:
@@ -384,8 +401,7 @@ def annotate(b: Conversion, x: Value, sharding, unconstrained=(), only_named: bo
     if all(e is UNSPECIFIED for e in mapping):
         return x
     layout = b.local_layout(Sharding.from_mesh(b.mesh_of(sharding.mesh), mapping, x.shape), f"the value {x.type_str()}")
-    return b.add1("sharding", [x], x.shape, x.dtype, sharding=layout,
-                  unspecified=tuple(d for d, e in enumerate(mapping) if e is UNSPECIFIED))
+    return annotated(b, x, layout, [d for d, e in enumerate(mapping) if e is UNSPECIFIED])
 
 
 def _sharding_constraint(b, eqn, args):
@@ -410,11 +426,12 @@ def _nested_jit(b, eqn, args):
 # "mesh_split" is gspmd.frontend.annotation.mesh_split_p's name.
 elementwise("sharding", lambda x: x, lambda x: x, partition=_reshard_to_target, flops=None, compute=ComputeKind.FREE,
             converts={"mesh_split": _annotation, "sharding_constraint": _sharding_constraint, "reshard": _reshard,
-                      "jit": _nested_jit})
+                      "jit": _nested_jit},
+            facets=Facets(annotation=True, identity=True, layouts_named=lambda instr: [instr.attrs["sharding"]]))
 # "pvary" marks a value in a shard_map body as varying over axes (check_vma).
 elementwise("copy", lambda x: x, lambda x: x, flops=None,
             converts={p: _identity for p in ("copy", "copy_p", "stop_gradient", "pvary")},
-            partition=_reshard_to_target, linear=jointly_linear)
+            partition=_reshard_to_target, linear=jointly_linear, facets=Facets(identity=True))
 
 
 # -- optimization barriers and rematerialization -------------------------------------------
@@ -495,6 +512,8 @@ def _evaluate_bitcast(instr, args, device):
     return [np.ascontiguousarray(args[0]).view(out.dtype).reshape(out.shape)]
 
 
-register("bitcast-convert", converts={"bitcast_convert_type": _bitcast_convert}, evaluate=_evaluate_bitcast,
-         lower=lambda instr, args, lc: [lax.bitcast_convert_type(args[0], instr.outputs[0].dtype)],
-         factors=_bitcast_factors, priority=ELEMENTWISE, storage=Storage.BITCAST)
+register("bitcast-convert",
+         frontend=Frontend(converts={"bitcast_convert_type": _bitcast_convert}),
+         semantics=Semantics(evaluate=_evaluate_bitcast, lower=lambda instr, args, lc: [lax.bitcast_convert_type(args[0], instr.outputs[0].dtype)]),
+         rule=Rule(factors=_bitcast_factors, priority=ELEMENTWISE),
+         memory=Memory(storage=Storage.BITCAST))

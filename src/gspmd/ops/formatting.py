@@ -1,5 +1,5 @@
-"""Chains of data formatting along one dim — pad, slice, concatenate, reverse, and the
-annotations and copies between them — seen as segments of the values they start from,
+"""Chains of data formatting along one dim — pad, slice, concatenate, reverse (records
+with a segment rule), and the annotations and copies between them — seen as segments of the values they start from,
 so that the whole chain is partitioned in one step (spmd/segments.py, paper 4.6): a
 shift (pad then slice), a rotation (slices then concatenate), a wrap-around pad, a
 mirrored reverse."""
@@ -9,7 +9,9 @@ from dataclasses import replace
 from typing import Optional
 
 from gspmd.ir import Instr, Value
+from gspmd.ops.registry import lookup
 from gspmd.sharding import Sharding
+from gspmd.spmd import factors as fx
 from gspmd.spmd import segments as sg
 from gspmd.spmd.context import DeviceContext
 from gspmd.spmd.partitioned import PartitionedValue
@@ -19,23 +21,10 @@ MAX_SEGMENTS = 16
 
 
 def changed_dim(instr: Instr) -> Optional[int]:
-    """The one dim a stride-1, undilated pad/slice/concatenate/reverse changes."""
-    a = instr.attrs
-    if instr.opcode in ("pad", "slice"):
-        x = instr.operands[0]
-    if instr.opcode == "pad":
-        changed = [d for d in range(x.rank) if a["low"][d] or a["high"][d]]
-        plain = not any(a["interior"])
-    elif instr.opcode == "slice":
-        changed = [d for d in range(x.rank) if a["start"][d] or a["limit"][d] != x.shape[d]]
-        plain = all(s == 1 for s in a["strides"])
-    elif instr.opcode == "concatenate":
-        changed, plain = [a["dimension"]], True
-    elif instr.opcode == "reverse":
-        changed, plain = list(a["dims"]), True
-    else:
-        return None
-    return changed[0] if plain and len(changed) == 1 else None
+    """The one dim a stride-1, undilated pad/slice/concatenate/reverse changes (its
+    record's segment rule says)."""
+    rule = lookup(instr.opcode).facets.segments
+    return None if rule is None else rule.changed_dim(instr)
 
 
 class _Chain:
@@ -53,33 +42,19 @@ class _Chain:
     def segments(self, v: Value, dim: int, depth: int = 0) -> list[sg.Segment]:
         """v's elements along dim, as segments of the values the chain below it starts from."""
         p = v.producer
-        if p is not None and depth < MAX_DEPTH and p.opcode in ("sharding", "copy"):
+        if p is not None and depth < MAX_DEPTH and lookup(p.opcode).facets.identity:
             return self.segments(p.operands[0], dim, depth + 1)
         if p is None or depth == MAX_DEPTH or changed_dim(p) != dim:
             return [sg.Segment(0, v.shape[dim], self._index(self.sources, v))]
-        a, x = p.attrs, p.operands[0]
-        if p.opcode == "slice":
-            out = _clip([s.shifted(-a["start"][dim]) for s in self.segments(x, dim, depth + 1)], v.shape[dim])
-        elif p.opcode == "pad":
-            low, size = a["low"][dim], v.shape[dim]
-            fill = self._index(self.fills, p.operands[1])
-            inner = [s.shifted(low) for s in self.segments(x, dim, depth + 1)]
-            high = low + x.shape[dim]
-            edges = [sg.Segment(0, low, fill, fill=True), sg.Segment(high, size - high, fill, fill=True)]
-            out = _clip(inner + edges, size)
-        elif p.opcode == "concatenate":
-            out, at = [], 0
-            for operand in p.operands:
-                out += [s.shifted(at) for s in self.segments(operand, dim, depth + 1)]
-                at += operand.shape[dim]
-        else:   # reverse
-            out = [s.mirrored(v.shape[dim]) for s in self.segments(x, dim, depth + 1)]
+        out = lookup(p.opcode).facets.segments.segments(p, dim, lambda x: self.segments(x, dim, depth + 1),
+                                                        lambda fill: self._index(self.fills, fill))
         if len(out) > MAX_SEGMENTS:
             return [sg.Segment(0, v.shape[dim], self._index(self.sources, v))]
         return out
 
 
-def _clip(segments: list[sg.Segment], size: int) -> list[sg.Segment]:
+def clip(segments: list[sg.Segment], size: int) -> list[sg.Segment]:
+    """The parts of `segments` within [0, size)."""
     return [c for c in (s.clipped(0, size) for s in segments) if c is not None]
 
 
@@ -99,3 +74,13 @@ def partition_in_one_step(ctx: DeviceContext, instr: Instr, target: Sharding) ->
         return None
     fills = [ctx.partitioned(f).local for f in chain.fills]
     return sg.assemble(ctx, segments, sources, fills, dim, out.shape, target)
+
+
+def in_one_step_or_by_factors(ctx: DeviceContext, instr: Instr, operands: list[PartitionedValue],
+                              targets: list[Sharding]) -> list[PartitionedValue]:
+    """A partition rule: the chain in one step where a split dim changes, else the
+    common partitioning of the record's factors (which keeps permutation factors whole)."""
+    merged = partition_in_one_step(ctx, instr, targets[0])
+    if merged is not None:
+        return [merged]
+    return fx.partition(ctx, instr, lookup(instr.opcode).rule.factors(instr), operands, targets)

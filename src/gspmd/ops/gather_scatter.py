@@ -18,6 +18,7 @@ Out-of-range starts clamp (CLIP) or fill the window with `fill_value` / drop the
 from __future__ import annotations
 
 from functools import partial
+from typing import Optional
 
 import numpy as np
 from jax import lax
@@ -25,7 +26,8 @@ from jax import lax
 from gspmd.dtypes import is_floating
 from gspmd.ir import Instr, Value
 from gspmd.ir.reducer import ADD, AND, MAX, MIN, MUL, OR, Reducer
-from gspmd.ops.registry import LAYOUT, Storage, register, result_sized_bytes, update_sized_bytes
+from gspmd.ops.registry import (Facets, Frontend, LAYOUT, Memory, Rewrites, Rule, Semantics, Storage, Timing, register,
+                                result_sized_bytes, update_sized_bytes)
 from gspmd.sharding import Sharding
 from gspmd.spmd import factors as fx
 from gspmd.spmd.context import INDEX_DTYPE, DeviceContext
@@ -384,15 +386,27 @@ def _lower_scatter(instr, args, lc):
     return [_LAX_SCATTERS[a["reducer"]](operand, indices, updates, dn, mode=_LAX_MODES[a["mode"]])]
 
 
-register("gather", converts={"gather": _convert_gather}, evaluate=_evaluate_gather, lower=_lower_gather,
-         factors=_gather_factors, partition=_partition_with(_gather_factors, _emit_gather), priority=LAYOUT,
-         storage=Storage.REPEATED, expensive=True, bytes_accessed=result_sized_bytes)
+register("gather",
+         frontend=Frontend(converts={"gather": _convert_gather}),
+         semantics=Semantics(evaluate=_evaluate_gather, lower=_lower_gather),
+         rule=Rule(factors=_gather_factors, partition=_partition_with(_gather_factors, _emit_gather), priority=LAYOUT),
+         timing=Timing(bytes_accessed=result_sized_bytes),
+         memory=Memory(storage=Storage.REPEATED, expensive=True))
+def _scatter_added_to(instr: Instr, acc: Value, add: Instr, program) -> Optional[list[Instr]]:
+    """acc + scatter(0, i, u, +) = scatter(acc, i, u, +)."""
+    if instr.attrs["reducer"] is not ADD:
+        return None
+    _, indices, updates = instr.operands
+    return [instr.remade([acc, indices, updates], add.output)]
+
+
 register("scatter",
-         converts={"scatter": _convert_scatter(None), "scatter-add": _convert_scatter(ADD),
+         frontend=Frontend(converts={"scatter": _convert_scatter(None), "scatter-add": _convert_scatter(ADD),
                    "scatter-sub": _convert_scatter(ADD, "subtract"), "scatter-mul": _convert_scatter(MUL),
-                   "scatter-min": _convert_scatter(MIN), "scatter-max": _convert_scatter(MAX)},
-         evaluate=_evaluate_scatter, lower=_lower_scatter, factors=_scatter_factors,
-         partition=_partition_with(_scatter_factors, _emit_scatter), priority=LAYOUT,
-         bytes_accessed=update_sized_bytes(2), storage=Storage.UPDATED,
-         # the indices fixed, writing or adding updates into an operand is linear in both
-         linear=lambda instr: [(0, 2)] if instr.attrs["reducer"] in (None, ADD) else [])
+                   "scatter-min": _convert_scatter(MIN), "scatter-max": _convert_scatter(MAX)}),
+         semantics=Semantics(evaluate=_evaluate_scatter, lower=_lower_scatter),
+         rule=Rule(factors=_scatter_factors, partition=_partition_with(_scatter_factors, _emit_scatter), priority=LAYOUT),
+         timing=Timing(bytes_accessed=update_sized_bytes(2)),
+         memory=Memory(storage=Storage.UPDATED),
+         rewrites=Rewrites(linear=lambda instr: [(0, 2)] if instr.attrs["reducer"] in (None, ADD) else []),
+         facets=Facets(added_to=_scatter_added_to))

@@ -16,7 +16,7 @@ from typing import Optional
 from jax.lax import FftType
 
 from gspmd.ops.convert import BoundPrimitive, call_eagerly
-from gspmd.ops.registry import register
+from gspmd.ops.registry import Frontend, Rule, Semantics, Timing, register
 from gspmd.spmd import factors as fx
 from gspmd.spmd import cost as cm
 from gspmd.spmd import reshard as rs
@@ -181,7 +181,9 @@ def _lower(instr, args, lc):
     return instr.attrs["call"](*args)
 
 
-register("linalg", converts={**{name: _convert for name in (*_MATRIX_DIMS, "fft")},
-                             "custom_linear_solve": _convert_linear_solve},
-         evaluate=lambda instr, args, device: call_eagerly(instr, args), lower=_lower, factors=_propagated_factors,
-         partition=_partition, flops=_flops, compute=ComputeKind.MATMUL)
+register("linalg",
+         frontend=Frontend(converts={**{name: _convert for name in (*_MATRIX_DIMS, "fft")},
+                             "custom_linear_solve": _convert_linear_solve}),
+         semantics=Semantics(evaluate=lambda instr, args, device: call_eagerly(instr, args), lower=_lower),
+         rule=Rule(factors=_propagated_factors, partition=_partition),
+         timing=Timing(flops=_flops, compute=ComputeKind.MATMUL))

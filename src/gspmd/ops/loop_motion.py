@@ -22,7 +22,7 @@ import numpy as np
 from gspmd.ir import Builder, Instr, Program, Value
 from gspmd.ir.dce import eliminate_dead_code
 from gspmd.ir.reducer import ADD
-from gspmd.ops.registry import lookup
+from gspmd.ops.registry import is_zero, lookup
 from gspmd.spmd.context import DeviceContext, Why
 
 
@@ -79,7 +79,7 @@ def _reduction_groups(body: Program, out: Value) -> list[np.ndarray]:
         if _is_add_all_reduce(v.producer):
             groups = np.asarray(v.producer.attrs["groups"])
             found.setdefault(_groups_key(groups), groups)
-        elif lookup(v.producer.opcode).linear is not None:
+        elif lookup(v.producer.opcode).rewrites.linear is not None:
             todo.extend(v.producer.operands)
     return list(found.values())
 
@@ -109,7 +109,7 @@ def _partial_expression(body: Program, param: Value, out: Value, groups: np.ndar
             leaves[instr.output] = instr.operands[0]
             partial[instr.output] = False
             continue
-        linear = lookup(instr.opcode).linear
+        linear = lookup(instr.opcode).rewrites.linear
         if linear is None or len(instr.outputs) != 1:
             continue
         summed = {k for k, o in enumerate(instr.operands) if o in partial}
@@ -117,7 +117,7 @@ def _partial_expression(body: Program, param: Value, out: Value, groups: np.ndar
             continue
         for jointly in linear(instr):
             fill = set(jointly) - summed
-            if summed <= set(jointly) and all(instr.operands[k].is_zero() for k in fill) and all(
+            if summed <= set(jointly) and all(is_zero(instr.operands[k]) for k in fill) and all(
                     uniform(o, groups) for k, o in enumerate(instr.operands) if k not in jointly):
                 partial[instr.output] = any(partial[instr.operands[k]] for k in summed)
                 instrs.append(instr)
@@ -172,7 +172,7 @@ def _rewrite(body: Program, index: int, expr: _Expression, groups: np.ndarray) -
 
 def _as_partial(ctx: DeviceContext, init: Value, groups: np.ndarray) -> Value:
     """init as partial sums over groups: whole on each group's first device, else zero."""
-    if init.is_zero():
+    if is_zero(init):
         return init
     first = np.zeros(ctx.num_devices, np.int32)
     first[ctx.virtual_groups(groups)[:, 0]] = 1
@@ -211,35 +211,22 @@ class _Uniformity:
         p = v.producer
         if p is None:
             return (v not in self.excluded and v.sharding is not None
-                    and _same_within(v.sharding.coords()[self.virtual], groups))
-        if p.opcode == "constant":
-            return True
-        if p.opcode == "partition-id":
-            return groups.shape[1] == 1
-        if p.opcode in ("all-reduce", "all-gather"):
-            return _groups_within(groups, np.asarray(p.attrs["groups"]))
-        if p.opcode in ("reduce-scatter", "all-to-all", "collective-permute") or any(
-                isinstance(a, Program) for a in p.attrs.values()):
+                    and same_within(v.sharding.coords()[self.virtual], groups))
+        if any(isinstance(a, Program) for a in p.attrs.values()):
             return False
-        if p.opcode == "dynamic-slice" and _is_table_lookup(p):
-            return _same_within(p.operands[0].producer.attrs["value"][:, None], groups)
+        rule = lookup(p.opcode).facets.uniform    # constants, partition-id, collectives, table lookups
+        if rule is not None:
+            return rule(p, groups, self)
         return all(self(o, groups) for o in p.operands)
 
 
-def _is_table_lookup(instr: Instr) -> bool:
-    """dynamic-slice(constant table, partition-id): a per-device scalar."""
-    table, *starts = instr.operands
-    return (table.producer is not None and table.producer.opcode == "constant" and table.rank == 1
-            and len(starts) == 1 and starts[0].producer is not None and starts[0].producer.opcode == "partition-id")
-
-
-def _same_within(per_device: np.ndarray, groups: np.ndarray) -> bool:
+def same_within(per_device: np.ndarray, groups: np.ndarray) -> bool:
     """per_device[d] (rows) equal for all devices d of each group."""
     rows = np.asarray(per_device)[groups]
     return bool(np.all(rows == rows[:, :1]))
 
 
-def _groups_within(groups: np.ndarray, outer: np.ndarray) -> bool:
+def groups_within(groups: np.ndarray, outer: np.ndarray) -> bool:
     """Every group lies inside one group of `outer`."""
     owner = np.full(int(outer.max()) + 1, -1)
     for k, g in enumerate(outer):

@@ -16,7 +16,7 @@ from gspmd.errors import ShardingError
 from gspmd.ir import Instr, Program, Value
 from gspmd.mesh import Mesh
 from gspmd.ops.convert import physical_aval
-from gspmd.ops.registry import CONTRACTION, register
+from gspmd.ops.registry import CONTRACTION, Facets, Frontend, Rule, register
 from gspmd.region import ManualRegion
 from gspmd.sharding import Sharding, dims_mapping_from_spec
 from gspmd.spmd import reshard as rs
@@ -128,5 +128,7 @@ def _convert_shard_map(b, eqn, args: list[Value]) -> list[Value]:
 
 
 # "manual" is gspmd.frontend.manual.manual_p's name.
-register("manual", converts={"manual": _convert_manual, "shard_map": _convert_shard_map}, propagate=_propagate_manual,
-         seed=_seed_manual, partition=_partition_manual, priority=CONTRACTION)
+register("manual",
+         frontend=Frontend(converts={"manual": _convert_manual, "shard_map": _convert_shard_map}),
+         rule=Rule(propagate=_propagate_manual, seed=_seed_manual, partition=_partition_manual, priority=CONTRACTION),
+         facets=Facets(layouts_named=lambda instr: [*instr.attrs["in_shardings"], *instr.attrs["out_shardings"]]))

@@ -25,7 +25,8 @@ from jax.extend.random import threefry2x32_p, threefry_prng_impl
 from gspmd.errors import ShardingError
 from gspmd.ir import Value
 from gspmd.ops.convert import Conversion
-from gspmd.ops.registry import ELEMENTWISE, elementwise_factors, register, replicate_fallback
+from gspmd.ops.registry import (ELEMENTWISE, Frontend, Rule, Semantics, elementwise_factors, register,
+                                replicate_fallback)
 
 UINT32 = np.dtype(np.uint32)
 
@@ -225,11 +226,12 @@ def _threefry(b: Conversion, eqn, args: list[Value]) -> list[Value]:
     return _hash(b, *(_expand(b, a, shape) for a in args))
 
 
-register("threefry2x32", converts={"threefry2x32": _threefry, "iota_2x32_shape": _iota_2x32},
-         converts_keys={"random_bits": _random_bits, "random_split": _random_split, "random_fold_in": _random_fold_in,
+register("threefry2x32",
+         frontend=Frontend(converts={"threefry2x32": _threefry, "iota_2x32_shape": _iota_2x32}, converts_keys={"random_bits": _random_bits, "random_split": _random_split, "random_fold_in": _random_fold_in,
                         "random_seed": _random_seed, "random_wrap": _same_key_data, "random_unwrap": _same_key_data,
-                        "random_clone": _same_key_data, "random_gamma": _random_gamma},
-         evaluate=_evaluate_threefry, lower=_lower_threefry, factors=elementwise_factors, priority=ELEMENTWISE)
+                        "random_clone": _same_key_data, "random_gamma": _random_gamma}),
+         semantics=Semantics(evaluate=_evaluate_threefry, lower=_lower_threefry),
+         rule=Rule(factors=elementwise_factors, priority=ELEMENTWISE))
 
 
 # -- rng-bit-generator: XLA's RngBitGenerator (the rbg PRNGs' random bits) -----------------
@@ -252,6 +254,7 @@ def _evaluate_rng_bit_generator(instr, args, device):
     return [np.asarray(r) for r in _generate(instr, args[0])]
 
 
-register("rng-bit-generator", converts={"rng_bit_generator": _convert_rng_bit_generator},
-         evaluate=_evaluate_rng_bit_generator, lower=lambda instr, args, lc: _generate(instr, args[0]),
-         partition=replicate_fallback)
+register("rng-bit-generator",
+         frontend=Frontend(converts={"rng_bit_generator": _convert_rng_bit_generator}),
+         semantics=Semantics(evaluate=_evaluate_rng_bit_generator, lower=lambda instr, args, lc: _generate(instr, args[0])),
+         rule=Rule(partition=replicate_fallback))

@@ -30,7 +30,8 @@ from jax.extend import core as jcore
 from gspmd.ir import Instr, Value
 from gspmd.ir.reducer import ADD, AND, LOGADDEXP, MAX, MIN, MUL, OR, XOR, Reducer
 from gspmd.ops.convert import Converter
-from gspmd.ops.registry import ELEMENTWISE, EXPAND, LAYOUT, Storage, elementwise_factors, operand_flops, register
+from gspmd.ops.registry import (ELEMENTWISE, EXPAND, Frontend, LAYOUT, Memory, Rewrites, Rule, Semantics,
+                                Storage, Timing, elementwise_factors, operand_flops, register)
 from gspmd.spmd import factors as fx
 from gspmd.spmd import reshard as rs
 from gspmd.spmd.context import INDEX_DTYPE, DeviceContext, Why
@@ -87,14 +88,16 @@ def _lower_reduce(instr, args, lc):
 
 
 register("reduce",
-         converts={"reduce_sum": _convert_reduce(ADD), "reduce_max": _convert_reduce(MAX),
+         frontend=Frontend(converts={"reduce_sum": _convert_reduce(ADD), "reduce_max": _convert_reduce(MAX),
                    "reduce_min": _convert_reduce(MIN), "reduce_prod": _convert_reduce(MUL),
                    "reduce_and": _convert_reduce(AND), "reduce_or": _convert_reduce(OR),
                    "reduce_xor": _convert_reduce(XOR),
-                   "argmax": _convert_arg_reduce(MAX), "argmin": _convert_arg_reduce(MIN)},
-         evaluate=_evaluate_reduce, lower=_lower_reduce, factors=_reduce_factors, priority=LAYOUT,
-         backward_priority=EXPAND, storage=Storage.INDEXED, expensive=True, flops=operand_flops,
-         linear=lambda instr: [(0,)] if instr.attrs["reducer"] is ADD else [])
+                   "argmax": _convert_arg_reduce(MAX), "argmin": _convert_arg_reduce(MIN)}),
+         semantics=Semantics(evaluate=_evaluate_reduce, lower=_lower_reduce),
+         rule=Rule(factors=_reduce_factors, priority=LAYOUT, backward_priority=EXPAND),
+         timing=Timing(flops=operand_flops),
+         memory=Memory(storage=Storage.INDEXED, expensive=True),
+         rewrites=Rewrites(linear=lambda instr: [(0,)] if instr.attrs["reducer"] is ADD else []))
 
 
 # -- variadic-reduce: operands (*xs, *inits) -------------------------------------------------
@@ -173,9 +176,11 @@ def _partition_variadic_reduce(ctx: DeviceContext, instr: Instr, operands, targe
             for v, layout, out, t in zip(partials, layouts, instr.outputs, targets)]
 
 
-register("variadic-reduce", converts={"reduce": _convert_variadic_reduce}, evaluate=_evaluate_variadic_reduce,
-         lower=_lower_variadic_reduce, factors=_variadic_factors, partition=_partition_variadic_reduce,
-         priority=LAYOUT, backward_priority=EXPAND, storage=Storage.INDEXED, expensive=True)
+register("variadic-reduce",
+         frontend=Frontend(converts={"reduce": _convert_variadic_reduce}),
+         semantics=Semantics(evaluate=_evaluate_variadic_reduce, lower=_lower_variadic_reduce),
+         rule=Rule(factors=_variadic_factors, partition=_partition_variadic_reduce, priority=LAYOUT, backward_priority=EXPAND),
+         memory=Memory(storage=Storage.INDEXED, expensive=True))
 
 
 # -- cumulative: attrs reducer, dim, reverse ------------------------------------------------
@@ -252,6 +257,7 @@ def _scan_after_carry(ctx: DeviceContext, instr: Instr, local: Value, carry: Val
                   strides=(1,) * local.rank)
 
 
-register("cumulative", converts={name: _convert_cumulative(reducer) for name, (reducer, _) in _CUMULATIVE.items()},
-         evaluate=_evaluate_cumulative, lower=_lower_cumulative, factors=elementwise_factors,
-         partition=_partition_cumulative, priority=ELEMENTWISE)
+register("cumulative",
+         frontend=Frontend(converts={name: _convert_cumulative(reducer) for name, (reducer, _) in _CUMULATIVE.items()}),
+         semantics=Semantics(evaluate=_evaluate_cumulative, lower=_lower_cumulative),
+         rule=Rule(factors=elementwise_factors, partition=_partition_cumulative, priority=ELEMENTWISE))

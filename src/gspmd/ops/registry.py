@@ -15,6 +15,7 @@ import numpy as np
 
 from gspmd.errors import ShardingError
 from gspmd.ir import Instr, Program, Value
+from gspmd.ir.reducer import Reducer
 from gspmd.ops.convert import Converter, LowerContext
 from gspmd.sharding import Sharding
 from gspmd.spmd import factors as fx
@@ -62,13 +63,19 @@ class Storage(Enum):
 
 
 @dataclass
-class OpDef:
-    opcode: str
+class Frontend:
+    """How JAX equations become this op."""
     # JAX primitive name -> how its equations become this op (and helpers around it)
     converts: dict[str, Converter] = field(default_factory=dict)
     # ... of primitives that take or make typed PRNG keys, which these converters see as
     # their uint32 key data (frontend/keys.py converts other primitives on keys word by word)
     converts_keys: dict[str, Converter] = field(default_factory=dict)
+
+
+@dataclass
+class Semantics:
+    """What the op computes: its NumPy reference (one of the three forms) and its jax
+    lowering."""
     evaluate: Optional[Evaluate] = None
     evaluate_all: Optional[EvaluateAll] = None
     evaluate_programs: Optional[EvaluatePrograms] = None
@@ -77,38 +84,67 @@ class OpDef:
     # one alone) that no instruction between them reads run as one, lower_all(instrs,
     # args of each, lc) -> results of each (collectives a backend does not combine itself)
     lower_together: Optional[tuple[Callable[[Instr], Optional[Hashable]], Callable]] = None
-    # values of sub-programs that must share a layout with the op's own (loop carries)
-    tied: Optional[Callable[[Instr], list[Value]]] = None
-    # the sub-programs one execution runs, each with how often (for reports; a loop's
-    # trip count, once for each branch of a conditional)
-    runs: Optional[Callable[[Instr], list[tuple[Program, int]]]] = None
-    # informants(instr, target) -> indices into tensors(instr) whose layouts can say
-    # anything about the target's (default: all of them; a loop's carries are independent)
-    informants: Optional[Callable[[Instr, int], Sequence[int]]] = None
+
+
+@dataclass
+class Rule:
+    """How the op is sharded: its dimension factors, from which propagation and the
+    common partitioning derive, or hand-written rules where data moves between shards."""
     factors: Optional[Callable[[Instr], list[fx.Factor]]] = None
     propagate: Optional[Propagate] = None
     partition: Optional[Partition] = None
     priority: int = ELEMENTWISE
-    flops: Optional[Callable[[Instr], int]] = None   # arithmetic of one execution, for reports
+    forward_priority: Optional[int] = None    # towards the outputs, when not `priority`
+    backward_priority: Optional[int] = None   # towards the operands, when not `priority`
+    # values of sub-programs that must share a layout with the op's own (loop carries)
+    tied: Optional[Callable[[Instr], list[Value]]] = None
+    # informants(instr, target) -> indices into tensors(instr) whose layouts can say
+    # anything about the target's (default: all of them; a loop's carries are independent)
+    informants: Optional[Callable[[Instr, int], Sequence[int]]] = None
+    # seed(instr) -> (index into tensors(instr), layout) pairs the op fixes by itself,
+    # propagated from the start like annotations (a manual region's specs)
+    seed: Optional[Callable[[Instr], Sequence[tuple[int, Sharding]]]] = None
+
+
+@dataclass
+class Timing:
+    """What reports count and time for one execution."""
+    flops: Optional[Callable[[Instr], int]] = None   # arithmetic of one execution
     compute: ComputeKind = ComputeKind.MEMORY         # how reports time one execution (spmd/cost.py)
     # HBM bytes one execution reads and writes, where not its operands and results
     bytes_accessed: Optional[Callable[[Instr], int]] = None
     collective: Optional[Pattern] = None              # a collective's communication pattern
-    transposes: bool = False      # only permutes dims: layout assignment can absorb it into its producer
-    forward_priority: Optional[int] = None    # towards the outputs, when not `priority`
-    backward_priority: Optional[int] = None   # towards the operands, when not `priority`
+    # the sub-programs one execution runs, each with how often (a loop's trip count,
+    # once for each branch of a conditional)
+    runs: Optional[Callable[[Instr], list[tuple[Program, int]]]] = None
+
+
+@dataclass
+class Memory:
+    """How the op occupies memory once XLA has compiled it (analysis/memory.py)."""
     # how its results occupy memory (or storage(instr), where the instruction decides)
     storage: Union[Storage, Callable[[Instr], Storage]] = Storage.MATERIALIZED
     # too costly to recompute in each user (transcendentals, reductions): XLA fuses it
     # only into a single user that reads each element once
     expensive: Union[bool, Callable[[Instr], bool]] = False
-    layout: Optional[Callable[[Instr], "KernelLayout"]] = None
     # bytes the op's kernel holds while it runs beyond its operands and results
     scratch: Optional[Callable[[Instr], int]] = None
     # expanded(instr) -> {operand index: n}: XLA:CPU reads these operands through a loop
     # fusion that writes n masked copies of each, one per group (a grouped matmul run as
     # one dense product); their element-wise producers fuse into it
     expanded: Optional[Callable[[Instr], dict[int, int]]] = None
+
+
+@dataclass
+class Kernel:
+    """How XLA's kernel for the op orders dims in memory."""
+    orders: Optional[Callable[[Instr], "KernelOrders"]] = None
+    transposes: bool = False      # only permutes dims: layout assignment can absorb it into its producer
+
+
+@dataclass
+class Rewrites:
+    """What passes and rules may do to the op."""
     # prune(instr, which results are used): drop what only unused results need
     prune: Optional[Callable[[Instr, list[bool]], None]] = None
     # repeat(ctx, instr) -> its result computed again by other instructions, which no
@@ -118,16 +154,62 @@ class OpDef:
     # operands stay fixed: the op commutes with summing those operands over devices
     # (loop motion defers an all-reduce past such ops)
     linear: Optional[Callable[[Instr], Sequence[Sequence[int]]]] = None
-    # seed(instr) -> (index into tensors(instr), layout) pairs the op fixes by itself,
-    # propagated from the start like annotations (a manual region's specs)
-    seed: Optional[Callable[[Instr], Sequence[tuple[int, Sharding]]]] = None
+
+
+# Whether a value is the same on every device of each of the groups (rows of device ids).
+Uniform = Callable[[Value, np.ndarray], bool]
+
+
+@dataclass
+class Facets:
+    """What generic code (drivers, passes, chains of formatting ops) asks of an op that
+    it would otherwise ask by opcode."""
+    annotation: bool = False     # the user's layout for its result (attrs sharding, unspecified)
+    identity: bool = False       # its result is operand 0 (annotations, copies)
+    # layouts_named(instr) -> the layouts the user wrote in it (annotations, manual specs)
+    layouts_named: Optional[Callable[[Instr], list[Sharding]]] = None
+    # zero(instr, is_zero) -> whether its result is all zeros, given is_zero of values
+    zero: Optional[Callable[[Instr, Callable[[Value], bool]], bool]] = None
+    # uniform(instr, groups, uniform) -> whether its result is the same on every device of
+    # each group (default: when every operand is); loop motion asks
+    uniform: Optional[Callable[[Instr, np.ndarray, Uniform], bool]] = None
+    combines: Optional[Reducer] = None    # an element-wise combine of two values by this reducer
+    # added_to(instr, acc, add, program) -> instructions computing acc + instr's result into
+    # add's output, where instr updates zeros (its operand 0) and add sums the two
+    added_to: Optional[Callable[[Instr, Value, Instr, Program], Optional[list[Instr]]]] = None
+    # the one dim a pad/slice/concatenate/reverse changes, and its result's segments
+    # along it (ops/formatting.py)
+    segments: Optional["SegmentRule"] = None
+
+
+@dataclass(frozen=True)
+class SegmentRule:
+    """An op of a chain of data formatting along one dim (ops/formatting.py): the dim it
+    changes (None: several, or strides or dilation), and its result's segments along it
+    from `below(operand)` (its operands' segments) and `fill(value)` (a fill's index)."""
+    changed_dim: Callable[[Instr], Optional[int]]
+    segments: Callable[[Instr, int, Callable[[Value], list], Callable[[Value], int]], list]
+
+
+@dataclass
+class OpDef:
+    """One op's record, a sub-record per concern."""
+    opcode: str
+    frontend: Frontend = field(default_factory=Frontend)
+    semantics: Semantics = field(default_factory=Semantics)
+    rule: Rule = field(default_factory=Rule)
+    timing: Timing = field(default_factory=Timing)
+    memory: Memory = field(default_factory=Memory)
+    kernel: Kernel = field(default_factory=Kernel)
+    rewrites: Rewrites = field(default_factory=Rewrites)
+    facets: Facets = field(default_factory=Facets)
 
 
 Order = tuple[int, ...]   # a tensor's dims as laid out in memory, major to minor
 
 
 @dataclass(frozen=True)
-class KernelLayout:
+class KernelOrders:
     """How XLA's kernel for an op lays data out (for the memory model): per operand the
     dim orders it reads in place (None: any; an operand in another order is copied into
     the first, once for every op that wants that order), and the order it writes."""
@@ -135,7 +217,7 @@ class KernelLayout:
     result: Optional[Order] = None    # None: row-major
 
 
-def same_layout(shape: Sequence[int], stored: Optional[Order], wanted: Order) -> bool:
+def same_order(shape: Sequence[int], stored: Optional[Order], wanted: Order) -> bool:
     """Whether data stored in one dim order (None: row-major) can be read in another
     without moving it (only size-1 dims differ)."""
     stored = tuple(range(len(shape))) if stored is None else stored
@@ -151,13 +233,15 @@ OPS: dict[str, OpDef] = {}
 PRIMITIVES: dict[str, Converter] = {}   # every record's `converts`, by JAX primitive name
 KEY_PRIMITIVES: set[str] = set()        # those from `converts_keys`
 
-def register(opcode: str, **fields) -> OpDef:
+def register(opcode: str, **records) -> OpDef:
+    """Record `opcode`; `records` are OpDef's sub-records by name (frontend=Frontend(...))."""
     assert opcode not in OPS, f"opcode {opcode!r} registered twice"
-    op = OpDef(opcode, **fields)
-    for name, convert in {**op.converts, **op.converts_keys}.items():
+    op = OpDef(opcode, **records)
+    converts, converts_keys = op.frontend.converts, op.frontend.converts_keys
+    for name, convert in {**converts, **converts_keys}.items():
         assert name not in PRIMITIVES, f"JAX primitive {name!r} converted by two records"
         PRIMITIVES[name] = convert
-    KEY_PRIMITIVES.update(op.converts_keys)
+    KEY_PRIMITIVES.update(converts_keys)
     OPS[opcode] = op
     return op
 
@@ -172,72 +256,92 @@ def lookup(opcode: str) -> OpDef:
 def priority(opcode: str, forward: bool) -> int:
     """When propagation through `opcode` towards its outputs (forward) or its operands
     runs, relative to other ops."""
-    op = lookup(opcode)
-    directed = op.forward_priority if forward else op.backward_priority
-    return op.priority if directed is None else directed
+    rule = lookup(opcode).rule
+    directed = rule.forward_priority if forward else rule.backward_priority
+    return rule.priority if directed is None else directed
 
 
 def tensors(instr: Instr) -> list[Value]:
     """The values whose layouts `instr` relates: operands, outputs, then tied values."""
-    tied = lookup(instr.opcode).tied
+    tied = lookup(instr.opcode).rule.tied
     return instr.operands + instr.outputs + (tied(instr) if tied else [])
 
 
 def storage(instr: Instr) -> Storage:
     """How `instr`'s results occupy memory once XLA has compiled it."""
-    kind = lookup(instr.opcode).storage
+    kind = lookup(instr.opcode).memory.storage
     return kind(instr) if callable(kind) else kind
 
 
 def flops(instr: Instr) -> int:
     """The arithmetic of one execution of `instr` (0 where its record counts none)."""
-    fn = lookup(instr.opcode).flops
+    fn = lookup(instr.opcode).timing.flops
     return 0 if fn is None else fn(instr)
 
 
 def runs(instr: Instr) -> list[tuple[Program, int]]:
     """The sub-programs one execution of `instr` runs, each with how often."""
-    fn = lookup(instr.opcode).runs
+    fn = lookup(instr.opcode).timing.runs
     return [] if fn is None else fn(instr)
 
 
 def seeds(instr: Instr) -> Sequence[tuple[int, Sharding]]:
     """Layouts `instr` fixes for its own tensors before any propagation."""
-    fn = lookup(instr.opcode).seed
+    fn = lookup(instr.opcode).rule.seed
     return () if fn is None else fn(instr)
 
 
 def informants(instr: Instr, target: int, count: int) -> Sequence[int]:
     """Which of the `count` tensors(instr) propagation should consult for `target`."""
-    fn = lookup(instr.opcode).informants
+    fn = lookup(instr.opcode).rule.informants
     return range(count) if fn is None else fn(instr, target)
 
 
 def propagate(instr: Instr, shardings: Sequence[Optional[Sharding]], target: int) -> list[Sharding]:
     """Layouts that the other tensors(instr) imply for tensor `target`."""
-    op = lookup(instr.opcode)
-    if op.propagate is not None:
-        return op.propagate(instr, list(shardings), target)
-    if op.factors is None:
+    rule = lookup(instr.opcode).rule
+    if rule.propagate is not None:
+        return rule.propagate(instr, list(shardings), target)
+    if rule.factors is None:
         return []
-    return fx.propose(op.factors(instr), shardings, [v.rank for v in tensors(instr)], target)
+    return fx.propose(rule.factors(instr), shardings, [v.rank for v in tensors(instr)], target)
 
 
 def prune(instr: Instr, used: list[bool]) -> None:
     """Shrink `instr` to its used results where its op knows how (dead-code elimination)."""
-    fn = lookup(instr.opcode).prune
+    fn = lookup(instr.opcode).rewrites.prune
     if fn is not None:
         fn(instr, used)
 
 
+def is_annotation(instr: Instr) -> bool:
+    """Whether `instr` is the user's layout for its result (attrs sharding, unspecified)."""
+    return lookup(instr.opcode).facets.annotation
+
+
+def layouts_named(instr: Instr) -> list[Sharding]:
+    """The layouts the user wrote in `instr` (annotations, manual regions' specs)."""
+    fn = lookup(instr.opcode).facets.layouts_named
+    return [] if fn is None else fn(instr)
+
+
+def is_zero(v: Value) -> bool:
+    """Whether `v` is all zeros by construction (a constant zero, a broadcast of one)."""
+    p = v.producer
+    if p is None:
+        return False
+    fn = lookup(p.opcode).facets.zero
+    return fn is not None and fn(p, is_zero)
+
+
 def partition(ctx: DeviceContext, instr: Instr, operands: list[PartitionedValue],
               targets: list[Sharding]) -> list[PartitionedValue]:
-    op = lookup(instr.opcode)
-    if op.partition is not None:
-        return op.partition(ctx, instr, operands, targets)
-    if op.factors is None:
+    rule = lookup(instr.opcode).rule
+    if rule.partition is not None:
+        return rule.partition(ctx, instr, operands, targets)
+    if rule.factors is None:
         return replicate_fallback(ctx, instr, operands, targets)
-    return fx.partition(ctx, instr, op.factors(instr), operands, targets)
+    return fx.partition(ctx, instr, rule.factors(instr), operands, targets)
 
 
 def replicate_fallback(ctx: DeviceContext, instr: Instr, operands: list[PartitionedValue],

@@ -8,7 +8,8 @@ import numpy as np
 from jax import lax
 from jax import numpy as jnp
 
-from gspmd.ops.registry import EXPAND, LAYOUT, Storage, jointly_linear, register
+from gspmd.ops.registry import (EXPAND, Facets, Frontend, Kernel, LAYOUT, Memory, Rewrites, Rule, Semantics, Storage,
+                                Timing, jointly_linear, register)
 from gspmd.sharding import Sharding
 from gspmd.spmd import cost as cm
 from gspmd.spmd import reshard as rs
@@ -346,18 +347,28 @@ def _lower_iota(instr, args, lc):
     return [lax.broadcasted_iota(out.dtype, out.shape, instr.attrs["dimension"])]
 
 
-register("broadcast", converts={"broadcast_in_dim": _convert_broadcast_in_dim, "tile": _convert_tile},
-         evaluate=_evaluate_broadcast,
-         lower=_lower_broadcast, factors=_broadcast_factors, priority=LAYOUT, forward_priority=EXPAND,
-         storage=Storage.REPEATED, linear=jointly_linear)
-register("transpose", converts={"transpose": _convert_transpose}, evaluate=_evaluate_transpose,
-         lower=_lower_transpose, factors=_transpose_factors, priority=LAYOUT, storage=_transpose_storage,
-         transposes=True, linear=jointly_linear)
-register("reshape", converts={"reshape": _convert_reshape, "squeeze": _convert_plain_reshape,
-                              "expand_dims": _convert_plain_reshape},
-         evaluate=_evaluate_reshape, lower=_lower_reshape, propagate=_reshape_propagate,
-         partition=_reshape_partition, priority=LAYOUT, storage=Storage.BITCAST,
-         compute=ComputeKind.FREE, linear=jointly_linear)     # a bitcast
+register("broadcast",
+         frontend=Frontend(converts={"broadcast_in_dim": _convert_broadcast_in_dim, "tile": _convert_tile}),
+         semantics=Semantics(evaluate=_evaluate_broadcast, lower=_lower_broadcast),
+         rule=Rule(factors=_broadcast_factors, priority=LAYOUT, forward_priority=EXPAND),
+         memory=Memory(storage=Storage.REPEATED),
+         rewrites=Rewrites(linear=jointly_linear),
+         facets=Facets(zero=lambda instr, is_zero: is_zero(instr.operands[0])))
+register("transpose",
+         frontend=Frontend(converts={"transpose": _convert_transpose}),
+         semantics=Semantics(evaluate=_evaluate_transpose, lower=_lower_transpose),
+         rule=Rule(factors=_transpose_factors, priority=LAYOUT),
+         memory=Memory(storage=_transpose_storage),
+         kernel=Kernel(transposes=True),
+         rewrites=Rewrites(linear=jointly_linear))
+register("reshape",
+         frontend=Frontend(converts={"reshape": _convert_reshape, "squeeze": _convert_plain_reshape,
+                              "expand_dims": _convert_plain_reshape}),
+         semantics=Semantics(evaluate=_evaluate_reshape, lower=_lower_reshape),
+         rule=Rule(propagate=_reshape_propagate, partition=_reshape_partition, priority=LAYOUT),
+         timing=Timing(compute=ComputeKind.FREE),
+         memory=Memory(storage=Storage.BITCAST),
+         rewrites=Rewrites(linear=jointly_linear))     # a bitcast
 def _platform_index(b, eqn, args):
     """lax.platform_dependent's branch index: which of its platforms jax runs on, asked
     of jax itself (outside any trace the primitive evaluates on the default device)."""
@@ -372,8 +383,16 @@ def _convert_empty(b, eqn, args):
 
 # Constants come from jaxpr literals and closed-over arrays (the frontend driver's job),
 # from platform_index and from empty buffers.
-register("constant", converts={"platform_index": _platform_index, "empty": _convert_empty, "empty2": _convert_empty},
-         evaluate=_evaluate_constant, lower=_lower_constant, partition=_constant_partition,
-         storage=Storage.LITERAL, compute=ComputeKind.FREE)
-register("iota", converts={"iota": _convert_iota}, evaluate=_evaluate_iota, lower=_lower_iota,
-         partition=_iota_partition, storage=Storage.INDEXED)
+register("constant",
+         frontend=Frontend(converts={"platform_index": _platform_index, "empty": _convert_empty, "empty2": _convert_empty}),
+         semantics=Semantics(evaluate=_evaluate_constant, lower=_lower_constant),
+         rule=Rule(partition=_constant_partition),
+         timing=Timing(compute=ComputeKind.FREE),
+         memory=Memory(storage=Storage.LITERAL),
+         facets=Facets(zero=lambda instr, is_zero: not np.any(instr.attrs["value"]),
+                       uniform=lambda instr, groups, uniform: True))
+register("iota",
+         frontend=Frontend(converts={"iota": _convert_iota}),
+         semantics=Semantics(evaluate=_evaluate_iota, lower=_lower_iota),
+         rule=Rule(partition=_iota_partition),
+         memory=Memory(storage=Storage.INDEXED))

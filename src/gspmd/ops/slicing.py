@@ -18,16 +18,18 @@ import numpy as np
 from jax import lax
 from jax import numpy as jnp
 
-from gspmd.ir import Value
+from gspmd.ir import Instr, Value
 from gspmd.ir.reducer import ADD, OR, Reducer
-from gspmd.ops.formatting import partition_in_one_step
-from gspmd.ops.registry import (LAYOUT, Storage, jointly_linear, linear_in, register, result_sized_bytes,
-                                update_sized_bytes)
+from gspmd.ops.loop_motion import same_within
+from gspmd.ops.formatting import clip, in_one_step_or_by_factors, partition_in_one_step
+from gspmd.ops.registry import (Facets, Frontend, LAYOUT, SegmentRule, Memory, Rewrites, Rule, Semantics, Storage, Timing,
+                                jointly_linear, linear_in, register, result_sized_bytes, update_sized_bytes)
 from gspmd.ops.window import pad_array
 from gspmd.sharding import Sharding
 from gspmd.spmd import factors as fx
 from gspmd.spmd.context import INDEX_DTYPE
-from gspmd.spmd.factors import PASS, REDUCE, REPLICATE, Factor
+from gspmd.spmd import segments as sg
+from gspmd.spmd.factors import PASS, PERMUTE, REDUCE, REPLICATE, Factor
 from gspmd.spmd.halo import (Window, keep_inside, pad_dim, partition_windowed, plan_dim, plan_layout,
                              slice_outputs)
 from gspmd.spmd.partitioned import PartitionedValue
@@ -97,6 +99,44 @@ def _unit_chain(instr) -> tuple[Value, list[Window], Optional[Value]]:
     base, windows, fill = _unit_chain(inner)
     return base, [w.sliced(n, s, st, m) for w, n, s, st, m in
                   zip(windows, base.shape, a["start"], a["strides"], instr.outputs[0].shape)], fill
+
+
+# -- segment rules (ops/formatting.py): along the one dim changed --------------------------
+def _only(changed: list[int], plain: bool) -> Optional[int]:
+    return changed[0] if plain and len(changed) == 1 else None
+
+
+def _pad_changed_dim(instr) -> Optional[int]:
+    a, x = instr.attrs, instr.operands[0]
+    return _only([d for d in range(x.rank) if a["low"][d] or a["high"][d]], not any(a["interior"]))
+
+
+def _pad_segments(instr, dim, below, fill):
+    low, size, x = instr.attrs["low"][dim], instr.outputs[0].shape[dim], instr.operands[0]
+    value = fill(instr.operands[1])
+    inner = [s.shifted(low) for s in below(x)]
+    high = low + x.shape[dim]
+    edges = [sg.Segment(0, low, value, fill=True), sg.Segment(high, size - high, value, fill=True)]
+    return clip(inner + edges, size)
+
+
+def _slice_changed_dim(instr) -> Optional[int]:
+    a, x = instr.attrs, instr.operands[0]
+    return _only([d for d in range(x.rank) if a["start"][d] or a["limit"][d] != x.shape[d]],
+                 all(s == 1 for s in a["strides"]))
+
+
+def _slice_segments(instr, dim, below, fill):
+    start = instr.attrs["start"][dim]
+    return clip([s.shifted(-start) for s in below(instr.operands[0])], instr.outputs[0].shape[dim])
+
+
+def _concatenate_segments(instr, dim, below, fill):
+    out, at = [], 0
+    for operand in instr.operands:
+        out += [s.shifted(at) for s in below(operand)]
+        at += operand.shape[dim]
+    return out
 
 
 def _propagation_factors(instr):
@@ -206,14 +246,22 @@ def _lower_pad(instr, args, lc):
     return [lax.pad(args[0], args[1], list(zip(a["low"], a["high"], a["interior"])))]
 
 
-register("slice", converts={"slice": _convert_slice, "split": _convert_split, "unstack": _convert_unstack},
-         evaluate=_evaluate_slice,
-         lower=_lower_slice, factors=_propagation_factors, partition=_partition_pad_or_slice, priority=LAYOUT,
-         storage=Storage.INDEXED, bytes_accessed=result_sized_bytes, linear=jointly_linear)
+register("slice",
+         frontend=Frontend(converts={"slice": _convert_slice, "split": _convert_split, "unstack": _convert_unstack}),
+         semantics=Semantics(evaluate=_evaluate_slice, lower=_lower_slice),
+         rule=Rule(factors=_propagation_factors, partition=_partition_pad_or_slice, priority=LAYOUT),
+         timing=Timing(bytes_accessed=result_sized_bytes),
+         memory=Memory(storage=Storage.INDEXED),
+         rewrites=Rewrites(linear=jointly_linear),
+         facets=Facets(segments=SegmentRule(_slice_changed_dim, _slice_segments)))
 # pad(x, value): linear in both (the padding value zero when x is summed)
-register("pad", converts={"pad": _convert_pad}, evaluate=_evaluate_pad, lower=_lower_pad,
-         factors=_propagation_factors, partition=_partition_pad_or_slice, priority=LAYOUT, storage=Storage.INDEXED,
-         linear=jointly_linear)
+register("pad",
+         frontend=Frontend(converts={"pad": _convert_pad}),
+         semantics=Semantics(evaluate=_evaluate_pad, lower=_lower_pad),
+         rule=Rule(factors=_propagation_factors, partition=_partition_pad_or_slice, priority=LAYOUT),
+         memory=Memory(storage=Storage.INDEXED),
+         rewrites=Rewrites(linear=jointly_linear),
+         facets=Facets(segments=SegmentRule(_pad_changed_dim, _pad_segments)))
 
 
 # -- dynamic-slice and dynamic-update-slice -----------------------------------------------
@@ -358,29 +406,52 @@ def _lower_dynamic_update_slice(instr, args, lc):
                                      allow_negative_indices=False)]
 
 
-register("dynamic-slice", converts={"dynamic_slice": _convert_as_is("dynamic-slice")},
-         evaluate=_evaluate_dynamic_slice, lower=_lower_dynamic_slice, factors=_dynamic_slice_factors,
-         partition=_partition_dynamic_slice, priority=LAYOUT, storage=Storage.INDEXED,
-         bytes_accessed=result_sized_bytes, linear=linear_in((0,)))
-register("dynamic-update-slice", converts={"dynamic_update_slice": _convert_as_is("dynamic-update-slice")},
-         evaluate=_evaluate_dynamic_update_slice, lower=_lower_dynamic_update_slice,
-         factors=_dynamic_update_slice_factors, partition=_partition_dynamic_update_slice, priority=LAYOUT,
-         storage=Storage.IN_PLACE, bytes_accessed=update_sized_bytes(1), linear=linear_in((0, 1)))
+def _dynamic_slice_uniform(instr: Instr, groups: np.ndarray, uniform) -> bool:
+    """A partition-id table lookup (dynamic-slice(constant table, partition-id)) is the
+    same within groups where its table is; other slices where their operands are."""
+    table, *starts = instr.operands
+    if (table.producer is not None and table.producer.opcode == "constant" and table.rank == 1 and len(starts) == 1
+            and starts[0].producer is not None and starts[0].producer.opcode == "partition-id"):
+        return same_within(table.producer.attrs["value"][:, None], groups)
+    return all(uniform(o, groups) for o in instr.operands)
+
+
+def _dynamic_update_slice_added_to(instr: Instr, acc: Value, add: Instr, program) -> list[Instr]:
+    """acc + dynamic-update-slice(0, u, i) = dynamic-update-slice(acc, dynamic-slice(acc, i) + u, i)."""
+    _, u, *starts = instr.operands
+    held = instr.remade([acc, *starts], Value(program.fresh_name("dynamic_slice"), u.shape, u.dtype),
+                        "dynamic-slice", {})
+    summed = add.remade([held.output, u], Value(program.fresh_name("add"), u.shape, u.dtype))
+    held.output.sharding = summed.output.sharding = u.sharding
+    return [held, summed, instr.remade([acc, summed.output, *starts], add.output)]
+
+
+register("dynamic-slice",
+         frontend=Frontend(converts={"dynamic_slice": _convert_as_is("dynamic-slice")}),
+         semantics=Semantics(evaluate=_evaluate_dynamic_slice, lower=_lower_dynamic_slice),
+         rule=Rule(factors=_dynamic_slice_factors, partition=_partition_dynamic_slice, priority=LAYOUT),
+         timing=Timing(bytes_accessed=result_sized_bytes),
+         memory=Memory(storage=Storage.INDEXED),
+         rewrites=Rewrites(linear=linear_in((0,))),
+         facets=Facets(uniform=_dynamic_slice_uniform))
+register("dynamic-update-slice",
+         frontend=Frontend(converts={"dynamic_update_slice": _convert_as_is("dynamic-update-slice")}),
+         semantics=Semantics(evaluate=_evaluate_dynamic_update_slice, lower=_lower_dynamic_update_slice),
+         rule=Rule(factors=_dynamic_update_slice_factors, partition=_partition_dynamic_update_slice, priority=LAYOUT),
+         timing=Timing(bytes_accessed=update_sized_bytes(1)),
+         memory=Memory(storage=Storage.IN_PLACE),
+         rewrites=Rewrites(linear=linear_in((0, 1))),
+         facets=Facets(added_to=_dynamic_update_slice_added_to))
 
 
 def _concatenate_factors(instr):
-    dim = instr.attrs["dimension"]
-    return _dim_factors(instr.operands, instr.outputs[0].shape, [d != dim for d in range(instr.outputs[0].rank)])
-
-
-def _partition_concatenate(ctx, instr, operands, targets):
-    """Along a split concatenated dim, each device takes the pieces of its tile from the
-    operands' holders (a rotation concatenate(x[k:], x[:k]), as jnp.roll traces, moves
-    only what crosses shards); otherwise it is local."""
-    merged = partition_in_one_step(ctx, instr, targets[0])
-    if merged is not None:
-        return [merged]
-    return fx.partition(ctx, instr, _concatenate_factors(instr), operands, targets)
+    """Every dim passes through; the concatenated one is a permutation factor: a split
+    of it carries over, and along a split one each device takes the pieces of its tile
+    from the operands' holders (a rotation concatenate(x[k:], x[:k]), as jnp.roll
+    traces, moves only what crosses shards)."""
+    dim, out = instr.attrs["dimension"], instr.outputs[0]
+    return [Factor(n, tuple(d if v.rank else None for v in instr.operands) + (d,), PERMUTE if d == dim else PASS)
+            for d, n in enumerate(out.shape)]
 
 
 def _convert_concatenate(b, eqn, args):
@@ -401,7 +472,10 @@ def _lower_concatenate(instr, args, lc):
     return [lax.concatenate(args, instr.attrs["dimension"])]
 
 
-register("concatenate", converts={"concatenate": _convert_concatenate, "stack": _convert_stack},
-         evaluate=_evaluate_concatenate,
-         lower=_lower_concatenate, factors=_propagation_factors, partition=_partition_concatenate, priority=LAYOUT,
-         storage=Storage.INDEXED, linear=jointly_linear)
+register("concatenate",
+         frontend=Frontend(converts={"concatenate": _convert_concatenate, "stack": _convert_stack}),
+         semantics=Semantics(evaluate=_evaluate_concatenate, lower=_lower_concatenate),
+         rule=Rule(factors=_concatenate_factors, partition=in_one_step_or_by_factors, priority=LAYOUT),
+         memory=Memory(storage=Storage.INDEXED),
+         rewrites=Rewrites(linear=jointly_linear),
+         facets=Facets(segments=SegmentRule(lambda instr: instr.attrs["dimension"], _concatenate_segments)))

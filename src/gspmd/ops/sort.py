@@ -30,7 +30,7 @@ from jax import numpy as jnp
 from gspmd.dtypes import is_floating
 from gspmd.errors import ShardingError
 from gspmd.ir import Instr
-from gspmd.ops.registry import LAYOUT, register
+from gspmd.ops.registry import Frontend, LAYOUT, Rule, Semantics, register
 from gspmd.sharding import Sharding
 from gspmd.spmd import factors as fx
 from gspmd.spmd import reshard as rs
@@ -145,8 +145,10 @@ def _partition_sort(ctx, instr: Instr, operands, targets) -> list[PartitionedVal
     return fx.run(ctx, instr, factors, space, operands, targets)
 
 
-register("sort", converts={"sort": _convert_sort}, evaluate=_evaluate_sort, lower=_lower_sort,
-         propagate=_propagate_sort, partition=_partition_sort, priority=LAYOUT)
+register("sort",
+         frontend=Frontend(converts={"sort": _convert_sort}),
+         semantics=Semantics(evaluate=_evaluate_sort, lower=_lower_sort),
+         rule=Rule(propagate=_propagate_sort, partition=_partition_sort, priority=LAYOUT))
 
 
 # -- top-k: operands (x[, indices]) -> (values, indices) ------------------------------------
@@ -251,6 +253,7 @@ def _top_k_of_candidates(ctx: DeviceContext, instr: Instr, x: PartitionedValue, 
     return [rs.reshard(ctx, PartitionedValue(v, layout, o.shape), t) for v, o, t in zip(outs, instr.outputs, targets)]
 
 
-register("top-k", converts={"top_k": _convert_top_k, "approx_top_k": _convert_approx_top_k},
-         evaluate=_evaluate_top_k, lower=_lower_top_k, factors=_top_k_factors, partition=_partition_top_k,
-         priority=LAYOUT)
+register("top-k",
+         frontend=Frontend(converts={"top_k": _convert_top_k, "approx_top_k": _convert_approx_top_k}),
+         semantics=Semantics(evaluate=_evaluate_top_k, lower=_lower_top_k),
+         rule=Rule(factors=_top_k_factors, partition=_partition_top_k, priority=LAYOUT))

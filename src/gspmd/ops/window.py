@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Sequence
+from typing import Optional, Sequence
 
 import jax
 import numpy as np
@@ -23,7 +23,7 @@ from jax import lax
 from gspmd.errors import ShardingError
 from gspmd.ir.reducer import ADD, MAX, MIN, MUL, Reducer
 from gspmd.ops.formatting import partition_in_one_step
-from gspmd.ops.registry import LAYOUT, Storage, register
+from gspmd.ops.registry import Facets, Frontend, LAYOUT, Memory, Rule, SegmentRule, Semantics, Storage, Timing, register
 from gspmd.spmd import factors as fx
 from gspmd.spmd import reshard as rs
 from gspmd.spmd.context import Why
@@ -245,6 +245,15 @@ def _reverse_factors(instr):
             for d, n in enumerate(instr.operands[0].shape)]
 
 
+def _reverse_changed_dim(instr) -> Optional[int]:
+    dims = instr.attrs["dims"]
+    return dims[0] if len(dims) == 1 else None
+
+
+def _reverse_segments(instr, dim, below, fill):
+    return [s.mirrored(instr.outputs[0].shape[dim]) for s in below(instr.operands[0])]
+
+
 def _evaluate_reverse(instr, args, device):
     return [np.flip(args[0], instr.attrs["dims"]).copy()]
 
@@ -375,13 +384,18 @@ def _lower_select_and_gather_add(instr, args, lc):
     return [picked.astype(instr.outputs[0].dtype)]
 
 
-register("reverse", converts={"rev": _convert_rev}, evaluate=_evaluate_reverse, lower=_lower_reverse,
-         factors=_reverse_factors, partition=_partition_reverse, priority=LAYOUT, storage=Storage.INDEXED)
+register("reverse",
+         frontend=Frontend(converts={"rev": _convert_rev}),
+         semantics=Semantics(evaluate=_evaluate_reverse, lower=_lower_reverse),
+         rule=Rule(factors=_reverse_factors, partition=_partition_reverse, priority=LAYOUT),
+         memory=Memory(storage=Storage.INDEXED),
+         facets=Facets(segments=SegmentRule(_reverse_changed_dim, _reverse_segments)))
 register("reduce-window",
-         converts={"reduce_window_sum": _convert_reduce_window(ADD), "reduce_window_max": _convert_reduce_window(MAX),
-                   "reduce_window_min": _convert_reduce_window(MIN), "reduce_window": _convert_generic_reduce_window},
-         evaluate=_evaluate_reduce_window, lower=_lower_reduce_window, factors=_dim_factors,
-         partition=_partition_reduce_window, priority=LAYOUT, flops=_window_flops)
+         frontend=Frontend(converts={"reduce_window_sum": _convert_reduce_window(ADD), "reduce_window_max": _convert_reduce_window(MAX),
+                   "reduce_window_min": _convert_reduce_window(MIN), "reduce_window": _convert_generic_reduce_window}),
+         semantics=Semantics(evaluate=_evaluate_reduce_window, lower=_lower_reduce_window),
+         rule=Rule(factors=_dim_factors, partition=_partition_reduce_window, priority=LAYOUT),
+         timing=Timing(flops=_window_flops))
 def _expanded_select_and_scatter(instr) -> int:
     """XLA:CPU expands select-and-scatter: an int32 iota per dim of the operand, a
     reduce-window picking each window's value and position, then a scatter."""
@@ -389,9 +403,13 @@ def _expanded_select_and_scatter(instr) -> int:
     return operand.rank * math.prod(operand.shape) * 4 + (1 + operand.rank) * math.prod(source.shape) * 4
 
 
-register("select-and-scatter-add", converts={"select_and_scatter_add": _convert_select_and_scatter_add},
-         evaluate=_evaluate_select_and_scatter_add, lower=_lower_select_and_scatter_add, factors=_dim_factors,
-         partition=_partition_select_and_scatter_add, priority=LAYOUT, scratch=_expanded_select_and_scatter)
-register("select-and-gather-add", converts={"select_and_gather_add": _convert_select_and_gather_add},
-         evaluate=_evaluate_select_and_gather_add, lower=_lower_select_and_gather_add, factors=_dim_factors,
-         partition=_partition_select_and_gather_add, priority=LAYOUT, flops=_window_flops)
+register("select-and-scatter-add",
+         frontend=Frontend(converts={"select_and_scatter_add": _convert_select_and_scatter_add}),
+         semantics=Semantics(evaluate=_evaluate_select_and_scatter_add, lower=_lower_select_and_scatter_add),
+         rule=Rule(factors=_dim_factors, partition=_partition_select_and_scatter_add, priority=LAYOUT),
+         memory=Memory(scratch=_expanded_select_and_scatter))
+register("select-and-gather-add",
+         frontend=Frontend(converts={"select_and_gather_add": _convert_select_and_gather_add}),
+         semantics=Semantics(evaluate=_evaluate_select_and_gather_add, lower=_lower_select_and_gather_add),
+         rule=Rule(factors=_dim_factors, partition=_partition_select_and_gather_add, priority=LAYOUT),
+         timing=Timing(flops=_window_flops))

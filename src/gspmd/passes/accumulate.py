@@ -18,6 +18,11 @@ from typing import Optional
 
 from gspmd.ir import Instr, Program, Value
 from gspmd.ir.reducer import ADD
+from gspmd.ops.registry import is_zero, lookup
+
+
+def _is_sum(instr: Instr) -> bool:
+    return lookup(instr.opcode).facets.combines is ADD
 
 
 def fold_updates_into_accumulators(program: Program) -> Program:
@@ -26,7 +31,7 @@ def fold_updates_into_accumulators(program: Program) -> Program:
     uses = Counter(o for instr in program.instrs for o in instr.operands) + Counter(program.outputs)
     rewritten: list[Instr] = []
     for instr in program.instrs:
-        rewritten += (_folded(program, instr, uses) if instr.opcode == "add" else None) or [instr]
+        rewritten += (_folded(program, instr, uses) if _is_sum(instr) else None) or [instr]
     program.instrs = rewritten
     return program
 
@@ -39,15 +44,9 @@ def _folded(program: Program, add: Instr, uses: Counter) -> Optional[list[Instr]
         update, acc = _update_of_zeros(add.operands[k], uses), add.operands[1 - k]
         if update is None or (acc.shape, acc.dtype) != (out.shape, out.dtype):
             continue
-        if update.opcode == "scatter":
-            _, indices, updates = update.operands
-            return [update.remade([acc, indices, updates], out)]
-        _, u, *starts = update.operands    # dynamic-update-slice
-        held = update.remade([acc, *starts], Value(program.fresh_name("dynamic_slice"), u.shape, u.dtype),
-                             "dynamic-slice", {})
-        summed = add.remade([held.output, u], Value(program.fresh_name("add"), u.shape, u.dtype))
-        held.output.sharding = summed.output.sharding = u.sharding
-        return [held, summed, update.remade([acc, summed.output, *starts], out)]
+        folded = lookup(update.opcode).facets.added_to(update, acc, add, program)
+        if folded is not None:
+            return folded
     return None
 
 
@@ -56,12 +55,11 @@ def _update_of_zeros(v: Value, uses: Counter) -> Optional[Instr]:
     adds of zeros), read only on the way to `v`."""
     while uses[v] == 1 and v.producer is not None:
         p = v.producer
-        if p.opcode in ("scatter", "dynamic-update-slice") and p.operands[0].is_zero() \
-                and (p.opcode != "scatter" or p.attrs["reducer"] is ADD) \
+        if lookup(p.opcode).facets.added_to is not None and is_zero(p.operands[0]) \
                 and (p.output.shape, p.output.dtype) == (v.shape, v.dtype):
             return p
-        zeros = [o.is_zero() for o in p.operands]
-        if p.opcode != "add" or sorted(zeros) != [False, True]:
+        zeros = [is_zero(o) for o in p.operands]
+        if not _is_sum(p) or sorted(zeros) != [False, True]:
             return None
         v = p.operands[zeros.index(False)]
     return None

@@ -107,7 +107,7 @@ class _Fitting:
 
     def record(self, kept: list, times: int) -> None:
         for c in kept:
-            if ops.lookup(c.instr.opcode).collective is not None:
+            if ops.lookup(c.instr.opcode).timing.collective is not None:
                 self.regathered.append(c.instr.output.name)
                 self.extra_bytes += c.instr.output.nbytes * times
             else:
@@ -196,9 +196,9 @@ def _repeatable(instr: Instr, recompute_any: bool) -> bool:
     """A gather whose op record says how to repeat it; with `recompute_any`, also an
     instruction without side effects, collectives or sub-programs (cloned as it is)."""
     op = ops.lookup(instr.opcode)
-    if op.repeat is not None:
+    if op.rewrites.repeat is not None:
         return True
-    return (recompute_any and op.collective is None and op.runs is None and not instr.has_side_effect
+    return (recompute_any and op.timing.collective is None and op.timing.runs is None and not instr.has_side_effect
             and ops.storage(instr) in memory.FUSIBLE + (Storage.MATERIALIZED, Storage.UPDATED))
 
 
@@ -218,10 +218,10 @@ def _kept_alive(v, held: memory.MemoryProfile) -> int:
 
 def _seconds(instr: Instr, num_devices: int, hw: cm.Hardware) -> float:
     """What computing `instr` again costs on `hw`."""
-    op = ops.lookup(instr.opcode)
-    if op.collective is not None:
-        return cm.collective_seconds(op.collective, instr.output.nbytes, instr.attrs["groups"], num_devices, hw)
-    return cm.compute_seconds(op.compute, ops.flops(instr), instr.output.nbytes, hw)
+    timing = ops.lookup(instr.opcode).timing
+    if timing.collective is not None:
+        return cm.collective_seconds(timing.collective, instr.output.nbytes, instr.attrs["groups"], num_devices, hw)
+    return cm.compute_seconds(timing.compute, ops.flops(instr), instr.output.nbytes, hw)
 
 
 def _compute_again(spmd: Program, num_devices: int, instr: Instr, later: list[Instr], fused: frozenset):
@@ -235,9 +235,9 @@ def _compute_again(spmd: Program, num_devices: int, instr: Instr, later: list[In
     later = sorted(later, key=lambda r: position[id(r)])
     staging = Program("again", parent=spmd)
     v = instr.output
-    op = ops.lookup(instr.opcode)
-    if op.repeat is not None:
-        copy = op.repeat(DeviceContext(Builder(staging, instr.origin), num_devices), instr)
+    repeat = ops.lookup(instr.opcode).rewrites.repeat
+    if repeat is not None:
+        copy = repeat(DeviceContext(Builder(staging, instr.origin), num_devices), instr)
     else:
         copy = _clone(staging, instr, {})
     copy.sharding = v.sharding

@@ -19,6 +19,7 @@ from gspmd.ir import Instr, Program, Value
 from gspmd.passes.cse import attrs_key
 from gspmd.ir.reducer import ADD
 from gspmd.ops.registry import lookup
+from gspmd.spmd.cost import Pattern
 
 
 def reassociate_all_reduces(program: Program) -> Program:
@@ -42,9 +43,9 @@ def reassociate_all_reduces(program: Program) -> Program:
 def _summed_all_reduces(instr: Instr, uses: Counter) -> Optional[list[Instr]]:
     """The add-all-reduces `instr` sums, when it is linear in all of its (several)
     operands, each is an add-all-reduce read only here, and all reduce alike."""
-    record = lookup(instr.opcode)
+    linear = lookup(instr.opcode).rewrites.linear
     everything = tuple(range(len(instr.operands)))
-    if len(everything) < 2 or record.linear is None or everything not in map(tuple, record.linear(instr)):
+    if len(everything) < 2 or linear is None or everything not in map(tuple, linear(instr)):
         return None
     producers = [o.producer for o in instr.operands]
     if not all(_is_add_all_reduce(p) and uses[p.output] == 1 for p in producers):
@@ -56,5 +57,6 @@ def _summed_all_reduces(instr: Instr, uses: Counter) -> Optional[list[Instr]]:
 
 
 def _is_add_all_reduce(instr: Optional[Instr]) -> bool:
-    return instr is not None and instr.opcode == "all-reduce" and instr.attrs["reducer"] is ADD
+    return (instr is not None and lookup(instr.opcode).timing.collective is Pattern.ALL_REDUCE
+            and instr.attrs["reducer"] is ADD)
 

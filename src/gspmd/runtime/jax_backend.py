@@ -32,7 +32,7 @@ from gspmd.sharding import Sharding, spec_of
 
 def lower_instr(instr: Instr, args: list, lc: LowerContext) -> list:
     """The instruction as jax.lax calls, from its op record's lowering."""
-    lower = ops.lookup(instr.opcode).lower
+    lower = ops.lookup(instr.opcode).semantics.lower
     if lower is None:
         raise ShardingError(
             f"The jax backend has no lowering for opcode {instr.opcode!r} (instruction {instr.outputs} "
@@ -56,7 +56,7 @@ def _run_body(spmd: Program, local_args: Sequence, lc: LowerContext) -> list:
     deferred: list[Instr] = []
     pending: set[Value] = set()     # results of waiting and deferred instructions
     for instr in spmd.instrs:
-        together = ops.lookup(instr.opcode).lower_together
+        together = ops.lookup(instr.opcode).semantics.lower_together
         key = together[0](instr) if together else None
         reads_pending = any(o in pending for o in instr.operands)
         if reads_pending and key is None and instr.outputs and not instr.has_side_effect and not ops.runs(instr):
@@ -80,7 +80,7 @@ def _run_body(spmd: Program, local_args: Sequence, lc: LowerContext) -> list:
 def _flush(waiting: dict, deferred: list[Instr], env: dict, lc: LowerContext) -> None:
     """Run each waiting kind as one, then the instructions that waited for them."""
     for group in waiting.values():
-        lower_all = ops.lookup(group[0].opcode).lower_together[1]
+        lower_all = ops.lookup(group[0].opcode).semantics.lower_together[1]
         for instr, outs in zip(group, lower_all(group, [[env[o] for o in i.operands] for i in group], lc)):
             env.update(zip(instr.outputs, outs))
     for instr in deferred:

@@ -24,7 +24,7 @@ def run(program: Program, per_device_args: Sequence[Sequence[np.ndarray]], num_d
     for i, p in enumerate(program.params):
         env[p] = [np.asarray(per_device_args[d][i], p.dtype) for d in range(num_devices)]
     for instr in program.instrs:
-        op = ops.lookup(instr.opcode)
+        op = ops.lookup(instr.opcode).semantics
         args = [env[o] for o in instr.operands]
         if op.evaluate_programs is not None:
             results = op.evaluate_programs(instr, [[a[d] for a in args] for d in range(num_devices)],

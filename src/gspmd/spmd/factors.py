@@ -4,7 +4,9 @@ from which forward/backward propagation and the common partitioning both derive.
 A factor is one loop dimension of the op: it names the dim it occupies in each tensor
 (operands first, then outputs; None where absent). `pass` factors can be split freely;
 `reduce` factors (contracting/reduced dims) leave partial results that a collective
-combines; `replicate` factors must stay whole.
+combines; `replicate` factors must stay whole; `permute` factors (a concatenated dim)
+carry splits in propagation, but move data between shards, so the common partitioning
+keeps them whole (a rule may move the pieces itself first).
 
 Partitioning chooses a layout of the *factor space* — itself a Sharding, of rank
 len(factors) — from which every tensor's layout follows by `Sharding.remap`.
@@ -34,9 +36,12 @@ class FactorKind(enum.Enum):
     REDUCE = "reduce"          # split: partial results that a collective combines
     REPLICATE = "replicate"    # must stay whole
     GROUP = "group"            # like pass, but only into whole groups: size = number of groups
+    PERMUTE = "permute"        # elements move along it (concatenate): a split propagates
+                               # through it, but the common partitioning keeps it whole
 
 
-PASS, REDUCE, REPLICATE, GROUP = FactorKind.PASS, FactorKind.REDUCE, FactorKind.REPLICATE, FactorKind.GROUP
+PASS, REDUCE, REPLICATE, GROUP, PERMUTE = (FactorKind.PASS, FactorKind.REDUCE, FactorKind.REPLICATE, FactorKind.GROUP,
+                                           FactorKind.PERMUTE)
 
 
 @dataclass(frozen=True)
@@ -47,11 +52,16 @@ class Factor:
     reducer: Reducer = ADD            # how REDUCE partials combine
 
 
-def _factor_view(factors: Sequence[Factor], t: int, s: Sharding) -> Sharding:
-    """Tensor t's layout seen on the factor space."""
+_WHOLE_IN_PROPAGATION = (REPLICATE,)
+_WHOLE_IN_PARTITIONING = (REPLICATE, PERMUTE)
+
+
+def _factor_view(factors: Sequence[Factor], t: int, s: Sharding, whole=_WHOLE_IN_PARTITIONING) -> Sharding:
+    """Tensor t's layout seen on the factor space, without splits of factors of the
+    kinds kept `whole`."""
     dim_to_factor: list[Optional[int]] = [None] * s.rank
     for f, fac in enumerate(factors):
-        if fac.dims[t] is not None and fac.kind != REPLICATE:
+        if fac.dims[t] is not None and fac.kind not in whole:
             dim_to_factor[fac.dims[t]] = f
     return s.remap(dim_to_factor, len(factors))
 
@@ -64,7 +74,7 @@ def tensor_layout(factors: Sequence[Factor], t: int, space: Sharding, rank: int)
 def propose(factors: Sequence[Factor], shardings: Sequence[Optional[Sharding]], ranks: Sequence[int],
             target: int) -> list[Sharding]:
     """Layouts for tensor `target` implied by every other tensor that has one."""
-    return [tensor_layout(factors, target, _factor_view(factors, t, s), ranks[target])
+    return [tensor_layout(factors, target, _factor_view(factors, t, s, _WHOLE_IN_PROPAGATION), ranks[target])
             for t, s in enumerate(shardings) if t != target and s is not None]
 
 
