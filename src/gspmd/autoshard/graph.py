@@ -148,10 +148,12 @@ class _Builder:
 
 def factors_of(instr: Instr) -> list[Factor]:
     """The op record's factors (a permutation factor priced as pass-through, as
-    propagation carries it), else factors probed from its propagation rule."""
-    factors = ops.lookup(instr.opcode).rule.factors
-    if factors is not None:
-        return [replace(f, kind=PASS) if f.kind is PERMUTE else f for f in factors(instr)]
+    propagation carries it), else, where its propagation rule is its own (reshape's
+    several factors per dim, which this graph does not model; loops), factors probed
+    from that rule."""
+    rule = ops.lookup(instr.opcode).rule
+    if rule.factors is not None and rule.propagate is None:
+        return [replace(f, kind=PASS) if f.kind is PERMUTE else f for f in rule.factors(instr)]
     return probed_factors(instr)
 
 

@@ -112,7 +112,7 @@ register("inspect-sharding",
          semantics=Semantics(evaluate=lambda instr, args, device: [], lower=lambda instr, args, lc: []),
          rule=Rule(partition=_partition_inspect))
 register("host-callback",
-         frontend=Frontend(converts={"debug_print": _convert(True), "debug_callback": _convert(True), "io_callback": _convert(True),
-                   "pure_callback": _convert(False)}),
+         frontend=Frontend(converts={"debug_print": _convert(True), "debug_callback": _convert(True),
+                                     "io_callback": _convert(True), "pure_callback": _convert(False)}),
          semantics=Semantics(evaluate_all=_evaluate_all, lower=_lower),
          rule=Rule(partition=replicate_fallback))

@@ -224,7 +224,8 @@ def _prune_while(instr: Instr, used: list[bool]) -> None:
 register("while",
          frontend=Frontend(converts={"while": _convert_while, "scan": _convert_scan}),
          semantics=Semantics(evaluate_programs=_evaluate_while, lower=_lower_while),
-         rule=Rule(propagate=_same_layout(_tied_places), tied=tied_values, informants=_tied_places, partition=_partition_while, priority=ELEMENTWISE),
+         rule=Rule(propagate=_same_layout(_tied_places), tied=tied_values, informants=_tied_places,
+                   partition=_partition_while, priority=ELEMENTWISE),
          timing=Timing(runs=_while_runs),
          memory=Memory(storage=Storage.CARRIED),
          rewrites=Rewrites(prune=_prune_while))
@@ -321,6 +322,7 @@ def _prune_conditional(instr: Instr, used: list[bool]) -> None:
 register("conditional",
          frontend=Frontend(converts={"cond": _convert_cond}),
          semantics=Semantics(evaluate_programs=_evaluate_conditional, lower=_lower_conditional),
-         rule=Rule(propagate=_same_layout(_branch_places), tied=_branch_values, informants=_branch_places, partition=_partition_conditional, priority=ELEMENTWISE),
+         rule=Rule(propagate=_same_layout(_branch_places), tied=_branch_values, informants=_branch_places,
+                   partition=_partition_conditional, priority=ELEMENTWISE),
          timing=Timing(runs=lambda instr: [(branch, 1) for branch in instr.attrs["branches"]]),
          rewrites=Rewrites(prune=_prune_conditional))

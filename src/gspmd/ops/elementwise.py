@@ -102,7 +102,8 @@ def elementwise(opcode: str, numpy_fn: Optional[Callable], lax_fn: Callable, pri
              semantics=Semantics(evaluate=evaluate, lower=_lower_with(lax_fn, params)),
              rule=Rule(factors=elementwise_factors, partition=partition, priority=ELEMENTWISE),
              timing=Timing(flops=flops, compute=compute),
-             memory=Memory(storage=storage, expensive=expensive), rewrites=Rewrites(linear=linear), facets=facets or Facets())
+             memory=Memory(storage=storage,
+                           expensive=expensive), rewrites=Rewrites(linear=linear), facets=facets or Facets())
 
 
 # -- HLO semantics where NumPy differs ------------------------------------------------------
@@ -310,9 +311,9 @@ def _lower_compare(instr, args, lc):
 
 # eq_to, lt_to, le_to: the total order (jax.random.choice with p= compares with le_to)
 register("compare",
-         frontend=Frontend(converts={**{p: convert_as("compare", direction=p.upper()) for p in ("eq", "ne", "lt", "le", "gt", "ge")},
-                              **{f"{p}_to": convert_as("compare", direction=p.upper(), total_order=True)
-                                 for p in ("eq", "lt", "le")}}),
+         frontend=Frontend(converts={
+             **{p: convert_as("compare", direction=p.upper()) for p in ("eq", "ne", "lt", "le", "gt", "ge")},
+             **{f"{p}_to": convert_as("compare", direction=p.upper(), total_order=True) for p in ("eq", "lt", "le")}}),
          semantics=Semantics(evaluate=_evaluate_compare, lower=_lower_compare),
          rule=Rule(factors=elementwise_factors, priority=ELEMENTWISE),
          timing=Timing(flops=elementwise_flops),
@@ -514,6 +515,7 @@ def _evaluate_bitcast(instr, args, device):
 
 register("bitcast-convert",
          frontend=Frontend(converts={"bitcast_convert_type": _bitcast_convert}),
-         semantics=Semantics(evaluate=_evaluate_bitcast, lower=lambda instr, args, lc: [lax.bitcast_convert_type(args[0], instr.outputs[0].dtype)]),
+         semantics=Semantics(evaluate=_evaluate_bitcast, lower=lambda instr, args,
+                             lc: [lax.bitcast_convert_type(args[0], instr.outputs[0].dtype)]),
          rule=Rule(factors=_bitcast_factors, priority=ELEMENTWISE),
          memory=Memory(storage=Storage.BITCAST))

@@ -144,7 +144,8 @@ def _fft_along(ctx, instr, x: PartitionedValue, dims: list[int], kind: FftType) 
         if kind == FftType.IRFFT:
             lengths[-1] = out.shape[-1]
     local = b.add1("linalg", [local], shape, dtype, batch_dims=x.rank - len(dims),
-                   call=BoundPrimitive(call.primitive, {**call.params, "fft_type": kind, "fft_lengths": tuple(lengths)}))
+                   call=BoundPrimitive(call.primitive,
+                                       {**call.params, "fft_type": kind, "fft_lengths": tuple(lengths)}))
     if moved:
         back = [order.index(d) for d in range(x.rank)]
         local = b.add1("transpose", [local], [shape[i] for i in back], dtype, permutation=tuple(back))

@@ -227,9 +227,11 @@ def _threefry(b: Conversion, eqn, args: list[Value]) -> list[Value]:
 
 
 register("threefry2x32",
-         frontend=Frontend(converts={"threefry2x32": _threefry, "iota_2x32_shape": _iota_2x32}, converts_keys={"random_bits": _random_bits, "random_split": _random_split, "random_fold_in": _random_fold_in,
-                        "random_seed": _random_seed, "random_wrap": _same_key_data, "random_unwrap": _same_key_data,
-                        "random_clone": _same_key_data, "random_gamma": _random_gamma}),
+         frontend=Frontend(converts={"threefry2x32": _threefry, "iota_2x32_shape": _iota_2x32},
+                           converts_keys={"random_bits": _random_bits, "random_split": _random_split,
+                                          "random_fold_in": _random_fold_in, "random_seed": _random_seed,
+                                          "random_wrap": _same_key_data, "random_unwrap": _same_key_data,
+                                          "random_clone": _same_key_data, "random_gamma": _random_gamma}),
          semantics=Semantics(evaluate=_evaluate_threefry, lower=_lower_threefry),
          rule=Rule(factors=elementwise_factors, priority=ELEMENTWISE))
 
@@ -256,5 +258,6 @@ def _evaluate_rng_bit_generator(instr, args, device):
 
 register("rng-bit-generator",
          frontend=Frontend(converts={"rng_bit_generator": _convert_rng_bit_generator}),
-         semantics=Semantics(evaluate=_evaluate_rng_bit_generator, lower=lambda instr, args, lc: _generate(instr, args[0])),
+         semantics=Semantics(evaluate=_evaluate_rng_bit_generator, lower=lambda instr, args,
+                             lc: _generate(instr, args[0])),
          rule=Rule(partition=replicate_fallback))

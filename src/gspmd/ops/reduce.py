@@ -179,7 +179,8 @@ def _partition_variadic_reduce(ctx: DeviceContext, instr: Instr, operands, targe
 register("variadic-reduce",
          frontend=Frontend(converts={"reduce": _convert_variadic_reduce}),
          semantics=Semantics(evaluate=_evaluate_variadic_reduce, lower=_lower_variadic_reduce),
-         rule=Rule(factors=_variadic_factors, partition=_partition_variadic_reduce, priority=LAYOUT, backward_priority=EXPAND),
+         rule=Rule(factors=_variadic_factors, partition=_partition_variadic_reduce, priority=LAYOUT,
+                   backward_priority=EXPAND),
          memory=Memory(storage=Storage.INDEXED, expensive=True))
 
 

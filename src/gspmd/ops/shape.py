@@ -15,7 +15,8 @@ from gspmd.spmd import cost as cm
 from gspmd.spmd import reshard as rs
 from gspmd.spmd.cost import ComputeKind
 from gspmd.spmd.halo import windowed_ranges
-from gspmd.spmd.factors import Factor
+from gspmd.spmd import factors as fx
+from gspmd.spmd.factors import REPLICATE, Factor
 from gspmd.spmd.layout import coarsen
 from gspmd.spmd.partitioned import PartitionedValue
 
@@ -88,43 +89,43 @@ def reshape_dim_pairs(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[
     return pairs
 
 
+def reshape_factors(src: tuple[int, ...], dst: tuple[int, ...]) -> list[Factor]:
+    """A reshape's factors: per run of dims with equal element counts, the common
+    refinement of its src and dst dims, major to minor (16 -> [2, 8]: factors 2 and 8,
+    both on src's dim, one on each dst dim); where a run has none ([2, 3] -> [3, 2]),
+    the rest of its dims is kept whole."""
+    factors = []
+    for ga, gb in reshape_groups(src, dst):
+        run, i, j, left_a, left_b = [], 0, 0, src[ga[0]], dst[gb[0]]
+        while i < len(ga) and math.gcd(left_a, left_b) > 1:
+            size = math.gcd(left_a, left_b)
+            run.append(Factor(size, (ga[i], gb[j])))
+            left_a, left_b = left_a // size, left_b // size
+            if left_a == 1:
+                i += 1
+                left_a = src[ga[i]] if i < len(ga) else 1
+            if left_b == 1:
+                j += 1
+                left_b = dst[gb[j]] if j < len(gb) else 1
+        if i < len(ga):   # the rest of the run has none: kept whole
+            run += [Factor(n, (d, None), REPLICATE) for d, n in [(ga[i], left_a)] + [(d, src[d]) for d in ga[i + 1:]]]
+            run += [Factor(n, (None, d), REPLICATE) for d, n in [(gb[j], left_b)] + [(d, dst[d]) for d in gb[j + 1:]]]
+        factors += run
+    return factors
+
+
+def _reshape_factors(instr) -> list[Factor]:
+    return reshape_factors(instr.operands[0].shape, instr.outputs[0].shape)
+
+
 def reshaped_layout(s: Sharding, src: tuple[int, ...], dst: tuple[int, ...]) -> Optional[Sharding]:
     """The layout of a reshape from src to dst in which each device holds exactly the
-    elements of its shard of s, so the reshape is local; None when there is none. Per
-    run of dims with equal element counts, s cuts the flattened run into factors, each
-    split (tile index) or whole (within a tile), major to minor; a dst dim takes split
-    factors first, then whole ones (16 split 4 ways -> [2, 8] split (2, 2); [2, 8] split
-    (2, 2) -> 16 split 4 ways). Splits that are uneven or whose shards are not
-    contiguous in the run have none."""
-    if any(size == 1 and t > 1 for size, t in zip(src, s.tiles)):
+    elements of its shard of s, so the reshape is local (the factors carry s over);
+    None when there is none. Uneven splits have none: their shards realign by halo
+    exchange."""
+    if any(n % t for n, t in zip(src, s.tiles)):
         return None
-    tiles = [1] * len(dst)
-    for ga, gb in reshape_groups(src, dst):
-        if any(src[d] % s.tiles[d] for d in ga):
-            return None
-        factors = []       # [size, split?], adjacent ones of a kind merged
-        for d in ga:
-            for size, split in ((s.tiles[d], True), (src[d] // s.tiles[d], False)):
-                if size > 1 and factors and factors[-1][1] == split:
-                    factors[-1][0] *= size
-                elif size > 1:
-                    factors.append([size, split])
-        for d in gb:
-            left, whole = dst[d], False
-            while left > 1:
-                size, split = factors[0]
-                take = math.gcd(size, left)
-                if (split and whole) or take not in (size, left):   # not a tile, or a factor cut unevenly
-                    return None
-                if split:
-                    tiles[d] *= take
-                whole = whole or not split
-                left //= take
-                if take == size:
-                    factors.pop(0)
-                else:
-                    factors[0][0] //= take
-    return Sharding(s.tile_assignment.reshape(tuple(tiles) + (s.num_replicas,)))
+    return fx.carried(reshape_factors(src, dst), s, 0, 1, len(dst))
 
 
 def _carry_map(s: Sharding, pairs, forward: bool) -> list[Optional[int]]:
@@ -363,9 +364,10 @@ register("transpose",
          rewrites=Rewrites(linear=jointly_linear))
 register("reshape",
          frontend=Frontend(converts={"reshape": _convert_reshape, "squeeze": _convert_plain_reshape,
-                              "expand_dims": _convert_plain_reshape}),
+                                     "expand_dims": _convert_plain_reshape}),
          semantics=Semantics(evaluate=_evaluate_reshape, lower=_lower_reshape),
-         rule=Rule(propagate=_reshape_propagate, partition=_reshape_partition, priority=LAYOUT),
+         rule=Rule(factors=_reshape_factors, propagate=_reshape_propagate, partition=_reshape_partition,
+                   priority=LAYOUT),
          timing=Timing(compute=ComputeKind.FREE),
          memory=Memory(storage=Storage.BITCAST),
          rewrites=Rewrites(linear=jointly_linear))     # a bitcast
@@ -384,7 +386,8 @@ def _convert_empty(b, eqn, args):
 # Constants come from jaxpr literals and closed-over arrays (the frontend driver's job),
 # from platform_index and from empty buffers.
 register("constant",
-         frontend=Frontend(converts={"platform_index": _platform_index, "empty": _convert_empty, "empty2": _convert_empty}),
+         frontend=Frontend(converts={"platform_index": _platform_index, "empty": _convert_empty,
+                                     "empty2": _convert_empty}),
          semantics=Semantics(evaluate=_evaluate_constant, lower=_lower_constant),
          rule=Rule(partition=_constant_partition),
          timing=Timing(compute=ComputeKind.FREE),

@@ -22,8 +22,8 @@ from gspmd.ir import Instr, Value
 from gspmd.ir.reducer import ADD, OR, Reducer
 from gspmd.ops.loop_motion import same_within
 from gspmd.ops.formatting import clip, in_one_step_or_by_factors, partition_in_one_step
-from gspmd.ops.registry import (Facets, Frontend, LAYOUT, SegmentRule, Memory, Rewrites, Rule, Semantics, Storage, Timing,
-                                jointly_linear, linear_in, register, result_sized_bytes, update_sized_bytes)
+from gspmd.ops.registry import (LAYOUT, Facets, Frontend, Memory, Rewrites, Rule, SegmentRule, Semantics, Storage,
+                                Timing, jointly_linear, linear_in, register, result_sized_bytes, update_sized_bytes)
 from gspmd.ops.window import pad_array
 from gspmd.sharding import Sharding
 from gspmd.spmd import factors as fx

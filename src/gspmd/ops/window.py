@@ -391,8 +391,10 @@ register("reverse",
          memory=Memory(storage=Storage.INDEXED),
          facets=Facets(segments=SegmentRule(_reverse_changed_dim, _reverse_segments)))
 register("reduce-window",
-         frontend=Frontend(converts={"reduce_window_sum": _convert_reduce_window(ADD), "reduce_window_max": _convert_reduce_window(MAX),
-                   "reduce_window_min": _convert_reduce_window(MIN), "reduce_window": _convert_generic_reduce_window}),
+         frontend=Frontend(converts={"reduce_window_sum": _convert_reduce_window(ADD),
+                                     "reduce_window_max": _convert_reduce_window(MAX),
+                                     "reduce_window_min": _convert_reduce_window(MIN),
+                                     "reduce_window": _convert_generic_reduce_window}),
          semantics=Semantics(evaluate=_evaluate_reduce_window, lower=_lower_reduce_window),
          rule=Rule(factors=_dim_factors, partition=_partition_reduce_window, priority=LAYOUT),
          timing=Timing(flops=_window_flops))

@@ -2,7 +2,9 @@
 from which forward/backward propagation and the common partitioning both derive.
 
 A factor is one loop dimension of the op: it names the dim it occupies in each tensor
-(operands first, then outputs; None where absent). `pass` factors can be split freely;
+(operands first, then outputs; None where absent). A dim may hold several factors, in
+order major to minor (a reshape's [16] -> [2, 8]: factors of 2 and 8, both on the 16).
+`pass` factors can be split freely;
 `reduce` factors (contracting/reduced dims) leave partial results that a collective
 combines; `replicate` factors must stay whole; `permute` factors (a concatenated dim)
 carry splits in propagation, but move data between shards, so the common partitioning
@@ -56,19 +58,90 @@ _WHOLE_IN_PROPAGATION = (REPLICATE,)
 _WHOLE_IN_PARTITIONING = (REPLICATE, PERMUTE)
 
 
+def _by_dim(factors: Sequence[Factor], t: int) -> dict[int, list[int]]:
+    """Tensor t's dims -> the factors on each, major to minor."""
+    out: dict[int, list[int]] = {}
+    for f, fac in enumerate(factors):
+        if fac.dims[t] is not None:
+            out.setdefault(fac.dims[t], []).append(f)
+    return out
+
+
 def _factor_view(factors: Sequence[Factor], t: int, s: Sharding, whole=_WHOLE_IN_PARTITIONING) -> Sharding:
     """Tensor t's layout seen on the factor space, without splits of factors of the
-    kinds kept `whole`."""
+    kinds kept `whole` (nor of a dim whose split does not fall on its factors)."""
+    by_dim = _by_dim(factors, t)
+    if any(len(fs) > 1 for fs in by_dim.values()):
+        return _view_of_several(factors, by_dim, s, whole)
     dim_to_factor: list[Optional[int]] = [None] * s.rank
-    for f, fac in enumerate(factors):
-        if fac.dims[t] is not None and fac.kind not in whole:
-            dim_to_factor[fac.dims[t]] = f
+    for d, (f,) in by_dim.items():
+        if factors[f].kind not in whole:
+            dim_to_factor[d] = f
     return s.remap(dim_to_factor, len(factors))
 
 
+def split_over(sizes: Sequence[int], tiles: int) -> Optional[list[int]]:
+    """How a dim made of factors of `sizes` (major first), split `tiles` ways, splits
+    them: its shards are contiguous runs of whole factors only where the major factors
+    are split whole (one element each), then one factor evenly, the minor ones not at
+    all; None where not so (one factor alone may split unevenly)."""
+    nontrivial = [i for i, size in enumerate(sizes) if size > 1]
+    if len(nontrivial) <= 1:
+        if not nontrivial:
+            return [1] * len(sizes) if tiles == 1 else None
+        return [tiles if i == nontrivial[0] else 1 for i in range(len(sizes))]
+    out = []
+    for size in sizes:
+        take = size if tiles % size == 0 else tiles if size % tiles == 0 else None
+        if take is None:
+            return None
+        out.append(take)
+        tiles //= take
+    return out if tiles == 1 else None
+
+
+def _view_of_several(factors: Sequence[Factor], by_dim: dict[int, list[int]], s: Sharding, whole) -> Sharding:
+    coords, tiles = np.zeros((s.num_devices, len(factors)), np.int64), [1] * len(factors)
+    own = s.coords()
+    for d, fs in by_dim.items():
+        split = split_over([factors[f].size for f in fs], s.tiles[d])
+        if split is None or any(factors[f].kind in whole and n > 1 for f, n in zip(fs, split)):
+            continue
+        rest = own[:, d]
+        for f, n in reversed(list(zip(fs, split))):    # minor factors vary fastest
+            coords[:, f], rest, tiles[f] = rest % n, rest // n, n
+    return Sharding.from_coords(coords, tiles)
+
+
 def tensor_layout(factors: Sequence[Factor], t: int, space: Sharding, rank: int) -> Sharding:
-    """Tensor t's layout when the op runs with factor-space layout `space`."""
-    return space.remap([fac.dims[t] for fac in factors], rank)
+    """Tensor t's layout when the op runs with factor-space layout `space`: a dim
+    holding several factors is split by all of theirs, major factor first (contiguous
+    shards only as `split_over` says; `carried` checks)."""
+    by_dim = _by_dim(factors, t)
+    if all(len(fs) == 1 for fs in by_dim.values()):
+        return space.remap([fac.dims[t] for fac in factors], rank)
+    coords, tiles = np.zeros((space.num_devices, rank), np.int64), [1] * rank
+    own = space.coords()
+    for d, fs in by_dim.items():
+        for f in fs:
+            coords[:, d] = coords[:, d] * space.tiles[f] + own[:, f]
+            tiles[d] *= space.tiles[f]
+    return Sharding.from_coords(coords, tiles)
+
+
+def carried(factors: Sequence[Factor], s: Sharding, src: int, dst: int, rank: int) -> Optional[Sharding]:
+    """Tensor dst's layout that splits the factors exactly as s splits them on tensor
+    src, so that each device holds the same elements of both (a reshape is then
+    local); None where no layout of dst does."""
+    space = _factor_view(factors, src, s, whole=())
+    if tensor_layout(factors, src, space, s.rank) != s or any(
+            n > 1 and fac.dims[dst] is None for n, fac in zip(space.tiles, factors)):
+        return None      # a split that does not fall on whole factors, or not on dst's
+    by_dim = _by_dim(factors, dst)
+    if any(split_over([factors[f].size for f in fs], math.prod(space.tiles[f] for f in fs)) !=
+           [space.tiles[f] for f in fs] for fs in by_dim.values() if len(fs) > 1):
+        return None      # split into shards of dst that are not contiguous
+    return tensor_layout(factors, dst, space, rank)
 
 
 def propose(factors: Sequence[Factor], shardings: Sequence[Optional[Sharding]], ranks: Sequence[int],
