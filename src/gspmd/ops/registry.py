@@ -1,9 +1,12 @@
-"""The op registry: ONE record per opcode holding all of its knowledge — the JAX
-primitives it comes from (and how to convert them), its reference semantics (NumPy),
-its jax lowering, its dimension factors (from which propagation and partitioning
-derive) and, where data moves between shards, hand-written propagation or partition
-rules. Family modules (ops/elementwise.py, ops/dot.py, ...) register their ops; the
-drivers (frontend, propagation, partitioner, runtime) only look records up."""
+"""The op registry: ONE record per opcode holding all of its knowledge, a small record
+per concern — the JAX primitives it comes from (Frontend), its reference semantics and
+jax lowering (Semantics), its dimension factors, from which propagation and
+partitioning derive, and, where data moves between shards, hand-written propagation or
+partition rules (Rule), what reports count (Timing), how it occupies memory (Memory,
+Kernel), what rewrites may do with it (Rewrites), and what generic code would otherwise
+ask by its name (Facets). Family modules (ops/elementwise.py, ops/dot.py, ...) register
+their ops; the drivers (frontend, propagation, partitioner, runtime) and passes only
+look records up."""
 from __future__ import annotations
 
 import math

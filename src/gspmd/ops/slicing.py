@@ -29,7 +29,7 @@ from gspmd.sharding import Sharding
 from gspmd.spmd import factors as fx
 from gspmd.spmd.context import INDEX_DTYPE
 from gspmd.spmd import segments as sg
-from gspmd.spmd.factors import PASS, PERMUTE, REDUCE, REPLICATE, Factor
+from gspmd.spmd.factors import PASS, PERMUTE, REDUCE, REPLICATE, Factor, FactorKind
 from gspmd.spmd.halo import (Window, keep_inside, pad_dim, partition_windowed, plan_dim, plan_layout,
                              slice_outputs)
 from gspmd.spmd.partitioned import PartitionedValue
@@ -69,11 +69,9 @@ def _evaluate_concatenate(instr, args, device):
     return [np.concatenate(args, axis=instr.attrs["dimension"])]
 
 
-def _dim_factors(operands: Sequence[Value], shape, passing: Sequence[bool]) -> list[Factor]:
-    """Dim d of every non-scalar operand and of the output is one factor: pass-through
-    where `passing[d]`, else kept whole."""
-    return [Factor(n, tuple(d if v.rank else None for v in operands) + (d,), PASS if passing[d] else REPLICATE)
-            for d, n in enumerate(shape)]
+def _dim_factors(operands: Sequence[Value], shape, kinds: Sequence[FactorKind]) -> list[Factor]:
+    """Dim d of every non-scalar operand and of the output is one factor of kind kinds[d]."""
+    return [Factor(n, tuple(d if v.rank else None for v in operands) + (d,), kinds[d]) for d, n in enumerate(shape)]
 
 
 # -- pad and slice: windows of size 1 -----------------------------------------------------
@@ -139,10 +137,20 @@ def _concatenate_segments(instr, dim, below, fill):
     return out
 
 
-def _propagation_factors(instr):
-    """Splits carry through pad, slice and concatenate on every dim (changed dims
-    partition by halo exchange)."""
-    return _dim_factors(instr.operands, instr.outputs[0].shape, [True] * instr.outputs[0].rank)
+def _unit_factors(instr, windows: Sequence[Window]) -> list[Factor]:
+    """Every dim of a pad or slice passes through; those it changes are permutation
+    factors (splits carry through them; the partition rule moves the elements, by halo
+    exchange)."""
+    return _dim_factors(instr.operands, instr.outputs[0].shape, [PASS if w.trivial else PERMUTE for w in windows])
+
+
+def _pad_factors(instr) -> list[Factor]:
+    return _unit_factors(instr, _pad_windows(instr))
+
+
+def _slice_factors(instr) -> list[Factor]:
+    x, a = instr.operands[0], instr.attrs
+    return _unit_factors(instr, _slice_windows(x.shape, a["start"], a["limit"], a["strides"]))
 
 
 def _local_unit(ctx, x: Value, windows: Sequence[Window], fill: Value) -> Value:
@@ -174,7 +182,8 @@ def _partition_unit(ctx, instr, x: PartitionedValue, windows: list[Window], fill
     if 0 not in x.shape and 0 not in out.shape:
         plans, layout = plan_layout(windows, x, target, lambda d, parts: plan_dim(x.shape[d], windows[d], parts))
     operands = [x] + ([fill] if fill is not None else [])
-    factors = _dim_factors(operands, out.shape, [w.trivial or d in plans for d, w in enumerate(windows)])
+    factors = _dim_factors(operands, out.shape, [PASS if w.trivial or d in plans else REPLICATE
+                                                 for d, w in enumerate(windows)])
     zero = ctx.constant(np.zeros((), x.dtype)) if fill is None else None
 
     def emit(ctx, _instr, locals_, shapes):
@@ -249,7 +258,7 @@ def _lower_pad(instr, args, lc):
 register("slice",
          frontend=Frontend(converts={"slice": _convert_slice, "split": _convert_split, "unstack": _convert_unstack}),
          semantics=Semantics(evaluate=_evaluate_slice, lower=_lower_slice),
-         rule=Rule(factors=_propagation_factors, partition=_partition_pad_or_slice, priority=LAYOUT),
+         rule=Rule(factors=_slice_factors, partition=_partition_pad_or_slice, priority=LAYOUT),
          timing=Timing(bytes_accessed=result_sized_bytes),
          memory=Memory(storage=Storage.INDEXED),
          rewrites=Rewrites(linear=jointly_linear),
@@ -258,7 +267,7 @@ register("slice",
 register("pad",
          frontend=Frontend(converts={"pad": _convert_pad}),
          semantics=Semantics(evaluate=_evaluate_pad, lower=_lower_pad),
-         rule=Rule(factors=_propagation_factors, partition=_partition_pad_or_slice, priority=LAYOUT),
+         rule=Rule(factors=_pad_factors, partition=_partition_pad_or_slice, priority=LAYOUT),
          memory=Memory(storage=Storage.INDEXED),
          rewrites=Rewrites(linear=jointly_linear),
          facets=Facets(segments=SegmentRule(_pad_changed_dim, _pad_segments)))
