@@ -121,6 +121,46 @@ def test_gpu_hosts_nvlink_inside_network_across():
     assert everything.per_byte == approx(8 / 16 / 50e9)   # half the data leaves the host
 
 
+def test_gpu_cluster_all_reduce_runs_as_hierarchical_rings():
+    """Over 8 nodes of 8 A100s: reduce-scatter inside each node over NVLink, an all-reduce
+    of the node's 1/8 across the nodes (each GPU over its own NIC, the 8 rings at once),
+    all-gather inside the node: NCCL's hierarchical ring."""
+    a100 = cm.PROFILES["a100"]
+    nvlink, ib, fixed = 300e9, 25e9, a100.collective_overhead_s
+    everything = rate(Pattern.ALL_REDUCE, [range(64)], a100)
+    node_rings = 2 * (7 / 8) / nvlink                    # reduce-scatter, then all-gather, of the whole
+    cross_node = 2 * (7 / 8) * (1 / 8) / ib              # all-reduce of 1/8 of it across 8 nodes
+    assert everything.per_byte == approx(node_rings + cross_node)
+    assert everything.latency == approx(2 * fixed + 2 * 7 * (3e-6 + 10e-6))
+    # The same all-reduce as one flat ring over 64 GPUs would push 2 x 63/64 through the NICs.
+    assert everything.per_byte < 2 * (63 / 64) / ib / 4
+
+
+def test_data_parallel_rings_across_nodes_use_a_nic_per_gpu():
+    a100 = cm.PROFILES["a100"]
+    ids = np.arange(64).reshape(8, 8)            # hosts x GPUs; a data-parallel group per local rank
+    one = rate(Pattern.ALL_REDUCE, ids[:, :1].T, a100, n=64)
+    all_eight = rate(Pattern.ALL_REDUCE, ids.T, a100, n=64)
+    assert one.per_byte == approx(2 * 7 / 8 / 25e9)
+    assert all_eight == one                      # eight NICs per node: the rings do not share one
+
+
+def test_tpu_v5p_profile():
+    v5p = cm.PROFILES["tpu-v5p"]
+    assert (v5p.flops_per_s, v5p.memory_bytes, v5p.hbm_bytes_per_s) == (459e12, 95 * 10 ** 9, 2.765e12)
+    assert v5p.network(2048).shape == (8, 16, 16)   # a 3D torus of chips, one device each
+    ring = rate(Pattern.ALL_GATHER, [range(16)], v5p, n=2048)    # along the minor torus dim
+    assert ring.per_byte == approx(15 / 16 / 2 / 100e9)          # both ways round, 100 GB/s links
+    plane = rate(Pattern.ALL_GATHER, [range(256)], v5p, n=2048)  # a 16 x 16 plane: two phases
+    assert plane.per_byte == approx(15 / 256 / 2 / 100e9 + 15 / 16 / 2 / 100e9)
+
+
+def test_device_mesh_on_gpu_hosts_keeps_the_minor_axis_inside_a_node():
+    mesh = cm.device_mesh((2, 32, 8), "a100")    # pipeline x data x tensor over 64 nodes
+    assert np.array_equal(mesh, np.arange(512).reshape(2, 32, 8))
+    assert set(mesh[0, 0] // 8) == {0}           # a tensor group is one node
+
+
 def test_compute_roofline():
     hw = cm.PROFILES["tpu-v3"]
     big = cm.compute_seconds(cm.ComputeKind.MATMUL, 1e12, 1e6, hw)

@@ -191,6 +191,10 @@ PROFILES = {h.name: h for h in [
     Hardware("tpu-v3", 61.5e12, 16 * GiB, 450e9, Torus(45e9, 1e-6, devices_per_chip=2), reserved_bytes=530 * MiB),
     Hardware("tpu-v4", 275e12, 32 * GiB, 1.2e12, Torus(50e9, 1e-6, ndim=3),      # one device per chip
              reserved_bytes=GiB + 256 * MiB),
+    # TPU v5p, one device per chip (megacore) in a 3D torus: 459 TF/s bf16, 95 GB HBM2e at
+    # 2.76 TB/s; ICI 4800 Gb/s per chip over its 6 links (100 GB/s each, counted per
+    # direction as tpu-v4's 2400 Gb/s are).
+    Hardware("tpu-v5p", 459e12, 95 * 10 ** 9, 2.765e12, Torus(100e9, 1e-6, ndim=3), reserved_bytes=GiB + 256 * MiB),
     Hardware("a100", 312e12, 80 * GiB, 2.0e12, Hosts(8, 300e9, 3e-6, 25e9, 10e-6)),     # NVLink 3, HDR IB
     Hardware("h100", 989e12, 80 * GiB, 3.35e12, Hosts(8, 450e9, 3e-6, 50e9, 10e-6)),    # NVLink 4, NDR IB
     Hardware("h200", 989e12, 141 * GiB, 4.8e12, Hosts(8, 450e9, 3e-6, 50e9, 10e-6)),
@@ -400,10 +404,15 @@ def device_mesh(shape: Sequence[int], hardware: Union[None, str, Hardware] = Non
     """Device ids for a logical mesh of `shape` such that each mesh axis runs along whole
     dims (or factors of dims) of the physical network, largest axes first on the minor
     (fastest) dims, as jax's mesh_utils does for TPU slices. Row-major ids when the
-    shape does not factor onto the network."""
+    shape does not factor onto the network, and on hosts of GPUs."""
     shape = tuple(int(s) for s in shape)
     n = math.prod(shape)
-    phys = list(profile(hardware).network(n).shape)
+    hw = profile(hardware)
+    if isinstance(hw.interconnect, Hosts):
+        # GPU clusters: row-major, the minor axis inside a host (where Megatron-LM puts
+        # tensor parallelism), the major ones across hosts (pipeline, data).
+        return np.arange(n).reshape(shape)
+    phys = list(hw.network(n).shape)
     free = list(phys)
     parts: list[list[tuple[int, int]]] = [[] for _ in shape]    # per axis: (physical dim, factor)
     for axis in sorted(range(len(shape)), key=lambda a: -shape[a]):
