@@ -143,8 +143,10 @@ def _plan_command(parser: argparse.ArgumentParser, args) -> int:
     import gspmd
     from gspmd import planning
 
-    mesh = args.mesh
-    if args.devices is not None:
+    mesh, devices = args.mesh, None
+    if ":" in args.model:        # a user function's factory makes its own mesh for --devices
+        devices = args.devices
+    elif args.devices is not None:
         if args.mesh is not None:
             parser.error("give --devices or --mesh, not both")
         if args.devices < 4 or args.devices & (args.devices - 1):
@@ -153,9 +155,9 @@ def _plan_command(parser: argparse.ArgumentParser, args) -> int:
         mesh = (x, args.devices // x)
     fields = {f: getattr(args, f) for f in ("layers", "model_dim", "ffn_dim", "heads", "head_dim", "seq", "vocab",
                                             "experts", "batch", "stages", "microbatches", "schedule", "repeats",
-                                            "image_size", "remat", "activation_dtype", "optimizer")}
+                                            "image_size", "remat", "activation_dtype", "optimizer", "strategy")}
     try:
-        plan(args.model, planning.Sizes(mesh=mesh, **fields), args.hardware, args.json, args.top, args.memory_plot)
+        plan(args.model, planning.Sizes(mesh=mesh, devices=devices, **fields), args.hardware, args.json, args.top, args.memory_plot)
     except gspmd.ShardingError as e:
         parser.exit(2, f"gspmd plan: error: {e}\n")
     return 0
@@ -247,12 +249,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     m.add_argument("--mesh", default="2x4", help="2-D mesh shape (default 2x4)")
     m.add_argument("--top", type=int, default=10, help="how many of the largest buffers to list")
     m.add_argument("--plot", metavar="PNG", help="plot memory per device over the run (needs matplotlib)")
+    from gspmd.planning import USER_FUNCTION
     p = sub.add_parser("plan", help="plan a paper-scale train step for many devices (no execution)",
-                       description="Plan a case study of the paper, or module:function (the module defines "
-                       "the function and plan_args(), its abstract arguments), without running it.")
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Plan a case study of the paper, or your own function, on abstract inputs, "
+                       "without running it.\n\n" + USER_FUNCTION)
     p.add_argument("model", nargs="?", default="transformer",
                    help="transformer (default), moe, hybrid-moe, conformer, unet, or module:function")
-    p.add_argument("--devices", type=int, help="transformer: a near-square 2D mesh over this many devices")
+    p.add_argument("--devices", type=int, help="transformer: a near-square 2D mesh over this many devices; "
+                   "module:factory: passed as factory(devices=N)")
     p.add_argument("--mesh", type=_mesh_arg, help="mesh shape, e.g. 32x64 (X x Y) or 4x16x4 (L x X x Y)")
     for flag, what in [("layers", "layers"), ("model-dim", "model dim M"), ("ffn-dim", "feed-forward dim H"),
                        ("heads", "attention heads N"), ("head-dim", "head dim D"), ("seq", "sequence length"),
@@ -265,6 +270,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--remat", help="rematerialize each layer with a jax.checkpoint policy: nothing_saveable, "
                    "dots_saveable, dots_with_no_batch_dims_saveable, everything_saveable; or auto: the least "
                    "recompute that fits what a program may use of the hardware's memory")
+    p.add_argument("--strategy", help="transformer: 2d (default: the paper's 2D finalized sharding, weights over "
+                   "X and Y, as FSDP + tensor parallelism) or megatron (weights over Y only, data parallel over X)")
     p.add_argument("--activation-dtype", help="bfloat16 (default, as the paper) or float32")
     p.add_argument("--optimizer", help="adafactor (default, as the paper), adamw or sgd")
     p.add_argument("--hardware", default="tpu-v3", help="tpu-v3 (default), tpu-v4, a100, h100, h200 or cpu")

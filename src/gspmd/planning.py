@@ -1,11 +1,6 @@
 """Plans of the paper's case studies at any size, and of a user's own function, on
-abstract inputs: no execution, no accelerator (what `gspmd plan` runs).
-
-Every model's train step is built here from the case-study layers in gspmd.models,
-with the layers stacked and run by one `lax.scan` so that planning 128 layers costs
-what planning one does. As in the paper, parameters are float32 and activations
-bfloat16 (the models' mixed precision); the optimizer is the paper's Adafactor unless
---optimizer says otherwise (sgd, adamw).
+abstract inputs: no execution, no accelerator (what `gspmd plan` runs). The models'
+train steps are built in gspmd.recipes; a user's function comes as module:function.
 Each model says which sizes it understands; a size it does not is an error, never
 silently ignored.
 """
@@ -13,22 +8,20 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import math
+import importlib.util
+import pathlib
+import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, Union
-
-import jax
-import jax.numpy as jnp
-import numpy as np
+from typing import Any, Optional, Sequence, Union
 
 from gspmd.api import Lowered, jit
 from gspmd.analysis import Report
 from gspmd.errors import ShardingError
-from gspmd.mesh import Mesh
-from gspmd.models import conformer, moe, optimizers, transformer, unet
-from gspmd.pipeline import SCHEDULES, pipeline, pipeline_loss
+from gspmd.recipes import MODELS, Case
 from gspmd.spmd.cost import Hardware, device_mesh, profile
+
+__all__ = ["Sizes", "CasePlan", "plan", "plan_to_fit", "build", "FIT_ORDER", "device_mesh", "profile"]
 
 
 @dataclass(frozen=True)
@@ -52,21 +45,11 @@ class Sizes:
     remat: Optional[str] = None
     activation_dtype: Optional[str] = None
     optimizer: Optional[str] = None
+    strategy: Optional[str] = None
+    devices: Optional[int] = None    # a user function's factory: how many devices to plan for
 
     def given(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
-
-
-@dataclass
-class Case:
-    """A train step ready to lower: its abstract arguments, mesh and what it is."""
-    description: str
-    step: Callable
-    args: tuple
-    mesh: Optional[Mesh]     # None: the meshes the function's annotations name
-    sizes: dict
-    bubble_fraction: Optional[float] = None
-    donate: tuple[int, ...] = ()   # arguments the step updates in place (parameters, optimizer state)
 
 
 @dataclass
@@ -119,9 +102,7 @@ def plan(model: str, sizes: Sizes = Sizes(), hardware: Union[str, Hardware] = "t
     start = time.perf_counter()
     case = build(model, sizes, hw)
     lowered = jit(case.step, mesh=case.mesh, hardware=hw, donate_argnums=case.donate).lower(*case.args)
-    report = lowered.report()
-    report.bubble_fraction = case.bubble_fraction
-    return CasePlan(case, lowered, report, time.perf_counter() - start)
+    return CasePlan(case, lowered, lowered.report(), time.perf_counter() - start)
 
 
 # Rematerialization from the least recompute to the most: what --remat auto tries.
@@ -144,11 +125,13 @@ def plan_to_fit(model: str, sizes: Sizes = Sizes(), hardware: Union[str, Hardwar
 
 def build(model: str, sizes: Sizes, hw: Hardware) -> Case:
     if ":" in model:
-        unknown = set(sizes.given())
+        unknown = set(sizes.given()) - {"devices"}
         if unknown:
             raise ShardingError(f"Sizes {sorted(unknown)} do not apply to a user function ({model}): its "
-                                "plan_args() gives its inputs and its annotations its meshes.")
-        return _user_function(model)
+                                "plan_args() (or its factory) gives its inputs and its annotations its meshes.")
+        return _user_function(model, sizes.devices)
+    if sizes.devices is not None:
+        raise ShardingError(f"{model}: give --mesh (or --devices on the command line, which makes one).")
     if model not in MODELS:
         raise ShardingError(f"Unknown model {model!r}; choose one of {sorted(MODELS)} or module:function.")
     spec = MODELS[model]
@@ -160,340 +143,53 @@ def build(model: str, sizes: Sizes, hw: Hardware) -> Case:
     return spec.build(resolved, hw)
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    build: Callable[[dict, Hardware], Case]
-    defaults: dict                  # every size the model understands, with its default
-
-
-# -- shared pieces ------------------------------------------------------------------------
-DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
-
-
-def _mesh(shape: Sequence[int], names: Sequence[str], hw: Hardware) -> Mesh:
-    if len(shape) != len(names):
-        raise ShardingError(f"--mesh {'x'.join(map(str, shape))} has {len(shape)} dims; this model needs "
-                            f"{len(names)} ({'x'.join(n.upper() for n in names)}).")
-    return Mesh(device_mesh(shape, hw), names)
-
-
-def _dtype(sizes: dict):
-    if sizes["activation_dtype"] not in DTYPES:
-        raise ShardingError(f"--activation-dtype {sizes['activation_dtype']!r}: choose one of {sorted(DTYPES)}.")
-    return DTYPES[sizes["activation_dtype"]]
-
-
-REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "everything_saveable")
-
-
-def _policy(name: Optional[str]) -> Optional[Callable]:
-    """The jax.checkpoint policy --remat names (None: no rematerialization)."""
-    if name is None:
-        return None
-    if name not in REMAT_POLICIES:
-        raise ShardingError(f"--remat {name!r}: choose one of {', '.join(REMAT_POLICIES + ('auto',))} (offload "
-                            "policies move values to host memory, which gspmd does not model).")
-    return getattr(jax.checkpoint_policies, name)
-
-
-def _layers(layer: Callable, policy: Optional[Callable]) -> Callable:
-    """layer(x, params) -> (x, None), under jax.checkpoint with the saving policy when one
-    is given: the backward pass recomputes what the policy does not save."""
-    return layer if policy is None else jax.checkpoint(layer, policy=policy)
-
-
-def _spec(shape, dtype=jnp.float32) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(tuple(int(d) for d in shape), dtype)
-
-
-def _stack(shapes: dict, *lead: int) -> dict:
-    return {name: _spec(lead + tuple(shape)) for name, shape in shapes.items()}
-
-
-def _cast(params: dict, dtype) -> dict:
-    """The U-Net's weights in the activation dtype (the other models cast their own)."""
-    return {name: w.astype(dtype) for name, w in params.items()}
-
-
-OPTIMIZERS = {"sgd": lambda: None, "adamw": optimizers.AdamW, "adafactor": optimizers.Adafactor}
-
-
-def _train(loss: Callable, params, data: tuple, s: dict) -> tuple[Callable, tuple]:
-    """The train step of loss(params, *data) with the chosen optimizer, and its abstract
-    arguments: the parameters, the optimizer's state (none for SGD), the data."""
-    if s["optimizer"] not in OPTIMIZERS:
-        raise ShardingError(f"--optimizer {s['optimizer']!r}: choose one of {sorted(OPTIMIZERS)}.")
-    optimizer = OPTIMIZERS[s["optimizer"]]()
-    step = optimizers.make_step(loss, optimizer, lr=0.01)
-    if optimizer is None:
-        return step, (params, *data)
-    return step, (params, jax.eval_shape(optimizer.init, params), *data)
-
-
-def _in_place(s: dict) -> tuple[int, ...]:
-    """The train step's arguments it updates in place (donated, as the paper's variables
-    are): the parameters and the optimizer's state."""
-    return (0,) if s["optimizer"] == "sgd" else (0, 1)
-
-
-def _mse(y, target):
-    return jnp.mean((y.astype(jnp.float32) - target.astype(jnp.float32)) ** 2)
-
-
-def _divide(what: str, total: int, parts: int, by: str) -> int:
-    if parts <= 0 or total % parts:
-        raise ShardingError(f"{what} {total} does not divide into {parts} ({by}).")
-    return total // parts
-
-
-# -- dense Transformer (Tables 2, 3) and its pipelined form (Table 4) -----------------------
-TRANSFORMER = {"layers": 32, "model_dim": 8192, "ffn_dim": 65536, "heads": 128, "head_dim": 256, "seq": 1024,
-               "batch": None, "mesh": (32, 64), "stages": None, "microbatches": None, "schedule": "gpipe",
-               "repeats": 1, "remat": None, "activation_dtype": "bfloat16", "optimizer": "adafactor", "vocab": None}
-# Table 5's Conformers: 23 M^2 parameters per block; M=2944 makes 32 blocks 6.4B (the paper: 6.47B).
-CONFORMER = {**{k: v for k, v in TRANSFORMER.items() if k != "vocab"}, "layers": 32, "model_dim": 2944, "ffn_dim": 11776, "heads": 23, "head_dim": 128,
-             "seq": 768, "mesh": (8, 1), "stages": 8, "microbatches": 16}
-
-
-@dataclass(frozen=True)
-class LayerStack:
-    """A model made of identical layers: layer(params, x, annotate, strategy, cfg)."""
-    name: str
-    layer: Callable
-    shapes: Callable[[Any], dict]        # cfg -> {weight name: shape}
-    config: Callable[[dict, int], Any]   # (sizes, batch) -> cfg
-    strategy: dict                       # annotations by name, over mesh axes x (and y)
-
-
-def _transformer_config(s: dict, batch: int) -> transformer.Config:
-    return transformer.Config(batch=batch, seq=s["seq"], model=s["model_dim"], heads=s["heads"],
-                              head_dim=s["head_dim"], hidden=s["ffn_dim"], layers=s["layers"], dtype=_dtype(s))
-
-
-def _layer_shapes(cfg: transformer.Config) -> dict:
-    params, _, _ = transformer.example_inputs(dataclasses.replace(cfg, layers=1), abstract=True)
-    return {name: v.shape for name, v in params[0].items()}
-
-
-DENSE = LayerStack("dense Transformer", transformer.layer, _layer_shapes, _transformer_config,
-                   transformer.FINALIZED_2D)
-CONFORMER_STACK = LayerStack("Conformer", conformer.layer, conformer.shapes,
-                             lambda s, batch: conformer.Config(**vars(_transformer_config(s, batch))),
-                             {"x": ["x", -1, -1]})   # data parallel inside each stage
-
-
-def _layer_stack(stack: LayerStack, s: dict, hw: Hardware) -> Case:
-    if s["stages"] is not None:
-        return _pipelined(stack, s, hw)
-    if s["microbatches"] is not None:
-        raise ShardingError("--microbatches applies to pipelines only: give --stages and a --mesh LxXxY.")
-    mesh = _mesh(s["mesh"], ("x", "y"), hw)
-    batch = s["batch"] or mesh.size // 2
-    cfg, dtype, policy = stack.config(s, batch), _dtype(s), _policy(s["remat"])
-    annotate = transformer.gspmd_annotate(mesh)
-
-    def layers(stacked, x):
-        def body(x, p):
-            return stack.layer(p, x, annotate, stack.strategy, cfg), None
-        return jax.lax.scan(_layers(body, policy), x, stacked)[0]
-
-    stacked = _stack(stack.shapes(cfg), cfg.layers)
-    described = (f"{stack.name}, {cfg.layers} layers, M={cfg.model} H={cfg.hidden} N={cfg.heads} "
-                 f"D={cfg.head_dim}, batch {batch} x seq {cfg.seq}")
-    if s.get("vocab"):
-        tokens = _spec((batch, cfg.seq), jnp.int32)
-        params = {"layers": stacked, "embedding": _spec((s["vocab"], cfg.model))}
-        return Case(f"{described}, vocabulary {s['vocab']}",
-                    *_train(_language_model_loss(layers, annotate, dtype), params, (tokens, tokens), s), mesh,
-                    {**s, "batch": batch}, donate=_in_place(s))
-    act = _spec((batch, cfg.seq, cfg.model), dtype)
-    return Case(described, *_train(lambda stacked, x, target: _mse(layers(stacked, x), target), stacked, (act, act), s),
-                mesh, {**s, "batch": batch}, donate=_in_place(s))
-
-
-# The embedding table [V, M] split as the layers' weights: vocabulary over Y (the model
-# parallel axis, as Megatron-LM splits it), M over X (weight-update sharding); the
-# logits [B, S, V] keep B over X and V over Y, so the softmax reduces across Y.
-EMBEDDING_2D = {"embedding": ["y", "x"], "tokens": ["x", -1], "logits": ["x", -1, "y"]}
-
-
-def _language_model_loss(layers: Callable, annotate: Callable, dtype) -> Callable:
-    """Tokens in, next-token cross-entropy out: embed (a gather of table rows), the layer
-    stack, logits by the same (tied) table, log-softmax over the vocabulary."""
-    def loss(params, tokens, labels):
-        table = annotate(params["embedding"], EMBEDDING_2D["embedding"])
-        x = jnp.take(table, annotate(tokens, EMBEDDING_2D["tokens"]), axis=0).astype(dtype)
-        y = layers(params["layers"], x)
-        logits = annotate(jnp.einsum("bsm,vm->bsv", y, table.astype(dtype)), EMBEDDING_2D["logits"])
-        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        return -jnp.mean(jnp.sum(jax.nn.one_hot(labels, table.shape[0], dtype=logp.dtype) * logp, axis=-1))
-    return loss
-
-
-def _transformer(s: dict, hw: Hardware) -> Case:
-    return _layer_stack(DENSE, {**s, "stages": s["stages"] or (s["mesh"][0] if len(s["mesh"]) == 3 else None)}, hw)
-
-
-def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
-    """The share of stage-steps that run on padding: gspmd.pipeline runs M*R + L - 1
-    steps of all L stages for L*M*R useful ones."""
-    return (stages - 1) / (microbatches * repeats + stages - 1)
-
-
-def _pipelined(stack: LayerStack, s: dict, hw: Hardware) -> Case:
-    """Stages over the mesh's first axis, data parallel over the second, and (3-D
-    meshes) the strategy's model parallelism over the third."""
-    if s.get("vocab"):
-        raise ShardingError("--vocab applies to the Transformer without --stages (the pipeline plans its layer "
-                            "stack only); leave out --vocab or --stages.")
-    axes = ("p", "x", "y")[:len(s["mesh"])]
-    if len(s["mesh"]) < 2 or ("y" not in axes and any("y" in spec for spec in stack.strategy.values())):
-        raise ShardingError(f"A pipelined {stack.name} needs a 3-D --mesh LxXxY: L stages, X data parallel, "
-                            "Y model parallel.")
-    stages = s["stages"]
-    if stages != s["mesh"][0]:
-        raise ShardingError(f"--stages {stages} must be the mesh's first dim, got --mesh "
-                            f"{'x'.join(map(str, s['mesh']))}.")
-    if s["schedule"] not in SCHEDULES:
-        raise ShardingError(f"--schedule {s['schedule']!r}: choose one of {SCHEDULES}.")
-    mesh = _mesh(s["mesh"], axes, hw)
-    repeats, micro = s["repeats"], s["microbatches"] or 2 * stages
-    batch = s["batch"] or micro * mesh.shape[1]
-    per_stage = _divide("--layers", s["layers"], stages * repeats, f"{stages} stages x {repeats} repeats")
-    mb = _divide("--batch", batch, micro, f"{micro} microbatches")
-    cfg, dtype = stack.config(s, mb), _dtype(s)
-    annotate = transformer.gspmd_annotate(mesh)
-
-    # GPipe rematerializes each layer inside its stage. A circular schedule selects a
-    # different layer each step: the pipeline rematerializes the step's stage, selection
-    # included, so that the layer is not held once per step. 1F1B's backward slots
-    # always recompute the stage from its stashed input.
-    whole_stages = repeats > 1 or s["schedule"] == "1f1b"
-    policy = _policy(s["remat"])
-
-    def stage_fn(params, x):
-        def body(x, p):
-            return stack.layer(p, x, annotate, stack.strategy, cfg), None
-        return jax.lax.scan(_layers(body, None if whole_stages else policy), x, params)[0]
-
-    def loss(stacked, microbatches, targets):
-        if s["schedule"] == "1f1b":    # its backward slots recompute each stage from the stashed input
-            return pipeline_loss(stage_fn, _mse, stacked, microbatches, targets, mesh=mesh, stage_axis="p",
-                                 repeats=repeats, stage_major=True) / micro
-        ys = pipeline(stage_fn, stacked, microbatches, mesh=mesh, stage_axis="p", schedule=s["schedule"],
-                      repeats=repeats, remat=policy if whole_stages else False, stage_major=True)
-        return _mse(ys, targets)
-
-    data = _spec((micro, mb, cfg.seq, cfg.model), dtype)
-    stacked = _stack(stack.shapes(cfg), stages * repeats, per_stage)
-    return Case(f"pipelined {stack.name}, {s['layers']} layers over {stages} stages ({s['schedule']}, "
-                f"{repeats} repeats), M={cfg.model} H={cfg.hidden} N={cfg.heads} D={cfg.head_dim}, "
-                f"{micro} microbatches of {mb} x seq {cfg.seq}",
-                *_train(loss, stacked, (data, data), s), mesh, {**s, "stages": stages, "microbatches": micro,
-                                                         "batch": batch},
-                bubble_fraction=bubble_fraction(stages, micro, repeats), donate=_in_place(s))
-
-
-# -- mixture of experts (Table 6) and hybrid sparse/dense (Table 7) -------------------------
-MOE = {"layers": 16, "model_dim": 2048, "ffn_dim": 8192, "heads": 16, "head_dim": 128, "seq": 1024,
-       "experts": None, "batch": None, "mesh": None, "remat": None, "activation_dtype": "bfloat16",
-       "optimizer": "adafactor"}
-HYBRID = {**MOE, "layers": 24, "model_dim": 4096, "ffn_dim": 32768, "heads": 128, "head_dim": 128,
-          "mesh": (8, 4)}
-
-
-def _moe_transformer(s: dict, hw: Hardware, hybrid: bool) -> Case:
-    """Layers in pairs: a dense Transformer layer (attention + feed-forward), then a
-    mixture-of-experts feed-forward layer (top-1 gating, capacity 2 x seq / experts)."""
-    if hybrid:
-        mesh = _mesh(s["mesh"] or (8, 4), ("x", "y"), hw)
-        dense_strategy, expert_axis = transformer.FINALIZED_2D, "y"
-    else:
-        shape = s["mesh"] or (s["experts"] or 32,)
-        mesh = _mesh(shape, ("x",), hw)
-        dense_strategy = {"x": ["x", -1, -1]}    # data parallel; experts split over the same axis
-        expert_axis = None
-    experts = s["experts"] or mesh.shape[0]
-    if experts % mesh.shape[0]:
-        raise ShardingError(f"--experts {experts} must be a multiple of the expert axis ({mesh.shape[0]}).")
-    batch = s["batch"] or 4 * mesh.shape[0]
-    pairs = _divide("--layers", s["layers"], 2, "dense and MoE layers alternate")
-    dtype, policy = _dtype(s), _policy(s["remat"])
-    cfg = _transformer_config({**s, "layers": pairs}, batch)
-    mcfg = moe.Config(groups=batch, group_size=s["seq"], model=s["model_dim"], hidden=s["ffn_dim"],
-                      experts=experts, capacity=max(1, math.ceil(2 * s["seq"] / experts)), dtype=dtype)
-    annotate = transformer.gspmd_annotate(mesh)
-
-    def loss(stacked, x, target):
-        def body(x, p):
-            dense, sparse = p
-            x = transformer.layer(dense, x, annotate, dense_strategy, cfg)
-            return moe.moe_layer(sparse, x, mesh, "x", mcfg, expert_axis).astype(dtype), None
-        y, _ = jax.lax.scan(_layers(body, policy), x, stacked)
-        return _mse(y, target)
-
-    expert_shapes = {"w_gate": (mcfg.model, experts), "w_in": (experts, mcfg.model, mcfg.hidden),
-                     "w_out": (experts, mcfg.hidden, mcfg.model)}
-    stacked = (_stack(_layer_shapes(cfg), pairs), _stack(expert_shapes, pairs))
-    act = _spec((batch, s["seq"], s["model_dim"]), dtype)
-    kind = "hybrid sparse/dense MoE (experts over X, expert-internal H over Y)" if hybrid else \
-        "MoE Transformer (experts and batch over one axis)"
-    return Case(f"{kind}, {s['layers']} layers ({pairs} MoE), {experts} experts, M={s['model_dim']} "
-                f"H={s['ffn_dim']} N={s['heads']} D={s['head_dim']}, batch {batch} x seq {s['seq']}",
-                *_train(loss, stacked, (act, act), s), mesh, {**s, "experts": experts, "batch": batch,
-                                                        "mesh": tuple(mesh.shape)}, donate=_in_place(s))
-
-
-# -- 3D U-Net (Table 8) ---------------------------------------------------------------------
-UNET = {"image_size": 128, "batch": 4, "mesh": (1, 16), "model_dim": 128, "remat": None,
-        "activation_dtype": "bfloat16", "optimizer": "sgd"}
-
-
-def _unet(s: dict, hw: Hardware) -> Case:
-    """Mesh (data, spatial): batch over the first axis, image depth over the second.
-    --model-dim is the width of the first convolution (the model doubles it once);
-    --remat: the whole forward pass under jax.checkpoint with that policy."""
-    mesh = _mesh(s["mesh"], ("data", "spatial"), hw)
-    dtype, size, width = _dtype(s), s["image_size"], s["model_dim"]
-    params = {name: _spec(w.shape) for name, w in unet.init_params(np.random.RandomState(0), 1, width).items()}
-
-    def forward(params, x):
-        return unet.forward(_cast(params, dtype), x, mesh, ("spatial", -1, -1), batch_axis="data")
-    policy = _policy(s["remat"])
-    if policy is not None:
-        forward = jax.checkpoint(forward, policy=policy)
-
-    def loss(params, x, y):
-        return _mse(forward(params, x), y)
-
-    image = _spec((s["batch"], 1, size, size, size), dtype)
-    return Case(f"3D U-Net, width {width}, batch {s['batch']} of {size}^3 images",
-                *_train(loss, params, (image, image), s), mesh, s, donate=_in_place(s))
-
-
-MODELS = {
-    "transformer": ModelSpec(_transformer, TRANSFORMER),
-    "moe": ModelSpec(lambda s, hw: _moe_transformer(s, hw, hybrid=False), MOE),
-    "hybrid-moe": ModelSpec(lambda s, hw: _moe_transformer(s, hw, hybrid=True), HYBRID),
-    "unet": ModelSpec(_unet, UNET),
-    "conformer": ModelSpec(lambda s, hw: _layer_stack(CONFORMER_STACK, s, hw), CONFORMER),
-}
-
-
 # -- a user's function ------------------------------------------------------------------------
-def _user_function(spec: str) -> Case:
-    """`module:function`: the module defines the function (with its mesh_split
-    annotations) and plan_args(), its arguments (jax.ShapeDtypeStruct or arrays)."""
-    module_name, _, fn_name = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ShardingError(f"Cannot import module {module_name!r} for {spec}: {e}.") from None
+USER_FUNCTION = """module:function (module: a dotted name on sys.path, or a path to a .py file) is
+either a function whose module also defines plan_args(), its arguments (jax.ShapeDtypeStruct
+or arrays); or, in a module without plan_args, a factory: function(devices=N) (called
+without arguments when no --devices is given) returning (step, args), the function to plan
+and its arguments. The function's mesh_split annotations name its meshes."""
+
+
+def _user_function(spec: str, devices: Optional[int] = None) -> Case:
+    """`module:function`, as USER_FUNCTION says."""
+    module_name, _, fn_name = spec.rpartition(":")
+    module = _import(module_name, spec)
     fn: Any = getattr(module, fn_name, None)
     if not callable(fn):
         raise ShardingError(f"Module {module_name} has no function {fn_name!r}.")
     make_args = getattr(module, "plan_args", None)
-    if not callable(make_args):
-        raise ShardingError(f"Module {module_name} must define plan_args() returning the arguments of "
-                            f"{fn_name} (jax.ShapeDtypeStruct or arrays) for `gspmd plan|auto {spec}`.")
-    return Case(spec, fn, tuple(make_args()), None, {})
+    if callable(make_args):
+        if devices is not None:
+            raise ShardingError(f"--devices applies to a factory (a module without plan_args()); {module_name}'s "
+                                f"plan_args() gives {fn_name}'s arguments and its annotations their meshes.")
+        return Case(spec, fn, tuple(make_args()), None, {})
+    try:
+        made = fn() if devices is None else fn(devices=devices)
+    except TypeError as e:
+        raise ShardingError(f"{spec}: module {module_name} must define plan_args() returning the arguments of "
+                            f"{fn_name}, or {fn_name} must be a factory, {fn_name}(devices=N) -> (step, args), "
+                            f"for `gspmd plan|auto {spec}` ({e}).") from None
+    if not (isinstance(made, tuple) and len(made) == 2 and callable(made[0])):
+        raise ShardingError(f"{spec}: a factory returns (step, args), the function to plan and a tuple of its "
+                            f"arguments; got {type(made).__name__}.")
+    step, args = made
+    return Case(f"{spec}({'' if devices is None else f'devices={devices}'})", step, tuple(args), None,
+                {} if devices is None else {"devices": devices})
+
+
+def _import(module_name: str, spec: str):
+    """A dotted module name, or a path to a .py file."""
+    try:
+        if module_name.endswith(".py"):
+            path = pathlib.Path(module_name)
+            loader = importlib.util.spec_from_file_location(path.stem, path)
+            if loader is None or not path.is_file():
+                raise ImportError(f"no file {module_name}")
+            module = importlib.util.module_from_spec(loader)
+            sys.modules[path.stem] = module      # dataclasses and pickling look their module up here
+            loader.loader.exec_module(module)
+            return module
+        return importlib.import_module(module_name)
+    except ImportError as e:
+        raise ShardingError(f"Cannot import module {module_name!r} for {spec}: {e}.") from None

@@ -33,6 +33,14 @@ FINALIZED_2D = {
     "x": ["x", -1, "y"],                                                # B S M
 }
 
+# Megatron-LM's tensor parallelism: weights split over Y only (heads, the feed-forward
+# hidden dim) and replicated over X, where the batch is split (data parallel, gradients
+# all-reduced); each layer's input and output replicated over Y.
+MEGATRON = {
+    "wq": [-1, "y", -1], "wk": [-1, "y", -1], "wv": [-1, "y", -1], "wo": ["y", -1, -1],
+    "w_in": [-1, "y"], "w_out": ["y", -1], "x": ["x", -1, -1],
+}
+
 # Optional annotation points beyond the seven above (for robustness experiments): the
 # einsum outputs and the layer's output, with the layouts completion infers for them.
 ACTIVATIONS_2D = {"q": ["x", -1, "y", -1], "k": ["x", -1, "y", -1], "v": ["x", -1, "y", -1],
