@@ -1,0 +1,295 @@
+"""Published runs next to our plans: MaxText's TPU v5p table and Megatron-LM's A100
+weak-scaling table, every row planned with our Transformer recipe configured as the row
+states, on the matching profile (tpu-v5p, a100), written to benchmarks/PUBLISHED.md.
+
+    PYTHONPATH=src python benchmarks/published.py                 # both tables (~15 min, 2 cores)
+    PYTHONPATH=src python benchmarks/published.py --tables maxtext --rows 2
+
+TFLOP/s per chip = the step's model FLOPs as the source counts them (its formula, stated
+with each table) / (our estimated step time x chips). One set of constants per profile;
+nothing is tuned per row.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from gspmd import planning
+from gspmd.spmd.cost import profile
+
+TOLERANCE = 0.20    # the issue's "within 20%"
+
+
+@dataclass(frozen=True)
+class Row:
+    label: str
+    stated: str                 # the configuration as the source states it
+    sizes: planning.Sizes
+    chips: int
+    model_flops: float          # per step, as the source counts them
+    tflops: float               # published TFLOP/s per chip
+    mfu: float                  # published, %
+
+
+@dataclass(frozen=True)
+class Table:
+    key: str
+    title: str
+    hardware: str
+    source: str
+    formula: str
+    rows: tuple[Row, ...]
+    assumptions: tuple[str, ...]
+    findings: tuple[str, ...]     # where and why our estimates are off (from the last run)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    step_s: float
+    tflops: float
+    mfu: float
+    peak_gb: float
+    fits: bool
+    bubble: Optional[float]
+
+
+# -- MaxText on TPU v5p ---------------------------------------------------------------------
+# base.yml: emb 2048, 16 heads of 128, MLP 7168 (SwiGLU: silu, linear), 16 layers, vocab 32000.
+MAXTEXT_BASE = dict(emb=2048, heads=16, mlp=7168, layers=16, head_dim=128, vocab=32000, seq=2048)
+MAXTEXT_REMAT = {"minimal": "dots_with_no_batch_dims_saveable", "full": "nothing_saveable"}
+
+
+def maxtext_dims(scale: int) -> dict:
+    """global_parameter_scale -> dims, as MaxText's pyconfig rotates its doublings: heads
+    and MLP, then the embedding, then the layers."""
+    steps, rem = divmod(scale.bit_length() - 1, 3)
+    heads = steps + (rem > 0)
+    b = MAXTEXT_BASE
+    return dict(b, emb=b["emb"] << (steps + (rem > 1)), heads=b["heads"] << heads, mlp=b["mlp"] << heads,
+                layers=b["layers"] << steps)
+
+
+def maxtext_flops(d: dict, batch: int) -> float:
+    """MaxText's calculate_tflops_training_per_device x devices: 6 x tokens x (the layers'
+    weights: 3 x E x MLP for the gated feed-forward, 4 x E x heads x D for q, k, v and
+    the output projection; plus the E x V logits) + 3 x 4 x B x S^2 x heads x D per
+    layer for the attention (not halved for causality, as counted when published)."""
+    tokens = batch * d["seq"]
+    qd = d["heads"] * d["head_dim"]
+    weights = d["layers"] * (3 * d["emb"] * d["mlp"] + 4 * d["emb"] * qd) + d["emb"] * d["vocab"]
+    return 6 * tokens * weights + 12 * batch * d["seq"] ** 2 * qd * d["layers"]
+
+
+def maxtext_row(size: str, cores: int, scale: int, per_device_batch: int, tensor: int, remat: str,
+                tflops: float, mfu: float) -> Row:
+    chips = cores // 2           # v5p-N counts TensorCores, two per chip (one jax device)
+    d, batch = maxtext_dims(scale), per_device_batch * chips
+    sizes = planning.Sizes(layers=d["layers"], model_dim=d["emb"], ffn_dim=3 * d["mlp"] // 2, heads=d["heads"],
+                           head_dim=d["head_dim"], seq=d["seq"], vocab=d["vocab"], batch=batch,
+                           mesh=(chips // tensor, tensor), remat=MAXTEXT_REMAT[remat], optimizer="adamw",
+                           strategy="2d")
+    stated = (f"scale {scale}: {d['layers']} layers, emb {d['emb']}, {d['heads']} heads of {d['head_dim']}, "
+              f"MLP {d['mlp']}; per-device batch {per_device_batch} (global {batch}); fsdp {chips // tensor} x "
+              f"tensor {tensor}; remat {remat}")
+    return Row(f"{size} on v5p-{cores}", stated, sizes, chips, maxtext_flops(d, batch), tflops, mfu)
+
+
+MAXTEXT = Table(
+    "maxtext", "MaxText on TPU v5p (FSDP + tensor parallelism)", "tpu-v5p",
+    "AI-Hypercomputer/maxtext, MaxText/configs/v5p/README.md (\"1x\" rows: one slice) and the configurations "
+    "MaxText/configs/v5p/{32b,64b,128b,256b,512b,1024b}.sh; the README's \"Runtime Performance Results\" "
+    "table quotes the same runs (some rows differ by 1-3%: 128B v5p-512 315, 256B 316, 1024B v5p-2048 249).",
+    "6 x tokens x (L x (3 E F + 4 E N D) + E V) + 12 x B x S^2 x N x D x L (maxtext_flops)",
+    tuple(maxtext_row(*r) for r in [
+        ("32B", 128, 32, 7, 4, "minimal", 328, 71.47), ("64B", 128, 64, 3, 4, "minimal", 323, 70.31),
+        ("128B", 256, 128, 1, 8, "minimal", 315, 68.68), ("128B", 512, 128, 1, 8, "minimal", 316, 68.83),
+        ("256B", 1024, 256, 1, 8, "minimal", 308, 67.09), ("512B", 1024, 512, 2, 8, "full", 294, 63.99),
+        ("1024B", 2048, 1024, 2, 8, "full", 254, 55.35), ("1024B", 4096, 1024, 2, 8, "full", 297, 64.80)]),
+    ("Sharding: MaxText's ici_fsdp_parallelism=-1 with ici_tensor_parallelism 4 or 8 is our 2D sharding "
+     "(`--strategy 2d`) on a mesh (chips / tensor, tensor): weights split over both axes and gathered per "
+     "layer (FSDP), heads and the MLP over the tensor axis, the batch over the FSDP axis.",
+     "Feed-forward: MaxText's is gated (SwiGLU: three E x F matrices); ours has two, so F is taken 1.5x "
+     "wider (same FLOPs and parameters).",
+     "remat_policy minimal is jax's dots_with_no_batch_dims_saveable per layer (what MaxText's decoder "
+     "passes to jax.checkpoint), full is nothing_saveable. AdamW; bfloat16 activations, float32 weights.",
+     "Flash attention: MaxText's does not hold the [B, N, S, S] scores; our attention is plain einsums "
+     "and the policy recomputes them in the backward pass (counted as FLOPs, as the flash kernel's are).",
+     "Untied embedding and logits in MaxText, one tied table in ours (the same FLOPs, E x V fewer "
+     "parameters). Rows are one slice (ICI only); v5p-N has N/2 chips, one jax device each."),
+    ("32B is our lowest but one (the published highest): at 7 sequences per chip our plan does not fit "
+     "in 95 GB (our attention keeps its [B, N, S, S] scores for the backward pass, flash attention does "
+     "not), so jit's memory fitting recomputes more (13% of its FLOPs against 1% at 64B and 128B).",
+     "The two 1024B rows do the same work per chip (2 sequences, tensor 8, FSDP over 128 or 256 chips): "
+     "our steps are equal, the published runs differ by 17% (254 and 297) with nothing in the stated "
+     "configuration to tell them apart (1024b.sh passes `ici_tensor_parallelism=8\\ "
+     "ici_data_parallelism=16` as one argument). So the ranking cannot be reproduced from the "
+     "configurations as stated.",
+     "512B and 1024B (remat full) spend 18% of their FLOPs recomputing, as MaxText's do: the source's "
+     "formula does not count them, so their MFU is lower than the minimal-remat rows', in both."))
+
+
+# -- Megatron-LM on A100 --------------------------------------------------------------------
+MEGATRON_SEQ, MEGATRON_VOCAB = 2048, 51200
+
+
+def megatron_flops(batch: int, layers: int, hidden: int) -> float:
+    """The paper's per-iteration count with activation recomputation (its Eq. 3):
+    96 B s l h^2 (1 + s / 6h + V / 16 l h)."""
+    s, v = MEGATRON_SEQ, MEGATRON_VOCAB
+    return 96 * batch * s * layers * hidden ** 2 * (1 + s / (6 * hidden) + v / (16 * layers * hidden))
+
+
+def megatron_row(params: str, heads: int, hidden: int, layers: int, tensor: int, stages: int, gpus: int,
+                 batch: int, tflops: float, mfu: float) -> Row:
+    data = gpus // (tensor * stages)
+    common = dict(layers=layers, model_dim=hidden, ffn_dim=4 * hidden, heads=heads, head_dim=hidden // heads,
+                  seq=MEGATRON_SEQ, batch=batch, optimizer="adamw", strategy="megatron")
+    if stages == 1:
+        sizes = planning.Sizes(mesh=(data, tensor), vocab=MEGATRON_VOCAB, remat="nothing_saveable", **common)
+    else:   # microbatches of one sequence per data-parallel replica; 1F1B recomputes each stage
+        sizes = planning.Sizes(mesh=(stages, data, tensor), stages=stages, microbatches=batch // data,
+                               schedule="1f1b", **common)
+    stated = (f"{layers} layers, h {hidden}, {heads} heads; tensor {tensor} x pipeline {stages} x data {data}; "
+              f"batch {batch}")
+    return Row(f"{params}B on {gpus} GPUs", stated, sizes, gpus, megatron_flops(batch, layers, hidden), tflops, mfu)
+
+
+MEGATRON = Table(
+    "megatron", "Megatron-LM on A100 (weak scaling: tensor in a node, pipeline across, data parallel)", "a100",
+    "NVIDIA/Megatron-LM README.md, \"Training Speed and Scalability\" (2021-2023 versions; the table is an "
+    "image there) = Table 1 of Narayanan et al., \"Efficient Large-Scale Language Model Training on GPU "
+    "Clusters Using Megatron-LM\" (SC'21): GPT, vocabulary 51,200, sequence 2048, Selene (DGX A100, 8 "
+    "GPUs per node on NVLink, 8 HDR InfiniBand NICs per node).",
+    "96 B s l h^2 (1 + s/6h + V/16lh) per iteration, recomputation included (megatron_flops)",
+    tuple(megatron_row(*r) for r in [
+        ("1.7", 24, 2304, 24, 1, 1, 32, 512, 137, 44), ("3.6", 32, 3072, 30, 2, 1, 64, 512, 138, 44),
+        ("7.5", 32, 4096, 36, 4, 1, 128, 512, 142, 46), ("18.4", 48, 6144, 40, 8, 1, 256, 1024, 135, 43),
+        ("39.1", 64, 8192, 48, 8, 2, 512, 1536, 138, 44), ("76.1", 80, 10240, 60, 8, 4, 1024, 1792, 140, 45),
+        ("145.6", 96, 12288, 80, 8, 8, 1536, 2304, 148, 47), ("310.1", 128, 16384, 96, 8, 16, 1920, 2160, 155, 50),
+        ("529.6", 128, 20480, 105, 8, 35, 2520, 2520, 163, 52),
+        ("1008.0", 160, 25600, 128, 8, 64, 3072, 3072, 163, 52)]),
+    ("Sharding: `--strategy megatron` on a mesh (data, tensor) or (pipeline, data, tensor), laid out "
+     "row-major on the a100 hosts (tensor inside a node): weights over the tensor axis only, replicated "
+     "over data (gradients all-reduced across nodes as hierarchical rings), activations replicated over "
+     "the tensor axis between layers (no sequence parallelism in 2021).",
+     "Full activation recomputation, as the formula counts it: nothing_saveable per layer without a "
+     "pipeline; with one, 1F1B (whose backward slots recompute each stage from its stashed input) with "
+     "microbatches of one sequence per data-parallel replica (B / data microbatches). The paper's "
+     "interleaved schedule is not used (ours would be --repeats), nor its scatter/gather of stage "
+     "boundaries across the tensor group.",
+     "FFN 4h, head dim h / heads, Adam (adamw), bfloat16 activations, float32 weights. Rows without a "
+     "pipeline plan the embedding and the 51,200-way softmax (--vocab); pipelined rows plan the layer stack "
+     "only (the logits are V/16lh of the FLOPs: under 1% there).",
+     "Model FLOPs for every row by the paper's formula (so TFLOP/s compare like for like); our plan's own "
+     "FLOPs decide its step time."),
+    ("Rows without a pipeline (1.7B-18.4B) come out 40-75% fast: with every matmul at 80% of peak our "
+     "model runs them at 60-75% of peak where Megatron-LM reached 43-46%. What the model lacks: PyTorch's "
+     "2021 kernels are not fused as XLA fuses (each layer norm, dropout, bias and residual add reads and "
+     "writes HBM: ours prices 9% of these rows' compute as memory-bound), matmuls at h = 2304-6144 run "
+     "further from peak than at 20480 (ours: one efficiency for all), and Megatron's tensor-parallel "
+     "all-reduces were not overlapped (ours hides 40% of a collective behind independent compute).",
+     "Pipelined rows (39.1B-1T) are within 14%, 6-14% slow: our 1F1B pipeline spends ~35% of its compute "
+     "on memory-bound ops (stage buffers shifted, stashed inputs sliced and written back: 4.6 s of 15.5 s "
+     "at 39.1B), which stands in for Megatron's unfused kernels. No single a100 matmul efficiency fits "
+     "both kinds of row (the rows without a pipeline need ~0.5, the pipelined ~0.9), so none is "
+     "calibrated: a100 keeps the shared defaults.",
+     "The published ranking rises with model size (135-163 TF/s); ours falls (the smallest model is our "
+     "fastest): reproducing it needs the size-dependent matmul efficiency and unfused element-wise "
+     "costs above, neither of which the cost model has."))
+
+TABLES = {t.key: t for t in (MAXTEXT, MEGATRON)}
+
+
+# -- planning and the document ----------------------------------------------------------------
+def estimate(row: Row, hardware: str) -> Estimate:
+    result = planning.plan("transformer", row.sizes, hardware)
+    r = result.report
+    tflops = row.model_flops / (r.step_seconds * row.chips) / 1e12
+    return Estimate(r.step_seconds, tflops, 100 * tflops * 1e12 / profile(hardware).flops_per_s,
+                    r.peak_memory_bytes / 1e9, r.fits_in_memory, r.bubble_fraction)
+
+
+def ranks(values: list[float]) -> list[int]:
+    """1 for the largest."""
+    order = sorted(range(len(values)), key=lambda i: -values[i])
+    out = [0] * len(values)
+    for rank, i in enumerate(order, 1):
+        out[i] = rank
+    return out
+
+
+def swapped_pairs(table: Table, estimates: list[Estimate]) -> list[str]:
+    """Pairs of rows the published table orders one way (by more than 1%) and we the other."""
+    pairs = []
+    for i, a in enumerate(table.rows):
+        for j, b in enumerate(table.rows[i + 1:], i + 1):
+            if abs(a.tflops - b.tflops) > 0.01 * max(a.tflops, b.tflops) and \
+                    (a.tflops > b.tflops) != (estimates[i].tflops > estimates[j].tflops):
+                pairs.append(f"{a.label} / {b.label}")
+    return pairs
+
+
+def render(table: Table, estimates: list[Estimate]) -> list[str]:
+    hw = profile(table.hardware)
+    lines = [f"## {table.title}", "", f"Source: {table.source}", "",
+             f"Model FLOPs per step: {table.formula}. Profile `{hw.name}`: {hw.flops_per_s / 1e12:.0f} TF/s "
+             f"peak, matmuls at {hw.matmul_efficiency:.0%}.", "",
+             "| row | configuration as stated | published TF/s/chip (MFU) | ours TF/s/chip (MFU) | ours / published "
+             "| step (s) | peak GB (fits) | rank: published / ours |",
+             "|---|---|---|---|---|---|---|---|"]
+    published, ours = ranks([r.tflops for r in table.rows]), ranks([e.tflops for e in estimates])
+    for row, e, rp, ro in zip(table.rows, estimates, published, ours):
+        bubble = "" if e.bubble is None else f", bubble {e.bubble:.1%}"
+        lines.append(f"| {row.label} | {row.stated} | {row.tflops:.0f} ({row.mfu:.1f}%) | {e.tflops:.0f} "
+                     f"({e.mfu:.1f}%) | {e.tflops / row.tflops:.2f} | {e.step_s:.2f}{bubble} | {e.peak_gb:.1f} "
+                     f"({'yes' if e.fits else 'no'}) | {rp} / {ro} |")
+    worst = max(abs(e.tflops / r.tflops - 1) for r, e in zip(table.rows, estimates))
+    swaps = swapped_pairs(table, estimates)
+    lines += ["", f"- Within {worst:.0%} of every published row: "
+              f"{'PASS' if worst <= TOLERANCE else 'FAIL'} (target {TOLERANCE:.0%}).",
+              "- Ranking (pairs the table separates by more than 1%): "
+              + ("reproduced; PASS." if not swaps else f"{len(swaps)} pairs swapped: {'; '.join(swaps)}; FAIL."),
+              "", "Why (as of the last run):", ""] + [f"- {f}" for f in table.findings] + \
+        ["", "Assumptions:", ""] + [f"- {a}" for a in table.assumptions] + [""]
+    return lines
+
+
+HEADER = """# Published runs next to our plans
+
+Generated by `PYTHONPATH=src python benchmarks/published.py` (no accelerator: every row is
+planned on abstract inputs with the Transformer recipe of `src/gspmd/recipes.py`, as
+`gspmd plan transformer` does, and its step estimated on the profile of the shared cost
+model, `src/gspmd/spmd/cost.py`). Ours: TF/s per chip = the source's model FLOPs per
+step / (our step time x chips); MFU = that / the profile's peak. One set of constants
+per profile, none tuned per row: `tpu-v5p` and `a100` keep the shared defaults (matmuls
+at 80% of peak, 40% of a collective hideable behind independent compute, 5 us per
+collective), none calibrated against these tables.
+"""
+
+
+def main(argv: Optional[list] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tables", nargs="*", choices=sorted(TABLES), help="which tables (default: both)")
+    parser.add_argument("--rows", type=int, help="only the first N rows of each table")
+    parser.add_argument("--out", default=str(Path(__file__).with_name("PUBLISHED.md")))
+    args = parser.parse_args(argv)
+    lines = [HEADER]
+    for key in args.tables or sorted(TABLES):
+        table = TABLES[key]
+        rows = table.rows[:args.rows] if args.rows else table.rows
+        table = Table(**{**vars(table), "rows": rows})
+        estimates = []
+        for row in rows:
+            estimates.append(estimate(row, table.hardware))
+            print(f"{key} {row.label}: {estimates[-1]}", file=sys.stderr, flush=True)
+        lines += render(table, estimates)
+    Path(args.out).write_text("\n".join(lines))
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
