@@ -119,7 +119,7 @@ MAXTEXT = Table(
      "and the policy recomputes them in the backward pass (counted as FLOPs, as the flash kernel's are).",
      "Untied embedding and logits in MaxText, one tied table in ours (the same FLOPs, E x V fewer "
      "parameters). Rows are one slice (ICI only); v5p-N has N/2 chips, one jax device each."),
-    ("32B is our lowest but one (the published highest): at 7 sequences per chip our plan does not fit "
+    ("32B, the published fastest, is our fifth: at 7 sequences per chip our plan does not fit "
      "in 95 GB (our attention keeps its [B, N, S, S] scores for the backward pass, flash attention does "
      "not), so jit's memory fitting recomputes more (13% of its FLOPs against 1% at 64B and 128B).",
      "The two 1024B rows do the same work per chip (2 sequences, tensor 8, FSDP over 128 or 256 chips): "
@@ -197,8 +197,12 @@ MEGATRON = Table(
      "both kinds of row (the rows without a pipeline need ~0.5, the pipelined ~0.9), so none is "
      "calibrated: a100 keeps the shared defaults.",
      "The published ranking rises with model size (135-163 TF/s); ours falls (the smallest model is our "
-     "fastest): reproducing it needs the size-dependent matmul efficiency and unfused element-wise "
-     "costs above, neither of which the cost model has."))
+     "fastest), though among the six pipelined rows it is reproduced (129, 131, 137, 140, 141.1, 141.3 "
+     "against 138, 140, 148, 155, 163, 163). Reproducing it all needs the size-dependent matmul efficiency and unfused element-wise "
+     "costs above, neither of which the cost model has.",
+     "Memory: our 310B-1T plans hold 90-175 GB per GPU (Megatron ran them in 80 GB): the 1F1B pipeline "
+     "keeps float32 weights, gradients and Adam's moments per stage plus bfloat16 copies and stashed "
+     "inputs; where the rest goes we have not traced yet."))
 
 TABLES = {t.key: t for t in (MAXTEXT, MEGATRON)}
 
