@@ -3,6 +3,7 @@ and clear errors for sizes a model does not vary."""
 import json
 import math
 import textwrap
+from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
@@ -137,6 +138,45 @@ def test_a_users_function(capsys, tmp_path, monkeypatch):
     (tmp_path / "no_args.py").write_text("def f(x):\n    return x\n")
     assert "must define plan_args()" in plan_error(capsys, "no_args:f")
     assert "do not apply to a user function" in plan_error(capsys, "my_model:step", "--layers", "2")
+
+
+def test_a_factory_plans_at_the_devices_given(capsys, tmp_path):
+    """module:function without plan_args(): function(devices=N) -> (step, args); a .py path works."""
+    path = tmp_path / "factory_model.py"
+    path.write_text(textwrap.dedent("""
+        from dataclasses import dataclass
+        import jax, numpy as np, gspmd
+
+        @dataclass(frozen=True)          # needs the module registered while it loads
+        class Dims:
+            rows: int = 64
+
+        def make(devices=8):
+            mesh = gspmd.Mesh(np.arange(devices).reshape(2, devices // 2), ("data", "model"))
+
+            def step(x, w):
+                x = gspmd.mesh_split(x, mesh, ["data", -1])
+                w = gspmd.mesh_split(w, mesh, [-1, "model"])
+                return jax.nn.relu(x @ w).sum()
+            return step, (jax.ShapeDtypeStruct((Dims().rows, 128), np.float32),
+                          jax.ShapeDtypeStruct((128, 256), np.float32))
+
+        def not_a_factory(x):
+            return x
+    """))
+    out = plan_json(capsys, f"{path}:make", "--devices", "256", "--hardware", "tpu-v5p")
+    assert out["devices"] == 256 and out["hardware"] == "tpu-v5p" and out["sizes"] == {"devices": 256}
+    assert plan_json(capsys, f"{path}:make")["devices"] == 8
+    assert "factory" in plan_error(capsys, f"{path}:not_a_factory")
+    assert "Cannot import" in plan_error(capsys, f"{tmp_path / 'missing.py'}:make")
+
+
+def test_the_llama_example_builds_for_the_devices_given():
+    example = Path(__file__).resolve().parents[1] / "examples" / "llama_train_step.py"
+    case = planning.build(f"{example}:make", planning.Sizes(devices=2048), planning.profile("tpu-v5p"))
+    params, moments, tokens, labels = case.args
+    assert tokens.shape == (2048, 8192) and params["layers"]["wq"].shape == (32, 4096, 32, 128)
+    assert case.sizes == {"devices": 2048} and callable(case.step)
 
 
 @pytest.mark.parametrize("argv, message", [
