@@ -150,8 +150,8 @@ class Program:
 
 
 class Builder:
-    """Appends instructions to a program. Shapes are given by the caller; ops.emit
-    adds shape inference on top of this."""
+    """Appends instructions to a program, each with the result shapes the caller gives;
+    ir.emit's typed emitters work them out on top of this."""
 
     def __init__(self, program: Program, origin: str = "", source: str = ""):
         self.program = program
