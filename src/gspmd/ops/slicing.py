@@ -19,6 +19,7 @@ from jax import lax
 from jax import numpy as jnp
 
 from gspmd.ir import Instr, Value
+from gspmd.ir.emit import mask_range, pad_dim
 from gspmd.ir.reducer import ADD, OR, Reducer
 from gspmd.ops.loop_motion import same_within
 from gspmd.ops.formatting import clip, in_one_step_or_by_factors, partition_in_one_step
@@ -30,8 +31,7 @@ from gspmd.spmd import factors as fx
 from gspmd.spmd.context import INDEX_DTYPE
 from gspmd.spmd import segments as sg
 from gspmd.spmd.factors import PASS, PERMUTE, REDUCE, REPLICATE, Factor, FactorKind
-from gspmd.spmd.halo import (Window, keep_inside, pad_dim, partition_windowed, plan_dim, plan_layout,
-                             slice_outputs)
+from gspmd.spmd.halo import Window, partition_windowed, plan_dim, plan_layout, slice_outputs
 from gspmd.spmd.partitioned import PartitionedValue
 
 
@@ -354,7 +354,7 @@ def _partition_dynamic_slice(ctx, instr, operands, targets):
         local, *index = locals_
         for d in split:
             k, n = shapes[0][d], local.shape[d]
-            local = pad_dim(ctx, local, d, k, k, np.zeros((), local.dtype))
+            local = pad_dim(ctx.b, local, d, k, k, np.zeros((), local.dtype))
             index[d] = _plus(ctx, _relative_start(ctx, index[d], x.shape[d] - k, layout, d, n), k)
         return [ctx.dynamic_slice(local, index, shapes[0])]
     return fx.run(ctx, instr, factors, space, operands, targets, emit)
@@ -379,12 +379,12 @@ def _partition_dynamic_update_slice(ctx, instr, operands, targets):
             n = local.shape[d]
             rel[d] = ctx.b.add1("negate", [_relative_start(ctx, index[d], x.shape[d] - upd.shape[d], layout, d, n)],
                                 (), INDEX_DTYPE)
-            upd = pad_dim(ctx, upd, d, n, n, zero)
+            upd = pad_dim(ctx.b, upd, d, n, n, zero)
             index[d] = _plus(ctx, rel[d], n)
         aligned = ctx.dynamic_slice(upd, [index[d] if d in rel else ctx.constant(0, INDEX_DTYPE)
                                           for d in range(x.rank)], local.shape)
         for d in cut:
-            aligned = keep_inside(ctx, aligned, d, rel[d], update.shape[d], local)
+            aligned = mask_range(ctx.b, aligned, d, 0, update.shape[d], local, offset=rel[d])
         return [aligned]
     return fx.run(ctx, instr, factors, space, operands, targets, emit)
 

@@ -21,13 +21,14 @@ import numpy as np
 from jax import lax
 
 from gspmd.errors import ShardingError
+from gspmd.ir.emit import pad_dim
 from gspmd.ir.reducer import ADD, MAX, MIN, MUL, Reducer
 from gspmd.ops.formatting import partition_in_one_step
 from gspmd.ops.registry import Facets, Frontend, LAYOUT, Memory, Rule, SegmentRule, Semantics, Storage, Timing, register
 from gspmd.spmd import factors as fx
 from gspmd.spmd import reshard as rs
 from gspmd.spmd.context import Why
-from gspmd.spmd.halo import (Window, dynamic_slice_dim, local_base, pad_dim, partition_pinned, partition_windowed,
+from gspmd.spmd.halo import (Window, dynamic_slice_dim, local_base, partition_pinned, partition_windowed,
                              plan_dim, plan_layout, slice_outputs, windowed, windowed_ranges)
 from gspmd.spmd.partitioned import PartitionedValue
 
@@ -220,7 +221,7 @@ def _partition_select_and_scatter_add(ctx, instr, operands, targets):
             n = shapes[0][d]
             own = np.arange(len(first)) * n - first
             lo, hi = max(0, -int(own.min())), max(0, int((own + n).max()) - y.shape[d])
-            y = pad_dim(ctx, y, d, lo, hi, np.zeros((), y.dtype))
+            y = pad_dim(ctx.b, y, d, lo, hi, np.zeros((), y.dtype))
             y = dynamic_slice_dim(ctx, y, d, (own + lo)[layout.coords()[:, d]], n)
         return [y]
     others = [d for d in range(operand.rank) if d not in spans]

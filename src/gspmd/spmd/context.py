@@ -7,11 +7,10 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from gspmd.ir import Builder, Program, Value
+from gspmd.ir import Builder, Program, Value, emit
+from gspmd.ir.emit import INDEX_DTYPE
 from gspmd.ir.reducer import Reducer
 from gspmd.spmd.cost import DEFAULT, Hardware
-
-INDEX_DTYPE = np.int32
 
 
 class Why(enum.Enum):
@@ -68,7 +67,7 @@ class DeviceContext:
     def partition_id(self) -> Value:
         """The real device's id (the virtual one is a table lookup)."""
         if self._pid is None:
-            self._pid = self.b.add1("partition-id", [], (), INDEX_DTYPE)
+            self._pid = emit.partition_id(self.b)
         return self._pid
 
     def table_lookup(self, table: Sequence[int]) -> Value:
@@ -80,76 +79,49 @@ class DeviceContext:
         key = table.tobytes()
         if key not in self._tables:
             t = self.constant(table)
-            one = self.b.add1("dynamic-slice", [t, self.partition_id()], (1,), INDEX_DTYPE)
-            self._tables[key] = self.b.add1("reshape", [one], (), INDEX_DTYPE)
+            one = emit.dynamic_slice(self.b, t, [self.partition_id()], (1,))
+            self._tables[key] = emit.reshape(self.b, one, ())
         return self._tables[key]
 
     def constant(self, value, dtype=None) -> Value:
-        value = np.asarray(value, dtype=dtype)
-        return self.b.add1("constant", [], value.shape, value.dtype, value=value)
+        return emit.constant(self.b, value, dtype)
 
-    # -- local data movement -----------------------------------------------------
+    # -- local data movement (shorthands for spmd/reshard.py and the op rules) ------
     def dynamic_slice(self, x: Value, starts: Sequence[Value], sizes: Sequence[int]) -> Value:
-        return self.b.add1("dynamic-slice", [x, *starts], tuple(sizes), x.dtype)
+        return emit.dynamic_slice(self.b, x, starts, sizes)
 
     def pad_high(self, x: Value, dim: int, amount: int, fill=0) -> Value:
-        if amount == 0:
-            return x
-        high = [0] * x.rank
-        high[dim] = amount
-        shape = list(x.shape)
-        shape[dim] += amount
-        fill_v = self.constant(np.asarray(fill, x.dtype))
-        return self.b.add1("pad", [x, fill_v], shape, x.dtype, low=(0,) * x.rank, high=tuple(high),
-                           interior=(0,) * x.rank)
+        return emit.pad_dim(self.b, x, dim, 0, amount, fill)
 
     def slice_prefix(self, x: Value, dim: int, size: int) -> Value:
-        if x.shape[dim] == size:
-            return x
-        limit = list(x.shape)
-        limit[dim] = size
-        return self.b.add1("slice", [x], limit, x.dtype, start=(0,) * x.rank, limit=tuple(limit),
-                           strides=(1,) * x.rank)
+        return emit.slice_dim(self.b, x, dim, 0, size)
 
     # -- collectives -------------------------------------------------------------
-    def _collective(self, opcode: str, x: Value, shape, why: Why, detail: str, **attrs) -> Value:
-        out = self.b.add1(opcode, [x], shape, x.dtype, **attrs)
+    def _made_by(self, out: Value, why: Why, detail: str) -> Value:
+        """`out`'s collective, recorded as made by the rule being run, for `why`."""
         rule = f"{why.value}: {detail}" if detail else why.value
         out.producer.origin = f"{self.b.origin} [{rule}]" if self.b.origin else rule
         out.producer.why = why
         return out
 
     def all_reduce(self, x: Value, groups: np.ndarray, reducer: Reducer, why: Why, detail: str = "") -> Value:
-        return self._collective("all-reduce", x, x.shape, why, detail, groups=self.real_groups(groups), reducer=reducer)
+        return self._made_by(emit.all_reduce(self.b, x, self.real_groups(groups), reducer), why, detail)
 
     def all_gather(self, x: Value, dim: int, groups: np.ndarray, why: Why, detail: str = "") -> Value:
-        groups = self.real_groups(groups)
-        shape = list(x.shape)
-        shape[dim] *= groups.shape[1]
-        return self._collective("all-gather", x, shape, why, detail, dim=dim, groups=groups)
+        return self._made_by(emit.all_gather(self.b, x, dim, self.real_groups(groups)), why, detail)
 
     def reduce_scatter(self, x: Value, dim: int, groups: np.ndarray, reducer: Reducer, why: Why,
                        detail: str = "") -> Value:
-        groups = self.real_groups(groups)
-        shape = list(x.shape)
-        assert shape[dim] % groups.shape[1] == 0
-        shape[dim] //= groups.shape[1]
-        return self._collective("reduce-scatter", x, shape, why, detail, dim=dim, groups=groups, reducer=reducer)
+        return self._made_by(emit.reduce_scatter(self.b, x, dim, self.real_groups(groups), reducer), why, detail)
 
     def all_to_all(self, x: Value, split_dim: int, concat_dim: int, groups: np.ndarray, why: Why,
                    detail: str = "") -> Value:
-        groups = self.real_groups(groups)
-        k = groups.shape[1]
-        shape = list(x.shape)
-        assert shape[split_dim] % k == 0
-        shape[split_dim] //= k
-        shape[concat_dim] *= k
-        return self._collective("all-to-all", x, shape, why, detail, split_dim=split_dim, concat_dim=concat_dim,
-                                groups=groups)
+        return self._made_by(emit.all_to_all(self.b, x, split_dim, concat_dim, self.real_groups(groups)), why,
+                             detail)
 
     def collective_permute(self, x: Value, pairs: np.ndarray, why: Why, detail: str = "") -> Value:
-        return self._collective("collective-permute", x, x.shape, why, detail,
-                                pairs=self.real_groups(np.asarray(pairs, np.int64).reshape(-1, 2)))
+        pairs = self.real_groups(np.asarray(pairs, np.int64).reshape(-1, 2))
+        return self._made_by(emit.collective_permute(self.b, x, pairs), why, detail)
 
 
 def _groups(groups) -> np.ndarray:

@@ -15,7 +15,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from gspmd.ir import Instr, Value
+from gspmd.ir import Instr, Value, emit
 from gspmd.sharding import Sharding
 from gspmd.spmd import factors as fx
 from gspmd.spmd import reshard as rs
@@ -158,7 +158,7 @@ def window(ctx: DeviceContext, pv: PartitionedValue, dim: int, parts_of: np.ndar
         buf, buf_start = _exchange(ctx, pv, dim, first, count, fill)
     x = buf if buf.shape[dim] == count else dynamic_slice_dim(ctx, buf, dim, (first - buf_start)[parts_of], count)
     if mask and (first.min() < 0 or (first + count).max() > size):
-        x = mask_outside(ctx, x, dim, ctx.table_lookup(first[parts_of]), size, fill)
+        x = emit.mask_range(ctx.b, x, dim, 0, size, fill, offset=ctx.table_lookup(first[parts_of]))
     return x
 
 
@@ -166,7 +166,7 @@ def _padded_whole(ctx, x: Value, dim: int, first: np.ndarray, count: int, fill):
     """Source holds the whole dim: pad it so every window is in bounds; no communication."""
     lo = max(0, -int(first.min()))
     hi = max(0, int((first + count).max()) - x.shape[dim])
-    return pad_dim(ctx, x, dim, lo, hi, fill), np.full_like(first, -lo)
+    return emit.pad_dim(ctx.b, x, dim, lo, hi, fill), np.full_like(first, -lo)
 
 
 def _exchange(ctx, pv: PartitionedValue, dim: int, first: np.ndarray, count: int, fill):
@@ -184,14 +184,15 @@ def _exchange(ctx, pv: PartitionedValue, dim: int, first: np.ndarray, count: int
     groups = groups_along(pv.sharding, [dim])
     pieces = [pad_piece(ctx, pv.local, dim, a - start, fill)] if a > start else []
     for delta in range(a // n, -(-b // n)) if b > a else ():   # shard of partition p + delta
-        piece = _slice(ctx, pv.local, dim, max(a, delta * n) - delta * n, min(b, (delta + 1) * n) - delta * n)
+        piece = emit.slice_dim(ctx.b, pv.local, dim, max(a, delta * n) - delta * n,
+                               min(b, (delta + 1) * n) - delta * n)
         if delta:
             side = "left" if delta < 0 else "right"
             piece = _shift(ctx, piece, groups, -delta, f"{side} halo")
         pieces.append(piece)
     if end > b:
         pieces.append(pad_piece(ctx, pv.local, dim, end - b, fill))
-    return concatenate(ctx, pieces, dim), own + start
+    return emit.concatenate(ctx.b, pieces, dim), own + start
 
 
 def _shift(ctx, x: Value, groups: np.ndarray, hop: int, detail: str) -> Value:
@@ -206,71 +207,11 @@ def _shift(ctx, x: Value, groups: np.ndarray, hop: int, detail: str) -> Value:
                                   Why.HALO, detail)
 
 
-def _slice(ctx, x: Value, dim: int, start: int, limit: int) -> Value:
-    if start == 0 and limit == x.shape[dim]:
-        return x
-    lo, hi = [0] * x.rank, list(x.shape)
-    lo[dim], hi[dim] = start, limit
-    shape = list(x.shape)
-    shape[dim] = limit - start
-    return ctx.b.add1("slice", [x], shape, x.dtype, start=tuple(lo), limit=tuple(hi), strides=(1,) * x.rank)
-
-
-def _fill_value(ctx, fill: Fill, dtype) -> Value:
-    return fill if isinstance(fill, Value) else ctx.constant(np.asarray(fill, dtype))
-
-
-def pad_dim(ctx, x: Value, dim: int, low: int, high: int, fill: Fill, interior: int = 0) -> Value:
-    """Pad (or crop, when negative) one dim of a local value."""
-    if low == high == interior == 0:
-        return x
-    lows, highs, inner = [0] * x.rank, [0] * x.rank, [0] * x.rank
-    lows[dim], highs[dim], inner[dim] = low, high, interior
-    shape = list(x.shape)
-    shape[dim] = low + high + (x.shape[dim] - 1) * (interior + 1) + 1 if x.shape[dim] else low + high
-    return ctx.b.add1("pad", [x, _fill_value(ctx, fill, x.dtype)], shape, x.dtype, low=tuple(lows),
-                      high=tuple(highs), interior=tuple(inner))
-
-
 def pad_piece(ctx, x: Value, dim: int, length: int, fill: Fill) -> Value:
     """A block of `fill`, shaped like x except `length` long along dim."""
     shape = list(x.shape)
     shape[dim] = length
-    return ctx.b.add1("broadcast", [_fill_value(ctx, fill, x.dtype)], shape, x.dtype, dims=())
-
-
-def concatenate(ctx, pieces: list[Value], dim: int) -> Value:
-    if len(pieces) == 1:
-        return pieces[0]
-    shape = list(pieces[0].shape)
-    shape[dim] = sum(p.shape[dim] for p in pieces)
-    return ctx.b.add1("concatenate", pieces, shape, pieces[0].dtype, dimension=dim)
-
-
-def positions(ctx, x: Value, dim: int, start: Value) -> Value:
-    """Global position along dim of every element of x, whose first element is at `start`."""
-    b = ctx.b
-    iota = b.add1("iota", [], x.shape, INDEX_DTYPE, dimension=dim)
-    return b.add1("add", [iota, b.add1("broadcast", [start], x.shape, INDEX_DTYPE, dims=())], x.shape, INDEX_DTYPE)
-
-
-def mask_outside(ctx, x: Value, dim: int, start: Value, size: int, fill: Fill) -> Value:
-    """Elements whose global position (from `start`) is outside [0, size) become fill."""
-    fill_b = ctx.b.add1("broadcast", [_fill_value(ctx, fill, x.dtype)], x.shape, x.dtype, dims=())
-    return keep_inside(ctx, x, dim, start, size, fill_b)
-
-
-def keep_inside(ctx, x: Value, dim: int, start: Value, size: int, other: Value) -> Value:
-    """x where its global position along dim (from `start`) is in [0, size), else `other`
-    (of x's shape)."""
-    b = ctx.b
-    pos = positions(ctx, x, dim, start)
-
-    def compare(bound, direction):
-        limit = b.add1("broadcast", [ctx.constant(bound, INDEX_DTYPE)], x.shape, INDEX_DTYPE, dims=())
-        return b.add1("compare", [pos, limit], x.shape, np.bool_, direction=direction)
-    inside = b.add1("and", [compare(0, "GE"), compare(size, "LT")], x.shape, np.bool_)
-    return b.add1("select", [inside, x, other], x.shape, x.dtype)
+    return emit.broadcast(ctx.b, emit.scalar(ctx.b, fill, x.dtype), shape)
 
 
 def windowed(ctx, pv: PartitionedValue, plans: dict[int, DimPlan], layout: Sharding, fill: Fill) -> PartitionedValue:
@@ -283,7 +224,7 @@ def windowed(ctx, pv: PartitionedValue, plans: dict[int, DimPlan], layout: Shard
         if plan.predilate is None:
             return y
         bd = plan.first.divisor
-        y = pad_dim(ctx, y, d, 0, bd - 1, fill, interior=bd - 1)
+        y = emit.pad_dim(ctx.b, y, d, 0, bd - 1, fill, interior=bd - 1)
         return dynamic_slice_dim(ctx, y, d, np.asarray(plan.predilate)[layout.coords()[:, d]], local_base(plan))
     ranges = {d: (p.first(np.arange(p.parts)), p.count, p.mask) for d, p in plans.items()}
     return windowed_ranges(ctx, pv, ranges, layout, fill, dilate)
@@ -335,7 +276,7 @@ def dynamic_slice_dim(ctx, x: Value, dim: int, starts: np.ndarray, size: int) ->
     indices[dim] = ctx.table_lookup(starts)
     sizes = list(x.shape)
     sizes[dim] = size
-    return ctx.dynamic_slice(x, indices, sizes)
+    return emit.dynamic_slice(ctx.b, x, indices, sizes)
 
 
 def slice_outputs(ctx, y: Value, dims: dict[int, DimPlan], layout: Sharding, plan_dims: dict[int, int]) -> Value:

@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from gspmd.ir import Value
+from gspmd.ir import Value, emit
 from gspmd.sharding import Sharding
 from gspmd.spmd import cost as cm
 from gspmd.spmd.context import INDEX_DTYPE, DeviceContext, Why
@@ -174,8 +174,8 @@ def _cut(ctx: DeviceContext, x: Value, r: _Round) -> Value:
     if r.piece == x.shape and not r.send_at.any():
         return x
     for d in range(x.rank):
-        x = ctx.pad_high(x, d, max(0, int((r.send_at[:, d] + r.piece[d]).max()) - x.shape[d]))
-    return ctx.dynamic_slice(x, [ctx.table_lookup(r.send_at[:, d]) for d in range(x.rank)], r.piece)
+        x = emit.pad_dim(ctx.b, x, d, 0, max(0, int((r.send_at[:, d] + r.piece[d]).max()) - x.shape[d]), 0)
+    return emit.dynamic_slice(ctx.b, x, [ctx.table_lookup(r.send_at[:, d]) for d in range(x.rank)], r.piece)
 
 
 def _place(ctx: DeviceContext, piece: Value, r: _Round, tile: Sequence[int], out: Optional[Value],
@@ -186,16 +186,16 @@ def _place(ctx: DeviceContext, piece: Value, r: _Round, tile: Sequence[int], out
     receivers = r.recv_len.min(axis=1) > 0
     shift = r.recv_at.copy()
     if reverse_dim is not None:   # the data is now at the end of the piece
-        x = b.add1("reverse", [x], x.shape, x.dtype, dims=(reverse_dim,))
+        x = emit.reverse(b, x, [reverse_dim])
         shift[:, reverse_dim] -= np.where(receivers, r.piece[reverse_dim] - r.recv_len[:, reverse_dim], 0)
     for d in range(x.rank):
         if not shift[:, d].any():
-            x = ctx.pad_high(x, d, tile[d] - x.shape[d])
+            x = emit.pad_dim(b, x, d, 0, tile[d] - x.shape[d], 0)
         else:   # shift each piece to its place: pad by a tile on each side, cut a tile
-            x = _pad_both(ctx, x, d, tile[d])
+            x = emit.pad_dim(b, x, d, tile[d], tile[d], 0)
             zero, start = ctx.constant(0, INDEX_DTYPE), ctx.table_lookup(tile[d] - shift[:, d])
-            x = ctx.dynamic_slice(x, [start if i == d else zero for i in range(x.rank)],
-                                  [tile[i] if i == d else x.shape[i] for i in range(x.rank)])
+            x = emit.dynamic_slice(b, x, [start if i == d else zero for i in range(x.rank)],
+                                   [tile[i] if i == d else x.shape[i] for i in range(x.rank)])
     masked = [d for d in range(x.rank) if not r.whole[d]]
     if not masked and not receivers.all():
         masked = [0]
@@ -204,29 +204,9 @@ def _place(ctx: DeviceContext, piece: Value, r: _Round, tile: Sequence[int], out
     inside = None
     for d in masked:
         end = np.where(receivers, r.recv_at[:, d] + (r.recv_len[:, d] if not r.whole[d] else tile[d]), 0)
-        test = within(ctx, x.shape, d, r.recv_at[:, d], end)
-        inside = test if inside is None else b.add1("and", [inside, test], x.shape, np.bool_)
+        test = emit.in_range(b, x.shape, d, ctx.table_lookup(r.recv_at[:, d]), ctx.table_lookup(end))
+        inside = test if inside is None else emit.logical_and(b, inside, test)
     if out is None:
-        out = b.add1("broadcast", [ctx.constant(np.zeros((), x.dtype))], x.shape, x.dtype, dims=())
-    return b.add1("select", [inside, x, out], x.shape, x.dtype)
-
-
-def within(ctx: DeviceContext, shape, dim: int, start: np.ndarray, end: np.ndarray) -> Value:
-    """Mask of the positions along dim in [start, end) (per-device tables)."""
-    b = ctx.b
-    pos = b.add1("iota", [], shape, INDEX_DTYPE, dimension=dim)
-    tests = []
-    for bound, direction in ((start, "GE"), (end, "LT")):
-        limit = b.add1("broadcast", [ctx.table_lookup(bound)], shape, INDEX_DTYPE, dims=())
-        tests.append(b.add1("compare", [pos, limit], shape, np.bool_, direction=direction))
-    return b.add1("and", tests, shape, np.bool_)
-
-
-def _pad_both(ctx: DeviceContext, x: Value, dim: int, amount: int) -> Value:
-    lows = [0] * x.rank
-    lows[dim] = amount
-    shape = list(x.shape)
-    shape[dim] += 2 * amount
-    return ctx.b.add1("pad", [x, ctx.constant(np.zeros((), x.dtype))], tuple(shape), x.dtype, low=tuple(lows),
-                      high=tuple(lows), interior=(0,) * x.rank)
+        out = emit.broadcast(b, ctx.constant(np.zeros((), x.dtype)), x.shape)
+    return emit.select(b, inside, x, out)
 

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from gspmd.ir import Value
+from gspmd.ir import Value, emit
 from gspmd.sharding import Sharding
 from gspmd.spmd import pieces
 from gspmd.spmd import cost as cm
@@ -76,7 +76,7 @@ def assemble(ctx: DeviceContext, segments: Sequence[Segment], sources: Sequence[
         out = pieces.move(ctx, locals_[source], t, tile, Why.DATA_FORMATTING, "data formatting", out,
                           dim if reverse else None)
     if out is None:   # an empty result
-        out = ctx.b.add1("broadcast", [ctx.constant(np.zeros((), sources[0].dtype))], tile, sources[0].dtype, dims=())
+        out = emit.broadcast(ctx.b, ctx.constant(np.zeros((), sources[0].dtype)), tile)
     return PartitionedValue(out, target, tuple(shape))
 
 
@@ -142,7 +142,7 @@ def _filled(ctx: DeviceContext, segments, fills: Sequence[Value], dim: int, shap
     if not fill_segments:
         return None
     b = ctx.b
-    broadcast = [b.add1("broadcast", [f], tile, f.dtype, dims=()) for f in fills]
+    broadcast = [emit.broadcast(b, f, tile) for f in fills]
     first = fill_segments[0].source
     out = broadcast[first]
     m = tile[dim]
@@ -151,6 +151,6 @@ def _filled(ctx: DeviceContext, segments, fills: Sequence[Value], dim: int, shap
         if seg.source != first:
             start = np.clip(seg.start - tile_lo, 0, m)
             end = np.clip(seg.start + seg.length - tile_lo, 0, m)
-            inside = pieces.within(ctx, tile, dim, start, end)
-            out = b.add1("select", [inside, broadcast[seg.source], out], tile, out.dtype)
+            inside = emit.in_range(b, tile, dim, ctx.table_lookup(start), ctx.table_lookup(end))
+            out = emit.select(b, inside, broadcast[seg.source], out)
     return out
