@@ -1,4 +1,5 @@
-"""The HLO-like IR: SSA values, instructions, programs, a builder, printer and verifier."""
+"""The HLO-like IR: SSA values, instructions, programs, a builder and its typed emitters
+(ir.emit), printer and verifier."""
 from gspmd.ir.program import Builder, Instr, Program, Value
 from gspmd.ir.printer import format_program
 from gspmd.ir.verifier import verify

@@ -1,6 +1,6 @@
 """Typed emitters: one function per HLO op that code outside ops/ emits, each working out
-its result's shape and dtype from its operands and checking that they fit together.
-Outside ops/, opcode strings are spelled only here.
+its result's shape and dtype from its operands and checking that they fit together, so
+that code outside ops/ neither spells opcodes nor computes result shapes by hand.
 
 On top of them, the helpers partition rules share, one of each: pad or slice along one
 dim (`pad_dim`, `slice_dim`) and the mask of the positions along a dim that lie in a
@@ -224,20 +224,20 @@ def slice_dim(b: Builder, x: Value, dim: int, start: int, limit: int) -> Value:
 
 def in_range(b: Builder, shape: Sequence[int], dim: int, start: Optional[Scalar], end: Optional[Scalar],
              offset: Optional[Value] = None) -> Value:
-    """The mask (of `shape`) of the positions along `dim` in [start, end), positions
-    counted from the scalar `offset` (from 0 without one); a bound that is None is not
-    tested."""
+    """The mask (of `shape`) of the positions along `dim` in [start, end), where the
+    first element's position is the scalar `offset` (0 without one); a bound that is
+    None is not tested."""
+    _expect(start is not None or end is not None, "in_range", "needs a start or an end")
     pos = iota(b, shape, dim)
     if offset is not None:
         pos = add(b, pos, broadcast(b, offset, shape))
     tests = [compare(b, pos, broadcast(b, scalar(b, bound, INDEX_DTYPE), shape), direction)
              for bound, direction in ((start, "GE"), (end, "LT")) if bound is not None]
-    _expect(bool(tests), "in_range", "needs a start or an end")
     return tests[0] if len(tests) == 1 else logical_and(b, *tests)
 
 
 def mask_range(b: Builder, x: Value, dim: int, start: Optional[Scalar], end: Optional[Scalar],
-               fill: Union[Scalar, Value], offset: Optional[Value] = None) -> Value:
+               fill: Scalar, offset: Optional[Value] = None) -> Value:
     """x where its position along `dim` (see in_range) is in [start, end), else `fill`:
     a scalar, or a value of x's shape."""
     inside = in_range(b, x.shape, dim, start, end, offset)
