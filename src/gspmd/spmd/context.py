@@ -86,15 +86,9 @@ class DeviceContext:
     def constant(self, value, dtype=None) -> Value:
         return emit.constant(self.b, value, dtype)
 
-    # -- local data movement (shorthands for spmd/reshard.py and the op rules) ------
     def dynamic_slice(self, x: Value, starts: Sequence[Value], sizes: Sequence[int]) -> Value:
+        """emit.dynamic_slice on this context's program (the op rules' shorthand)."""
         return emit.dynamic_slice(self.b, x, starts, sizes)
-
-    def pad_high(self, x: Value, dim: int, amount: int, fill=0) -> Value:
-        return emit.pad_dim(self.b, x, dim, 0, amount, fill)
-
-    def slice_prefix(self, x: Value, dim: int, size: int) -> Value:
-        return emit.slice_dim(self.b, x, dim, 0, size)
 
     # -- collectives -------------------------------------------------------------
     def _made_by(self, out: Value, why: Why, detail: str) -> Value:

@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from gspmd.ir import Value
+from gspmd.ir import Value, emit
 from gspmd.ir.reducer import ADD, OR
 from gspmd.sharding import Sharding
 from gspmd.spmd import cost as cm
@@ -58,9 +58,9 @@ class SliceStep:
                 starts.append(ctx.constant(0, INDEX_DTYPE))
                 continue
             # Pad so that the last sub-tile is in bounds (dynamic-slice would clamp).
-            x = ctx.pad_high(x, dim, size * k - x.shape[dim])
+            x = emit.pad_dim(ctx.b, x, dim, 0, size * k - x.shape[dim], 0)
             starts.append(ctx.table_lookup(tgt.coords()[:, dim] % k * size))
-        return PartitionedValue(ctx.dynamic_slice(x, starts, sizes), tgt, pv.shape)
+        return PartitionedValue(emit.dynamic_slice(ctx.b, x, starts, sizes), tgt, pv.shape)
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ class GatherStep:
         y = ctx.all_gather(pv.local, self.dim, minor_groups(s, self.dim, self.k), self.why, self.detail)
         result = self.result(s)
         if result.tiles[self.dim] == 1:
-            y = ctx.slice_prefix(y, self.dim, pv.shape[self.dim])
+            y = emit.slice_dim(ctx.b, y, self.dim, 0, pv.shape[self.dim])
         return PartitionedValue(y, result, pv.shape)
 
 
@@ -109,11 +109,11 @@ class SumGatherStep:
         x = mask_padding(ctx, pv, d, 0).local          # what lies past the dim's end is not data
         n, shape = x.shape[d], list(x.shape)
         shape[d] = self.k * n
-        zeros = ctx.b.add1("broadcast", [ctx.constant(np.zeros((), x.dtype))], tuple(shape), x.dtype, dims=())
+        zeros = emit.broadcast(ctx.b, ctx.constant(np.zeros((), x.dtype)), shape)
         zero = ctx.constant(0, INDEX_DTYPE)
         at = [ctx.table_lookup(s.coords()[:, d] % self.k * n) if i == d else zero for i in range(x.rank)]
-        placed = ctx.b.add1("dynamic-update-slice", [zeros, x, *at], tuple(shape), x.dtype)
-        placed = ctx.slice_prefix(placed, d, shard_len(pv.shape, result, d))
+        placed = emit.dynamic_update_slice(ctx.b, zeros, x, at)
+        placed = emit.slice_dim(ctx.b, placed, d, 0, shard_len(pv.shape, result, d))
         reducer = OR if x.dtype == np.bool_ else ADD
         y = ctx.all_reduce(placed, minor_groups(s, d, self.k), reducer, self.why, self.detail)
         return PartitionedValue(y, result, pv.shape)
@@ -143,7 +143,7 @@ class AllToAllStep:
     def apply(self, ctx: DeviceContext, pv: PartitionedValue) -> PartitionedValue:
         x = pv.local
         for d, n in enumerate(self._buffer(pv.shape, pv.sharding)):
-            x = ctx.pad_high(x, d, n - x.shape[d])
+            x = emit.pad_dim(ctx.b, x, d, 0, n - x.shape[d], 0)
         groups = move_groups(pv.sharding, self.moves)
         if len(self.moves) == 1:
             a, b, _ = self.moves[0]
@@ -152,7 +152,7 @@ class AllToAllStep:
             y = _multi_all_to_all(ctx, x, self.moves, groups)
         for d in range(pv.rank):
             if self.target.tiles[d] == 1:
-                y = ctx.slice_prefix(y, d, pv.shape[d])
+                y = emit.slice_dim(ctx.b, y, d, 0, pv.shape[d])
         return PartitionedValue(y, self.target, pv.shape)
 
 
@@ -172,23 +172,22 @@ def _multi_all_to_all(ctx: DeviceContext, x: Value, moves: Sequence[Move], group
     others = [ax for ax in range(len(split)) if ax not in chunks]
     rest = [split[ax] for ax in others]
     group = math.prod(move[2] for move in moves)
-    y = _transpose(ctx, b.add1("reshape", [x], tuple(split), x.dtype), chunks + others)
-    y = b.add1("reshape", [y], (group, *rest), x.dtype)
+    y = _transpose(ctx, emit.reshape(b, x, split), chunks + others)
+    y = emit.reshape(b, y, (group, *rest))
     y = ctx.all_to_all(y, 0, 0, groups, Why.RESHARD, "all-to-all of several dims")
-    y = b.add1("reshape", [y], tuple(move[2] for move in moves) + tuple(rest), x.dtype)
+    y = emit.reshape(b, y, tuple(move[2] for move in moves) + tuple(rest))
     order, merged = [], []
     for d in range(rank):                         # source dims: (k_last, ..., k_first, rest)
         mine = [i for i, move in enumerate(moves) if move[0] == d]
         order += list(reversed(mine)) + [q + d]
         merged.append(rest[d] * math.prod(moves[i][2] for i in mine))
-    return b.add1("reshape", [_transpose(ctx, y, order)], tuple(merged), x.dtype)
+    return emit.reshape(b, _transpose(ctx, y, order), merged)
 
 
 def _transpose(ctx: DeviceContext, x: Value, permutation: Sequence[int]) -> Value:
     if list(permutation) == list(range(x.rank)):
         return x
-    shape = tuple(x.shape[p] for p in permutation)
-    return ctx.b.add1("transpose", [x], shape, x.dtype, permutation=tuple(permutation))
+    return emit.transpose(ctx.b, x, permutation)
 
 
 # -- exchange: point-to-point pieces ----------------------------------------------------
