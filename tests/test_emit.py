@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gspmd.ir import Builder, Program, emit
+from gspmd.ir.reducer import ADD
 from gspmd.runtime import sim
 
 
@@ -35,6 +36,18 @@ def test_layout_emitters_infer_shapes():
     zero = emit.constant(b, 0, emit.INDEX_DTYPE)
     assert emit.dynamic_slice(b, x, [zero, zero, zero], (1, 2, 4)).shape == (1, 2, 4)
     assert emit.compare(b, x, x, "LT").dtype == np.bool_
+
+
+def test_collectives_infer_shapes_from_their_groups():
+    _, b = _builder()
+    x = b.param((4, 6), np.float32)
+    groups = np.arange(8).reshape(4, 2)
+    assert emit.all_gather(b, x, 1, groups).shape == (4, 12)
+    assert emit.reduce_scatter(b, x, 0, groups, ADD).shape == (2, 6)
+    assert emit.all_to_all(b, x, 1, 0, groups).shape == (8, 3)
+    assert emit.all_reduce(b, x, groups, ADD).shape == emit.collective_permute(b, x, groups).shape == (4, 6)
+    with pytest.raises(ValueError, match="does not split 4 ways"):
+        emit.reduce_scatter(b, x, 1, groups.reshape(2, 4), ADD)
 
 
 def test_one_dim_helpers_leave_a_value_alone_when_nothing_changes():
