@@ -13,7 +13,6 @@ import numpy as np
 
 from gspmd.ir.program import Builder, Value
 from gspmd.ir.reducer import Reducer
-from gspmd.sharding import Sharding
 
 INDEX_DTYPE = np.int32   # positions, offsets and partition ids
 
@@ -193,13 +192,6 @@ def all_to_all(b: Builder, x: Value, split_dim: int, concat_dim: int, groups: np
 def collective_permute(b: Builder, x: Value, pairs: np.ndarray) -> Value:
     """x sent from pairs[i, 0] to pairs[i, 1]; devices that receive nothing get zeros."""
     return _one(b, "collective-permute", [x], x.shape, x.dtype, pairs=pairs)
-
-
-# -- annotations --------------------------------------------------------------------
-def annotate(b: Builder, x: Value, sharding: Sharding, unspecified: Sequence[int] = ()) -> Value:
-    """x laid out as `sharding` (mesh_split's annotation), dims `unspecified` left to
-    propagation."""
-    return _one(b, "sharding", [x], x.shape, x.dtype, sharding=sharding, unspecified=tuple(unspecified))
 
 
 # -- the shared helpers -------------------------------------------------------------
