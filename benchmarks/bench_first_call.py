@@ -1,0 +1,259 @@
+"""First call of gspmd.jit(backend="jax") against jax.jit's on a Llama-style decoder
+train step (issue 24): a fresh function each time, so each call traces, completes,
+partitions, lowers, XLA-compiles and runs.
+
+The step is plain JAX written as MaxText writes it: token embedding, per layer RMSNorm,
+rotary attention with a causal mask, SwiGLU MLP, a final RMSNorm, the unembedding,
+softmax cross-entropy and optax.adamw. Megatron-style annotations over a 2x4 mesh
+("data" x "tensor"): activations split on batch, attention heads and the MLP's hidden
+dim on "tensor". Layers are a Python loop (unrolled) or a lax.scan over stacked layers.
+
+jax.jit runs the same function with the annotations as with_sharding_constraint and our
+parameter and result layouts as in_shardings/out_shardings. Samples alternate between
+the two; printed are the medians and the median of the per-pair ratios, then one
+sample's seconds per phase on each side.
+
+    python benchmarks/bench_first_call.py [--cases 12 48 scan] [--pairs 3] [--d-model 64]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import statistics
+import time
+from typing import Callable
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import gspmd  # noqa: E402
+from gspmd import api, passes, partitioner, propagation  # noqa: E402
+from gspmd.frontend.annotation import mesh_split_as  # noqa: E402
+from gspmd.runtime import jax_backend  # noqa: E402
+
+MESH = gspmd.Mesh(np.arange(8).reshape(2, 4), ("data", "tensor"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    layers: int = 12
+    scanned: bool = False
+    d_model: int = 64
+    heads: int = 4
+    hidden: int = 256
+    vocab: int = 512
+    batch: int = 8
+    seq: int = 32
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.heads
+
+
+def split(x, *axes):
+    return gspmd.mesh_split(x, MESH, list(axes))
+
+
+def rms_norm(x, scale):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * scale
+
+
+def rotary(x):
+    """x: [batch, seq, heads, head_dim], rotated by position (the half-split form)."""
+    seq, half = x.shape[1], x.shape[-1] // 2
+    freqs = 1.0 / (10000 ** (jnp.arange(half, dtype=jnp.float32) / half))
+    angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * freqs[None, :]
+    sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def layer(x, p, cfg: Config):
+    b, s = x.shape[:2]
+    h = rms_norm(x, p["attn_norm"])
+    heads = lambda w: split((h @ split(w, None, "tensor")).reshape(b, s, cfg.heads, cfg.head_dim),
+                            "data", None, "tensor", None)
+    q, k, v = rotary(heads(p["wq"])), rotary(heads(p["wk"])), heads(p["wv"])
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(cfg.head_dim)
+    causal = jnp.arange(s)[:, None] >= jnp.arange(s)[None, :]
+    probs = jax.nn.softmax(jnp.where(causal, logits, -1e9), axis=-1)
+    attn = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, cfg.d_model)
+    x = split(x + attn @ split(p["wo"], "tensor", None), "data", None, None)
+    h = rms_norm(x, p["mlp_norm"])
+    gate = split(h @ split(p["w_gate"], None, "tensor"), "data", None, "tensor")
+    up = split(h @ split(p["w_up"], None, "tensor"), "data", None, "tensor")
+    return split(x + (jax.nn.silu(gate) * up) @ split(p["w_down"], "tensor", None), "data", None, None)
+
+
+def loss_fn(params, tokens, targets, cfg: Config):
+    x = split(jnp.take(split(params["embed"], None, "tensor"), tokens, axis=0), "data", None, None)
+    if cfg.scanned:
+        x, _ = jax.lax.scan(lambda x, p: (layer(x, p, cfg), None), x, params["layers"])
+    else:
+        for p in params["layers"]:
+            x = layer(x, p, cfg)
+    logits = split(rms_norm(x, params["final_norm"]) @ split(params["unembed"], None, "tensor"),
+                   "data", None, "tensor")
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, targets))
+
+
+def make_train_step(cfg: Config) -> Callable:
+    """A fresh function each call (so no cache, ours or jax's, holds it)."""
+    optimizer = optax.adamw(1e-3, weight_decay=0.1)
+
+    def train_step(params, opt_state, tokens, targets):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, targets, cfg)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    return train_step
+
+
+def example_inputs(cfg: Config):
+    rng = np.random.default_rng(0)
+    w = lambda *shape: (rng.standard_normal(shape) / np.sqrt(shape[-2] if len(shape) > 1 else 1)).astype(np.float32)
+    d, f = cfg.d_model, cfg.hidden
+
+    def one_layer():
+        return {"attn_norm": np.ones(d, np.float32), "wq": w(d, d), "wk": w(d, d), "wv": w(d, d), "wo": w(d, d),
+                "mlp_norm": np.ones(d, np.float32), "w_gate": w(d, f), "w_up": w(d, f), "w_down": w(f, d)}
+    layers = [one_layer() for _ in range(cfg.layers)]
+    if cfg.scanned:
+        layers = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *layers)
+    params = {"embed": w(cfg.vocab, d), "layers": layers, "final_norm": np.ones(d, np.float32),
+              "unembed": w(d, cfg.vocab)}
+    opt_state = jax.tree_util.tree_map(np.asarray, optax.adamw(1e-3, weight_decay=0.1).init(params))
+    tokens = rng.integers(0, cfg.vocab, (cfg.batch, cfg.seq)).astype(np.int32)
+    targets = rng.integers(0, cfg.vocab, (cfg.batch, cfg.seq)).astype(np.int32)
+    return params, opt_state, tokens, targets
+
+
+# -- timing ------------------------------------------------------------------------------------
+def reference_jit(fn: Callable, low: api.Lowered, args) -> Callable:
+    """jax.jit of fn with our parameter and result layouts (call it under mesh_split_as)."""
+    exe = low.jax_executable()
+    return jax.jit(fn, in_shardings=jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args), exe.in_shardings),
+                   out_shardings=jax.tree_util.tree_unflatten(low.out_tree, exe.out_shardings))
+
+
+def first_calls(cfg: Config, pairs: int) -> dict[str, list[float]]:
+    """Seconds of first calls, gspmd and jax.jit alternating, fresh functions each time."""
+    args = example_inputs(cfg)
+    layouts = gspmd.jit(make_train_step(cfg), backend="jax").lower(*args)
+    times: dict[str, list[float]] = {"gspmd": [], "jax.jit": []}
+    for _ in range(pairs):
+        start = time.perf_counter()
+        jax.block_until_ready(gspmd.jit(make_train_step(cfg), backend="jax")(*args))
+        times["gspmd"].append(time.perf_counter() - start)
+        with mesh_split_as(jax_backend.xla_constraint):
+            start = time.perf_counter()
+            jax.block_until_ready(reference_jit(make_train_step(cfg), layouts, args)(*args))
+            times["jax.jit"].append(time.perf_counter() - start)
+    return times
+
+
+@contextlib.contextmanager
+def timed(phases: dict[str, float], owner, name: str, phase: str):
+    """Within the block, owner.name adds its seconds to phases[phase]."""
+    original = getattr(owner, name)
+
+    def wrapper(*a, **k):
+        start = time.perf_counter()
+        try:
+            return original(*a, **k)
+        finally:
+            phases[phase] = phases.get(phase, 0.0) + time.perf_counter() - start
+    setattr(owner, name, wrapper)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def gspmd_phases(cfg: Config) -> dict[str, float]:
+    """One first call of ours, by phase."""
+    args = example_inputs(cfg)
+    phases: dict[str, float] = {}
+    with contextlib.ExitStack() as stack:
+        for owner, name, phase in ((api, "_trace", "trace"), (propagation, "complete", "completion"),
+                                   (api, "partition", "partition (with passes)"), (passes, "run", "passes")):
+            stack.enter_context(timed(phases, owner, name, phase))
+        start = time.perf_counter()
+        low = gspmd.jit(make_train_step(cfg), backend="jax").lower(*args)
+        phases["lower (all of the above)"] = time.perf_counter() - start
+    exe = low.jax_executable()
+    leaves = [jax.device_put(x, s) for x, s in zip(jax.tree_util.tree_leaves(args), exe.in_shardings)]
+    _jax_phases(phases, exe.jitted, leaves)
+    return phases
+
+
+def jax_jit_phases(cfg: Config) -> dict[str, float]:
+    args = example_inputs(cfg)
+    low = gspmd.jit(make_train_step(cfg), backend="jax").lower(*args)
+    phases: dict[str, float] = {}
+    with mesh_split_as(jax_backend.xla_constraint):
+        jitted = reference_jit(make_train_step(cfg), low, args)
+        exe = low.jax_executable()
+        placed = [jax.device_put(x, s) for x, s in zip(jax.tree_util.tree_leaves(args), exe.in_shardings)]
+        placed = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args), placed)
+        _jax_phases(phases, jitted, placed)
+    return phases
+
+
+def _jax_phases(phases: dict[str, float], jitted, args) -> None:
+    """jax's phases of a first call of `jitted` on `args` (placed as it expects them)."""
+    start = time.perf_counter()
+    traced = jitted.trace(*args)
+    phases["jax trace (shard_map body)"] = time.perf_counter() - start
+    start = time.perf_counter()
+    lowered = traced.lower()
+    phases["jax lowering to StableHLO"] = time.perf_counter() - start
+    start = time.perf_counter()
+    compiled = lowered.compile()
+    phases["XLA compile"] = time.perf_counter() - start
+    phases["HLO ops (optimized)"] = _count_ops(compiled.as_text())
+    phases["StableHLO ops"] = _count_ops(lowered.as_text())
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    phases["run"] = time.perf_counter() - start
+
+
+def _count_ops(text: str) -> int:
+    return sum(1 for line in text.splitlines() if " = " in line and not line.lstrip().startswith(("//", "#")))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", nargs="*", default=["12", "48", "scan"],
+                        help="layer counts (unrolled) or 'scan' (12 layers scanned)")
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--no-phases", action="store_true")
+    args = parser.parse_args()
+    print(f"jax {jax.__version__}, {len(jax.devices())} {jax.devices()[0].platform} devices, "
+          f"load average {os.getloadavg()[0]:.1f}")
+    for case in args.cases:
+        cfg = Config(layers=12, scanned=True) if case == "scan" else Config(layers=int(case))
+        cfg = dataclasses.replace(cfg, d_model=args.d_model)
+        label = f"{cfg.layers} layers {'scanned' if cfg.scanned else 'unrolled'}, d_model {cfg.d_model}"
+        times = first_calls(cfg, args.pairs)
+        ratio = statistics.median(a / b for a, b in zip(times["gspmd"], times["jax.jit"]))
+        print(f"\n### {label}: first call {statistics.median(times['gspmd']):.2f} s vs jax.jit "
+              f"{statistics.median(times['jax.jit']):.2f} s, ratio {ratio:.2f} "
+              f"(pairs {[f'{a:.2f}/{b:.2f}' for a, b in zip(times['gspmd'], times['jax.jit'])]}, "
+              f"load {os.getloadavg()[0]:.1f})", flush=True)
+        if not args.no_phases:
+            ours, theirs = gspmd_phases(cfg), jax_jit_phases(cfg)
+            print("| phase | gspmd.jit | jax.jit |\n|---|---:|---:|")
+            for phase in list(ours) + [p for p in theirs if p not in ours]:
+                fmt = lambda x: "" if x is None else (f"{x:d}" if isinstance(x, int) else f"{x:.3f} s")
+                print(f"| {phase} | {fmt(ours.get(phase))} | {fmt(theirs.get(phase))} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
