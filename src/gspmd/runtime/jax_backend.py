@@ -145,7 +145,11 @@ class Executable:
         self._coarse_in = [self._coarse(ns, v) for ns, v in zip(self.in_shardings, self.params)]
         self._coarse_out = [self._coarse(ns, v) for ns, v in zip(self.out_shardings, self.outputs)]
         self._wrap = wrap
-        self.jitted = jax.jit(wrap(self._run_global), in_shardings=tuple(self.in_shardings),
+        # The program is jitted by itself inside the wrapper: jax lowers the custom vmap
+        # rule's call by evaluating its jaxpr again, which is then one call, not the
+        # whole shard_map body traced a second time.
+        self._program = jax.jit(self._run_global)
+        self.jitted = jax.jit(wrap(self._program), in_shardings=tuple(self.in_shardings),
                               out_shardings=tuple(self.out_shardings), donate_argnums=tuple(donate))
         self._compiled = None
         self.multiprocess = jax.process_count() > 1
@@ -219,7 +223,7 @@ class Executable:
         """The program for traced arguments in other layouts than its own (under grad or
         vmap, committed arrays whose layouts jax's batching carries over as they are):
         jitted without input layouts, so XLA moves them into the shard_map's."""
-        return jax.jit(self._wrap(self._run_global), out_shardings=tuple(self.out_shardings))
+        return jax.jit(self._wrap(self._program), out_shardings=tuple(self.out_shardings))
 
     def place(self, flat_args: Sequence) -> list | None:
         """The arguments with every jax.Array in another layout moved to its input
