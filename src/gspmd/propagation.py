@@ -14,10 +14,11 @@ Every refinement is recorded (which instruction, carried from which tensor), so 
 """
 from __future__ import annotations
 
+import functools
 import heapq
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from gspmd import ops
 from gspmd.ir import Instr, Program, Value
@@ -98,7 +99,7 @@ class _Worklist:
 
     def __init__(self, program: Program):
         self.position = {instr: i for i, instr in enumerate(program.all_instrs(into_regions=False))}
-        self.tensors = {instr: _Tensors(ops.tensors(instr)) for instr in self.position}
+        self.tensors = {instr: _Tensors(instr) for instr in self.position}
         # Who learns from a value: instructions reading it, and loops tying it to their carry.
         self.users: dict[Value, list[Instr]] = {}
         for p in (program, *program.subprograms(into_regions=False)):
@@ -134,13 +135,19 @@ class _Worklist:
 
 
 class _Tensors:
-    """tensors(instr), and where each value appears among them."""
+    """tensors(instr), where each value appears among them, and the instruction's
+    propagation rule (ops.proposer, made when first asked)."""
 
-    def __init__(self, tensors: list[Value]):
-        self.values = tensors
+    def __init__(self, instr: Instr):
+        self.instr = instr
+        self.values = ops.tensors(instr)
         self.places: dict[Value, list[int]] = {}
-        for i, v in enumerate(tensors):
+        for i, v in enumerate(self.values):
             self.places.setdefault(v, []).append(i)
+
+    @functools.cached_property
+    def propose(self) -> Callable[[list[Optional[Sharding]], int], list[Sharding]]:
+        return ops.proposer(self.instr)
 
 
 def _open_dims(v: Value) -> Optional[tuple[int, ...]]:
@@ -173,7 +180,7 @@ def _refine(instr: Instr, direction: int, completion: Completion, tensors: _Tens
                     continue
                 visible: list[Optional[Sharding]] = [None] * n
                 visible[s] = source.sharding
-                for proposal in ops.propagate(instr, visible, t):
+                for proposal in tensors.propose(visible, t):
                     if _merge_into(v, proposal, open_dims):
                         completion.provenance.setdefault(v, []).append(Step(instr, source, v.sharding))
                         if v not in changed:

@@ -9,6 +9,7 @@ their ops; the drivers (frontend, propagation, partitioner, runtime) and passes 
 look records up."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from enum import Enum
@@ -302,12 +303,19 @@ def informants(instr: Instr, target: int, count: int) -> Sequence[int]:
 
 def propagate(instr: Instr, shardings: Sequence[Optional[Sharding]], target: int) -> list[Sharding]:
     """Layouts that the other tensors(instr) imply for tensor `target`."""
+    return proposer(instr)(shardings, target)
+
+
+def proposer(instr: Instr) -> Callable[[Sequence[Optional[Sharding]], int], list[Sharding]]:
+    """propagate(instr, ...) as a function of (shardings, target), the op's factors
+    worked out once (completion asks an instruction many times)."""
     rule = lookup(instr.opcode).rule
     if rule.propagate is not None:
-        return rule.propagate(instr, list(shardings), target)
+        return lambda shardings, target: rule.propagate(instr, list(shardings), target)
     if rule.factors is None:
-        return []
-    return fx.propose(rule.factors(instr), shardings, [v.rank for v in tensors(instr)], target)
+        return lambda shardings, target: []
+    factors, ranks = tuple(rule.factors(instr)), [v.rank for v in tensors(instr)]
+    return lambda shardings, target: fx.propose(factors, shardings, ranks, target)
 
 
 def prune(instr: Instr, used: list[bool]) -> None:
@@ -389,8 +397,10 @@ def linear_in(*sets: Sequence[int]) -> Callable[[Instr], Sequence[Sequence[int]]
 def elementwise_factors(instr: Instr) -> list[fx.Factor]:
     """Every operand and output share every dim (scalars broadcast implicitly)."""
     out = instr.outputs[0]
-    factors = []
-    for d, size in enumerate(out.shape):
-        dims = tuple(d if v.rank == out.rank else None for v in instr.operands) + (d,) * len(instr.outputs)
-        factors.append(fx.Factor(size, dims))
-    return factors
+    return list(_elementwise_factors(out.shape, tuple(v.rank == out.rank for v in instr.operands), len(instr.outputs)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _elementwise_factors(shape: tuple[int, ...], whole: tuple[bool, ...], outputs: int) -> tuple[fx.Factor, ...]:
+    return tuple(fx.Factor(size, tuple(d if w else None for w in whole) + (d,) * outputs)
+                 for d, size in enumerate(shape))

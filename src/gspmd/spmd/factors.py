@@ -16,6 +16,7 @@ len(factors) — from which every tensor's layout follows by `Sharding.remap`.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -147,8 +148,15 @@ def carried(factors: Sequence[Factor], s: Sharding, src: int, dst: int, rank: in
 def propose(factors: Sequence[Factor], shardings: Sequence[Optional[Sharding]], ranks: Sequence[int],
             target: int) -> list[Sharding]:
     """Layouts for tensor `target` implied by every other tensor that has one."""
-    return [tensor_layout(factors, target, _factor_view(factors, t, s, _WHOLE_IN_PROPAGATION), ranks[target])
-            for t, s in enumerate(shardings) if t != target and s is not None]
+    return list(_propose(tuple(factors), tuple(shardings), ranks[target], target))
+
+
+@functools.lru_cache(maxsize=16384)
+def _propose(factors: tuple[Factor, ...], shardings: tuple[Optional[Sharding], ...], rank: int,
+             target: int) -> tuple[Sharding, ...]:
+    # Completion asks the same of every layer's copy of an op.
+    return tuple(tensor_layout(factors, target, _factor_view(factors, t, s, _WHOLE_IN_PROPAGATION), rank)
+                 for t, s in enumerate(shardings) if t != target and s is not None)
 
 
 def _greedy_merge(views: Sequence[Sharding]) -> Sharding:
@@ -253,6 +261,32 @@ def cheapest_space(instr: Instr, factors: Sequence[Factor], operands: Sequence[P
                    targets: Sequence[Sharding], hw: cm.Hardware, pinned: Optional[Sharding] = None,
                    candidates: Sequence[Sharding] = ()) -> tuple[Sharding, Cost]:
     """choose_space's layout, with what it costs."""
+    return _cheapest_space(tuple(factors), _described(operands), _described(instr.outputs, with_layout=False),
+                           tuple(targets), pinned, tuple(candidates), hw)
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    """What choosing and pricing a layout reads of a value (layout None: the op's results)."""
+    sharding: Optional[Sharding]
+    shape: tuple[int, ...]
+    itemsize: int
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+
+def _described(values: Sequence, with_layout: bool = True) -> tuple[_Tensor, ...]:
+    return tuple(_Tensor(v.sharding if with_layout else None, tuple(v.shape), v.dtype.itemsize) for v in values)
+
+
+@functools.lru_cache(maxsize=16384)
+def _cheapest_space(factors: tuple[Factor, ...], operands: tuple[_Tensor, ...], outputs: tuple[_Tensor, ...],
+                    targets: tuple[Sharding, ...], pinned: Optional[Sharding], candidates: tuple[Sharding, ...],
+                    hw: cm.Hardware) -> tuple[Sharding, Cost]:
+    # A program repeats itself (layers, their gradients): the same op on the same layouts
+    # and shapes is priced once.
     n_in = len(operands)
     shardings = [o.sharding for o in operands] + list(targets)
     views = [_factor_view(factors, t, s) for t, s in enumerate(shardings)]
@@ -260,8 +294,9 @@ def cheapest_space(instr: Instr, factors: Sequence[Factor], operands: Sequence[P
     merged = {_greedy_merge(first + [views[lead]] + views[:lead] + views[lead + 1:]) for lead in range(len(views))}
     merged.add(_greedy_merge(first + views[n_in:] + views[:n_in]))
     merged = {_whole_groups(factors, c) for c in merged.union(candidates)}
+
     def key(c: Sharding, price: Callable) -> tuple:
-        seconds = cost(factors, c, operands, instr, targets, hw, price)
+        seconds = _cost(factors, c, operands, outputs, targets, hw, price)
         return rounded(seconds), c.order_key(), seconds
     best, (*_, seconds) = _cheapest(list(merged), lambda c: key(c, at_least), lambda c: key(c, rs.cost))
     return best, seconds
@@ -279,15 +314,21 @@ def cost(factors: Sequence[Factor], space: Sharding, operands: Sequence[Partitio
     (seconds on `hw`): resharding the operands, combining partial results, resharding
     the results to `targets`. `reshard` prices each reshard (at_least: a lower bound
     of the cost)."""
-    costs = [reshard(o.sharding, tensor_layout(factors, t, space, o.rank), o.shape, o.dtype.itemsize, hw)
+    return _cost(factors, space, _described(operands), _described(instr.outputs, with_layout=False), targets, hw,
+                 reshard)
+
+
+def _cost(factors: Sequence[Factor], space: Sharding, operands: Sequence[_Tensor], outputs: Sequence[_Tensor],
+          targets: Sequence[Sharding], hw: cm.Hardware, reshard: Callable) -> Cost:
+    costs = [reshard(o.sharding, tensor_layout(factors, t, space, o.rank), o.shape, o.itemsize, hw)
              for t, o in enumerate(operands)]
     red = _reduce_factors(factors, space)
-    for j, (out, target) in enumerate(zip(instr.outputs, targets)):
+    for j, (out, target) in enumerate(zip(outputs, targets)):
         local = tensor_layout(factors, len(operands) + j, space, out.rank)
         if red:
-            costs.append(_combine_plan(space, red, local, target, out.shape, out.dtype.itemsize, hw, reshard)[1])
+            costs.append(_combine_plan(space, red, local, target, out.shape, out.itemsize, hw, reshard)[1])
         else:
-            costs.append(reshard(local, target, out.shape, out.dtype.itemsize, hw))
+            costs.append(reshard(local, target, out.shape, out.itemsize, hw))
     return add_costs(*costs)
 
 
