@@ -64,8 +64,9 @@ class Sharding:
         arr.setflags(write=False)
         self.tile_assignment = arr
         self._coords = None
-        self._key = None
-        self._hash = None
+        # Layouts are compared and hashed far more often than made (plan caches, merges).
+        self._key = (arr.shape, arr.tobytes())
+        self._hash = hash(self._key)
         self.is_replicated = all(t == 1 for t in arr.shape[:-1])
 
     # -- constructors -------------------------------------------------------------
@@ -212,21 +213,14 @@ class Sharding:
 
     # -- identity & printing ------------------------------------------------------
     def __eq__(self, other):
-        if not isinstance(other, Sharding) or self.tile_assignment.shape != other.tile_assignment.shape:
-            return False
-        # Hashes and keys are cached: unequal layouts mostly differ in their hash, equal
-        # ones compare their bytes (propagation compares the same layouts many times).
-        return self is other or (hash(self) == hash(other) and self.order_key() == other.order_key())
+        # Unequal layouts mostly differ in their hash, equal ones compare their bytes.
+        return self is other or (isinstance(other, Sharding) and self._hash == other._hash and self._key == other._key)
 
     def order_key(self) -> tuple:
         """A deterministic sort key (ties between equally cheap layouts)."""
-        if self._key is None:
-            self._key = (self.tile_assignment.shape, self.tile_assignment.tobytes())
         return self._key
 
     def __hash__(self):
-        if self._hash is None:
-            self._hash = hash(self.order_key())
         return self._hash
 
     def __repr__(self):
