@@ -1,6 +1,7 @@
 """Which line of the user's Python made a jaxpr equation ("train.py:12 (loss)")."""
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
@@ -13,6 +14,7 @@ _LIBRARIES = (os.path.dirname(os.path.dirname(jax.__file__)) + os.sep, f"{os.sep
               f"{os.sep}dist-packages{os.sep}")
 
 
+@functools.lru_cache(maxsize=4096)    # a traceback has a few dozen frames, over a few files
 def _is_user_file(path: str) -> bool:
     if path.startswith(_GSPMD):
         return path.startswith(_EXAMPLES)
