@@ -185,8 +185,12 @@ def test_as_text_shows_every_values_sharding():
 # -- cost: a worklist ----------------------------------------------------------------------------
 def _propose_calls(layers: int, monkeypatch) -> tuple[int, int]:
     calls = []
-    original = ops.propagate
-    monkeypatch.setattr(ops, "propagate", lambda *a: calls.append(1) or original(*a))
+    original = ops.proposer
+
+    def counted(instr):
+        propose = original(instr)
+        return lambda *a: calls.append(1) or propose(*a)
+    monkeypatch.setattr(ops, "proposer", counted)
     cfg = T.Config(layers=layers)
     step = T.make_train_step(T.gspmd_annotate(MESH), cfg)
     flat, tree = jax.tree_util.tree_flatten(T.example_inputs(cfg, abstract=True))
