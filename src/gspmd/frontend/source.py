@@ -5,6 +5,7 @@ import functools
 import os
 
 import jax
+from jax._src.lib import xla_client
 
 import gspmd
 
@@ -25,7 +26,16 @@ def source_line(eqn) -> str:
     """The innermost frame of the equation's traceback in the user's code (not jax,
     not installed libraries, not gspmd itself); "" when there is none."""
     traceback = getattr(eqn.source_info, "traceback", None)
-    for frame in (traceback.frames if traceback is not None else ()):
-        if _is_user_file(frame.file_name):
-            return f"{os.path.basename(frame.file_name)}:{frame.line_num} ({frame.function_name.rsplit('.', 1)[-1]})"
+    if traceback is None:
+        return ""
+    # The raw frames, not .frames: those are made for the whole traceback at each call.
+    for code, lasti in zip(*traceback.raw_frames()):
+        if _is_user_file(code.co_filename):
+            return _line(code, lasti)
     return ""
+
+
+@functools.lru_cache(maxsize=65536)
+def _line(code, lasti: int) -> str:
+    line = xla_client.Traceback.code_addr2line(code, lasti)
+    return f"{os.path.basename(code.co_filename)}:{line} ({code.co_name})"

@@ -19,7 +19,7 @@ import enum
 import functools
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -265,8 +265,7 @@ def cheapest_space(instr: Instr, factors: Sequence[Factor], operands: Sequence[P
                            tuple(targets), pinned, tuple(candidates), hw)
 
 
-@dataclass(frozen=True)
-class _Tensor:
+class _Tensor(NamedTuple):
     """What choosing and pricing a layout reads of a value (layout None: the op's results)."""
     sharding: Optional[Sharding]
     shape: tuple[int, ...]
