@@ -35,7 +35,7 @@ import optax  # noqa: E402
 import gspmd  # noqa: E402
 from gspmd import api, passes, partitioner, propagation  # noqa: E402
 from gspmd.frontend.annotation import mesh_split_as  # noqa: E402
-from gspmd.runtime import jax_backend  # noqa: E402
+from gspmd.analysis import xla  # noqa: E402
 
 MESH = gspmd.Mesh(np.arange(8).reshape(2, 4), ("data", "tensor"))
 
@@ -150,7 +150,7 @@ def first_calls(cfg: Config, pairs: int) -> dict[str, list[float]]:
         start = time.perf_counter()
         jax.block_until_ready(gspmd.jit(make_train_step(cfg), backend="jax")(*args))
         times["gspmd"].append(time.perf_counter() - start)
-        with mesh_split_as(jax_backend.xla_constraint):
+        with mesh_split_as(xla.xla_constraint):
             start = time.perf_counter()
             jax.block_until_ready(reference_jit(make_train_step(cfg), layouts, args)(*args))
             times["jax.jit"].append(time.perf_counter() - start)
@@ -196,7 +196,7 @@ def jax_jit_phases(cfg: Config) -> dict[str, float]:
     args = example_inputs(cfg)
     low = gspmd.jit(make_train_step(cfg), backend="jax").lower(*args)
     phases: dict[str, float] = {}
-    with mesh_split_as(jax_backend.xla_constraint):
+    with mesh_split_as(xla.xla_constraint):
         jitted = reference_jit(make_train_step(cfg), low, args)
         exe = low.jax_executable()
         placed = [jax.device_put(x, s) for x, s in zip(jax.tree_util.tree_leaves(args), exe.in_shardings)]
