@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from gspmd.errors import ShardingError
-from gspmd.mesh import jax_context_mesh
+from gspmd.mesh import has_explicit_axes, jax_context_mesh
 from gspmd.ops.convert import is_key
 
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, jax.core.Tracer, jax.ShapeDtypeStruct)
@@ -59,7 +59,7 @@ def _typed_layout(aval) -> Optional[NamedSharding]:
     jax.set_mesh): over the concrete mesh that the type's abstract mesh stands for."""
     sharding, mesh = getattr(aval, "sharding", None), jax_context_mesh()
     if (mesh is None or not isinstance(sharding, NamedSharding) or sharding.mesh != mesh.abstract_mesh
-            or jax.sharding.AxisType.Explicit not in mesh.axis_types):
+            or not has_explicit_axes(mesh)):
         return None
     return NamedSharding(mesh, sharding.spec)
 
@@ -83,7 +83,7 @@ def abstract_argument(x, name: str, committed: Optional[NamedSharding] = None) -
         raise ShardingError(f"Argument {name} is an array of dtype {dtype} (shape {tuple(np.shape(x))}); gspmd.jit "
                             "partitions numeric arrays only: convert it to numbers, or make it static "
                             "(static_argnums) if the function reads it in Python.")
-    explicit = committed is not None and jax.sharding.AxisType.Explicit in committed.mesh.axis_types
+    explicit = committed is not None and has_explicit_axes(committed.mesh)
     if isinstance(x, jax.ShapeDtypeStruct) and (explicit or x.sharding is None):
         return x
     return jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(dtype),

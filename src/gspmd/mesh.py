@@ -174,13 +174,19 @@ def _device_ids(devices) -> tuple[np.ndarray, Optional[tuple]]:
     return ids, None if default else tuple(ordered)
 
 
+def has_explicit_axes(mesh) -> bool:
+    """Whether a jax mesh (concrete or abstract) has an axis in explicit sharding mode,
+    so that values over it carry their layouts in their types."""
+    return jax.sharding.AxisType.Explicit in mesh.axis_types
+
+
 def explicit_sharding(x) -> Optional[jax.sharding.NamedSharding]:
     """The layout x's type carries: a jax array's (or jax.ShapeDtypeStruct's) sharding
     over a mesh with Explicit axes (jax.make_mesh's); None for any other value."""
     if isinstance(x, jax.core.Tracer):
         return None
     sharding = getattr(x, "sharding", None)
-    if isinstance(sharding, jax.sharding.NamedSharding) and jax.sharding.AxisType.Explicit in sharding.mesh.axis_types:
+    if isinstance(sharding, jax.sharding.NamedSharding) and has_explicit_axes(sharding.mesh):
         return sharding
     return None
 

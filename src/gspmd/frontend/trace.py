@@ -17,7 +17,7 @@ from gspmd.frontend import keys
 from gspmd.frontend.annotation import record_mesh, tracing
 from gspmd.frontend.source import source_line
 from gspmd.ir import Program, Value
-from gspmd.mesh import Mesh, explicit_sharding
+from gspmd.mesh import Mesh, explicit_sharding, has_explicit_axes
 from gspmd.ops import PRIMITIVES
 from gspmd.ops.convert import Conversion
 from gspmd.ops.elementwise import annotate
@@ -146,10 +146,9 @@ def _typed(b: Conversion, var, value: Value) -> Value:
     sharding = getattr(var.aval, "sharding", None)
     if b.manual_regions or not isinstance(sharding, NamedSharding):
         return value
-    types = sharding.mesh.axis_types
-    if AxisType.Explicit not in types:
+    if not has_explicit_axes(sharding.mesh):
         return value
-    return annotate(b, value, sharding, only_named=any(t != AxisType.Explicit for t in types))
+    return annotate(b, value, sharding, only_named=any(t != AxisType.Explicit for t in sharding.mesh.axis_types))
 
 
 def _convert(b: Conversion, eqn, args: list[Value]) -> list[Value]:

@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from gspmd import ops
 from gspmd.errors import ShardingError
 from gspmd.ir import Instr, Program, Value
-from gspmd.mesh import Mesh
+from gspmd.mesh import Mesh, has_explicit_axes
 from gspmd.ops.convert import LowerContext
 from gspmd.sharding import Sharding, spec_of
 
@@ -191,7 +191,7 @@ class Executable:
                 return jax.shard_map(self._body, mesh=self.jax_mesh, in_specs=in_specs, out_specs=out_specs,
                                      check_vma=False)(*args)
         context = jax.sharding.get_abstract_mesh()
-        if jax.sharding.AxisType.Explicit in context.axis_types and context == self.mesh.to_jax().abstract_mesh:
+        if has_explicit_axes(context) and context == self.mesh.to_jax().abstract_mesh:
             # traced in explicit mode over the user's mesh: results typed with their layouts, as jax's are
             return jax.sharding.auto_axes(run, out_sharding=tuple(self.out_shardings))(*args)
         return run(*args)
