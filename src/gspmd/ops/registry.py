@@ -401,6 +401,7 @@ def elementwise_factors(instr: Instr) -> list[fx.Factor]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _elementwise_factors(shape: tuple[int, ...], whole: tuple[bool, ...], outputs: int) -> tuple[fx.Factor, ...]:
-    return tuple(fx.Factor(size, tuple(d if w else None for w in whole) + (d,) * outputs)
+def _elementwise_factors(shape: tuple[int, ...], full_rank: tuple[bool, ...], outputs: int) -> tuple[fx.Factor, ...]:
+    # full_rank[i]: operand i has every dim of the result (else a scalar, broadcast).
+    return tuple(fx.Factor(size, tuple(d if f else None for f in full_rank) + (d,) * outputs)
                  for d, size in enumerate(shape))
