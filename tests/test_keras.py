@@ -1,0 +1,126 @@
+"""Keras 3 models on the JAX backend, as their users train them (issue 24: real libraries a
+user brings): keras-hub backbones placed by their own layout maps under
+keras.distribution.ModelParallel, and a Keras model stepped by its own optimizer's
+stateless_apply, through gspmd.jit on both backends, equal to jax.jit.
+
+keras-hub is installed without its dependencies (README's test command): its one
+TensorFlow dependency, tensorflow-text, serves only its string preprocessing layers."""
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+os.environ.setdefault("KERAS_BACKEND", "jax")   # before keras is imported
+keras = pytest.importorskip("keras")
+if keras.backend.backend() != "jax":
+    pytest.skip(f"Keras runs on its {keras.backend.backend()} backend here (KERAS_BACKEND)",
+                allow_module_level=True)
+
+import gspmd  # noqa: E402
+from gspmd.frontend.annotation import unpartitioned  # noqa: E402
+from util import assert_close  # noqa: E402
+
+
+def device_mesh() -> "keras.distribution.DeviceMesh":
+    return keras.distribution.DeviceMesh((2, 4), ["batch", "model"], keras.distribution.list_devices())
+
+
+def collective_groups(lowered: gspmd.Lowered, kind: str) -> set:
+    return {c.groups for c in lowered.report().collectives if c.kind == kind}
+
+
+BATCH_GROUPS = ((0, 4), (1, 5), (2, 6), (3, 7))   # devices that differ along "batch" only
+MODEL_GROUPS = ((0, 1, 2, 3), (4, 5, 6, 7))       # ... along "model" only
+
+
+def sgd_train_step(model):
+    """One SGD step on a backbone's mean squared output: loss and new trainable values."""
+    def loss(trainable, non_trainable, inputs):
+        outputs, _ = model.stateless_call(trainable, non_trainable, inputs)
+        return jnp.mean(jnp.square(outputs.astype(jnp.float32)))
+
+    def step(trainable, non_trainable, inputs):
+        value, grads = jax.value_and_grad(loss)(trainable, non_trainable, inputs)
+        return value, [w - 0.1 * g for w, g in zip(trainable, grads)]
+    return step
+
+
+def check_backbone(backbone_class, batch: int, **config) -> gspmd.Lowered:
+    """The backbone built under its own layout map (variables committed to their
+    layouts on the keras mesh), stepped by gspmd.jit on the same mesh on both backends."""
+    mesh = device_mesh()
+    distribution = keras.distribution.ModelParallel(layout_map=backbone_class.get_layout_map(mesh),
+                                                    batch_dim_name="batch")
+    with distribution.scope():
+        model = backbone_class(**config)
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+    rng = np.random.default_rng(0)
+    inputs = {"token_ids": rng.integers(0, config["vocabulary_size"], (batch, 16)).astype(np.int32),
+              "padding_mask": np.ones((batch, 16), np.int32)}
+    step = sgd_train_step(model)
+    expected = jax.jit(step)(trainable, non_trainable, inputs)
+    for backend in ("jax", "sim"):
+        partitioned = gspmd.jit(step, mesh=mesh.backend_mesh, backend=backend)
+        assert_close(partitioned(trainable, non_trainable, inputs), expected)
+    return partitioned.lower(trainable, non_trainable, inputs)
+
+
+def keras_hub_models():
+    return pytest.importorskip("keras_hub", reason="install keras-hub (README's test command: --no-deps)").models
+
+
+def test_llama_backbone_with_its_layout_map():
+    lowered = check_backbone(keras_hub_models().LlamaBackbone, batch=4, vocabulary_size=128, num_layers=2,
+                             num_query_heads=4, num_key_value_heads=2, hidden_dim=32, intermediate_dim=64)
+    # Data parallel: weight gradients summed over "batch"; tensor parallel (the layout
+    # map splits heads and the MLP over "model"): partial sums over "model".
+    assert BATCH_GROUPS in collective_groups(lowered, "all-reduce")
+    assert MODEL_GROUPS in collective_groups(lowered, "all-reduce")
+
+
+def test_gemma_backbone_uneven_batch():
+    """3 sequences over batch=2 divide unevenly (the variables must divide: jax places
+    them, keras's layout map splits them)."""
+    lowered = check_backbone(keras_hub_models().GemmaBackbone, batch=3, vocabulary_size=128, num_layers=1,
+                             num_query_heads=4, num_key_value_heads=4, hidden_dim=32, intermediate_dim=64,
+                             head_dim=8)
+    assert BATCH_GROUPS in collective_groups(lowered, "all-reduce")
+
+
+def test_keras_model_stepped_by_its_optimizer():
+    """What Keras's own JAX trainer does: stateless_call, grads, optimizer.stateless_apply
+    (AdamW: its moments and iteration count are state), inputs split over "batch" and the
+    hidden layer over "model" by gspmd annotations."""
+    mesh = device_mesh().backend_mesh
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(64, activation="gelu"),
+                              keras.layers.LayerNormalization(), keras.layers.Dense(8)])
+    optimizer = keras.optimizers.AdamW(learning_rate=1e-2)
+    optimizer.build(model.trainable_variables)
+    state = ([v.value for v in model.trainable_variables], [v.value for v in model.non_trainable_variables],
+             [v.value for v in optimizer.variables])
+
+    def step(state, x, y):
+        trainable, non_trainable, optimizer_state = state
+
+        def loss(trainable):
+            x_split = gspmd.mesh_split(x, mesh, ("batch", None))
+            out, _ = model.stateless_call(trainable, non_trainable, x_split)
+            return jnp.mean(jnp.square(out - y))
+        value, grads = jax.value_and_grad(loss)(trainable)
+        grads[0] = gspmd.mesh_split(grads[0], mesh, (None, "model"))   # the hidden layer's kernel
+        trainable, optimizer_state = optimizer.stateless_apply(optimizer_state, grads, trainable)
+        return value, (trainable, non_trainable, optimizer_state)
+
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(10, 16)).astype(np.float32), rng.normal(size=(10, 8)).astype(np.float32)
+    with unpartitioned():
+        expected = jax.jit(step)(state, x, y)
+    for backend in ("jax", "sim"):
+        partitioned = gspmd.jit(step, mesh=mesh, backend=backend)
+        assert_close(partitioned(state, x, y), expected)
+    assert BATCH_GROUPS in collective_groups(partitioned.lower(state, x, y), "all-reduce")
