@@ -217,7 +217,7 @@ def _search(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int,
             nxt = step.result(cur)
             exchange = isinstance(step, ExchangeStep)
             seconds = so_far[0] + (step.bound if exchange else step.cost)(shape, itemsize, cur, hw)
-            resplit = isinstance(step, (GatherStep, SumGatherStep)) and dst.tiles[step.dim] > nxt.tiles[step.dim]
+            resplit = isinstance(step, GatherStep) and dst.tiles[step.dim] > nxt.tiles[step.dim]
             total = (rounded(seconds), so_far[1] + resplit,
                      so_far[2] + (transfers(cur, nxt, shape).rounds() if exchange else 0))
             if nxt not in best or total < best[nxt]:
@@ -291,7 +291,7 @@ def _label_fallbacks(steps: tuple, src: Sharding, dst: Sharding) -> tuple:
     split again: label it so that reports warn."""
     out, s = [], src
     for step in steps:
-        if isinstance(step, (GatherStep, SumGatherStep)) and dst.tiles[step.dim] > step.result(s).tiles[step.dim]:
+        if isinstance(step, GatherStep) and dst.tiles[step.dim] > step.result(s).tiles[step.dim]:
             step = replace(step, why=Why.FALLBACK, detail=f"{step.detail} then slice, {src} -> {dst}")
         out.append(step)
         s = step.result(s)

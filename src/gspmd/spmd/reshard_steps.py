@@ -88,17 +88,11 @@ class GatherStep:
 
 
 @dataclass(frozen=True)
-class SumGatherStep:
+class SumGatherStep(GatherStep):
     """Gather the minor factor k of dim's split by summing (all-reduce) each device's
     piece placed at its offset in zeros: cheaper than an all-gather where most of the
     k pieces are padding (a dim shorter than its split), since only the data travels."""
-    dim: int
-    k: int
-    why: Why = Why.RESHARD
     detail: str = "all-reduce of zero-padded pieces"
-
-    def result(self, s: Sharding) -> Sharding:
-        return coarsen(s, self.dim, self.k)
 
     def cost(self, shape, itemsize, s: Sharding, hw: cm.Hardware) -> Cost:
         return cm.collective_seconds(cm.Pattern.ALL_REDUCE, local_nbytes(shape, self.result(s), itemsize),
@@ -117,7 +111,6 @@ class SumGatherStep:
         reducer = OR if x.dtype == np.bool_ else ADD
         y = ctx.all_reduce(placed, minor_groups(s, d, self.k), reducer, self.why, self.detail)
         return PartitionedValue(y, result, pv.shape)
-
 
 
 @dataclass(frozen=True)
