@@ -173,6 +173,70 @@ def test_1f1b_activation_memory_does_not_grow_with_microbatches():
     assert growth > 2 * (gpipe[2][1] - gpipe[0][1]) and growth > one_f_one_b[2][0] - one_f_one_b[0][0], gpipe
 
 
+def _language_model(schedule):
+    """Tokens in, next-token loss out, over a tied embedding table (the ends): embedded on
+    the first stage, logits and log-softmax on the last; microbatches split over "d"."""
+    def embed(table, tokens):
+        return jnp.take(table, tokens, axis=0)
+
+    def token_loss(y, labels, table):
+        logp = jax.nn.log_softmax(y @ table.T, axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
+
+    def step(ws, table, tokens, labels):
+        tokens = gspmd.mesh_split(tokens, MESH, [-1, "d", -1])
+
+        def loss(ws, table):
+            return gspmd.pipeline_loss(rms_stage, token_loss, ws, tokens, labels, mesh=MESH, stage_axis="p",
+                                       schedule=schedule, ends=table, first_fn=embed)
+        return jax.grad(loss, argnums=(0, 1))(ws, table)
+
+    def sequential_step(ws, table, tokens, labels):
+        def loss(ws, table):
+            ys = sequential(rms_stage, ws, embed(table, tokens))
+            return jnp.sum(jax.vmap(token_loss, (0, 0, None))(ys, labels, table))
+        return jax.grad(loss, argnums=(0, 1))(ws, table)
+    return step, sequential_step
+
+
+@pytest.mark.parametrize("schedule,microbatches,backends", [("1f1b", 5, BACKENDS), ("gpipe", 3, ("sim",))])
+def test_a_language_model_embeds_on_the_first_stage_and_takes_its_loss_on_the_last(schedule, microbatches,
+                                                                                  backends):
+    rng = np.random.RandomState(5)
+    vocab, width = 11, 8
+    ws, table = rand(rng, 4, width, width) / 3, rand(rng, vocab, width)
+    tokens, labels = (rng.randint(0, vocab, (microbatches, 2, 3)).astype(np.int32) for _ in range(2))
+    step, sequential_step = _language_model(schedule)
+    expected = sequential_step(ws, table, tokens, labels)
+    for got, want in zip(jax.jit(step)(ws, table, tokens, labels), expected):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    low = check(step, ws, table, tokens, labels, mesh=MESH, backends=backends)
+    if schedule == "1f1b":   # no [M, ...] buffer of embedded microbatches: one microbatch at a time
+        embedded = microbatches * 2 * 3 * width * 4
+        assert all(t.nbytes < embedded for t in low.report().memory.live_at_peak if t.kind != "argument")
+
+
+def test_1f1b_sums_low_precision_gradients_in_float32():
+    """bfloat16 layers: each microbatch's gradient is added to a float32 accumulator (as
+    Megatron-LM's main_grad), rounded to bfloat16 once, after the loop."""
+    ws = jax.ShapeDtypeStruct((4, 16, 16), jnp.bfloat16)
+    xs = jax.ShapeDtypeStruct((8, 4, 16), jnp.bfloat16)
+
+    def step(ws, xs, ts):
+        return jax.grad(lambda ws: gspmd.pipeline_loss(stage_fn, loss_fn, ws, xs, ts, mesh=MESH,
+                                                       stage_axis="p"))(ws)
+    low = gspmd.jit(step, mesh=MESH).lower(ws, xs, xs)
+    carried = [(v.shape, v.dtype) for i in low.spmd.instrs if i.opcode == "while" for v in i.outputs]
+    assert ((1, 1, 16, 16), np.float32) in carried            # (the bfloat16 layers are carried too)
+    assert low.spmd.outputs[0].dtype == jnp.bfloat16
+
+
+def test_pipeline_ends_need_their_parameters():
+    with pytest.raises(gspmd.ShardingError, match="ends="):
+        gspmd.pipeline_loss(stage_fn, loss_fn, jnp.zeros((4, 8, 8)), jnp.zeros((4, 2, 8)), jnp.zeros((4, 2, 8)),
+                            mesh=MESH, stage_axis="p", first_fn=lambda e, x: x)
+
+
 def test_1f1b_peak_holds_parameters_one_gradient_and_its_stash():
     """What 1F1B should hold per stage, data parallel: the stage's weights (an argument),
     one gradient accumulator carried through its three phases (not one per phase, nor
