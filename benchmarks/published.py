@@ -146,9 +146,9 @@ def megatron_row(params: str, heads: int, hidden: int, layers: int, tensor: int,
                  batch: int, tflops: float, mfu: float) -> Row:
     data = gpus // (tensor * stages)
     common = dict(layers=layers, model_dim=hidden, ffn_dim=4 * hidden, heads=heads, head_dim=hidden // heads,
-                  seq=MEGATRON_SEQ, batch=batch, optimizer="adamw", strategy="megatron")
+                  seq=MEGATRON_SEQ, batch=batch, vocab=MEGATRON_VOCAB, optimizer="adamw", strategy="megatron")
     if stages == 1:
-        sizes = planning.Sizes(mesh=(data, tensor), vocab=MEGATRON_VOCAB, remat="nothing_saveable", **common)
+        sizes = planning.Sizes(mesh=(data, tensor), remat="nothing_saveable", **common)
     else:   # microbatches of one sequence per data-parallel replica; 1F1B recomputes each stage
         sizes = planning.Sizes(mesh=(stages, data, tensor), stages=stages, microbatches=batch // data,
                                schedule="1f1b", **common)
