@@ -85,7 +85,8 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stacked_params, microba
     enters and its loss taken in the step it leaves, so no [M, ...] stage inputs exist."""
     if first_fn is not None and ends is None:
         raise ShardingError("gspmd.pipeline_loss(first_fn=...) embeds each microbatch with the pipeline's end "
-                            "parameters: pass them as ends=... (first_fn(ends, microbatch) -> the first stage's input).")
+                            "parameters: pass them as ends=... (first_fn(ends, microbatch) -> the first "
+                            "stage's input).")
     if first_fn is not None:
         function(first_fn, "gspmd.pipeline_loss(first_fn=...) (it gets (ends, microbatches[m]))", arity=2)
     with_ends = ends is not None

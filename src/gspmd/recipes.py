@@ -181,9 +181,9 @@ def _layer_stack(stack: LayerStack, s: dict, hw: Hardware) -> Case:
     if s.get("vocab"):
         tokens = _spec((batch, cfg.seq), jnp.int32)
         params = {"layers": stacked, "embedding": _spec((s["vocab"], cfg.model))}
+        vocabulary = Vocabulary(annotate, dtype, EMBEDDINGS[s.get("strategy", "2d")])
         return Case(f"{described}, vocabulary {s['vocab']}",
-                    *_train(_language_model_loss(layers, Vocabulary(annotate, dtype, EMBEDDINGS[s.get("strategy", "2d")])),
-                            params, (tokens, tokens), s), mesh,
+                    *_train(_language_model_loss(layers, vocabulary), params, (tokens, tokens), s), mesh,
                     {**s, "batch": batch}, donate=_in_place(s))
     act = _spec((batch, cfg.seq, cfg.model), dtype)
     return Case(described, *_train(lambda stacked, x, target: _mse(layers(stacked, x), target), stacked, (act, act), s),
