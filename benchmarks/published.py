@@ -201,8 +201,9 @@ MEGATRON = Table(
      "70-90% of their communication, while the pipelined rows would lose 3-4%; a size-dependent matmul "
      "efficiency would need ~0.55 at h = 2304-6144, where A100 GEMMs of 8k-32k rows reach 70-80% (thousands "
      "of tiles on 108 SMs: no wave quantization). Not modelled: dropout (0.1 on the [b, n, s, s] attention "
-     "probabilities and twice per layer on the hidden states in Megatron's GPT; our model has none) and "
-     "PyTorch's per-kernel overheads. So these rows stay outside 20%.",
+     "probabilities and twice per layer on the hidden states in Megatron's GPT; our model has none: by hand "
+     "~15 bytes per attention probability per layer, +0.3 s at 1.7B, which would make it 1.32x, 18.4B "
+     "1.30x) and PyTorch's per-kernel overheads. So these rows stay outside 20%.",
      "Pipelined rows (39.1B-1T) are within 13%, 3-13% slow. What moved them: the 1F1B backward slot read "
      "its stashed input as a masked sum over all 2L-1 stash slots (the whole stash through HBM every step), "
      "now one gather per stage (1T: 134.0 -> 130.2 s); the stage's float32 layers were sliced and cast to "
