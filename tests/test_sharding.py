@@ -417,6 +417,11 @@ def test_printed_form_uses_transposed_iota_where_it_can():
     mesh = Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
     assert repr(Sharding.from_mesh(mesh, ["y", -1], (4, 4))) == \
         "{devices=[4,1,2]<=[2,4]T(1,0) last_tile_dim_replicate}"
+    # a mesh laid out on a 3D torus (256 chips as 4x8x8: four factors) prints as compactly
+    torus = Mesh(np.arange(256).reshape(4, 4, 2, 8).transpose(1, 3, 0, 2).reshape(32, 8), ("fsdp", "tensor"))
+    assert repr(Sharding.from_mesh(torus, ["fsdp", "tensor"], (64, 64))) == "{devices=[32,8]<=[4,4,2,8]T(1,3,0,2)}"
+    assert repr(Sharding.from_mesh(torus, [-1, "tensor"], (64, 64))) == \
+        "{devices=[1,8,32]<=[4,4,2,8]T(0,2,1,3) last_tile_dim_replicate}"
 
 
 def _parse_devices(body: str, n: int) -> np.ndarray:

@@ -13,7 +13,6 @@ small numpy operations on it, so planning for 2048 devices costs little.
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from typing import Optional, Sequence
 
@@ -325,19 +324,32 @@ def _shape(shape) -> tuple[int, ...]:
 
 def _iota_form(flat: np.ndarray) -> Optional[str]:
     """XLA's compact form of a device order that is arange(N) reshaped and transposed
-    ("<=[8]", "<=[2,4]T(1,0)"), tried for up to three factors; None otherwise."""
+    ("<=[8]", "<=[2,4]T(1,0)"), with as few dims as it takes (a mesh laid out on a 3D
+    torus takes four or more); None otherwise. Read off the order itself, minor dim first:
+    each dim is the longest run of equal steps between blocks of the dims before it."""
     n = flat.size
-    if np.array_equal(flat, np.arange(n)):
+    dims: list[tuple[int, int]] = []      # (size, stride in arange(N)), minor first
+    block = 1
+    while block < n:
+        stride, run = int(flat[block]) - int(flat[0]), 2
+        while block * run < n and int(flat[block * run]) - int(flat[0]) == run * stride:
+            run += 1
+        size = max((z for z in range(2, run + 1) if (n // block) % z == 0), default=None)
+        if size is None:
+            return None
+        dims.append((size, stride))
+        block *= size
+    strides = sorted(dims, key=lambda d: d[1])      # the iota's dims, minor first
+    if flat.size == 0 or flat[0] != 0 or [t for _, t in strides] != list(
+            np.cumprod([1] + [z for z, _ in strides[:-1]])):
+        return None
+    shape = [z for z, _ in reversed(strides)]       # the iota's dims, major first
+    perm = [len(dims) - 1 - strides.index(d) for d in reversed(dims)]
+    if not np.array_equal(np.arange(n).reshape(shape).transpose(perm).ravel(), flat):
+        return None
+    if perm == list(range(len(perm))):
         return f"<=[{n}]"
-    divisors = [d for d in range(2, n) if n % d == 0]
-    shapes = [(d, n // d) for d in divisors] + [(a, b, n // (a * b)) for a in divisors for b in divisors
-                                                  if (n // a) % b == 0 and n // (a * b) > 1]
-    for shape in shapes:
-        base = np.arange(n).reshape(shape)
-        for perm in itertools.permutations(range(len(shape))):
-            if perm != tuple(range(len(shape))) and np.array_equal(base.transpose(perm).ravel(), flat):
-                return f"<=[{','.join(map(str, shape))}]T({','.join(map(str, perm))})"
-    return None
+    return f"<=[{','.join(map(str, shape))}]T({','.join(map(str, perm))})"
 
 
 # Propagation and partitioning ask the same questions many times over; layouts are
