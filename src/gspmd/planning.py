@@ -15,13 +15,17 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
+import jax
+import numpy as np
+
 from gspmd.api import Lowered, jit
 from gspmd.analysis import Report
 from gspmd.errors import ShardingError
 from gspmd.recipes import MODELS, Case
 from gspmd.spmd.cost import Hardware, device_mesh, profile
 
-__all__ = ["Sizes", "CasePlan", "plan", "plan_to_fit", "build", "FIT_ORDER", "device_mesh", "profile"]
+__all__ = ["Sizes", "CasePlan", "plan", "plan_to_fit", "build", "FIT_ORDER", "device_mesh", "profile",
+           "StandInDevice", "stand_in_devices", "stand_in_mesh"]
 
 
 @dataclass(frozen=True)
@@ -141,6 +145,32 @@ def build(model: str, sizes: Sizes, hw: Hardware) -> Case:
                             f"; its sizes are {', '.join('--' + k.replace('_', '-') for k in spec.defaults)}.")
     resolved = {**spec.defaults, **sizes.given()}
     return spec.build(resolved, hw)
+
+
+# -- hardware this process has not -----------------------------------------------------------
+@dataclass(frozen=True)
+class StandInDevice:
+    """A device of hardware this process has not, for a jax.sharding.Mesh to plan on (as
+    jax.experimental.topologies' devices are for ahead-of-time compilation): what library
+    code reads of a device (id, platform, kind, process), nothing to run on. gspmd.jit
+    lowers and reports over a mesh of them; calling it there is an error. Its platform
+    is "cpu" so that libraries that pick kernels by platform take their portable path."""
+    id: int
+    platform: str = "cpu"
+    device_kind: str = "stand-in"
+    process_index: int = 0
+
+
+def stand_in_devices(n: int) -> list[StandInDevice]:
+    return [StandInDevice(i) for i in range(n)]
+
+
+def stand_in_mesh(shape: Sequence[int], axis_names: Sequence[str],
+                  hardware: Union[str, Hardware] = "tpu-v3") -> jax.sharding.Mesh:
+    """A jax mesh of stand-in devices of this shape, laid out on `hardware`'s network
+    (device_mesh: each axis along whole dims of it, as jax's mesh_utils for TPU slices)."""
+    devices = np.array(stand_in_devices(int(np.prod(shape))), dtype=object)
+    return jax.sharding.Mesh(devices[device_mesh(shape, hardware)], tuple(axis_names))
 
 
 # -- a user's function ------------------------------------------------------------------------

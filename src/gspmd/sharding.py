@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from gspmd.checks import count, describe
 from gspmd.errors import ShardingError
 
-from gspmd.mesh import Mesh, as_mesh
+from gspmd.mesh import Mesh, as_mesh, iota_form
 
 
 class _Unspecified:
@@ -227,7 +227,7 @@ class Sharding:
             return "{replicated}"
         dims = list(self.tiles) + ([self.num_replicas] if self.num_replicas > 1 else [])
         flat = self.tile_assignment.ravel()
-        devices = _iota_form(flat) or ",".join(map(str, flat.tolist()))
+        devices = iota_form(flat) or ",".join(map(str, flat.tolist()))
         suffix = " last_tile_dim_replicate" if self.num_replicas > 1 else ""
         return f"{{devices=[{','.join(map(str, dims))}]{devices}{suffix}}}"
 
@@ -320,36 +320,6 @@ def _shape(shape) -> tuple[int, ...]:
                                                 and d >= 0 for d in shape):
         return tuple(int(d) for d in shape)
     raise ShardingError(f"A value's shape must be a tuple of non-negative ints, got {describe(shape)}; e.g. (8, 16).")
-
-
-def _iota_form(flat: np.ndarray) -> Optional[str]:
-    """XLA's compact form of a device order that is arange(N) reshaped and transposed
-    ("<=[8]", "<=[2,4]T(1,0)"), with as few dims as it takes (a mesh laid out on a 3D
-    torus takes four or more); None otherwise. Read off the order itself, minor dim first:
-    each dim is the longest run of equal steps between blocks of the dims before it."""
-    n = flat.size
-    dims: list[tuple[int, int]] = []      # (size, stride in arange(N)), minor first
-    block = 1
-    while block < n:
-        stride, run = int(flat[block]) - int(flat[0]), 2
-        while block * run < n and int(flat[block * run]) - int(flat[0]) == run * stride:
-            run += 1
-        size = max((z for z in range(2, run + 1) if (n // block) % z == 0), default=None)
-        if size is None:
-            return None
-        dims.append((size, stride))
-        block *= size
-    strides = sorted(dims, key=lambda d: d[1])      # the iota's dims, minor first
-    if flat.size == 0 or flat[0] != 0 or [t for _, t in strides] != list(
-            np.cumprod([1] + [z for z, _ in strides[:-1]])):
-        return None
-    shape = [z for z, _ in reversed(strides)]       # the iota's dims, major first
-    perm = [len(dims) - 1 - strides.index(d) for d in reversed(dims)]
-    if not np.array_equal(np.arange(n).reshape(shape).transpose(perm).ravel(), flat):
-        return None
-    if perm == list(range(len(perm))):
-        return f"<=[{n}]"
-    return f"<=[{','.join(map(str, shape))}]T({','.join(map(str, perm))})"
 
 
 # Propagation and partitioning ask the same questions many times over; layouts are
