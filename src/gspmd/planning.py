@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import inspect
 import pathlib
 import sys
 import time
@@ -133,7 +134,7 @@ def build(model: str, sizes: Sizes, hw: Hardware) -> Case:
         if unknown:
             raise ShardingError(f"Sizes {sorted(unknown)} do not apply to a user function ({model}): its "
                                 "plan_args() (or its factory) gives its inputs and its annotations its meshes.")
-        return _user_function(model, sizes.devices)
+        return _user_function(model, hw, sizes.devices)
     if sizes.devices is not None:
         raise ShardingError(f"{model}: give --mesh (or --devices on the command line, which makes one).")
     if model not in MODELS:
@@ -177,11 +178,14 @@ def stand_in_mesh(shape: Sequence[int], axis_names: Sequence[str],
 USER_FUNCTION = """module:function (module: a dotted name on sys.path, or a path to a .py file) is
 either a function whose module also defines plan_args(), its arguments (jax.ShapeDtypeStruct
 or arrays); or, in a module without plan_args, a factory: function(devices=N) (called
-without arguments when no --devices is given) returning (step, args), the function to plan
-and its arguments. The function's mesh_split annotations name its meshes."""
+without arguments when no --devices is given; given hardware=NAME too, the --hardware
+profile, where it takes a hardware parameter) returning (step, args), the function to plan
+and its arguments, or (step, args, donate), donate the indices of the arguments the step
+updates in place. The function's annotations (or its arguments' NamedShardings) name its
+meshes."""
 
 
-def _user_function(spec: str, devices: Optional[int] = None) -> Case:
+def _user_function(spec: str, hw: Hardware, devices: Optional[int] = None) -> Case:
     """`module:function`, as USER_FUNCTION says."""
     module_name, _, fn_name = spec.rpartition(":")
     module = _import(module_name, spec)
@@ -194,18 +198,29 @@ def _user_function(spec: str, devices: Optional[int] = None) -> Case:
             raise ShardingError(f"--devices applies to a factory (a module without plan_args()); {module_name}'s "
                                 f"plan_args() gives {fn_name}'s arguments and its annotations their meshes.")
         return Case(spec, fn, tuple(make_args()), None, {})
+    given = {} if devices is None else {"devices": devices}
+    if "hardware" in _parameters(fn):
+        given["hardware"] = hw.name
     try:
-        made = fn() if devices is None else fn(devices=devices)
+        made = fn(**given)
     except TypeError as e:
         raise ShardingError(f"{spec}: module {module_name} must define plan_args() returning the arguments of "
                             f"{fn_name}, or {fn_name} must be a factory, {fn_name}(devices=N) -> (step, args), "
                             f"for `gspmd plan|auto {spec}` ({e}).") from None
-    if not (isinstance(made, tuple) and len(made) == 2 and callable(made[0])):
-        raise ShardingError(f"{spec}: a factory returns (step, args), the function to plan and a tuple of its "
-                            f"arguments; got {type(made).__name__}.")
-    step, args = made
+    if not (isinstance(made, tuple) and len(made) in (2, 3) and callable(made[0])):
+        raise ShardingError(f"{spec}: a factory returns (step, args) or (step, args, donate): the function to plan, "
+                            f"a tuple of its arguments, the indices of those it updates in place; got "
+                            f"{type(made).__name__}.")
+    step, args, donate = made if len(made) == 3 else (*made, ())
     return Case(f"{spec}({'' if devices is None else f'devices={devices}'})", step, tuple(args), None,
-                {} if devices is None else {"devices": devices})
+                {} if devices is None else {"devices": devices}, tuple(donate))
+
+
+def _parameters(fn) -> tuple[str, ...]:
+    try:
+        return tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):     # a builtin or C function: no signature to read
+        return ()
 
 
 def _import(module_name: str, spec: str):
