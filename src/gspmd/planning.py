@@ -69,9 +69,10 @@ class CasePlan:
     def as_json(self, top: int = 10) -> dict:
         """The plan's figures; `top`: how many of the largest buffers at the peak to list."""
         r = self.report
-        mesh = self.case.mesh
+        # a user function's: the first mesh its annotations or arguments name
+        mesh = self.case.mesh if self.case.mesh is not None else self.lowered.mesh
         return {"model": self.case.description, "sizes": {k: v for k, v in self.case.sizes.items() if v is not None},
-                "mesh": None if mesh is None else dict(zip(mesh.axis_names, map(int, mesh.shape))),
+                "mesh": dict(zip(mesh.axis_names, map(int, mesh.shape))),
                 "devices": int(self.lowered.num_devices), "hardware": r.hardware.name,
                 "planning_seconds": self.planning_seconds,
                 "peak_memory_bytes": int(r.peak_memory_bytes), "fits_in_memory": r.fits_in_memory,
