@@ -8,15 +8,18 @@ divide the tile counts (including sizes smaller than the tile count, down to 1).
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import re
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gspmd import Mesh, Sharding
+from gspmd.mesh import iota_form
 from gspmd.runtime import sim
 
 AXES = ("a", "b", "c")
@@ -431,6 +434,15 @@ def _parse_devices(body: str, n: int) -> np.ndarray:
         return np.array([int(v) for v in body.split(",")])
     base = np.arange(n).reshape([int(d) for d in m.group(1).split(",")])
     return (base.transpose([int(p) for p in m.group(2).split(",")]) if m.group(2) else base).ravel()
+
+
+@pytest.mark.parametrize("shape", [(6,), (2, 3, 4), (2, 2, 2, 2), (4, 4, 2, 8)])
+def test_iota_form_reads_every_transposed_iota(shape):
+    n = math.prod(shape)
+    for perm in itertools.permutations(range(len(shape))):
+        flat = np.arange(n).reshape(shape).transpose(perm).ravel()
+        assert np.array_equal(_parse_devices(iota_form(flat), n), flat), (shape, perm)
+    assert iota_form(np.array([1, 0, 2, 3])) is None and iota_form(np.array([0, 2, 1, 3, 5, 4])) is None
 
 
 @settings(max_examples=100, deadline=None)

@@ -92,7 +92,8 @@ class Mesh:
         """The jax device of each device id (raises when jax has too few devices)."""
         devices = jax.devices()
         if self._jax_devices is not None:
-            others = [d for d in self._jax_devices if d not in devices]
+            local = set(devices)
+            others = [d for d in self._jax_devices if d not in local]
             if others:
                 raise ShardingError(
                     f"{self} is over devices this process does not have ({others[0].platform} devices of kind "
@@ -166,6 +167,8 @@ def iota_form(flat: np.ndarray) -> Optional[str]:
     torus takes four or more); None otherwise. Read off the order itself, minor dim first:
     each dim is the longest run of equal steps between blocks of the dims before it."""
     n = flat.size
+    if np.array_equal(flat, np.arange(n)):
+        return f"<=[{n}]"
     dims: list[tuple[int, int]] = []      # (size, stride in arange(N)), minor first
     block = 1
     while block < n:
@@ -178,15 +181,12 @@ def iota_form(flat: np.ndarray) -> Optional[str]:
         dims.append((size, stride))
         block *= size
     strides = sorted(dims, key=lambda d: d[1])      # the iota's dims, minor first
-    if flat.size == 0 or flat[0] != 0 or [t for _, t in strides] != list(
-            np.cumprod([1] + [z for z, _ in strides[:-1]])):
+    if flat[0] != 0 or [t for _, t in strides] != list(np.cumprod([1] + [z for z, _ in strides[:-1]])):
         return None
     shape = [z for z, _ in reversed(strides)]       # the iota's dims, major first
     perm = [len(dims) - 1 - strides.index(d) for d in reversed(dims)]
     if not np.array_equal(np.arange(n).reshape(shape).transpose(perm).ravel(), flat):
         return None
-    if perm == list(range(len(perm))):
-        return f"<=[{n}]"
     return f"<=[{','.join(map(str, shape))}]T({','.join(map(str, perm))})"
 
 
