@@ -27,10 +27,11 @@ from gspmd.ops.elementwise import annotate
 # jax.jit may carry shardings: the `sharding` record converts it.)
 # custom_partitioning's body is the function it partitions: gspmd partitions that body
 # itself (its partition callback, written for XLA's shardings, is not called).
-# call_hi_primitive (jax >= 0.12: jnp.searchsorted and other "hijax" ops) carries no
-# jaxpr: its body is the primitive's own expansion into ordinary primitives, traced here.
+# jax >= 0.12: eval_jaxpr (a scan's body as jax.checkpoint's partial evaluation leaves
+# it) calls its jaxpr; call_hi_primitive (jnp.searchsorted and other "hijax" ops)
+# carries no jaxpr: its body is the primitive's own expansion, traced here.
 CALLS = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "remat", "checkpoint", "closed_call",
-         "core_call", "custom_partitioning", "call_hi_primitive")
+         "core_call", "custom_partitioning", "call_hi_primitive", "eval_jaxpr")
 _BODY_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr", "call")
 # JAX's name for the forward computation a differentiated jax.checkpoint repeats.
 _RECOMPUTE_SCOPE = "rematted_computation"

@@ -219,6 +219,13 @@ def _polynomial(b, eqn, args):
     return [acc]
 
 
+def _log2(b, eqn, args):
+    """jax >= 0.12's log2 primitive, as its lowering computes it: log(x) * (1 / ln 2)."""
+    shape, dtype = b.out_aval(eqn)
+    inverse_ln2 = b.broadcast_to(b.constant(1.4426950408889634, dtype), shape)
+    return [b.add1("multiply", [b.add1("log", [args[0]], shape, dtype), inverse_ln2], shape, dtype)]
+
+
 def _expand(b, x: Value, shape: tuple[int, ...]) -> Value:
     """`x` broadcast to `shape` by NumPy's rules: a scalar, or size-1 dims of the same rank."""
     if x.shape == shape or x.rank == 0:
@@ -254,7 +261,7 @@ elementwise("xor", np.bitwise_xor, lax.bitwise_xor, ["xor"])
 elementwise("not", np.invert, lax.bitwise_not, ["not"])
 elementwise("negate", np.negative, lax.neg, ["neg"], linear=jointly_linear)
 elementwise("exponential", np.exp, lax.exp, ["exp"], expensive=True)
-elementwise("log", np.log, lax.log, ["log"], expensive=True)
+elementwise("log", np.log, lax.log, ["log"], converts={"log2": _log2}, expensive=True)
 elementwise("tanh", np.tanh, lax.tanh, ["tanh"], expensive=True)
 elementwise("logistic", _logistic, lax.logistic, ["logistic"], expensive=True)
 elementwise("rsqrt", lambda x: 1 / np.sqrt(x), lax.rsqrt, ["rsqrt"], expensive=True)
