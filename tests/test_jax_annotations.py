@@ -377,6 +377,7 @@ def test_unknown_meshes_and_shardings_raise():
     with pytest.raises(gspmd.ShardingError, match="NamedSharding"):
         one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         gspmd.jit(lambda v: jax.lax.with_sharding_constraint(v, one_device)).lower(x)
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((2, 4), ("a", "b"))):
+    auto = (jax.sharding.AxisType.Auto,) * 2   # (jax 0.12's default is Explicit)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((2, 4), ("a", "b"), axis_types=auto)):
         with pytest.raises(gspmd.ShardingError, match="jax.set_mesh"):
             gspmd.jit(lambda v: jax.lax.with_sharding_constraint(v, P("a"))).lower(x)

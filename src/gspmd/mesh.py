@@ -72,7 +72,12 @@ class Mesh:
         return self._jax_mesh_over(self.jax_devices())
 
     def _jax_mesh_over(self, devices: Sequence) -> jax.sharding.Mesh:
-        return jax.sharding.Mesh(np.array(devices, dtype=object)[self.devices], self.axis_names)
+        return jax.sharding.Mesh(np.array(devices, dtype=object)[self.devices], self.axis_names,
+                                 axis_types=self._auto_axes())
+
+    def _auto_axes(self) -> tuple:
+        """Every axis Auto, stated: jax's defaults moved (jax 0.12's AbstractMesh is Explicit)."""
+        return (jax.sharding.AxisType.Auto,) * len(self.axis_names)
 
     def abstract(self) -> jax.sharding.AbstractMesh:
         """jax's abstract twin (what jax traces under): the jax mesh's it came from, else
@@ -86,7 +91,7 @@ class Mesh:
             return self._jax_mesh_over(self._jax_devices).abstract_mesh
         if self.size <= jax.device_count():
             return self.to_jax(auto=True).abstract_mesh
-        return jax.sharding.AbstractMesh(self.shape, self.axis_names)
+        return jax.sharding.AbstractMesh(self.shape, self.axis_names, axis_types=self._auto_axes())
 
     def jax_devices(self) -> list:
         """The jax device of each device id (raises when jax has too few devices)."""
