@@ -14,6 +14,7 @@ from jax.sharding import Mesh as JaxMesh
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import gspmd
+from gspmd import planning
 from util import check, rand
 
 
@@ -334,6 +335,40 @@ def test_shard_map_given_a_concrete_jax_mesh_runs_as_under_jax_jit(mesh, jit_mes
     assert psum.kind == "all-reduce" and sorted(map(sorted, psum.groups)) == sorted(map(sorted, groups.tolist()))
 
 
+# -- meshes without this process's devices: planning -------------------------------------------
+def test_named_shardings_over_an_abstract_mesh_are_over_the_jits_mesh():
+    """Abstract inputs built without devices (MaxText's for ahead-of-time compilation)
+    are laid out over gspmd.jit(mesh=...), whose axes they name."""
+    abstract = JMESH.abstract_mesh
+    x = jax.ShapeDtypeStruct((8, 16), jnp.float32, sharding=NamedSharding(abstract, P("data")))
+    low = gspmd.jit(lambda v: jax.lax.with_sharding_constraint(v * 2, NamedSharding(abstract, P(None, "model"))),
+                    mesh=GMESH).lower(x)
+    assert low.sharding_of(0) == gspmd.Sharding.from_mesh(GMESH, P(None, "model"), (8, 16))
+    # the argument's split dim kept, its whole one left to propagation (which splits it as the constraint)
+    assert low.sharding_of("v") == gspmd.Sharding.from_mesh(GMESH, P("data", "model"), (8, 16))
+    with pytest.raises(gspmd.ShardingError, match="no mesh with these axes"):
+        gspmd.jit(lambda v: v * 2, mesh=gspmd.Mesh(np.arange(8).reshape(4, 2), ("data", "model"))).lower(x)
+
+
+def test_a_mesh_of_stand_in_devices_plans_but_does_not_run():
+    """256 devices this process has not, as MaxText's abstract train state names them:
+    ShapeDtypeStructs with NamedShardings over a jax mesh of stand-in devices (and
+    constraints over it inside) lower and report; the jax backend refuses to run them."""
+    mesh = planning.stand_in_mesh((64, 4), ("data", "model"), "tpu-v5p")
+    x = jax.ShapeDtypeStruct((128, 64), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+    w = jax.ShapeDtypeStruct((64, 32), jnp.float32, sharding=NamedSharding(mesh, P(None, "model")))
+
+    def f(x, w):
+        return jax.lax.with_sharding_constraint(x @ w, NamedSharding(mesh, P("data", None))).sum()
+    low = gspmd.jit(f, backend="jax").lower(x, w)
+    assert low.num_devices == 256 and low.mesh == gspmd.Mesh.from_jax(mesh)
+    assert Counter(c.kind for c in low.report().collectives) == {"all-gather": 1, "all-reduce": 1}
+    with pytest.raises(gspmd.ShardingError, match="for planning"):
+        gspmd.jit(f, backend="jax")(np.ones(x.shape, np.float32), np.ones(w.shape, np.float32))
+    with pytest.raises(gspmd.ShardingError, match="not among jax.devices"):
+        gspmd.Mesh(np.array(jax.devices()[:1] + planning.stand_in_devices(2)[1:], dtype=object), ("d",))
+
+
 # -- errors ------------------------------------------------------------------------------------
 def test_unknown_meshes_and_shardings_raise():
     x = np.ones((4, 8), np.float32)
@@ -342,6 +377,7 @@ def test_unknown_meshes_and_shardings_raise():
     with pytest.raises(gspmd.ShardingError, match="NamedSharding"):
         one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         gspmd.jit(lambda v: jax.lax.with_sharding_constraint(v, one_device)).lower(x)
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((2, 4), ("a", "b"))):
+    auto = (jax.sharding.AxisType.Auto,) * 2   # (jax 0.12's default is Explicit)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((2, 4), ("a", "b"), axis_types=auto)):
         with pytest.raises(gspmd.ShardingError, match="jax.set_mesh"):
             gspmd.jit(lambda v: jax.lax.with_sharding_constraint(v, P("a"))).lower(x)

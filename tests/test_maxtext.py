@@ -6,6 +6,9 @@ path, and sparse_matmul's dropless ragged_dot path), unrolled and scanned; the s
 equals jax.jit of the same function with the same shardings, and explain() names
 MaxText's logical axes (embed, mlp, ...) of its parameters.
 
+And `gspmd plan examples/maxtext_plan.py:make` plans the same step on abstract inputs
+for more devices than this process has (test_plans_the_step_for_devices_this_process_has_not).
+
 MaxText needs Python >= 3.12 (the test extra installs it there); elsewhere these tests
 skip. A train step costs about 30 s to compile under each of jax.jit and gspmd.jit on
 CPU, so only MaxText's default configuration (Llama-2, scanned layers) runs by default;
@@ -16,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections import Counter
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -32,6 +36,7 @@ from maxtext.utils import maxtext_utils, sharding, train_utils    # noqa: E402
 from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR             # noqa: E402
 
 import gspmd                                                      # noqa: E402
+from gspmd import planning                                        # noqa: E402
 
 TINY = dict(base_emb_dim=32, base_num_query_heads=4, base_num_kv_heads=4, base_mlp_dim=64, head_dim=8,
             base_num_decoder_layers=2, vocab_size=128, per_device_batch_size=1, max_target_length=16,
@@ -120,3 +125,21 @@ def test_llama2_scanned_jax_backend(tmp_path):
     ("llama2", False, "jax"), ("mixtral", False, "jax"), ("mixtral-dropless", True, "jax"), ("llama2", False, "sim")])
 def test_other_decoders_and_backends(decoder, scan_layers, backend, tmp_path):
     check(decoder, scan_layers, backend, tmp_path)
+
+
+def test_plans_the_step_for_devices_this_process_has_not(monkeypatch):
+    """`gspmd plan examples/maxtext_plan.py:make --devices 32 --hardware tpu-v5p` with the
+    tiny config as MAXTEXT_OVERRIDES: MaxText's own step and abstract train state over
+    32 stand-in devices (data 2 x fsdp 4 x tensor 4), the state donated."""
+    monkeypatch.setenv("MAXTEXT_OVERRIDES", " ".join(f"{k}={v}" for k, v in TINY.items()))
+    example = Path(__file__).resolve().parents[1] / "examples" / "maxtext_plan.py"
+    result = planning.plan(f"{example}:make", planning.Sizes(devices=32), "tpu-v5p")
+    mesh = result.lowered.mesh
+    assert result.lowered.num_devices == 32 and {a: s for a, s in zip(mesh.axis_names, mesh.shape) if s > 1} == \
+        {"data": 2, "fsdp": 4, "tensor": 4}
+    counts = Counter(c.kind for c in result.report.collectives)
+    # FSDP gathers the weights per layer and scatters their gradients back
+    assert counts["all-gather"] > 0 and counts["reduce-scatter"] > 0, counts
+    assert result.report.fits_in_memory and result.report.memory.aliased_bytes > 0
+    kernel = result.lowered.explain("state['model']['decoder']['layers']['mlp']['wi_0']['kernel'].value")
+    assert "logical axes ('embed', 'layers', 'mlp')" in kernel, kernel

@@ -265,9 +265,11 @@ def test_recompute_fraction_and_utilization():
             return jax.grad(lambda w: jnp.sum(gspmd.pipeline(stage_fn, w, xs, mesh=MESH, stage_axis="p",
                                                              remat=remat) ** 2))(ws)
         reports[remat] = gspmd.jit(step, mesh=MESH).lower(ws, xs).report(hardware="tpu-v3")
-    # The stage's forward runs again in the backward pass: what remat adds is what is marked recomputed.
+    # The stage's forward runs again in the backward pass: what remat adds is what is marked recomputed
+    # (jax 0.12 also puts tanh's derivative factor, (1 + y)(1 - y), in the recomputed scope, though it
+    # runs once either way: 17% more than remat adds, where jax 0.10 marks 6% more).
     with_remat, without = reports[True], reports[False]
-    assert with_remat.recompute_flops == pytest.approx(with_remat.flops - without.flops, rel=0.1)
+    assert with_remat.recompute_flops == pytest.approx(with_remat.flops - without.flops, rel=0.2)
     assert 0.1 < with_remat.recompute_fraction < 0.3 and without.recompute_fraction is None
     # Raw utilization counts bubble and recompute as work; effective does not.
     r = reports[True]
@@ -339,7 +341,8 @@ def test_a_remat_policy_gives_the_same_gradients_with_less_memory(schedule, repe
     ws, xs = rand(rng, 4 * repeats, 64, 64) / 8, rand(rng, 8, 16, 64)
     low = check(_grad_of_pipeline(schedule, repeats, jax.checkpoint_policies.nothing_saveable), ws, xs, mesh=MESH)
     saved = gspmd.jit(_grad_of_pipeline(schedule, repeats), mesh=MESH).lower(ws, xs).report().peak_memory_bytes
-    assert low.report().peak_memory_bytes < 0.8 * saved
+    # (jax 0.12 keeps fewer residuals without a policy: remat saves 14% there, 26% under jax 0.10)
+    assert low.report().peak_memory_bytes < 0.9 * saved
 
 
 def test_a_circular_schedule_saving_dots_does_not_hold_its_layer_once_per_step():

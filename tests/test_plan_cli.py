@@ -134,7 +134,7 @@ def test_a_users_function(capsys, tmp_path, monkeypatch):
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
     out = plan_json(capsys, "my_model:step")
-    assert out["devices"] == 8 and out["mesh"] is None and out["collectives"]["all-reduce"]["count"] >= 1
+    assert out["devices"] == 8 and out["mesh"] == {"data": 2, "model": 4} and out["collectives"]["all-reduce"]["count"] >= 1
     assert "plan_args" in plan_error(capsys, "my_model:plan_args_missing")
     (tmp_path / "no_args.py").write_text("def f(x):\n    return x\n")
     assert "must define plan_args()" in plan_error(capsys, "no_args:f")
@@ -170,6 +170,37 @@ def test_a_factory_plans_at_the_devices_given(capsys, tmp_path):
     assert plan_json(capsys, f"{path}:make")["devices"] == 8
     assert "factory" in plan_error(capsys, f"{path}:not_a_factory")
     assert "Cannot import" in plan_error(capsys, f"{tmp_path / 'missing.py'}:make")
+
+
+def test_a_factory_may_take_the_hardware_and_name_what_it_updates_in_place(capsys, tmp_path):
+    """function(devices=N, hardware=NAME) -> (step, args, donate): here its arguments are
+    laid out over a mesh of stand-in devices of that hardware (as MaxText's abstract
+    train state is), and the donated weights are updated in place. What it prints goes to
+    stderr under --json."""
+    path = tmp_path / "stand_in_model.py"
+    path.write_text(textwrap.dedent("""
+        import jax, numpy as np
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        from gspmd import planning
+
+        print("a notice while loading")
+
+        def make(devices=8, hardware="cpu"):
+            print("a notice while building")
+            mesh = planning.stand_in_mesh((devices // 4, 4), ("data", "model"), hardware)
+
+            def step(w, x):
+                return w - 0.1 * jax.grad(lambda w: jax.nn.relu(x @ w).sum())(w)
+            w = jax.ShapeDtypeStruct((128, 256), np.float32, sharding=NamedSharding(mesh, P(None, "model")))
+            x = jax.ShapeDtypeStruct((512, 128), np.float32, sharding=NamedSharding(mesh, P("data")))
+            return step, (w, x), (0,)
+    """))
+    out = plan_json(capsys, f"{path}:make", "--devices", "512", "--hardware", "tpu-v5p")
+    assert out["devices"] == 512 and out["collectives"]["all-reduce"]["count"] == 1   # the weights' gradient
+    assert out["mesh"] == {"data": 128, "model": 4}     # the arguments' mesh
+    p = planning.plan(f"{path}:make", planning.Sizes(devices=512), "tpu-v5p")
+    assert p.lowered.mesh.devices.tolist() == planning.device_mesh((128, 4), "tpu-v5p").tolist()
+    assert p.report.memory.aliased_bytes == 128 * 256 * 4 // 4
 
 
 def test_the_llama_example_builds_for_the_devices_given():

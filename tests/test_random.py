@@ -31,13 +31,14 @@ def split(x, *dims, mesh=MESH):
 SIM_RTOL, SIM_ATOL = 1e-5, 1e-6
 
 
-def check_same(fn, *args, mesh=MESH, backends=BACKENDS, reassociates=False) -> gspmd.Lowered:
+def check_same(fn, *args, mesh=MESH, backends=BACKENDS, reassociates=False, shape_dependent=False) -> gspmd.Lowered:
     """fn partitioned on each backend equals jax.jit(fn) (see SIM_RTOL); returns the Lowered.
     reassociates: fn sums over split dims (partial sums add up in another order), so its
-    floats agree to SIM_RTOL on the jax backend too."""
+    floats agree to SIM_RTOL on the jax backend too. shape_dependent: the same, where an
+    XLA kernel rounds differently at the shards' shape than at the whole array's."""
     expected = jax.jit(fn)(*args)
     for backend in backends:
-        tolerance = (SIM_RTOL, SIM_ATOL) if backend == "sim" or reassociates else (0.0, 0.0)
+        tolerance = (SIM_RTOL, SIM_ATOL) if backend == "sim" or reassociates or shape_dependent else (0.0, 0.0)
         assert_same(gspmd.jit(fn, mesh=mesh, backend=backend)(*args), expected, *tolerance)
     return gspmd.jit(fn, mesh=mesh).lower(*args)
 
@@ -274,7 +275,9 @@ def test_flax_linen_init_of_split_parameters_is_local():
         params = model.init(key, x)
         return jax.tree_util.tree_map(lambda p: split(p, "x", "y") if p.ndim == 2 else p, params)
 
-    low = check_same(init, jax.random.key(0))
+    # jax 0.12's XLA:CPU erf_inv (truncated_normal's) differs by 1 ulp between a [16, 4] array and
+    # its [8, 1] shards in 4 of 64 elements (jax.jit of erf_inv on the shards alone gives ours).
+    low = check_same(init, jax.random.key(0), shape_dependent=jax.__version_info__ >= (0, 12))
     assert low.report().collectives == [], low.as_text()
 
 

@@ -8,15 +8,18 @@ divide the tile counts (including sizes smaller than the tile count, down to 1).
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import re
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gspmd import Mesh, Sharding
+from gspmd.mesh import iota_form
 from gspmd.runtime import sim
 
 AXES = ("a", "b", "c")
@@ -417,6 +420,11 @@ def test_printed_form_uses_transposed_iota_where_it_can():
     mesh = Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
     assert repr(Sharding.from_mesh(mesh, ["y", -1], (4, 4))) == \
         "{devices=[4,1,2]<=[2,4]T(1,0) last_tile_dim_replicate}"
+    # a mesh laid out on a 3D torus (256 chips as 4x8x8: four factors) prints as compactly
+    torus = Mesh(np.arange(256).reshape(4, 4, 2, 8).transpose(1, 3, 0, 2).reshape(32, 8), ("fsdp", "tensor"))
+    assert repr(Sharding.from_mesh(torus, ["fsdp", "tensor"], (64, 64))) == "{devices=[32,8]<=[4,4,2,8]T(1,3,0,2)}"
+    assert repr(Sharding.from_mesh(torus, [-1, "tensor"], (64, 64))) == \
+        "{devices=[1,8,32]<=[4,4,2,8]T(0,2,1,3) last_tile_dim_replicate}"
 
 
 def _parse_devices(body: str, n: int) -> np.ndarray:
@@ -426,6 +434,15 @@ def _parse_devices(body: str, n: int) -> np.ndarray:
         return np.array([int(v) for v in body.split(",")])
     base = np.arange(n).reshape([int(d) for d in m.group(1).split(",")])
     return (base.transpose([int(p) for p in m.group(2).split(",")]) if m.group(2) else base).ravel()
+
+
+@pytest.mark.parametrize("shape", [(6,), (2, 3, 4), (2, 2, 2, 2), (4, 4, 2, 8)])
+def test_iota_form_reads_every_transposed_iota(shape):
+    n = math.prod(shape)
+    for perm in itertools.permutations(range(len(shape))):
+        flat = np.arange(n).reshape(shape).transpose(perm).ravel()
+        assert np.array_equal(_parse_devices(iota_form(flat), n), flat), (shape, perm)
+    assert iota_form(np.array([1, 0, 2, 3])) is None and iota_form(np.array([0, 2, 1, 3, 5, 4])) is None
 
 
 @settings(max_examples=100, deadline=None)

@@ -210,7 +210,9 @@ def test_xla_cpu_nested_dynamic_slice_bug():
     def nested(x, i, j):
         return lax.dynamic_slice(lax.dynamic_slice(x, (i,), (2,), allow_negative_indices=False), (j,), (1,),
                                  allow_negative_indices=False)
-    assert jax.jit(nested)(x, np.int32(2), np.int32(0)).tolist() == [3.0]   # HLO semantics say [2.0]
+    if jax.jit(nested)(x, np.int32(2), np.int32(0)).tolist() == [2.0]:   # HLO semantics
+        pytest.skip(f"jax {jax.__version__}'s XLA:CPU folds them right (the clamp stays for jax 0.10's)")
+    assert gspmd.jit(nested, backend="jax")(x, np.int32(2), np.int32(0)).tolist() == [2.0]
 
 
 @pytest.mark.slow

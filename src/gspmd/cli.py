@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import sys
 import time
 from collections import Counter
 from typing import Optional, Sequence
@@ -95,7 +97,10 @@ def plan(model: str = "transformer", sizes=None, hardware: str = "tpu-v3", as_js
 
     from gspmd import planning
 
-    result = planning.plan(model, sizes or planning.Sizes(), hardware)
+    # what a user's module prints while it loads and builds (MaxText's notices) goes to
+    # stderr, so that --json prints JSON alone
+    with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
+        result = planning.plan(model, sizes or planning.Sizes(), hardware)
     if memory_plot:
         result.report.memory.plot(memory_plot, title=result.case.description,
                                   limit_bytes=result.report.hardware.usable_bytes)

@@ -18,7 +18,9 @@ class Mesh:
     Device id d is jax device `jax_devices()[d]`: by default the first N of
     `jax.devices()`; a mesh built from jax devices (`Mesh.from_jax(jax_mesh)`, or
     `Mesh(jax_mesh.devices, names)`) keeps the devices it was given. `to_jax()` gives
-    the `jax.sharding.Mesh` over those devices.
+    the `jax.sharding.Mesh` over those devices. A mesh over devices this process has
+    not (another topology's, or gspmd.planning's stand-ins; ids in the order of theirs)
+    is for planning: programs over it lower and report, the jax backend will not run.
     """
 
     def __init__(self, devices, axis_names: Sequence[str]):
@@ -67,24 +69,42 @@ class Mesh:
         (Mesh.from_jax, with that mesh's axis types), else (or with `auto`) one of Auto axes."""
         if self._jax_mesh is not None and not auto:
             return self._jax_mesh
-        return jax.sharding.Mesh(np.array(self.jax_devices(), dtype=object)[self.devices], self.axis_names)
+        return self._jax_mesh_over(self.jax_devices())
+
+    def _jax_mesh_over(self, devices: Sequence) -> jax.sharding.Mesh:
+        return jax.sharding.Mesh(np.array(devices, dtype=object)[self.devices], self.axis_names,
+                                 axis_types=self._auto_axes())
+
+    def _auto_axes(self) -> tuple:
+        """Every axis Auto, stated: jax's defaults moved (jax 0.12's AbstractMesh is Explicit)."""
+        return (jax.sharding.AxisType.Auto,) * len(self.axis_names)
 
     def abstract(self) -> jax.sharding.AbstractMesh:
         """jax's abstract twin (what jax traces under): the jax mesh's it came from, else
         that of one of Auto axes over its jax devices (device kind included: what
         jax.shard_map derives from a jax.sharding.Mesh over them and compares with the
-        context mesh), or without devices where jax has too few (planning only)."""
+        context mesh), or without devices where jax has too few (planning only). Over devices
+        this process has not (stand-ins), over those: jax asks only for their platform and kind."""
         if self._jax_mesh is not None:
             return self._jax_mesh.abstract_mesh
-        if self._jax_devices is not None or self.size <= jax.device_count():
+        if self._jax_devices is not None:
+            return self._jax_mesh_over(self._jax_devices).abstract_mesh
+        if self.size <= jax.device_count():
             return self.to_jax(auto=True).abstract_mesh
-        return jax.sharding.AbstractMesh(self.shape, self.axis_names)
+        return jax.sharding.AbstractMesh(self.shape, self.axis_names, axis_types=self._auto_axes())
 
     def jax_devices(self) -> list:
         """The jax device of each device id (raises when jax has too few devices)."""
-        if self._jax_devices is not None:
-            return list(self._jax_devices)
         devices = jax.devices()
+        if self._jax_devices is not None:
+            local = set(devices)
+            others = [d for d in self._jax_devices if d not in local]
+            if others:
+                raise ShardingError(
+                    f"{self} is over devices this process does not have ({others[0].platform} devices of kind "
+                    f"{others[0].device_kind!r}): such a mesh is for planning (lower() and report()), not for "
+                    "running; run on a mesh over jax.devices().")
+            return list(self._jax_devices)
         if self.size > len(devices):
             raise ShardingError(
                 f"{self} needs {self.size} devices but jax has {len(devices)} ({devices[0].platform}); on CPU "
@@ -135,9 +155,44 @@ class Mesh:
     def __repr__(self):
         axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
         order = "" if np.array_equal(self.devices.ravel(), np.arange(self.size)) else \
-            f", devices={self.devices.ravel().tolist()}"
-        where = "" if self._jax_devices is None else f", jax devices {[d.id for d in self._jax_devices]}"
+            f", devices={_listed(self.devices.ravel())}"
+        where = "" if self._jax_devices is None else \
+            f", jax devices {_listed(np.array([d.id for d in self._jax_devices]))}"
         return f"Mesh({axes}{order}{where})"
+
+
+def _listed(ids: np.ndarray) -> str:
+    """Device ids as a list, or (past 32, as on a slice of a TPU pod) in iota form where they are one."""
+    return (ids.size > 32 and iota_form(ids)) or str(ids.tolist())
+
+
+def iota_form(flat: np.ndarray) -> Optional[str]:
+    """XLA's compact form of a device order that is arange(N) reshaped and transposed
+    ("<=[8]", "<=[2,4]T(1,0)"), with as few dims as it takes (a mesh laid out on a 3D
+    torus takes four or more); None otherwise. Read off the order itself, minor dim first:
+    each dim is the longest run of equal steps between blocks of the dims before it."""
+    n = flat.size
+    if np.array_equal(flat, np.arange(n)):
+        return f"<=[{n}]"
+    dims: list[tuple[int, int]] = []      # (size, stride in arange(N)), minor first
+    block = 1
+    while block < n:
+        stride, run = int(flat[block]) - int(flat[0]), 2
+        while block * run < n and int(flat[block * run]) - int(flat[0]) == run * stride:
+            run += 1
+        size = max((z for z in range(2, run + 1) if (n // block) % z == 0), default=None)
+        if size is None:
+            return None
+        dims.append((size, stride))
+        block *= size
+    strides = sorted(dims, key=lambda d: d[1])      # the iota's dims, minor first
+    if flat[0] != 0 or [t for _, t in strides] != list(np.cumprod([1] + [z for z, _ in strides[:-1]])):
+        return None
+    shape = [z for z, _ in reversed(strides)]       # the iota's dims, major first
+    perm = [len(dims) - 1 - strides.index(d) for d in reversed(dims)]
+    if not np.array_equal(np.arange(n).reshape(shape).transpose(perm).ravel(), flat):
+        return None
+    return f"<=[{','.join(map(str, shape))}]T({','.join(map(str, perm))})"
 
 
 def _axis_names(names) -> tuple[str, ...]:
@@ -163,14 +218,17 @@ def _device_ids(devices) -> tuple[np.ndarray, Optional[tuple]]:
         return arr, None
     position = {d: i for i, d in enumerate(jax.devices())}
     unknown = [d for d in arr.ravel() if d not in position]
-    if unknown:
+    if 0 < len(unknown) < arr.size:
         raise ShardingError(f"Mesh devices {unknown} are not among jax.devices(); build meshes over this "
-                            "process's jax devices.")
+                            "process's jax devices (or, to plan for hardware this process has not, all over "
+                            "another topology's devices).")
+    if unknown:    # another topology's devices (to plan for): ordered by their ids
+        position = {d: d.id for d in arr.ravel()}
     ordered = sorted(set(arr.ravel()), key=position.__getitem__)
     if len(ordered) != arr.size:
         raise ShardingError(f"Mesh devices {[d.id for d in arr.ravel()]} list a device more than once.")
     ids = np.vectorize({d: i for i, d in enumerate(ordered)}.__getitem__, otypes=[np.int64])(arr)
-    default = ordered == jax.devices()[:len(ordered)]
+    default = not unknown and ordered == jax.devices()[:len(ordered)]
     return ids, None if default else tuple(ordered)
 
 
@@ -191,16 +249,36 @@ def explicit_sharding(x) -> Optional[jax.sharding.NamedSharding]:
     return None
 
 
-def as_mesh(mesh, what: str = "") -> Mesh:
-    """A gspmd.Mesh from a gspmd.Mesh or a jax.sharding.Mesh; a ShardingError otherwise."""
+def as_mesh(mesh, what: str = "", within: Optional[Mesh] = None) -> Mesh:
+    """A gspmd.Mesh from a gspmd.Mesh or a jax.sharding.Mesh, or from a
+    jax.sharding.AbstractMesh the mesh it stands for (see concrete_mesh; `within`: the
+    gspmd.jit's mesh); a ShardingError otherwise."""
     if isinstance(mesh, Mesh):
         return mesh
     if isinstance(mesh, jax.sharding.Mesh):
         return _from_jax(mesh)
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        return concrete_mesh(mesh, within)
     where = f" {what}" if what else ""
     raise ShardingError(
         f"Expected a mesh{where}, got {type(mesh).__module__}.{type(mesh).__name__} {mesh!r:.60}; give a "
         "gspmd.Mesh(np.arange(n).reshape(...), axis_names) or a jax.sharding.Mesh (e.g. jax.make_mesh).")
+
+
+def concrete_mesh(abstract: jax.sharding.AbstractMesh, within: Optional[Mesh] = None) -> Mesh:
+    """The mesh an abstract one (a bare PartitionSpec's, or a NamedSharding's built
+    without devices, as MaxText's abstract train state for ahead-of-time compilation)
+    stands for: the concrete mesh jax.set_mesh put around the call, else `within`
+    (gspmd.jit(mesh=...)), whichever has the same axes and sizes."""
+    axes = tuple(zip(abstract.axis_names, abstract.axis_sizes))
+    context = jax_context_mesh()
+    for mesh in (None if context is None else _from_jax(context), within):
+        if mesh is not None and tuple(zip(mesh.axis_names, mesh.shape)) == axes:
+            return mesh
+    raise ShardingError(
+        f"A PartitionSpec or an abstract mesh names the mesh axes {dict(axes)}, but no mesh with these axes is "
+        "known: call the function under `with jax.set_mesh(mesh):`, or pass gspmd.jit(mesh=...) with these axes "
+        "(a gspmd.Mesh needs no jax devices: planning only), or use NamedSharding over a concrete mesh.")
 
 
 @functools.lru_cache(maxsize=256)

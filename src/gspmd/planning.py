@@ -9,11 +9,15 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import inspect
 import pathlib
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
+
+import jax
+import numpy as np
 
 from gspmd.api import Lowered, jit
 from gspmd.analysis import Report
@@ -21,7 +25,8 @@ from gspmd.errors import ShardingError
 from gspmd.recipes import MODELS, Case
 from gspmd.spmd.cost import Hardware, device_mesh, profile
 
-__all__ = ["Sizes", "CasePlan", "plan", "plan_to_fit", "build", "FIT_ORDER", "device_mesh", "profile"]
+__all__ = ["Sizes", "CasePlan", "plan", "plan_to_fit", "build", "FIT_ORDER", "device_mesh", "profile",
+           "StandInDevice", "stand_in_devices", "stand_in_mesh"]
 
 
 @dataclass(frozen=True)
@@ -64,9 +69,10 @@ class CasePlan:
     def as_json(self, top: int = 10) -> dict:
         """The plan's figures; `top`: how many of the largest buffers at the peak to list."""
         r = self.report
-        mesh = self.case.mesh
+        # a user function's: the first mesh its annotations or arguments name
+        mesh = self.case.mesh if self.case.mesh is not None else self.lowered.mesh
         return {"model": self.case.description, "sizes": {k: v for k, v in self.case.sizes.items() if v is not None},
-                "mesh": None if mesh is None else dict(zip(mesh.axis_names, map(int, mesh.shape))),
+                "mesh": dict(zip(mesh.axis_names, map(int, mesh.shape))),
                 "devices": int(self.lowered.num_devices), "hardware": r.hardware.name,
                 "planning_seconds": self.planning_seconds,
                 "peak_memory_bytes": int(r.peak_memory_bytes), "fits_in_memory": r.fits_in_memory,
@@ -129,7 +135,7 @@ def build(model: str, sizes: Sizes, hw: Hardware) -> Case:
         if unknown:
             raise ShardingError(f"Sizes {sorted(unknown)} do not apply to a user function ({model}): its "
                                 "plan_args() (or its factory) gives its inputs and its annotations its meshes.")
-        return _user_function(model, sizes.devices)
+        return _user_function(model, hw, sizes.devices)
     if sizes.devices is not None:
         raise ShardingError(f"{model}: give --mesh (or --devices on the command line, which makes one).")
     if model not in MODELS:
@@ -143,15 +149,44 @@ def build(model: str, sizes: Sizes, hw: Hardware) -> Case:
     return spec.build(resolved, hw)
 
 
+# -- hardware this process has not -----------------------------------------------------------
+@dataclass(frozen=True)
+class StandInDevice:
+    """A device of hardware this process has not, for a jax.sharding.Mesh to plan on (as
+    jax.experimental.topologies' devices are for ahead-of-time compilation): what library
+    code reads of a device (id, platform, kind, process), nothing to run on. gspmd.jit
+    lowers and reports over a mesh of them; calling it there is an error. Its platform
+    is "cpu" so that libraries that pick kernels by platform take their portable path."""
+    id: int
+    platform: str = "cpu"
+    device_kind: str = "stand-in"
+    process_index: int = 0
+
+
+def stand_in_devices(n: int) -> list[StandInDevice]:
+    return [StandInDevice(i) for i in range(n)]
+
+
+def stand_in_mesh(shape: Sequence[int], axis_names: Sequence[str],
+                  hardware: Union[str, Hardware] = "tpu-v3") -> jax.sharding.Mesh:
+    """A jax mesh of stand-in devices of this shape, laid out on `hardware`'s network
+    (device_mesh: each axis along whole dims of it, as jax's mesh_utils for TPU slices)."""
+    devices = np.array(stand_in_devices(int(np.prod(shape))), dtype=object)
+    return jax.sharding.Mesh(devices[device_mesh(shape, hardware)], tuple(axis_names))
+
+
 # -- a user's function ------------------------------------------------------------------------
 USER_FUNCTION = """module:function (module: a dotted name on sys.path, or a path to a .py file) is
 either a function whose module also defines plan_args(), its arguments (jax.ShapeDtypeStruct
 or arrays); or, in a module without plan_args, a factory: function(devices=N) (called
-without arguments when no --devices is given) returning (step, args), the function to plan
-and its arguments. The function's mesh_split annotations name its meshes."""
+without arguments when no --devices is given; given hardware=NAME too, the --hardware
+profile, where it takes a hardware parameter) returning (step, args), the function to plan
+and its arguments, or (step, args, donate), donate the indices of the arguments the step
+updates in place. The function's annotations (or its arguments' NamedShardings) name its
+meshes."""
 
 
-def _user_function(spec: str, devices: Optional[int] = None) -> Case:
+def _user_function(spec: str, hw: Hardware, devices: Optional[int] = None) -> Case:
     """`module:function`, as USER_FUNCTION says."""
     module_name, _, fn_name = spec.rpartition(":")
     module = _import(module_name, spec)
@@ -164,18 +199,29 @@ def _user_function(spec: str, devices: Optional[int] = None) -> Case:
             raise ShardingError(f"--devices applies to a factory (a module without plan_args()); {module_name}'s "
                                 f"plan_args() gives {fn_name}'s arguments and its annotations their meshes.")
         return Case(spec, fn, tuple(make_args()), None, {})
+    given = {} if devices is None else {"devices": devices}
+    if "hardware" in _parameters(fn):
+        given["hardware"] = hw.name
     try:
-        made = fn() if devices is None else fn(devices=devices)
+        made = fn(**given)
     except TypeError as e:
         raise ShardingError(f"{spec}: module {module_name} must define plan_args() returning the arguments of "
                             f"{fn_name}, or {fn_name} must be a factory, {fn_name}(devices=N) -> (step, args), "
                             f"for `gspmd plan|auto {spec}` ({e}).") from None
-    if not (isinstance(made, tuple) and len(made) == 2 and callable(made[0])):
-        raise ShardingError(f"{spec}: a factory returns (step, args), the function to plan and a tuple of its "
-                            f"arguments; got {type(made).__name__}.")
-    step, args = made
+    if not (isinstance(made, tuple) and len(made) in (2, 3) and callable(made[0])):
+        raise ShardingError(f"{spec}: a factory returns (step, args) or (step, args, donate): the function to plan, "
+                            f"a tuple of its arguments, the indices of those it updates in place; got "
+                            f"{type(made).__name__}.")
+    step, args, donate = made if len(made) == 3 else (*made, ())
     return Case(f"{spec}({'' if devices is None else f'devices={devices}'})", step, tuple(args), None,
-                {} if devices is None else {"devices": devices})
+                {} if devices is None else {"devices": devices}, tuple(donate))
+
+
+def _parameters(fn) -> tuple[str, ...]:
+    try:
+        return tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):     # a builtin or C function: no signature to read
+        return ()
 
 
 def _import(module_name: str, spec: str):

@@ -13,7 +13,6 @@ small numpy operations on it, so planning for 2048 devices costs little.
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from typing import Optional, Sequence
 
@@ -23,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from gspmd.checks import count, describe
 from gspmd.errors import ShardingError
 
-from gspmd.mesh import Mesh, as_mesh
+from gspmd.mesh import Mesh, as_mesh, iota_form
 
 
 class _Unspecified:
@@ -228,7 +227,7 @@ class Sharding:
             return "{replicated}"
         dims = list(self.tiles) + ([self.num_replicas] if self.num_replicas > 1 else [])
         flat = self.tile_assignment.ravel()
-        devices = _iota_form(flat) or ",".join(map(str, flat.tolist()))
+        devices = iota_form(flat) or ",".join(map(str, flat.tolist()))
         suffix = " last_tile_dim_replicate" if self.num_replicas > 1 else ""
         return f"{{devices=[{','.join(map(str, dims))}]{devices}{suffix}}}"
 
@@ -321,23 +320,6 @@ def _shape(shape) -> tuple[int, ...]:
                                                 and d >= 0 for d in shape):
         return tuple(int(d) for d in shape)
     raise ShardingError(f"A value's shape must be a tuple of non-negative ints, got {describe(shape)}; e.g. (8, 16).")
-
-
-def _iota_form(flat: np.ndarray) -> Optional[str]:
-    """XLA's compact form of a device order that is arange(N) reshaped and transposed
-    ("<=[8]", "<=[2,4]T(1,0)"), tried for up to three factors; None otherwise."""
-    n = flat.size
-    if np.array_equal(flat, np.arange(n)):
-        return f"<=[{n}]"
-    divisors = [d for d in range(2, n) if n % d == 0]
-    shapes = [(d, n // d) for d in divisors] + [(a, b, n // (a * b)) for a in divisors for b in divisors
-                                                  if (n // a) % b == 0 and n // (a * b) > 1]
-    for shape in shapes:
-        base = np.arange(n).reshape(shape)
-        for perm in itertools.permutations(range(len(shape))):
-            if perm != tuple(range(len(shape))) and np.array_equal(base.transpose(perm).ravel(), flat):
-                return f"<=[{','.join(map(str, shape))}]T({','.join(map(str, perm))})"
-    return None
 
 
 # Propagation and partitioning ask the same questions many times over; layouts are

@@ -108,7 +108,7 @@ def mesh_split(x, mesh, dims_mapping=None):
         mesh, dims_mapping = mesh.mesh, mesh.spec
     shape = array_shape(x, "The value mesh_split annotates")
     what = f"value of shape {shape}"
-    mesh = as_mesh(mesh, f"for mesh_split of the {what}")
+    mesh = as_mesh(mesh, f"for mesh_split of the {what}", _tracing[-1].mesh if _tracing else None)
     if dims_mapping is None:
         raise ShardingError(f"mesh_split of the {what} on {mesh} needs a dims_mapping (one entry per dim, e.g. "
                             f"{example_mapping(mesh, len(shape))}) or a NamedSharding.")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from typing import Callable, Optional
 
 import jax
@@ -26,8 +27,11 @@ from gspmd.ops.elementwise import annotate
 # jax.jit may carry shardings: the `sharding` record converts it.)
 # custom_partitioning's body is the function it partitions: gspmd partitions that body
 # itself (its partition callback, written for XLA's shardings, is not called).
+# jax >= 0.12: eval_jaxpr (a scan's body as jax.checkpoint's partial evaluation leaves
+# it) calls its jaxpr; call_hi_primitive (jnp.searchsorted and other "hijax" ops)
+# carries no jaxpr: its body is the primitive's own expansion, traced here.
 CALLS = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "remat", "checkpoint", "closed_call",
-         "core_call", "custom_partitioning")
+         "core_call", "custom_partitioning", "call_hi_primitive", "eval_jaxpr")
 _BODY_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr", "call")
 # JAX's name for the forward computation a differentiated jax.checkpoint repeats.
 _RECOMPUTE_SCOPE = "rematted_computation"
@@ -166,9 +170,18 @@ def _convert(b: Conversion, eqn, args: list[Value]) -> list[Value]:
 
 
 def _call(b: Conversion, eqn, args: list[Value]) -> list[Value]:
+    if eqn.primitive.name == "call_hi_primitive":
+        return _inline(b, _expansion(eqn), args)
     for key in _BODY_PARAMS:
         if key in eqn.params:
             body = eqn.params[key]
             invars = (body.jaxpr if hasattr(body, "jaxpr") else body).invars
             return _inline(b, body, args[len(args) - len(invars):])
     raise ShardingError(f"Cannot find the body of call primitive {eqn.primitive.name!r}.")
+
+
+def _expansion(eqn):
+    """The jaxpr a hijax primitive stands for: its expansion (`to_lojax`) traced on the
+    equation's operand types."""
+    expand = functools.partial(eqn.primitive.to_lojax, **eqn.params)
+    return jax.make_jaxpr(lambda *xs: expand(*xs))(*(v.aval for v in eqn.invars))

@@ -129,9 +129,20 @@ def _convert_while(b: Conversion, eqn, args: list[Value]) -> list[Value]:
     return emit_while(b, args, cond, body)[fixed:]
 
 
+def scan_counts(params: dict) -> tuple[int, int]:
+    """How many of a scan's operands are constants and how many carries: jax <= 0.11
+    states the counts; jax >= 0.12 packs the operands' trees (constants, carries, xs) in
+    `ft_in` (its `ft_out` also lists ys forwarded from xs, which are not results of the
+    equation: only the body's outputs are)."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carries, _ = params["ft_in"].unpack()
+    return len(consts), len(carries)
+
+
 def _convert_scan(b: Conversion, eqn, args: list[Value]) -> list[Value]:
     p = eqn.params
-    length, nconst, ncarry, jaxpr = p["length"], p["num_consts"], p["num_carry"], p["jaxpr"]
+    (nconst, ncarry), length, jaxpr = scan_counts(p), p["length"], p["jaxpr"]
     nx = len(args) - nconst - ncarry
     if length == 1:   # XLA's while-loop simplifier inlines a loop that runs once: so do we
         x_0 = [b.add1("reshape", [x], x.shape[1:], x.dtype) for x in args[nconst + ncarry:]]

@@ -15,9 +15,8 @@ import jax
 import numpy as np
 from jax import lax
 
-from gspmd.errors import ShardingError
 from gspmd.ir import Builder, Program, Value
-from gspmd.mesh import Mesh, jax_context_mesh
+from gspmd.mesh import Mesh, concrete_mesh
 
 # convert(conversion, jaxpr equation, operand values) -> result values
 Converter = Callable[["Conversion", object, list[Value]], list[Value]]
@@ -61,15 +60,7 @@ class Conversion(Builder):
     def _resolve(self, jax_mesh) -> Mesh:
         if isinstance(jax_mesh, jax.sharding.Mesh):
             return Mesh.from_jax(jax_mesh)
-        axes = tuple(zip(jax_mesh.axis_names, jax_mesh.axis_sizes))
-        context = jax_context_mesh()
-        for mesh in (None if context is None else Mesh.from_jax(context), self.mesh):
-            if mesh is not None and tuple(zip(mesh.axis_names, mesh.shape)) == axes:
-                return mesh
-        raise ShardingError(
-            f"A PartitionSpec names the mesh axes {dict(axes)}, but no mesh with these axes is known: call the "
-            "function under `with jax.set_mesh(mesh):`, or pass gspmd.jit(mesh=...) with these axes, or use "
-            "NamedSharding(mesh, spec).")
+        return concrete_mesh(jax_mesh, self.mesh)
 
     def local_layout(self, sharding, what: str):
         """A layout written over a whole mesh, as the program being converted sees it:

@@ -199,6 +199,42 @@ def _square(b, eqn, args):
     return [b.add1("multiply", [args[0], args[0]], shape, dtype)]
 
 
+def _one_minus_square(b, eqn, args):
+    """jax >= 0.12's 1 - x^2, computed as its lowering does: (1 + x)(1 - x)."""
+    shape, dtype = b.out_aval(eqn)
+    one = b.broadcast_to(b.constant(1, dtype), shape)
+    return [b.add1("multiply", [b.add1("add", [one, args[0]], shape, dtype),
+                                b.add1("subtract", [one, args[0]], shape, dtype)], shape, dtype)]
+
+
+def _polynomial(b, eqn, args):
+    """jax >= 0.12's polynomial(x, a_0..a_N) by Horner's rule, as its lowering evaluates
+    it: acc = a_N, then acc * x + a_k for k = N-1..0 (always unrolled: a loop jax uses
+    for more than 8 terms runs the same operations in the same order)."""
+    shape, dtype = b.out_aval(eqn)
+    x, *coeffs = [_expand(b, a, shape) for a in args]
+    acc = coeffs[-1]
+    for c in reversed(coeffs[:-1]):
+        acc = b.add1("add", [b.add1("multiply", [acc, x], shape, dtype), c], shape, dtype)
+    return [acc]
+
+
+def _log2(b, eqn, args):
+    """jax >= 0.12's log2 primitive, as its lowering computes it: log(x) * (1 / ln 2)."""
+    shape, dtype = b.out_aval(eqn)
+    inverse_ln2 = b.broadcast_to(b.constant(1.4426950408889634, dtype), shape)
+    return [b.add1("multiply", [b.add1("log", [args[0]], shape, dtype), inverse_ln2], shape, dtype)]
+
+
+def _expand(b, x: Value, shape: tuple[int, ...]) -> Value:
+    """`x` broadcast to `shape` by NumPy's rules: a scalar, or size-1 dims of the same rank."""
+    if x.shape == shape or x.rank == 0:
+        return b.broadcast_to(x, shape)
+    kept = tuple(d for d, n in enumerate(x.shape) if n != 1)
+    squeezed = b.add1("reshape", [x], tuple(x.shape[d] for d in kept), x.dtype)
+    return b.add1("broadcast", [squeezed], shape, x.dtype, dims=kept)
+
+
 def _float_division(instr) -> bool:
     """Expensive (worth a buffer rather than recomputing in every user, as XLA's CPU
     fusion judges), like the transcendentals below; integer division is cheap."""
@@ -208,7 +244,8 @@ def _float_division(instr) -> bool:
 # Binary ops (bitwise on integers, logical on booleans, as in HLO).
 elementwise("add", np.add, lax.add, ["add", "add_any"], linear=jointly_linear, facets=Facets(combines=ADD))
 elementwise("subtract", np.subtract, lax.sub, ["sub"], linear=jointly_linear)
-elementwise("multiply", np.multiply, lax.mul, ["mul"], converts={"square": _square}, linear=linear_in((0,), (1,)))
+elementwise("multiply", np.multiply, lax.mul, ["mul"], linear=linear_in((0,), (1,)),
+            converts={"square": _square, "one_minus_square": _one_minus_square, "polynomial": _polynomial})
 elementwise("divide", _divide, lax.div, ["div"], expensive=_float_division, linear=linear_in((0,)))
 elementwise("maximum", np.maximum, lax.max, ["max"])
 elementwise("minimum", np.minimum, lax.min, ["min"])
@@ -224,7 +261,7 @@ elementwise("xor", np.bitwise_xor, lax.bitwise_xor, ["xor"])
 elementwise("not", np.invert, lax.bitwise_not, ["not"])
 elementwise("negate", np.negative, lax.neg, ["neg"], linear=jointly_linear)
 elementwise("exponential", np.exp, lax.exp, ["exp"], expensive=True)
-elementwise("log", np.log, lax.log, ["log"], expensive=True)
+elementwise("log", np.log, lax.log, ["log"], converts={"log2": _log2}, expensive=True)
 elementwise("tanh", np.tanh, lax.tanh, ["tanh"], expensive=True)
 elementwise("logistic", _logistic, lax.logistic, ["logistic"], expensive=True)
 elementwise("rsqrt", lambda x: 1 / np.sqrt(x), lax.rsqrt, ["rsqrt"], expensive=True)
