@@ -2,7 +2,7 @@
 weak-scaling table, every row planned with our Transformer recipe configured as the row
 states, on the matching profile (tpu-v5p, a100), written to benchmarks/PUBLISHED.md.
 
-    PYTHONPATH=src python benchmarks/published.py                 # both tables (~15 min, 2 cores)
+    PYTHONPATH=src python benchmarks/published.py                 # both tables (~3 min)
     PYTHONPATH=src python benchmarks/published.py --tables maxtext --rows 2
 
 TFLOP/s per chip = the step's model FLOPs as the source counts them (its formula, stated
@@ -146,9 +146,9 @@ def megatron_row(params: str, heads: int, hidden: int, layers: int, tensor: int,
                  batch: int, tflops: float, mfu: float) -> Row:
     data = gpus // (tensor * stages)
     common = dict(layers=layers, model_dim=hidden, ffn_dim=4 * hidden, heads=heads, head_dim=hidden // heads,
-                  seq=MEGATRON_SEQ, batch=batch, optimizer="adamw", strategy="megatron")
+                  seq=MEGATRON_SEQ, batch=batch, vocab=MEGATRON_VOCAB, optimizer="adamw", strategy="megatron")
     if stages == 1:
-        sizes = planning.Sizes(mesh=(data, tensor), vocab=MEGATRON_VOCAB, remat="nothing_saveable", **common)
+        sizes = planning.Sizes(mesh=(data, tensor), remat="nothing_saveable", **common)
     else:   # microbatches of one sequence per data-parallel replica; 1F1B recomputes each stage
         sizes = planning.Sizes(mesh=(stages, data, tensor), stages=stages, microbatches=batch // data,
                                schedule="1f1b", **common)
@@ -180,29 +180,56 @@ MEGATRON = Table(
      "microbatches of one sequence per data-parallel replica (B / data microbatches). The paper's "
      "interleaved schedule is not used (ours would be --repeats), nor its scatter/gather of stage "
      "boundaries across the tensor group.",
-     "FFN 4h, head dim h / heads, Adam (adamw), bfloat16 activations, float32 weights. Rows without a "
-     "pipeline plan the embedding and the 51,200-way softmax (--vocab); pipelined rows plan the layer stack "
-     "only (the logits are V/16lh of the FLOPs: under 1% there).",
+     "FFN 4h, head dim h / heads, Adam (adamw), bfloat16 activations, float32 weights (pipelined rows: "
+     "cast to bfloat16 once per step, as Megatron-LM's model holds them, the float32 copy the optimizer's; "
+     "gradients summed over microbatches in float32, as its main_grad). Every row plans the embedding and "
+     "the 51,200-way softmax over one tied table (--vocab); pipelined: tokens in, embedded on the first "
+     "stage, logits and loss on the last.",
+     "Profile `a100`: GPU matmuls are library kernels (cuBLAS) that read their operands from HBM, so a "
+     "layer norm, softmax or cast feeding one is a kernel of its own (`fuses_into_matmul=False`, every "
+     "GPU profile; TPU profiles fuse them into the matmul, as XLA:TPU does).",
      "Model FLOPs for every row by the paper's formula (so TFLOP/s compare like for like); our plan's own "
      "FLOPs decide its step time."),
-    ("Rows without a pipeline (1.7B-18.4B) come out 40-75% fast: with every matmul at 80% of peak our "
-     "model runs them at 60-75% of peak where Megatron-LM reached 43-46%. What the model lacks: PyTorch's "
-     "2021 kernels are not fused as XLA fuses (each layer norm, dropout, bias and residual add reads and "
-     "writes HBM: ours prices 9% of these rows' compute as memory-bound), matmuls at h = 2304-6144 run "
-     "further from peak than at 20480 (ours: one efficiency for all), and Megatron's tensor-parallel "
-     "all-reduces were not overlapped (ours hides 40% of a collective behind independent compute).",
-     "Pipelined rows (39.1B-1T) are within 14%, 6-14% slow: our 1F1B pipeline spends ~35% of its compute "
-     "on memory-bound ops (stage buffers shifted, stashed inputs sliced and written back: 4.6 s of 15.5 s "
-     "at 39.1B), which stands in for Megatron's unfused kernels. No single a100 matmul efficiency fits "
-     "both kinds of row (the rows without a pipeline need ~0.5, the pipelined ~0.9), so none is "
-     "calibrated: a100 keeps the shared defaults.",
-     "The published ranking rises with model size (135-163 TF/s); ours falls (the smallest model is our "
-     "fastest), though among the six pipelined rows it is reproduced (129, 131, 137, 140, 141.1, 141.3 "
-     "against 138, 140, 148, 155, 163, 163). Reproducing it all needs the size-dependent matmul efficiency and unfused element-wise "
-     "costs above, neither of which the cost model has.",
-     "Memory: our 310B-1T plans hold 90-175 GB per GPU (Megatron ran them in 80 GB): the 1F1B pipeline "
-     "keeps float32 weights, gradients and Adam's moments per stage plus bfloat16 copies and stashed "
-     "inputs; where the rest goes we have not traced yet."))
+    ("Rows without a pipeline (1.7B-18.4B) come out 33-50% fast, 58-66% of peak where Megatron-LM reached "
+     "43-46%. Pricing the softmax and layer norms that feed matmuls as kernels of their own (GPU matmuls "
+     "take no fused producers) took them from 42-73% fast to this. What else was tried, none of which is "
+     "principled enough to keep: every element-wise op its own kernel (PyTorch eager without Megatron's "
+     "fused layer-norm, softmax, bias-GeLU and bias-dropout-add kernels) overshoots, 0.49x at 1.7B, 0.65x "
+     "at 18.4B and 0.46-0.49x pipelined (before the pipeline changes below), and a fraction in between "
+     "would be fitted; synchronous collectives "
+     "(Megatron's 2021 NCCL calls) add at most 0.03 s (1.7B) to 0.18 s (18.4B), ours already exposes "
+     "70-90% of their communication, while the pipelined rows would lose 3-4%; a size-dependent matmul "
+     "efficiency would need ~0.55 at h = 2304-6144, where A100 GEMMs of 8k-32k rows reach 70-80% (thousands "
+     "of tiles on 108 SMs: no wave quantization). Not modelled: dropout (0.1 on the [b, n, s, s] attention "
+     "probabilities and twice per layer on the hidden states in Megatron's GPT; our model has none: by hand "
+     "~15 bytes per attention probability per layer, +0.3 s at 1.7B, which would make it 1.32x, 18.4B "
+     "1.30x) and PyTorch's per-kernel overheads. So these rows stay outside 20%.",
+     "Pipelined rows (39.1B-1T) are within 13%, 3-13% slow. What moved them: the 1F1B backward slot read "
+     "its stashed input as a masked sum over all 2L-1 stash slots (the whole stash through HBM every step), "
+     "now one gather per stage (1T: 134.0 -> 130.2 s); the stage's float32 layers were sliced and cast to "
+     "bfloat16 in every step, now cast once per step, as Megatron-LM holds bfloat16 weights (130.2 -> "
+     "116.5 s). Still costing them: every stage computes the logits and softmax of the step (one SPMD "
+     "program; only the last stage's count): planning the vocabulary added 5% to the 1T step (127.5 -> "
+     "134.0 s); the stage's layers transposed for the scan over them in every step; the stage's weight "
+     "gradient stacked per step before it is added to the accumulator.",
+     "The published ranking rises with model size (135-163 TF/s); ours falls from the rows without a "
+     "pipeline to the pipelined and is flat among these (130, 136, 140, 142.7, 142.5, 143.6 against 138, "
+     "140, 148, 155, 163, 163: only 310B / 529.6B, 0.1% apart in ours, swapped).",
+     "Memory: every row fits in the A100's 80 GiB (pipelined: 56-69 GB per GPU; they held 90-175 GB). "
+     "Where it went, "
+     "at 310B (90.3 GB then): 19.3 GB were the layer stack's inputs and targets, [M, mb, S, h] activations "
+     "held on every stage for want of an embedding (now tokens); 8 GB were the zeros the gradient "
+     "accumulator started from, kept alive because the second of 1F1B's three loops entered the first "
+     "loop's deferred all-reduce as a select against them (and all-reduced the gradient a second time): "
+     "the loop-motion pass now carries the unreduced sum on. Now 65.5 GB: float32 weights and Adam's "
+     "moments 29 GB (arguments, with the table's 1.3 GB), one float32 gradient 9.7 GB, the bfloat16 layers "
+     "4.8 GB, the stash 2.1 GB, ~17 GB inside the loop (the stage's recomputed activations and its "
+     "per-step weight gradient). 1F1B by hand (16 B per parameter, 2.42e9 per GPU, + bfloat16 copies + at "
+     "most L stashed [1, 2048, 16384] inputs + one layer's activations) is ~47 GB: ours holds more because "
+     "the backward slot recomputes the whole stage (6 layers) at once, not one layer at a time, keeps the "
+     "stage's weight gradient before adding it, and its lockstep schedule moves a microbatch one stage per "
+     "step of forward and backward, so a stage holds up to 2L-1 stashed inputs, not L (at 1T: 13.4 of "
+     "66 GB). These are modelling choices of the vectorized schedule, not double counts."))
 
 TABLES = {t.key: t for t in (MAXTEXT, MEGATRON)}
 
@@ -270,7 +297,8 @@ model, `src/gspmd/spmd/cost.py`). Ours: TF/s per chip = the source's model FLOPs
 step / (our step time x chips); MFU = that / the profile's peak. One set of constants
 per profile, none tuned per row: `tpu-v5p` and `a100` keep the shared defaults (matmuls
 at 80% of peak, 40% of a collective hideable behind independent compute, 5 us per
-collective), none calibrated against these tables.
+collective), none calibrated against these tables; like every GPU profile, `a100` fuses no
+element-wise producers into matmuls (cuBLAS reads its operands from HBM).
 """
 
 

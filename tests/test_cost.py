@@ -233,3 +233,25 @@ def test_collectives_overlap_independent_compute_up_to_the_hardware_share():
     assert hidden == approx(max(compute, comm))
     assert timing(0.0)[2] == approx(compute + comm)
     assert timing(0.5)[2] == approx(max(compute + comm / 2, comm))
+
+
+def test_element_wise_producers_fuse_into_matmuls_on_tpus_not_on_gpus():
+    """A softmax feeding a matmul: XLA:TPU computes it inside the dot that reads it; a
+    GPU's library matmul reads its operand from HBM, so the softmax is a kernel of its
+    own that reads the scores and writes the probabilities."""
+    import dataclasses
+
+    def f(scores, v):
+        return jax.nn.softmax(scores, axis=-1) @ v
+
+    n = 2048
+    args = [jax.ShapeDtypeStruct((n, n), np.float32), jax.ShapeDtypeStruct((n, 64), np.float32)]
+    low = gspmd.jit(f).lower(*args)
+    tpu = dataclasses.replace(cm.PROFILES["a100"], fuses_into_matmul=True)
+    fused, unfused = low.report(hardware=tpu), low.report(hardware="a100")
+    dot = 2 * n * n * 64 / (tpu.flops_per_s * tpu.matmul_efficiency)
+    scores = n * n * 4 / tpu.hbm_bytes_per_s
+    assert fused.compute_seconds < dot + scores          # the dot reads the scores once, nothing else
+    # unfused: the softmax's passes read the scores at least once and write the probabilities
+    assert unfused.compute_seconds >= fused.compute_seconds + 2 * scores * 0.99
+    assert not cm.PROFILES["a100"].fuses_into_matmul and cm.PROFILES["tpu-v3"].fuses_into_matmul

@@ -57,3 +57,19 @@ def test_an_accumulator_read_inside_the_loop_keeps_its_reduction():
     rng = np.random.RandomState(2)
     low = check(f, rand(rng, 8, 6), rand(rng, 4, 6, 8), mesh=MESH)
     assert any(c.executions == 4 for c in _all_reduces(low))
+
+
+def test_loops_accumulating_one_gradient_in_turn_reduce_it_once():
+    """A pipeline's phases: a second loop carries on the first one's sum. Its deferred
+    partial sums enter the second loop as they are (no all-reduce between the loops, no
+    zeros kept for it), and only the last loop's result is reduced."""
+    def f(w, xs, ys):
+        def step(acc, x):
+            return acc + _grad_of(w, x), None
+        acc = jax.lax.scan(step, jnp.zeros((8, 6)), xs)[0]
+        return jax.lax.scan(step, acc, ys)[0]
+
+    rng = np.random.RandomState(3)
+    low = check(f, rand(rng, 8, 6), rand(rng, 3, 6, 8), rand(rng, 2, 6, 8), mesh=MESH)
+    (reduction,) = _all_reduces(low)
+    assert reduction.executions == 1 and "deferred past the loop" in reduction.origin

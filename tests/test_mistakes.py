@@ -501,6 +501,14 @@ PIPELINES = [
      ["int 3", "needs a function", r"loss_fn \(it gets \(ys\[m\], targets\[m\]\)\)"]),
     ("pipeline_loss.loss_fn", "taking one argument", lambda: pipeline_loss(loss_fn=lambda y: y),
      [r"<lambda>\(y\)", "called with 2 positional arguments", "give it 2 parameters"]),
+    ("pipeline_loss.ends", "with a loss_fn that does not take them", lambda: pipeline_loss(ends=np.ones(3)),
+     [r"loss_fn \(it gets \(ys\[m\], targets\[m\], ends\)\)", "called with 3 positional arguments",
+      "give it 3 parameters"]),
+    ("pipeline_loss.first_fn", "without ends", lambda: pipeline_loss(first_fn=lambda ends, x: x),
+     ["first_fn=", "pass them as ends=", r"first_fn\(ends, microbatch\)"]),
+    ("pipeline_loss.first_fn", "not a function", lambda: pipeline_loss(
+        first_fn="embed", ends=np.ones(3), loss_fn=lambda y, t, e: jnp.sum(y)),
+     ["the string 'embed'", "needs a function", r"first_fn=\.\.\.\) \(it gets \(ends, microbatches\[m\]\)\)"]),
     ("pipeline_loss.stage_fn", "not a function", lambda: gspmd.pipeline_loss(
         "stage", lambda y, t: y, STACKED, MICROBATCHES, MICROBATCHES, mesh=PIPE_MESH, stage_axis="p"),
      ["the string 'stage'", "needs a function", "def or lambda"]),
@@ -572,6 +580,8 @@ HARDWARE = [
      ["the string 'no'", "needs True or False", "kernel_scratch"]),
     ("Hardware.rematerializes", "None", lambda: hardware(rematerializes=None),
      ["None", "needs True or False", "rematerializes"]),
+    ("Hardware.fuses_into_matmul", "a number", lambda: hardware(fuses_into_matmul=0),
+     ["int 0", "needs True or False", "fuses_into_matmul"]),
     ("Hardware.reserved_bytes", "negative", lambda: hardware(reserved_bytes=-1),
      ["int -1", "whole number >= 0", "reserved_bytes"]),
 ]

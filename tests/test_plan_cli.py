@@ -6,6 +6,7 @@ import textwrap
 from pathlib import Path
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from gspmd import cli, planning
@@ -247,7 +248,23 @@ def test_a_transformer_with_an_embedding_and_softmax(capsys):
     assert table.sharding.tiles == (4, 2)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_a_pipelined_transformer_with_an_embedding_and_softmax(capsys, schedule):
+    """--vocab with --stages: tokens in (not activations), embedded on the first stage,
+    logits and the softmax on the last; the table's gradient reduced once after the loop."""
+    flags = [*SMALL, "--mesh", "2x2x2", "--stages", "2", "--microbatches", "4", "--strategy", "megatron",
+             "--schedule", schedule]
+    without = plan_json(capsys, "transformer", *flags)
+    out = plan_json(capsys, "transformer", *flags, "--vocab", "512")
+    assert "vocabulary 512" in out["model"] and out["flops_per_device"] > without["flops_per_device"]
+    sizes = planning.Sizes(layers=2, model_dim=64, ffn_dim=128, heads=4, head_dim=16, seq=32, vocab=512,
+                           mesh=(2, 2, 2), stages=2, microbatches=4, strategy="megatron", schedule=schedule)
+    lowered = planning.plan("transformer", sizes).lowered
+    data = [p for p in lowered.program.params if lowered.label(p).startswith("args[")]
+    assert [(p.shape, p.dtype) for p in data] == [((4, 2, 32), np.int32)] * 2   # [microbatches, batch, seq] tokens
+    table = next(p for p in lowered.program.params if lowered.label(p).endswith("['embedding']"))
+    assert table.sharding.tiles[0] == 2                                # vocabulary over Y, as Megatron splits it
+
+
 def test_vocab_is_refused_where_it_is_not_planned(capsys):
-    assert "--vocab applies to the Transformer without --stages" in plan_error(
-        capsys, "transformer", *SMALL, "--mesh", "2x2x2", "--stages", "2", "--vocab", "512")
     assert "does not vary --vocab" in plan_error(capsys, "conformer", "--vocab", "512")

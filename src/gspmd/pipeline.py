@@ -30,7 +30,7 @@ saves.
 """
 from __future__ import annotations
 
-from typing import Callable, Union
+from typing import Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -73,23 +73,39 @@ def pipeline(stage_fn: Callable, stacked_params, microbatches, *, mesh: Mesh, st
 
 def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stacked_params, microbatches, targets, *, mesh: Mesh,
                   stage_axis: str, schedule: str = "1f1b", repeats: int = 1, stage_major: bool = False,
-                  manual_stages: bool = False):
+                  manual_stages: bool = False, ends=None, first_fn: Optional[Callable] = None):
     """sum over m of loss_fn(ys[m], targets[m]) with ys as `pipeline` computes them.
     jax.grad of it (with respect to parameters, microbatches or targets) runs the
     schedule's backward pass; with schedule="1f1b" that is interleaved with the forward
-    pass in one loop, whose activation memory does not grow with the microbatches."""
-    function(loss_fn, "gspmd.pipeline_loss(stage_fn, loss_fn, ...)'s loss_fn (it gets (ys[m], targets[m]))",
-             arity=2)
+    pass in one loop, whose activation memory does not grow with the microbatches.
+    ends: parameters (a pytree) of the pipeline's two ends, as a language model's
+    embedding table is: the first stage takes first_fn(ends, microbatches[m]) (default:
+    the microbatch itself) and the loss is loss_fn(ys[m], targets[m], ends); the
+    gradient reaches them too. With 1f1b each microbatch is embedded in the step it
+    enters and its loss taken in the step it leaves, so no [M, ...] stage inputs exist."""
+    if first_fn is not None and ends is None:
+        raise ShardingError("gspmd.pipeline_loss(first_fn=...) embeds each microbatch with the pipeline's end "
+                            "parameters: pass them as ends=... (first_fn(ends, microbatch) -> the first "
+                            "stage's input).")
+    if first_fn is not None:
+        function(first_fn, "gspmd.pipeline_loss(first_fn=...) (it gets (ends, microbatches[m]))", arity=2)
+    with_ends = ends is not None
+    function(loss_fn, "gspmd.pipeline_loss(stage_fn, loss_fn, ...)'s loss_fn (it gets (ys[m], targets[m]"
+             + (", ends))" if with_ends else "))"), arity=3 if with_ends else 2)
     _check_leading(targets, _microbatch_count(microbatches), "targets of gspmd.pipeline_loss", "one per microbatch",
                    "microbatch dim")
+    first = first_fn or (lambda _, x: x)
+    loss = loss_fn if with_ends else (lambda y, t, _: loss_fn(y, t))
+    ends = ends if with_ends else ()
     if schedule != "1f1b":
-        ys = pipeline(stage_fn, stacked_params, microbatches, mesh=mesh, stage_axis=stage_axis, schedule=schedule,
+        xs = jax.vmap(first, (None, 0))(ends, microbatches)
+        ys = pipeline(stage_fn, stacked_params, xs, mesh=mesh, stage_axis=stage_axis, schedule=schedule,
                       repeats=repeats, stage_major=stage_major, manual_stages=manual_stages)
-        return jnp.sum(jax.vmap(loss_fn)(ys, targets))
+        return jnp.sum(jax.vmap(loss, (0, 0, None))(ys, targets, ends))
     run = _Pipeline(stage_fn, stacked_params, microbatches, mesh, stage_axis, schedule, repeats, stage_major,
                     manual_stages)
     record_schedule(run.timing.schedule(schedule))
-    return run.one_f_one_b(loss_fn, stacked_params, microbatches, targets)
+    return run.one_f_one_b(loss, first, stacked_params, ends, microbatches, targets)
 
 
 def _one_f_one_b_rewrite(stage_axis: str, repeats: int, stage_major: bool, manual_stages: bool) -> str:
@@ -230,8 +246,7 @@ class _Pipeline:
         loop-invariant and autodiff saves them once, not once per step."""
         if self.R == 1:
             return jax.tree_util.tree_map(lambda p: p[:, 0], per_stage)
-        pick = jax.vmap(lambda layers, i: jax.lax.dynamic_index_in_dim(layers, i, 0, keepdims=False))
-        return jax.tree_util.tree_map(lambda p: pick(p, r), per_stage)
+        return jax.tree_util.tree_map(lambda p: _pick(p, r), per_stage)
 
     # -- pieces of a step -------------------------------------------------------------
     def stage_inputs(self, t, read, previous):
@@ -308,67 +323,94 @@ class _Pipeline:
         return jax.lax.reduce(_mask(self.stage == s, buffer), np.zeros((), buffer.dtype), jax.lax.add, (0,))
 
     # -- 1f1b -----------------------------------------------------------------------
-    def one_f_one_b(self, loss_fn, stacked_params, microbatches, targets):
+    def one_f_one_b(self, loss_fn, first_fn, stacked_params, ends, microbatches, targets):
         """The summed loss. Its gradient comes from the fused forward-backward loop, scaled
         by the incoming cotangent; without differentiation only the forward runs."""
-        def primal(params, xs, ys):
-            return jnp.sum(jax.vmap(loss_fn)(self.forward(params, xs, remat=False), ys))
+        def primal(params, ends, xs, ys):
+            xs = jax.vmap(first_fn, (None, 0))(ends, xs)
+            return jnp.sum(jax.vmap(loss_fn, (0, 0, None))(self.forward(params, xs, remat=False), ys, ends))
 
-        def fwd(params, xs, ys):
-            values = [jax.tree_util.tree_map(lambda a: a.value, x, is_leaf=_is_primal) for x in (params, xs, ys)]
+        def fwd(params, ends, xs, ys):
+            values = [jax.tree_util.tree_map(lambda a: a.value, x, is_leaf=_is_primal) for x in (params, ends, xs, ys)]
             wanted = [any(a.perturbed for a in jax.tree_util.tree_leaves(x, is_leaf=_is_primal)) for x in (xs, ys)]
-            return self.fused(loss_fn, *values, *wanted)
+            return self.fused(loss_fn, first_fn, *values, *wanted)
 
         def bwd(grads, ct):
             ct = jnp.zeros(()) if isinstance(ct, SymbolicZero) else ct
-            return jax.tree_util.tree_map(lambda g: (ct * g).astype(g.dtype), grads)
+            return tuple(None if g is None else jax.tree_util.tree_map(lambda g: (ct * g).astype(g.dtype), g)
+                         for g in grads)
 
         run = jax.custom_vjp(primal)
         run.defvjp(fwd, bwd, symbolic_zeros=True)
-        return run(stacked_params, microbatches, targets)
+        return run(stacked_params, ends, microbatches, targets)
 
-    def fused(self, loss_fn, stacked_params, xs, ys, want_d_xs: bool, want_d_ys: bool):
-        """(loss, (d params, d xs, d ys)) from one loop in three phases: forward slots only,
-        both, backward slots only. Besides parameters and their gradients, a stage holds
-        its in-flight inputs (the stash) and per-microbatch buffers only for the
-        gradients asked for."""
+    def per_stage_copy(self, tree):
+        """A pytree's leaves as [L, ...] split by stage: each stage its own copy, whose
+        gradient it accumulates locally (summed over the stages once, after the loop)."""
+        return jax.tree_util.tree_map(lambda p: self.split(jnp.broadcast_to(p[None], (self.L,) + jnp.shape(p))), tree)
+
+    def fused(self, loss_fn, first_fn, stacked_params, ends, xs, ys, want_d_xs: bool, want_d_ys: bool):
+        """(loss, (d params, d ends, d xs, d ys)) from one loop in three phases: forward
+        slots only, both, backward slots only. Besides parameters and their gradients, a
+        stage holds its in-flight inputs (the stash) and per-microbatch buffers only for
+        the gradients asked for. Every stage embeds and takes the loss of the microbatch
+        of the step (bubble slots masked) with its own copy of the ends' parameters, so
+        that their gradients stay local until the loop ends."""
         per_stage = jax.tree_util.tree_map(self.by_stage, stacked_params)
         timing, L, R = self.timing, self.L, self.R
         depth = 2 * timing.layers - 1          # stash slots: a stage input lives < 2LR - 1 steps
         run_stages, run_loss = self.all_stages(), jax.vmap(loss_fn)
-        state = self.split(jnp.zeros((L,) + jnp.shape(xs)[1:], xs.dtype))
-        ends = self.stage == L - 1     # where the last layer of a repeat runs
+        ends_by_stage = self.per_stage_copy(ends)
+        stage_input = jax.eval_shape(first_fn, ends, xs[0])
+        state = self.split(jnp.zeros((L,) + stage_input.shape, stage_input.dtype))
+        last_stage = self.stage == L - 1     # where the last layer of a repeat runs
+
+        def embed(e, m):
+            """Every stage's first_fn of microbatch m: [L, *stage input]."""
+            return jax.vmap(first_fn)(e, jnp.broadcast_to(_index(xs, m), (L,) + jnp.shape(xs)[1:]))
 
         def forward_slot(t, c):
             valid, r, _ = timing.forward(t, self.stage)
-            x = _mask(valid, self.split(self.stage_inputs(t, lambda m: _index(xs, m), jnp.roll(c["act"], 1, 0))))
+            fresh = lambda m: embed(ends_by_stage, m)   # noqa: E731
+            x = _mask(valid, self.split(self.stage_inputs(t, fresh, jnp.roll(c["act"], 1, 0))))
             c["stash"] = jax.lax.dynamic_update_index_in_dim(c["stash"], x, t % depth, axis=1)
             y = self.split(_mask(valid, run_stages(self.layer(per_stage, r), x)))
             # The last layer's output meets its loss in this very step.
-            last = valid & ends & (r == R - 1)
+            last = valid & last_stage & (r == R - 1)
             done, _, m = timing.forward(t, L - 1)
             target = jnp.broadcast_to(_index(ys, m), (L,) + jnp.shape(ys)[1:])
-            loss, loss_vjp = (jax.vjp(run_loss, y, target) if want_d_ys else
-                              jax.vjp(lambda y: run_loss(y, target), y))
-            d_y, *d_target = _mask_tree(last, loss_vjp(jnp.ones_like(loss)))
+            loss, loss_vjp = (jax.vjp(run_loss, y, target, ends_by_stage) if want_d_ys else
+                              jax.vjp(lambda y, e: run_loss(y, target, e), y, ends_by_stage))
+            d_y, *d_rest = _mask_tree(last, loss_vjp(jnp.ones_like(loss)))
             c["loss"] = c["loss"] + _mask(last, loss)
+            c["d_ends"] = _add_tree(c["d_ends"], d_rest[-1])
             if want_d_ys:
-                c["d_ys"] = self.store(c["d_ys"], m, last & done, d_target[0])
+                c["d_ys"] = self.store(c["d_ys"], m, last & done, d_rest[0])
             c["act"], c["d_last"] = y, d_y
             return c
 
         def backward_slot(t, c):
             valid, r, _ = timing.backward(t, self.stage)
-            ct = jnp.where(_expand(ends & (r == R - 1), state), c["d_last"], jnp.roll(c["ct"], -1, axis=0))
+            ct = jnp.where(_expand(last_stage & (r == R - 1), state), c["d_last"], jnp.roll(c["ct"], -1, axis=0))
             stashed = (t - 2 * (timing.layers - 1) + 2 * (self.stage + r * L)) % depth   # the step it was stashed
-            x = jnp.sum(_mask(jax.nn.one_hot(stashed, depth, dtype=bool), c["stash"]), axis=1)
+            x = _pick(c["stash"], stashed)
             _, vjp = jax.vjp(jax.checkpoint(lambda p, x: run_stages(self.layer(p, r), x)), per_stage, x)
             d_params, d_x = vjp(_mask(valid, self.split(ct)))
-            c["grads"] = jax.tree_util.tree_map(lambda a, g: a + _mask(valid, g), c["grads"], d_params)
+            c["grads"] = jax.tree_util.tree_map(lambda a, g: a + _mask(valid, g).astype(a.dtype), c["grads"], d_params)
             c["ct"] = self.split(_mask(valid, d_x))
+            # The first layer's input gradient, through first_fn (recomputed, as cheap as
+            # an embedding lookup), to the ends' parameters and the microbatch.
+            _, _, m0 = timing.backward(t, 0)
+            entered = valid & (self.stage == 0) & (r == 0)
             if want_d_xs:
-                _, _, m0 = timing.backward(t, 0)
-                c["d_xs"] = self.store(c["d_xs"], m0, valid & (self.stage == 0) & (r == 0), c["ct"])
+                x0 = jnp.broadcast_to(_index(xs, m0), (L,) + jnp.shape(xs)[1:])
+                _, embed_vjp = jax.vjp(jax.vmap(first_fn), ends_by_stage, x0)
+                d_ends, d_x0 = embed_vjp(_mask(entered, c["ct"]))
+                c["d_xs"] = self.store(c["d_xs"], m0, entered, d_x0)
+            else:
+                _, embed_vjp = jax.vjp(lambda e: embed(e, m0), ends_by_stage)
+                (d_ends,) = embed_vjp(_mask(entered, c["ct"]))
+            c["d_ends"] = _add_tree(c["d_ends"], _mask_tree(entered, d_ends))
             return c
 
         def phase(forward: bool, backward: bool):
@@ -377,11 +419,13 @@ class _Pipeline:
                 return backward_slot(t, dict(c)) if backward else c
             return step
 
-        loss_type = jax.eval_shape(loss_fn, xs[0], ys[0])
+        loss_type = jax.eval_shape(loss_fn, stage_input, ys[0], ends)
         carry = {"act": state, "ct": state, "d_last": state,
-                 "stash": self.split(jnp.zeros((L, depth) + jnp.shape(xs)[1:], xs.dtype)),
+                 "stash": self.split(jnp.zeros((L, depth) + stage_input.shape, stage_input.dtype)),
                  "loss": self.split(jnp.zeros((L,), loss_type.dtype)),
-                 "grads": jax.tree_util.tree_map(lambda p: self.split(jnp.zeros_like(p)), per_stage)}
+                 "grads": jax.tree_util.tree_map(lambda p: self.split(jnp.zeros(jnp.shape(p), _accumulated(p))),
+                                                 per_stage),
+                 "d_ends": jax.tree_util.tree_map(lambda p: self.split(jnp.zeros_like(p)), ends_by_stage)}
         if want_d_xs:
             carry["d_xs"] = self.split(jnp.zeros((L,) + jnp.shape(xs), xs.dtype))
         if want_d_ys:
@@ -390,9 +434,11 @@ class _Pipeline:
         for start, stop, f, b in ((0, first_backward, True, False), (first_backward, last_forward, True, True),
                                   (last_forward, last_forward + timing.layers - 1, False, True)):
             carry = jax.lax.fori_loop(start, stop, phase(f, b), carry)
-        grads = (jax.tree_util.tree_map(self.from_stages, carry["grads"]),
-                 self.from_stage(carry["d_xs"], 0) if want_d_xs else jnp.zeros_like(xs),
-                 self.from_stage(carry["d_ys"], L - 1) if want_d_ys else jnp.zeros_like(ys))
+        grads = (jax.tree_util.tree_map(lambda g, p: self.from_stages(g).astype(p.dtype), carry["grads"],
+                                        stacked_params),
+                 jax.tree_util.tree_map(lambda g: jnp.sum(g, axis=0), carry["d_ends"]),
+                 self.from_stage(carry["d_xs"], 0) if want_d_xs else None,
+                 self.from_stage(carry["d_ys"], L - 1) if want_d_ys else None)
         return jnp.sum(carry["loss"]), grads
 
 
@@ -416,6 +462,21 @@ def _check_leading(tree, size: int, what: str, why: str, dim: str = "layer dim")
 
 def _index(x, m, axis: int = 0):
     return jax.lax.dynamic_index_in_dim(x, m, axis=axis, keepdims=False)
+
+
+# Per stage s, buffer[s, index[s]]: a gather local to each stage (its batch dim is the
+# stage dim) that reads one entry, where a one-hot masked sum would read them all.
+_pick = jax.vmap(lambda buffer, i: jax.lax.dynamic_index_in_dim(buffer, i, 0, keepdims=False))
+
+
+def _accumulated(p):
+    """The dtype a parameter's gradient is summed in over the microbatches: at least
+    float32 (low-precision weights, as Megatron-LM's main_grad)."""
+    return jnp.promote_types(jnp.result_type(p), jnp.float32)
+
+
+def _add_tree(a, b):
+    return jax.tree_util.tree_map(jnp.add, a, b)
 
 
 def _is_primal(x) -> bool:

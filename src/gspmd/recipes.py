@@ -87,7 +87,8 @@ def _stack(shapes: dict, *lead: int) -> dict:
 
 
 def _cast(params: dict, dtype) -> dict:
-    """The U-Net's weights in the activation dtype (the other models cast their own)."""
+    """Weights in the activation dtype, once (the U-Net's; a Megatron pipeline's, whose
+    stages would otherwise cast them in every step; the other models cast their own)."""
     return {name: w.astype(dtype) for name, w in params.items()}
 
 
@@ -180,9 +181,9 @@ def _layer_stack(stack: LayerStack, s: dict, hw: Hardware) -> Case:
     if s.get("vocab"):
         tokens = _spec((batch, cfg.seq), jnp.int32)
         params = {"layers": stacked, "embedding": _spec((s["vocab"], cfg.model))}
+        vocabulary = Vocabulary(annotate, dtype, EMBEDDINGS[s.get("strategy", "2d")])
         return Case(f"{described}, vocabulary {s['vocab']}",
-                    *_train(_language_model_loss(layers, annotate, dtype, EMBEDDINGS[s.get("strategy", "2d")]), params,
-                            (tokens, tokens), s), mesh,
+                    *_train(_language_model_loss(layers, vocabulary), params, (tokens, tokens), s), mesh,
                     {**s, "batch": batch}, donate=_in_place(s))
     act = _spec((batch, cfg.seq, cfg.model), dtype)
     return Case(described, *_train(lambda stacked, x, target: _mse(layers(stacked, x), target), stacked, (act, act), s),
@@ -197,16 +198,31 @@ EMBEDDING_2D = {"embedding": ["y", "x"], "tokens": ["x", -1], "logits": ["x", -1
 EMBEDDINGS = {"2d": EMBEDDING_2D, "megatron": {**EMBEDDING_2D, "embedding": ["y", -1]}}
 
 
-def _language_model_loss(layers: Callable, annotate: Callable, dtype, layout: dict = EMBEDDING_2D) -> Callable:
-    """Tokens in, next-token cross-entropy out: embed (a gather of table rows), the layer
-    stack, logits by the same (tied) table, log-softmax over the vocabulary."""
-    def loss(params, tokens, labels):
-        table = annotate(params["embedding"], layout["embedding"])
-        x = jnp.take(table, annotate(tokens, layout["tokens"]), axis=0).astype(dtype)
-        y = layers(params["layers"], x)
-        logits = annotate(jnp.einsum("bsm,vm->bsv", y, table.astype(dtype)), layout["logits"])
+@dataclass(frozen=True)
+class Vocabulary:
+    """A language model's ends over one (tied) embedding table: embed (a gather of
+    table rows) and the next-token cross-entropy (logits by the same table, log-softmax
+    over the vocabulary), laid out as `layout` says."""
+    annotate: Callable
+    dtype: Any
+    layout: dict
+
+    def embed(self, table, tokens):
+        table = self.annotate(table, self.layout["embedding"])
+        return jnp.take(table, self.annotate(tokens, self.layout["tokens"]), axis=0).astype(self.dtype)
+
+    def loss(self, y, labels, table):
+        table = self.annotate(table, self.layout["embedding"])
+        logits = self.annotate(jnp.einsum("bsm,vm->bsv", y, table.astype(self.dtype)), self.layout["logits"])
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         return -jnp.mean(jnp.sum(jax.nn.one_hot(labels, table.shape[0], dtype=logp.dtype) * logp, axis=-1))
+
+
+def _language_model_loss(layers: Callable, vocabulary: Vocabulary) -> Callable:
+    """Tokens in, next-token cross-entropy out: embed, the layer stack, the loss."""
+    def loss(params, tokens, labels):
+        table = params["embedding"]
+        return vocabulary.loss(layers(params["layers"], vocabulary.embed(table, tokens)), labels, table)
     return loss
 
 
@@ -224,10 +240,9 @@ def _transformer(s: dict, hw: Hardware) -> Case:
 
 def _pipelined(stack: LayerStack, s: dict, hw: Hardware) -> Case:
     """Stages over the mesh's first axis, data parallel over the second, and (3-D
-    meshes) the strategy's model parallelism over the third."""
-    if s.get("vocab"):
-        raise ShardingError("--vocab applies to the Transformer without --stages (the pipeline plans its layer "
-                            "stack only); leave out --vocab or --stages.")
+    meshes) the strategy's model parallelism over the third. With --vocab the first
+    stage embeds each microbatch's tokens and the last takes its logits and loss (the
+    table tied, its gradient from both ends)."""
     axes = ("p", "x", "y")[:len(s["mesh"])]
     if len(s["mesh"]) < 2 or ("y" not in axes and any("y" in spec for spec in stack.strategy.values())):
         raise ShardingError(f"A pipelined {stack.name} needs a 3-D --mesh LxXxY: L stages, X data parallel, "
@@ -258,21 +273,36 @@ def _pipelined(stack: LayerStack, s: dict, hw: Hardware) -> Case:
             return stack.layer(p, x, annotate, stack.strategy, cfg), None
         return jax.lax.scan(_layers(body, None if whole_stages else policy), x, params)[0]
 
-    def loss(stacked, microbatches, targets):
+    def loss(stacked, microbatches, targets, ends=None, first_fn=None, loss_fn=_mse):
+        if s.get("strategy") == "megatron":   # Megatron-LM's model holds bfloat16 weights: cast once per step
+            stacked = _cast(stacked, dtype)
         if s["schedule"] == "1f1b":    # its backward slots recompute each stage from the stashed input
-            return pipeline_loss(stage_fn, _mse, stacked, microbatches, targets, mesh=mesh, stage_axis="p",
-                                 repeats=repeats, stage_major=True) / micro
+            return pipeline_loss(stage_fn, loss_fn, stacked, microbatches, targets, mesh=mesh, stage_axis="p",
+                                 repeats=repeats, stage_major=True, ends=ends, first_fn=first_fn) / micro
+        if first_fn is not None:
+            microbatches = jax.vmap(first_fn, (None, 0))(ends, microbatches)
         ys = pipeline(stage_fn, stacked, microbatches, mesh=mesh, stage_axis="p", schedule=s["schedule"],
                       repeats=repeats, remat=policy if whole_stages else False, stage_major=True)
-        return _mse(ys, targets)
+        if ends is None:
+            return _mse(ys, targets)
+        return jnp.mean(jax.vmap(loss_fn, (0, 0, None))(ys, targets, ends))
 
-    data = _spec((micro, mb, cfg.seq, cfg.model), dtype)
     stacked = _stack(stack.shapes(cfg), stages * repeats, per_stage)
-    return Case(f"pipelined {stack.name}, {s['layers']} layers over {stages} stages ({s['schedule']}, "
-                f"{repeats} repeats), M={cfg.model} H={cfg.hidden} N={cfg.heads} D={cfg.head_dim}, "
-                f"{micro} microbatches of {mb} x seq {cfg.seq}",
-                *_train(loss, stacked, (data, data), s), mesh, {**s, "stages": stages, "microbatches": micro,
-                                                         "batch": batch}, donate=_in_place(s))
+    described = (f"pipelined {stack.name}, {s['layers']} layers over {stages} stages ({s['schedule']}, "
+                 f"{repeats} repeats), M={cfg.model} H={cfg.hidden} N={cfg.heads} D={cfg.head_dim}, "
+                 f"{micro} microbatches of {mb} x seq {cfg.seq}")
+    sizes = {**s, "stages": stages, "microbatches": micro, "batch": batch}
+    if s.get("vocab"):
+        vocabulary = Vocabulary(annotate, dtype, EMBEDDINGS[s.get("strategy", "2d")])
+        tokens = _spec((micro, mb, cfg.seq), jnp.int32)
+        params = {"layers": stacked, "embedding": _spec((s["vocab"], cfg.model))}
+
+        def language_model(params, tokens, labels):
+            return loss(params["layers"], tokens, labels, params["embedding"], vocabulary.embed, vocabulary.loss)
+        return Case(f"{described}, vocabulary {s['vocab']}", *_train(language_model, params, (tokens, tokens), s),
+                    mesh, sizes, donate=_in_place(s))
+    data = _spec((micro, mb, cfg.seq, cfg.model), dtype)
+    return Case(described, *_train(loss, stacked, (data, data), s), mesh, sizes, donate=_in_place(s))
 
 
 # -- mixture of experts (Table 6) and hybrid sparse/dense (Table 7) -------------------------

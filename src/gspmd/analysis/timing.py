@@ -49,7 +49,7 @@ _COMPUTE, _NETWORK, _BOTH = "compute", "network", "both"
 
 
 def _durations(program: Program, hw: cm.Hardware, num_devices: int) -> tuple[list[float], list[str]]:
-    materialized, into_matmul = _materialized(program), _into_matmul(program)
+    materialized, into_matmul = _materialized(program), _into_matmul(program, hw.fuses_into_matmul)
     durations, streams = [], []
     for instr in program.instrs:
         op = ops.lookup(instr.opcode).timing
@@ -144,11 +144,12 @@ def _fusible(instr: Instr) -> bool:
     return op.compute is not cm.ComputeKind.MATMUL and op.collective is None and op.runs is None
 
 
-def _into_matmul(program: Program) -> set:
+def _into_matmul(program: Program, producers: bool = True) -> set:
     """Fusible instructions that XLA folds into a dot or convolution: those whose
-    results only matmuls read (through bitcasts: operand slices, converts, transposes),
-    and transposes of a matmul's result that nothing else reads (layout assignment
-    gives the matmul that output layout)."""
+    results only matmuls read (through bitcasts: operand slices, converts, transposes;
+    without `producers`, as on GPUs, only operand transposes), and transposes of a
+    matmul's result that nothing else reads (layout assignment gives the matmul that
+    output layout)."""
     readers: dict = {}
     for instr in program.instrs:
         for v in instr.operands:
@@ -159,7 +160,7 @@ def _into_matmul(program: Program) -> set:
         return ops.lookup(instr.opcode).timing.compute is cm.ComputeKind.MATMUL
 
     for instr in reversed(program.instrs):      # readers before the values they read
-        if not _fusible(instr):
+        if not _fusible(instr) or not (producers or ops.lookup(instr.opcode).kernel.transposes):
             continue
         if all(v not in outputs and v in readers and all(matmul(r) or r in folded for r in readers[v])
                for v in instr.outputs):

@@ -10,7 +10,8 @@ A carried value qualifies when
   every other operand being the same on all devices of a group ("uniform").
 Then summing over G commutes with the whole expression, so each device can add its own
 part and the sum happens once. The initial value enters as a partial sum too: whole
-on the first device of each group, zero on the others.
+on the first device of each group, zero on the others; or, when an all-reduce over
+the same groups made it (an earlier loop's deferred sum), what that all-reduce reduced.
 """
 from __future__ import annotations
 
@@ -171,9 +172,14 @@ def _rewrite(body: Program, index: int, expr: _Expression, groups: np.ndarray) -
 
 
 def _as_partial(ctx: DeviceContext, init: Value, groups: np.ndarray) -> Value:
-    """init as partial sums over groups: whole on each group's first device, else zero."""
+    """init as partial sums over groups: whole on each group's first device, else zero.
+    An init that an add-all-reduce over the same groups made (the previous loop's
+    deferred sum, as when a pipeline's phases accumulate one gradient) is entered as
+    what it reduced: its sum over the groups is init, and the two loops reduce once."""
     if is_zero(init):
         return init
+    if _is_add_all_reduce(init.producer) and _groups_key(init.producer.attrs["groups"]) == _groups_key(groups):
+        return init.producer.operands[0]
     first = np.zeros(ctx.num_devices, np.int32)
     first[ctx.virtual_groups(groups)[:, 0]] = 1
     is_first = ctx.b.add1("compare", [ctx.table_lookup(first), ctx.constant(1, np.int32)], (), np.bool_,

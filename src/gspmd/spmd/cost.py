@@ -158,6 +158,12 @@ class Hardware:
     # out-of-memory report lists it as "reserved" (530 MiB of a TPU v3 core's 16 GiB,
     # leaving "15.48G hbm"; 1.25 GiB of a TPU v4 chip's 32 GiB).
     reserved_bytes: int = 0
+    # Whether element-wise producers fuse into the matmuls that read them. XLA:TPU fuses
+    # a layer norm, a softmax or a cast into the convolution that consumes it; a GPU
+    # matmul is a library kernel (cuBLAS) that reads its operands from HBM, so each chain
+    # feeding one runs as a kernel of its own and writes its result (operand transposes
+    # still fold, as the kernel's transpose flags).
+    fuses_into_matmul: bool = True
 
     def __post_init__(self):
         """A profile given wrong numbers (or its fields out of order) fails here, not in a plan."""
@@ -173,7 +179,7 @@ class Hardware:
         for name in ("matmul_efficiency", "overlap"):
             number(getattr(self, name), f"Hardware({name}=...)", positive=name == "matmul_efficiency", at_most=1)
         number(self.collective_overhead_s, "Hardware(collective_overhead_s=...)", positive=False)
-        for name in ("kernel_scratch", "rematerializes"):
+        for name in ("kernel_scratch", "rematerializes", "fuses_into_matmul"):
             flag(getattr(self, name), f"Hardware({name}=...)")
 
     @property
@@ -195,9 +201,11 @@ PROFILES = {h.name: h for h in [
     # 2.76 TB/s; ICI 4800 Gb/s per chip over its 6 links (100 GB/s each, counted per
     # direction as tpu-v4's 2400 Gb/s are).
     Hardware("tpu-v5p", 459e12, 95 * 10 ** 9, 2.765e12, Torus(100e9, 1e-6, ndim=3), reserved_bytes=GiB + 256 * MiB),
-    Hardware("a100", 312e12, 80 * GiB, 2.0e12, Hosts(8, 300e9, 3e-6, 25e9, 10e-6)),     # NVLink 3, HDR IB
-    Hardware("h100", 989e12, 80 * GiB, 3.35e12, Hosts(8, 450e9, 3e-6, 50e9, 10e-6)),    # NVLink 4, NDR IB
-    Hardware("h200", 989e12, 141 * GiB, 4.8e12, Hosts(8, 450e9, 3e-6, 50e9, 10e-6)),
+    Hardware("a100", 312e12, 80 * GiB, 2.0e12, Hosts(8, 300e9, 3e-6, 25e9, 10e-6),      # NVLink 3, HDR IB
+             fuses_into_matmul=False),
+    Hardware("h100", 989e12, 80 * GiB, 3.35e12, Hosts(8, 450e9, 3e-6, 50e9, 10e-6),     # NVLink 4, NDR IB
+             fuses_into_matmul=False),
+    Hardware("h200", 989e12, 141 * GiB, 4.8e12, Hosts(8, 450e9, 3e-6, 50e9, 10e-6), fuses_into_matmul=False),
     Hardware("cpu", 1e11, 16 * GiB, 20e9, Hosts(1 << 20, 10e9, 20e-6, 10e9, 20e-6), kernel_scratch=True,
              rematerializes=False),
 ]}
