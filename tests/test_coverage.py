@@ -32,7 +32,7 @@ def test_every_emitted_primitive_is_converted_or_inlined():
 
 
 def test_docs_list_is_current():
-    written = re.search(r"on jax (\S+)\.", DOC.read_text())
+    written = re.search(r"on jax (\S+?);", DOC.read_text())
     if written and written.group(1) != jax.__version__:
         pytest.skip(f"docs/primitives.md lists what jax {written.group(1)} emits; this is jax {jax.__version__}")
     assert DOC.read_text() == primitives_doc(), \
