@@ -183,5 +183,4 @@ def _call(b: Conversion, eqn, args: list[Value]) -> list[Value]:
 def _expansion(eqn):
     """The jaxpr a hijax primitive stands for: its expansion (`to_lojax`) traced on the
     equation's operand types."""
-    expand = functools.partial(eqn.primitive.to_lojax, **eqn.params)
-    return jax.make_jaxpr(lambda *xs: expand(*xs))(*(v.aval for v in eqn.invars))
+    return jax.make_jaxpr(functools.partial(eqn.primitive.to_lojax, **eqn.params))(*(v.aval for v in eqn.invars))

@@ -212,7 +212,7 @@ def _polynomial(b, eqn, args):
     it: acc = a_N, then acc * x + a_k for k = N-1..0 (always unrolled: a loop jax uses
     for more than 8 terms runs the same operations in the same order)."""
     shape, dtype = b.out_aval(eqn)
-    x, *coeffs = [_expand(b, a, shape) for a in args]
+    x, *coeffs = [b.broadcast_to(a, shape) for a in args]   # (a coefficient's size-1 dims stretch)
     acc = coeffs[-1]
     for c in reversed(coeffs[:-1]):
         acc = b.add1("add", [b.add1("multiply", [acc, x], shape, dtype), c], shape, dtype)
@@ -224,15 +224,6 @@ def _log2(b, eqn, args):
     shape, dtype = b.out_aval(eqn)
     inverse_ln2 = b.broadcast_to(b.constant(1.4426950408889634, dtype), shape)
     return [b.add1("multiply", [b.add1("log", [args[0]], shape, dtype), inverse_ln2], shape, dtype)]
-
-
-def _expand(b, x: Value, shape: tuple[int, ...]) -> Value:
-    """`x` broadcast to `shape` by NumPy's rules: a scalar, or size-1 dims of the same rank."""
-    if x.shape == shape or x.rank == 0:
-        return b.broadcast_to(x, shape)
-    kept = tuple(d for d, n in enumerate(x.shape) if n != 1)
-    squeezed = b.add1("reshape", [x], tuple(x.shape[d] for d in kept), x.dtype)
-    return b.add1("broadcast", [squeezed], shape, x.dtype, dims=kept)
 
 
 def _float_division(instr) -> bool:
