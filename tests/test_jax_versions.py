@@ -1,6 +1,6 @@
 """What differs between the jax versions gspmd supports (0.10 to 0.12) is read in both
 forms: a scan's operand counts (num_consts/num_carry, or the `ft_in` trees of jax 0.12),
-the primitives jax 0.12 added (polynomial, one_minus_square) and its "hijax" primitives
+the primitives jax 0.12 added (polynomial, one_minus_square, log2) and its "hijax" primitives
 (call_hi_primitive: jnp.searchsorted, ...). On a jax without them, stand-ins of the same
 name and parameters pin the converters, so CI on either version tests both forms."""
 from __future__ import annotations
@@ -74,10 +74,11 @@ def _broadcast_shape(*avals):
 
 
 if hasattr(lax, "polynomial"):
-    polynomial, one_minus_square = lax.polynomial, lax.one_minus_square
+    polynomial, one_minus_square, log2 = lax.polynomial, lax.one_minus_square, lax.log2
 else:
     _polynomial_p = _standin("polynomial", _broadcast_shape, _horner)
     _one_minus_square_p = _standin("one_minus_square", lambda a: a.shape, lambda x: (1 + x) * (1 - x))
+    log2 = _standin("log2", lambda a: a.shape, lambda x: jnp.log(x) * np.float32(1.4426950408889634)).bind
 
     def polynomial(x, coeffs):
         return _polynomial_p.bind(x, *(jnp.asarray(c, x.dtype) for c in coeffs))
@@ -104,6 +105,13 @@ def test_one_minus_square_and_what_jax_builds_on_it():
 
     x = np.random.RandomState(2).uniform(-0.9, 0.9, (5, 3)).astype(np.float32)
     check(f, x, mesh=MESH, rtol=1e-5, atol=1e-5)
+
+
+def test_log2():
+    """jax 0.12's log2 primitive (jax 0.10's jnp.log2 divides two logs); 7 over 2 devices: uneven."""
+    x = np.random.RandomState(5).uniform(0.1, 9.0, (7, 3)).astype(np.float32)
+    lowered = check(lambda x: log2(split(x, "x", None)), x, mesh=MESH, rtol=1e-6, atol=1e-6)
+    assert lowered.report().collectives == []
 
 
 # -- hijax primitives ------------------------------------------------------------------------
