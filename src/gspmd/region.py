@@ -41,6 +41,9 @@ class ManualRegion:
         self.virtual[self.subgroups] = np.arange(k)
         self._mesh_coords = np.empty((mesh.size, mesh.ndim), np.int64)
         self._mesh_coords[mesh.devices.ravel()] = np.indices(mesh.shape).reshape(mesh.ndim, -1).T
+        # propagation asks for a region's boundary layouts once per operand it refines
+        self._nested: dict[tuple, Sharding] = {}
+        self._composed: dict[tuple, Sharding] = {}
 
     def __repr__(self):
         return f"ManualRegion({self.mesh}, manual={self.axes})"
@@ -71,6 +74,12 @@ class ManualRegion:
     def nesting(self, spec: Spec, inside: Sharding, shape: Sequence[int]) -> Sharding:
         """`inside` with the dims unsplit whose split of a manual piece is not a split of
         the whole dim (uneven within a piece): what can cross the boundary as is."""
+        key = (tuple(map(tuple, spec)), inside, tuple(shape))
+        if key not in self._nested:
+            self._nested[key] = self._nesting(spec, inside, shape)
+        return self._nested[key]
+
+    def _nesting(self, spec: Spec, inside: Sharding, shape: Sequence[int]) -> Sharding:
         keep = [d for d, (names, n) in enumerate(zip(spec, shape))
                 if self.parts(names) == 1 or (n // self.parts(names)) % inside.tiles[d] == 0]
         return inside.keep_dims(keep)
@@ -78,7 +87,12 @@ class ManualRegion:
     def compose(self, spec: Spec, inside: Sharding, shape: Sequence[int]) -> Sharding:
         """The whole-mesh layout of a value of global `shape` split by `spec` over the
         manual axes and within each piece by `inside` (over the virtual devices)."""
-        inside = self.nesting(spec, inside, shape)
+        key = (tuple(map(tuple, spec)), inside, tuple(shape))
+        if key not in self._composed:
+            self._composed[key] = self._compose(spec, self.nesting(spec, inside, shape), shape)
+        return self._composed[key]
+
+    def _compose(self, spec: Spec, inside: Sharding, shape: Sequence[int]) -> Sharding:
         local = inside.coords()[self.virtual]
         coords = np.stack([self.manual_index(names) * inside.tiles[d] + local[:, d] for d, names in enumerate(spec)],
                           axis=1) if spec else np.zeros((self.mesh.size, 0), np.int64)
