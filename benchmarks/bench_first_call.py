@@ -14,6 +14,11 @@ the two; printed are the medians and the median of the per-pair ratios, then one
 sample's seconds per phase on each side.
 
     python benchmarks/bench_first_call.py [--cases 12 48 scan] [--pairs 3] [--d-model 64]
+
+Cases `maxtext:DECODER:scan|unrolled` (DECODER: llama2, mixtral, mixtral-dropless) run
+MaxText's own train step instead, as tests/test_maxtext.py builds it (its tiny config,
+12-axis mesh with data=2 x tensor=4, Python >= 3.12 with MaxText installed), with jax's
+persistent compilation cache (which MaxText's config turns on) off for both sides.
 """
 from __future__ import annotations
 
@@ -22,6 +27,9 @@ import contextlib
 import dataclasses
 import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from typing import Callable
 
@@ -141,6 +149,34 @@ def reference_jit(fn: Callable, low: api.Lowered, args) -> Callable:
                    out_shardings=jax.tree_util.tree_unflatten(low.out_tree, exe.out_shardings))
 
 
+def maxtext_first_calls(case: str, pairs: int) -> dict[str, list[float]]:
+    """Seconds of first calls of MaxText's train step (case `maxtext:DECODER:scan`),
+    gspmd and jax.jit alternating, each in a fresh process (MaxText's functions keep
+    jax's tracing and compilation caches warm within one)."""
+    times: dict[str, list[float]] = {"gspmd": [], "jax.jit": []}
+    for _ in range(pairs):
+        for side in times:
+            out = subprocess.run([sys.executable, __file__, "--one", case, side], check=True, capture_output=True,
+                                 text=True).stdout
+            times[side].append(float(out.split()[-1]))
+    return times
+
+
+def maxtext_first_call(case: str, side: str) -> float:
+    """Seconds of one first call of MaxText's train step under `side` in this process."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from test_maxtext import Step
+    _, decoder, layers = case.split(":")
+    step = Step(decoder, layers == "scan", tempfile.mkdtemp())
+    from jax.experimental.compilation_cache import compilation_cache
+    jax.config.update("jax_compilation_cache_dir", None)     # MaxText's config set ~/jax_cache
+    compilation_cache.reset_cache()
+    jit = (lambda f, **kw: gspmd.jit(f, mesh=step.mesh, backend="jax", **kw)) if side == "gspmd" else jax.jit
+    start = time.perf_counter()
+    jax.block_until_ready(step.run(jit))
+    return time.perf_counter() - start
+
+
 def first_calls(cfg: Config, pairs: int) -> dict[str, list[float]]:
     """Seconds of first calls, gspmd and jax.jit alternating, fresh functions each time."""
     args = example_inputs(cfg)
@@ -234,10 +270,22 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--no-phases", action="store_true")
+    parser.add_argument("--one", nargs=2, metavar=("CASE", "SIDE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.one:
+        print(maxtext_first_call(*args.one))
+        return
     print(f"jax {jax.__version__}, {len(jax.devices())} {jax.devices()[0].platform} devices, "
           f"load average {os.getloadavg()[0]:.1f}")
     for case in args.cases:
+        if case.startswith("maxtext:"):
+            times = maxtext_first_calls(case, args.pairs)
+            print(f"\n### MaxText {case[8:]}: first call {statistics.median(times['gspmd']):.2f} s vs jax.jit "
+                  f"{statistics.median(times['jax.jit']):.2f} s, ratio "
+                  f"{statistics.median(a / b for a, b in zip(times['gspmd'], times['jax.jit'])):.2f} "
+                  f"(pairs {[f'{a:.2f}/{b:.2f}' for a, b in zip(times['gspmd'], times['jax.jit'])]}, "
+                  f"load {os.getloadavg()[0]:.1f})", flush=True)
+            continue
         cfg = Config(layers=12, scanned=True) if case == "scan" else Config(layers=int(case))
         cfg = dataclasses.replace(cfg, d_model=args.d_model)
         label = f"{cfg.layers} layers {'scanned' if cfg.scanned else 'unrolled'}, d_model {cfg.d_model}"
