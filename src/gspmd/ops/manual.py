@@ -24,26 +24,39 @@ from gspmd.spmd.context import Why
 from gspmd.spmd.partitioned import PartitionedValue
 
 
+def _crossing(instr: Instr, i: int) -> tuple:
+    """Operand i (i >= operands: result i - operands): its spec over the manual axes,
+    its value inside the body and the value outside."""
+    a, body, n = instr.attrs, instr.attrs["body"], len(instr.operands)
+    if i < n:
+        return a["in_specs"][i], body.params[i], instr.operands[i]
+    return a["out_specs"][i - n], body.outputs[i - n], instr.outputs[i - n]
+
+
+def _inside_layout(instr: Instr, i: int) -> Sharding:
+    """Of operand i (or result i - operands), its layout inside the body, split only
+    where the piece's split is a split of the whole (uneven splits stay inside)."""
+    region, (spec, inside, outside) = instr.attrs["region"], _crossing(instr, i)
+    return region.nesting(spec, inside.sharding or Sharding.replicated(inside.rank, region.num_devices), outside.shape)
+
+
+def _boundary_layout(instr: Instr, i: int) -> Sharding:
+    """Of operand i (or result i - operands), its layout over the whole mesh."""
+    spec, _, outside = _crossing(instr, i)
+    return instr.attrs["region"].compose(spec, _inside_layout(instr, i), outside.shape)
+
+
 def _inside_layouts(instr: Instr) -> list[Sharding]:
-    """Per operand, then per result: its layout inside the body, split only where the
-    piece's split is a split of the whole (uneven splits stay inside)."""
-    body, region, a = instr.attrs["body"], instr.attrs["region"], instr.attrs
-    inside = body.params + body.outputs
-    specs = list(a["in_specs"]) + list(a["out_specs"])
-    return [region.nesting(spec, v.sharding or Sharding.replicated(v.rank, region.num_devices), t.shape)
-            for v, spec, t in zip(inside, specs, instr.operands + instr.outputs)]
+    return [_inside_layout(instr, i) for i in range(len(instr.operands) + len(instr.outputs))]
 
 
 def _boundary_layouts(instr: Instr) -> list[Sharding]:
-    """Per operand, then per result: its layout over the whole mesh."""
-    region, a = instr.attrs["region"], instr.attrs
-    specs = list(a["in_specs"]) + list(a["out_specs"])
-    return [region.compose(spec, inside, t.shape)
-            for spec, inside, t in zip(specs, _inside_layouts(instr), instr.operands + instr.outputs)]
+    return [_boundary_layout(instr, i) for i in range(len(instr.operands) + len(instr.outputs))]
 
 
 def _propagate_manual(instr: Instr, shardings, target: int) -> list:
-    return [_boundary_layouts(instr)[target]]
+    # only the asked one: propagation asks again for every operand whenever one changes
+    return [_boundary_layout(instr, target)]
 
 
 def _seed_manual(instr: Instr) -> list:
