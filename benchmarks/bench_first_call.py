@@ -263,6 +263,15 @@ def _count_ops(text: str) -> int:
     return sum(1 for line in text.splitlines() if " = " in line and not line.lstrip().startswith(("//", "#")))
 
 
+def print_times(label: str, times: dict[str, list[float]]) -> None:
+    """Medians of both sides and of the per-pair ratios, and the pairs."""
+    ratio = statistics.median(a / b for a, b in zip(times["gspmd"], times["jax.jit"]))
+    print(f"\n### {label}: first call {statistics.median(times['gspmd']):.2f} s vs jax.jit "
+          f"{statistics.median(times['jax.jit']):.2f} s, ratio {ratio:.2f} "
+          f"(pairs {[f'{a:.2f}/{b:.2f}' for a, b in zip(times['gspmd'], times['jax.jit'])]}, "
+          f"load {os.getloadavg()[0]:.1f})", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", nargs="*", default=["12", "48", "scan"],
@@ -279,22 +288,12 @@ def main() -> None:
           f"load average {os.getloadavg()[0]:.1f}")
     for case in args.cases:
         if case.startswith("maxtext:"):
-            times = maxtext_first_calls(case, args.pairs)
-            print(f"\n### MaxText {case[8:]}: first call {statistics.median(times['gspmd']):.2f} s vs jax.jit "
-                  f"{statistics.median(times['jax.jit']):.2f} s, ratio "
-                  f"{statistics.median(a / b for a, b in zip(times['gspmd'], times['jax.jit'])):.2f} "
-                  f"(pairs {[f'{a:.2f}/{b:.2f}' for a, b in zip(times['gspmd'], times['jax.jit'])]}, "
-                  f"load {os.getloadavg()[0]:.1f})", flush=True)
+            print_times(f"MaxText {case[8:]}", maxtext_first_calls(case, args.pairs))
             continue
         cfg = Config(layers=12, scanned=True) if case == "scan" else Config(layers=int(case))
         cfg = dataclasses.replace(cfg, d_model=args.d_model)
         label = f"{cfg.layers} layers {'scanned' if cfg.scanned else 'unrolled'}, d_model {cfg.d_model}"
-        times = first_calls(cfg, args.pairs)
-        ratio = statistics.median(a / b for a, b in zip(times["gspmd"], times["jax.jit"]))
-        print(f"\n### {label}: first call {statistics.median(times['gspmd']):.2f} s vs jax.jit "
-              f"{statistics.median(times['jax.jit']):.2f} s, ratio {ratio:.2f} "
-              f"(pairs {[f'{a:.2f}/{b:.2f}' for a, b in zip(times['gspmd'], times['jax.jit'])]}, "
-              f"load {os.getloadavg()[0]:.1f})", flush=True)
+        print_times(label, first_calls(cfg, args.pairs))
         if not args.no_phases:
             ours, theirs = gspmd_phases(cfg), jax_jit_phases(cfg)
             print("| phase | gspmd.jit | jax.jit |\n|---|---:|---:|")

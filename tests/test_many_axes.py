@@ -236,7 +236,7 @@ def test_dims_mapping_of_shuffled_devices(case, rng):
     assert shuffled.dims_mapping(Mesh(ids[m.devices], m.axis_names)) == layout.dims_mapping(m)
 
 
-def test_a_shard_map_with_many_operands_lowers_in_linear_work():
+def test_a_shard_map_with_many_operands_lowers_without_recomposing_its_boundary():
     """Propagation asks a shard_map for an operand's boundary layout whenever another
     operand's changed: each ask gives just that one, composed once per region (each ask
     composed every boundary layout again, over every device: 4x the operands over

@@ -74,7 +74,7 @@ class ManualRegion:
     def nesting(self, spec: Spec, inside: Sharding, shape: Sequence[int]) -> Sharding:
         """`inside` with the dims unsplit whose split of a manual piece is not a split of
         the whole dim (uneven within a piece): what can cross the boundary as is."""
-        key = (tuple(map(tuple, spec)), inside, tuple(shape))
+        key = _memo_key(spec, inside, shape)
         if key not in self._nested:
             self._nested[key] = self._nesting(spec, inside, shape)
         return self._nested[key]
@@ -87,7 +87,7 @@ class ManualRegion:
     def compose(self, spec: Spec, inside: Sharding, shape: Sequence[int]) -> Sharding:
         """The whole-mesh layout of a value of global `shape` split by `spec` over the
         manual axes and within each piece by `inside` (over the virtual devices)."""
-        key = (tuple(map(tuple, spec)), inside, tuple(shape))
+        key = _memo_key(spec, inside, shape)
         if key not in self._composed:
             self._composed[key] = self._compose(spec, self.nesting(spec, inside, shape), shape)
         return self._composed[key]
@@ -97,3 +97,7 @@ class ManualRegion:
         coords = np.stack([self.manual_index(names) * inside.tiles[d] + local[:, d] for d, names in enumerate(spec)],
                           axis=1) if spec else np.zeros((self.mesh.size, 0), np.int64)
         return Sharding.from_coords(coords, [self.parts(names) * t for names, t in zip(spec, inside.tiles)])
+
+
+def _memo_key(spec: Spec, inside: Sharding, shape: Sequence[int]) -> tuple:
+    return tuple(map(tuple, spec)), inside, tuple(shape)

@@ -80,13 +80,13 @@ def _lower_with(fn: Callable, params: Sequence[str] = ()) -> Callable:
         out = instr.outputs[0]
         # Scalars broadcast implicitly (as in the NumPy reference).
         args = [lax.broadcast(a, out.shape) if a.ndim == 0 and out.rank else a for a in args]
-        return [exactly(fn(*args, **_named(instr, params)), out.dtype)]
+        return [_exactly(fn(*args, **_named(instr, params)), out.dtype)]
     return lower
 
 
-def exactly(x, dtype):
-    """x as a strongly typed `dtype` array: converted only where it is not one (a
-    convert per instruction costs the jax trace of a large program a tenth)."""
+def _exactly(x, dtype):
+    """x as a strongly typed `dtype` array: converted only where it is not one (each
+    no-op convert is a jax dispatch in the trace of the shard_map body)."""
     aval = jax.typeof(x)
     return x if aval.dtype == dtype and not aval.weak_type else lax.convert_element_type(x, dtype)
 

@@ -26,24 +26,22 @@ from gspmd.spmd.partitioned import PartitionedValue
 
 def _crossing(instr: Instr, i: int) -> tuple:
     """Operand i (i >= operands: result i - operands): its spec over the manual axes,
-    its value inside the body and the value outside."""
+    its layout inside the body (as the body's completion left it) and its global shape."""
     a, body, n = instr.attrs, instr.attrs["body"], len(instr.operands)
-    if i < n:
-        return a["in_specs"][i], body.params[i], instr.operands[i]
-    return a["out_specs"][i - n], body.outputs[i - n], instr.outputs[i - n]
+    inside, outside = (body.params[i], instr.operands[i]) if i < n else (body.outputs[i - n], instr.outputs[i - n])
+    spec = a["in_specs"][i] if i < n else a["out_specs"][i - n]
+    return spec, inside.sharding or Sharding.replicated(inside.rank, a["region"].num_devices), outside.shape
 
 
 def _inside_layout(instr: Instr, i: int) -> Sharding:
     """Of operand i (or result i - operands), its layout inside the body, split only
     where the piece's split is a split of the whole (uneven splits stay inside)."""
-    region, (spec, inside, outside) = instr.attrs["region"], _crossing(instr, i)
-    return region.nesting(spec, inside.sharding or Sharding.replicated(inside.rank, region.num_devices), outside.shape)
+    return instr.attrs["region"].nesting(*_crossing(instr, i))
 
 
 def _boundary_layout(instr: Instr, i: int) -> Sharding:
     """Of operand i (or result i - operands), its layout over the whole mesh."""
-    spec, _, outside = _crossing(instr, i)
-    return instr.attrs["region"].compose(spec, _inside_layout(instr, i), outside.shape)
+    return instr.attrs["region"].compose(*_crossing(instr, i))
 
 
 def _inside_layouts(instr: Instr) -> list[Sharding]:
