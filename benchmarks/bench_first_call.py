@@ -9,9 +9,9 @@ softmax cross-entropy and optax.adamw. Megatron-style annotations over a 2x4 mes
 dim on "tensor". Layers are a Python loop (unrolled) or a lax.scan over stacked layers.
 
 jax.jit runs the same function with the annotations as with_sharding_constraint and our
-parameter and result layouts as in_shardings/out_shardings. Samples alternate between
-the two; printed are the medians and the median of the per-pair ratios, then one
-sample's seconds per phase on each side.
+parameter and result layouts as in_shardings/out_shardings. Each first call runs in a
+fresh process, alternating between the two; printed are the medians and the median of
+the per-pair ratios, then one sample's seconds per phase on each side.
 
     python benchmarks/bench_first_call.py [--cases 12 48 scan] [--pairs 3] [--d-model 64]
 
@@ -149,17 +149,41 @@ def reference_jit(fn: Callable, low: api.Lowered, args) -> Callable:
                    out_shardings=jax.tree_util.tree_unflatten(low.out_tree, exe.out_shardings))
 
 
-def maxtext_first_calls(case: str, pairs: int) -> dict[str, list[float]]:
-    """Seconds of first calls of MaxText's train step (case `maxtext:DECODER:scan`),
-    gspmd and jax.jit alternating, each in a fresh process (MaxText's functions keep
-    jax's tracing and compilation caches warm within one)."""
+def fresh_first_calls(case: str, pairs: int, d_model: int) -> dict[str, list[float]]:
+    """Seconds of first calls of `case`, gspmd and jax.jit alternating, each in a fresh
+    process, as a user's first call after a change comes (within one process, jax's
+    tracing caches stay warm from call to call)."""
     times: dict[str, list[float]] = {"gspmd": [], "jax.jit": []}
     for _ in range(pairs):
         for side in times:
-            out = subprocess.run([sys.executable, __file__, "--one", case, side], check=True, capture_output=True,
-                                 text=True).stdout
+            out = subprocess.run([sys.executable, __file__, "--d-model", str(d_model), "--one", case, side],
+                                 check=True, capture_output=True, text=True).stdout
             times[side].append(float(out.split()[-1]))
     return times
+
+
+def config_of(case: str, d_model: int) -> Config:
+    cfg = Config(layers=12, scanned=True) if case == "scan" else Config(layers=int(case))
+    return dataclasses.replace(cfg, d_model=d_model)
+
+
+def first_call(case: str, side: str, d_model: int) -> float:
+    """Seconds of one first call of `case` under `side` in this process."""
+    if case.startswith("maxtext:"):
+        return maxtext_first_call(case, side)
+    cfg = config_of(case, d_model)
+    args = example_inputs(cfg)
+    if side == "gspmd":
+        start = time.perf_counter()
+        jax.block_until_ready(gspmd.jit(make_train_step(cfg), backend="jax")(*args))
+        return time.perf_counter() - start
+    # jax.jit gets our layouts, so our lowering runs first (it warms jax's caches of the
+    # jnp functions' own traces a little, in jax.jit's favour).
+    layouts = gspmd.jit(make_train_step(cfg), backend="jax").lower(*args)
+    with mesh_split_as(xla.xla_constraint):
+        start = time.perf_counter()
+        jax.block_until_ready(reference_jit(make_train_step(cfg), layouts, args)(*args))
+        return time.perf_counter() - start
 
 
 def maxtext_first_call(case: str, side: str) -> float:
@@ -175,22 +199,6 @@ def maxtext_first_call(case: str, side: str) -> float:
     start = time.perf_counter()
     jax.block_until_ready(step.run(jit))
     return time.perf_counter() - start
-
-
-def first_calls(cfg: Config, pairs: int) -> dict[str, list[float]]:
-    """Seconds of first calls, gspmd and jax.jit alternating, fresh functions each time."""
-    args = example_inputs(cfg)
-    layouts = gspmd.jit(make_train_step(cfg), backend="jax").lower(*args)
-    times: dict[str, list[float]] = {"gspmd": [], "jax.jit": []}
-    for _ in range(pairs):
-        start = time.perf_counter()
-        jax.block_until_ready(gspmd.jit(make_train_step(cfg), backend="jax")(*args))
-        times["gspmd"].append(time.perf_counter() - start)
-        with mesh_split_as(xla.xla_constraint):
-            start = time.perf_counter()
-            jax.block_until_ready(reference_jit(make_train_step(cfg), layouts, args)(*args))
-            times["jax.jit"].append(time.perf_counter() - start)
-    return times
 
 
 @contextlib.contextmanager
@@ -282,18 +290,17 @@ def main() -> None:
     parser.add_argument("--one", nargs=2, metavar=("CASE", "SIDE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(maxtext_first_call(*args.one))
+        print(first_call(*args.one, args.d_model))
         return
     print(f"jax {jax.__version__}, {len(jax.devices())} {jax.devices()[0].platform} devices, "
           f"load average {os.getloadavg()[0]:.1f}")
     for case in args.cases:
+        times = fresh_first_calls(case, args.pairs, args.d_model)
         if case.startswith("maxtext:"):
-            print_times(f"MaxText {case[8:]}", maxtext_first_calls(case, args.pairs))
+            print_times(f"MaxText {case[8:]}", times)
             continue
-        cfg = Config(layers=12, scanned=True) if case == "scan" else Config(layers=int(case))
-        cfg = dataclasses.replace(cfg, d_model=args.d_model)
-        label = f"{cfg.layers} layers {'scanned' if cfg.scanned else 'unrolled'}, d_model {cfg.d_model}"
-        print_times(label, first_calls(cfg, args.pairs))
+        cfg = config_of(case, args.d_model)
+        print_times(f"{cfg.layers} layers {'scanned' if cfg.scanned else 'unrolled'}, d_model {cfg.d_model}", times)
         if not args.no_phases:
             ours, theirs = gspmd_phases(cfg), jax_jit_phases(cfg)
             print("| phase | gspmd.jit | jax.jit |\n|---|---:|---:|")

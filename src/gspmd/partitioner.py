@@ -3,13 +3,13 @@ partition rule for per-device code; the result is one program for all devices, w
 the passes after partitioning (passes.AFTER_PARTITION) then rewrite."""
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
 from gspmd import ops, passes
 from gspmd.errors import ShardingError
-from gspmd.ir import Builder, Program
+from gspmd.ir import Builder, Instr, Program, Value
 from gspmd.sharding import Sharding
 from gspmd.spmd import cost as cm
 from gspmd.spmd import reshard as rs
@@ -50,10 +50,17 @@ def _partition(program: Program, num_devices: int, hw: cm.Hardware, in_layouts: 
         if b.source:
             spmd.labels[local] = b.source   # its pytree path, for the memory report
         env[p] = rs.reshard(ctx, PartitionedValue(local, layout, p.shape), p.sharding)
+    replays = _Replays(spmd)
     for instr in program.instrs:
         b.origin, b.source = _describe(instr), instr.source
         b.recomputed = instr.recomputed
-        results = _partition_instr(ctx, instr, [env[o] for o in instr.operands])
+        operands = [env[o] for o in instr.operands]
+        key = _replay_key(instr, operands)
+        results = replays.replay(key, b, operands)
+        if results is None:
+            start = len(spmd.instrs)
+            results = _partition_instr(ctx, instr, operands)
+            replays.record(key, b, operands, spmd.instrs[start:], results)
         for out, pv in zip(instr.outputs, results):
             assert pv.sharding == out.sharding, (instr, pv.sharding, out.sharding)
             env[out] = pv
@@ -85,3 +92,89 @@ def _partition_instr(ctx: DeviceContext, instr, operands: list[PartitionedValue]
 def _describe(instr) -> str:
     """`%name = opcode`, or the opcode alone for an instruction without results."""
     return f"%{instr.outputs[0].name} = {instr.opcode}" if instr.outputs else instr.opcode
+
+
+class _Code(NamedTuple):
+    """One instruction a rule emitted, as it was then (later rules may rewrite it)."""
+    opcode: str
+    operands: tuple[Value, ...]
+    attrs: dict
+    outputs: tuple[Value, ...]
+    origin: str
+    why: Any
+
+
+class _Replays:
+    """Per-device code of the instructions seen before in one program: a program repeats
+    itself (layers, their gradients), and an op that the common factor rule partitions
+    gives the same code for the same attributes, layouts and shapes, so that code is
+    made once and copied onto the new operands. Ops with rules of their own may look
+    beyond their operands' layouts (at producers, constants): they are always partitioned."""
+
+    def __init__(self, program: Program):
+        self.program = program
+        self.seen: dict[tuple, tuple[list[Value], list[_Code], str, list[PartitionedValue]]] = {}
+
+    def record(self, key: Optional[tuple], b: Builder, operands: list[PartitionedValue], emitted: list[Instr],
+               results: list[PartitionedValue]) -> None:
+        if key is not None:
+            code = [_Code(i.opcode, tuple(i.operands), dict(i.attrs), tuple(i.outputs), i.origin, i.why) for i in emitted]
+            self.seen[key] = ([pv.local for pv in operands], code, b.origin, results)
+
+    def replay(self, key: Optional[tuple], b: Builder, operands: list[PartitionedValue]) -> Optional[list[PartitionedValue]]:
+        """The recorded code under `key`, copied onto `operands`; None if none."""
+        if key is None or key not in self.seen:
+            return None
+        locals_, code, origin, results = self.seen[key]
+        copies: dict[Value, Value] = {old: pv.local for old, pv in zip(locals_, operands)}
+        for old in code:
+            outs = b.add(old.opcode, [copies.get(v, v) for v in old.operands], [(o.shape, o.dtype) for o in old.outputs],
+                         **old.attrs)
+            new = self.program.instrs[-1]
+            # a collective's origin names the rule that made it after the instruction's
+            new.origin = b.origin + old.origin[len(origin):] if old.origin.startswith(origin) else old.origin
+            new.why = old.why
+            for o, v in zip(old.outputs, outs):
+                v.sharding = o.sharding
+                copies[o] = v
+        return [PartitionedValue(copies.get(pv.local, pv.local), pv.sharding, pv.shape) for pv in results]
+
+
+def _replay_key(instr: Instr, operands: list[PartitionedValue]) -> Optional[tuple]:
+    """What the common factor rule reads of `instr` and its operands (which operands are
+    one value, too); None where the op has a rule of its own or an attribute that cannot
+    be compared by value."""
+    rule = ops.lookup(instr.opcode).rule
+    if rule.partition is not None or rule.factors is None:
+        return None
+    attrs = _by_value(instr.attrs)
+    if attrs is None:
+        return None
+    locals_ = [pv.local for pv in operands]
+    return (instr.opcode, attrs,
+            tuple((pv.sharding, pv.shape, pv.local.shape, pv.dtype, locals_.index(pv.local)) for pv in operands),
+            tuple((o.shape, o.dtype, o.sharding) for o in instr.outputs))
+
+
+def _by_value(x: Any) -> Any:
+    """x as a hashable key equal only for equal values, types included (True is not 1,
+    -0.0 is not 0.0); None for what holds a sub-program or cannot be hashed."""
+    if x is None:
+        return ("None",)
+    if isinstance(x, dict):
+        items = tuple((k, _by_value(v)) for k, v in sorted(x.items()))
+        return None if any(v is None for _, v in items) else ("dict", items)
+    if isinstance(x, (tuple, list)):
+        items = tuple(_by_value(v) for v in x)
+        return None if any(v is None for v in items) else (type(x).__name__, items)
+    if isinstance(x, np.ndarray):
+        return ("array", x.dtype.str, x.shape, x.tobytes())
+    if isinstance(x, (float, np.floating)):
+        return (type(x).__name__, float(x).hex())
+    if isinstance(x, Program):
+        return None
+    try:
+        hash(x)
+    except TypeError:
+        return None
+    return (type(x).__name__, x)
