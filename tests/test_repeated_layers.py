@@ -6,6 +6,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import gspmd
 from gspmd.spmd import factors
@@ -14,7 +15,7 @@ from util import check, rand
 MESH = gspmd.Mesh(np.arange(8).reshape(2, 4), ("data", "model"))
 
 
-def make_step(layers: int):
+def make_step():
     def loss(ws, x):
         x = gspmd.mesh_split(x, MESH, ["data", -1])
         for w_in, w_out in ws:
@@ -28,9 +29,9 @@ def make_step(layers: int):
     return step
 
 
-def inputs(layers: int):
+def inputs(layers: int, hidden: int = 32, batch: int = 8):
     rng = np.random.RandomState(0)
-    return [(rand(rng, 16, 32) * 0.3, rand(rng, 32, 16) * 0.3) for _ in range(layers)], rand(rng, 8, 16)
+    return [(rand(rng, 16, hidden) * 0.3, rand(rng, hidden, 16) * 0.3) for _ in range(layers)], rand(rng, batch, 16)
 
 
 def rule_runs(layers: int) -> int:
@@ -43,7 +44,7 @@ def rule_runs(layers: int) -> int:
         return original(*args, **kwargs)
     factors.run = counted
     try:
-        gspmd.jit(make_step(layers), mesh=MESH).lower(*inputs(layers))
+        gspmd.jit(make_step(), mesh=MESH).lower(*inputs(layers))
     finally:
         factors.run = original
     return len(calls)
@@ -55,9 +56,10 @@ def test_more_layers_replay_the_first_layers_code():
     assert rule_runs(8) <= rule_runs(2) + 4
 
 
-def test_replayed_layers_equal_one_device_with_their_own_collectives():
+@pytest.mark.parametrize("hidden, batch", [(32, 8), (30, 7)])   # even, and split unevenly (padded, masked)
+def test_replayed_layers_equal_one_device_with_their_own_collectives(hidden, batch):
     layers = 6
-    low = check(make_step(layers), *inputs(layers), mesh=MESH)
+    low = check(make_step(), *inputs(layers, hidden, batch), mesh=MESH)
     reduces = [c for c in low.report().collectives if c.kind == "all-reduce"]
     over_model = {tuple(int(d) for d in row) for row in MESH.devices}
     over_data = {tuple(int(d) for d in col) for col in MESH.devices.T}

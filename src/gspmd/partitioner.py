@@ -10,6 +10,7 @@ import numpy as np
 from gspmd import ops, passes
 from gspmd.errors import ShardingError
 from gspmd.ir import Builder, Instr, Program, Value
+from gspmd.passes.cse import attrs_key
 from gspmd.sharding import Sharding
 from gspmd.spmd import cost as cm
 from gspmd.spmd import reshard as rs
@@ -109,7 +110,9 @@ class _Replays:
     itself (layers, their gradients), and an op that the common factor rule partitions
     gives the same code for the same attributes, layouts and shapes, so that code is
     made once and copied onto the new operands. Ops with rules of their own may look
-    beyond their operands' layouts (at producers, constants): they are always partitioned."""
+    beyond their operands' layouts (at producers, constants): they are always partitioned.
+    A value the context keeps for reuse (the partition id, a table lookup) that the first
+    instance made is made again by a replay; common-subexpression elimination merges them."""
 
     def __init__(self, program: Program):
         self.program = program
@@ -142,39 +145,12 @@ class _Replays:
 
 def _replay_key(instr: Instr, operands: list[PartitionedValue]) -> Optional[tuple]:
     """What the common factor rule reads of `instr` and its operands (which operands are
-    one value, too); None where the op has a rule of its own or an attribute that cannot
-    be compared by value."""
+    one value, too); None where the op has a rule of its own."""
     rule = ops.lookup(instr.opcode).rule
     if rule.partition is not None or rule.factors is None:
         return None
-    attrs = _by_value(instr.attrs)
-    if attrs is None:
-        return None
     locals_ = [pv.local for pv in operands]
-    return (instr.opcode, attrs,
+    return (instr.opcode, attrs_key(instr),
             tuple((pv.sharding, pv.shape, pv.local.shape, pv.dtype, locals_.index(pv.local)) for pv in operands),
             tuple((o.shape, o.dtype, o.sharding) for o in instr.outputs))
 
-
-def _by_value(x: Any) -> Any:
-    """x as a hashable key equal only for equal values, types included (True is not 1,
-    -0.0 is not 0.0); None for what holds a sub-program or cannot be hashed."""
-    if x is None:
-        return ("None",)
-    if isinstance(x, dict):
-        items = tuple((k, _by_value(v)) for k, v in sorted(x.items()))
-        return None if any(v is None for _, v in items) else ("dict", items)
-    if isinstance(x, (tuple, list)):
-        items = tuple(_by_value(v) for v in x)
-        return None if any(v is None for v in items) else (type(x).__name__, items)
-    if isinstance(x, np.ndarray):
-        return ("array", x.dtype.str, x.shape, x.tobytes())
-    if isinstance(x, (float, np.floating)):
-        return (type(x).__name__, float(x).hex())
-    if isinstance(x, Program):
-        return None
-    try:
-        hash(x)
-    except TypeError:
-        return None
-    return (type(x).__name__, x)

@@ -56,6 +56,11 @@ def _attr_key(v) -> Hashable:
         return tuple(_attr_key(x) for x in v)
     if isinstance(v, dict):
         return tuple(sorted((k, _attr_key(x)) for k, x in v.items()))
+    # True == 1 and -0.0 == 0.0 as Python values, not as attributes
+    if isinstance(v, (bool, np.bool_)):
+        return ("bool", bool(v))
+    if isinstance(v, (float, np.floating)):
+        return ("float", float(v).hex())
     try:
         hash(v)
     except TypeError:
