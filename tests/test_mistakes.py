@@ -518,6 +518,8 @@ PIPELINES = [
      ["int 0", "whole number >= 1", "repeats"]),
     ("pipeline_loss.stage_major", "a number", lambda: pipeline_loss(stage_major=2),
      ["int 2", "stage_major=", "True or False"]),
+    ("pipeline_loss.remat", "False with 1F1B", lambda: pipeline_loss(remat=False),
+     ["remat=False", "always recompute each stage", "schedule='gpipe' or 'circular'"]),
     ("pipeline_loss.manual_stages", "None", lambda: pipeline_loss(manual_stages=None),
      ["None", "manual_stages=", "True or False"]),
     ("stage_major_order.stages", "zero", lambda: gspmd.stage_major_order(np.ones((4, 3)), 0, 2),

@@ -256,6 +256,21 @@ def test_1f1b_peak_holds_parameters_one_gradient_and_its_stash():
     assert memory.peak_bytes <= bound, memory
 
 
+def test_pipeline_loss_passes_remat_to_gpipe():
+    """pipeline_loss(schedule="gpipe", remat=...) recomputes as pipeline(remat=...) does."""
+    rng = np.random.RandomState(4)
+    ws, xs, ts = rand(rng, 4, 8, 8), rand(rng, 8, 2, 8), rand(rng, 8, 2, 8)
+    recomputed = {}
+    for remat in (True, False):
+        def step(ws, xs, ts):
+            return jax.grad(lambda w: gspmd.pipeline_loss(stage_fn, loss_fn, w, xs, ts, mesh=MESH, stage_axis="p",
+                                                          schedule="gpipe", remat=remat))(ws)
+        recomputed[remat] = gspmd.jit(step, mesh=MESH).lower(ws, xs, ts).report().recompute_flops
+        np.testing.assert_allclose(*(jax.jit(f)(ws, xs, ts) for f in (step, gspmd.jit(step, mesh=MESH))),
+                                   rtol=1e-5, atol=1e-6)
+    assert recomputed[True] > 0 and not recomputed[False]
+
+
 def test_recompute_fraction_and_utilization():
     rng = np.random.RandomState(4)
     ws, xs = rand(rng, 4, 8, 8), rand(rng, 8, 2, 8)

@@ -73,7 +73,8 @@ def pipeline(stage_fn: Callable, stacked_params, microbatches, *, mesh: Mesh, st
 
 def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stacked_params, microbatches, targets, *, mesh: Mesh,
                   stage_axis: str, schedule: str = "1f1b", repeats: int = 1, stage_major: bool = False,
-                  manual_stages: bool = False, ends=None, first_fn: Optional[Callable] = None):
+                  manual_stages: bool = False, ends=None, first_fn: Optional[Callable] = None,
+                  remat: Union[bool, Callable] = True):
     """sum over m of loss_fn(ys[m], targets[m]) with ys as `pipeline` computes them.
     jax.grad of it (with respect to parameters, microbatches or targets) runs the
     schedule's backward pass; with schedule="1f1b" that is interleaved with the forward
@@ -82,7 +83,13 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stacked_params, microba
     embedding table is: the first stage takes first_fn(ends, microbatches[m]) (default:
     the microbatch itself) and the loss is loss_fn(ys[m], targets[m], ends); the
     gradient reaches them too. With 1f1b each microbatch is embedded in the step it
-    enters and its loss taken in the step it leaves, so no [M, ...] stage inputs exist."""
+    enters and its loss taken in the step it leaves, so no [M, ...] stage inputs exist.
+    remat: as `pipeline`'s for gpipe and circular; 1f1b's backward slots always
+    recompute each stage from its stashed input (remat=True)."""
+    if schedule == "1f1b" and remat is not True:
+        raise ShardingError(f"gspmd.pipeline_loss(schedule='1f1b', remat={describe(remat)}): 1F1B's backward "
+                            "slots always recompute each stage from its stashed input, so remat must stay True; "
+                            "for remat=False or a jax.checkpoint policy use schedule='gpipe' or 'circular'.")
     if first_fn is not None and ends is None:
         raise ShardingError("gspmd.pipeline_loss(first_fn=...) embeds each microbatch with the pipeline's end "
                             "parameters: pass them as ends=... (first_fn(ends, microbatch) -> the first "
@@ -100,7 +107,7 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stacked_params, microba
     if schedule != "1f1b":
         xs = jax.vmap(first, (None, 0))(ends, microbatches)
         ys = pipeline(stage_fn, stacked_params, xs, mesh=mesh, stage_axis=stage_axis, schedule=schedule,
-                      repeats=repeats, stage_major=stage_major, manual_stages=manual_stages)
+                      repeats=repeats, stage_major=stage_major, remat=remat, manual_stages=manual_stages)
         return jnp.sum(jax.vmap(loss, (0, 0, None))(ys, targets, ends))
     run = _Pipeline(stage_fn, stacked_params, microbatches, mesh, stage_axis, schedule, repeats, stage_major,
                     manual_stages)

@@ -21,7 +21,7 @@ import numpy as np
 from gspmd.errors import ShardingError
 from gspmd.mesh import Mesh
 from gspmd.models import conformer, moe, optimizers, transformer, unet
-from gspmd.pipeline import SCHEDULES, pipeline, pipeline_loss
+from gspmd.pipeline import SCHEDULES, pipeline_loss
 from gspmd.spmd.cost import Hardware, device_mesh
 
 
@@ -276,16 +276,10 @@ def _pipelined(stack: LayerStack, s: dict, hw: Hardware) -> Case:
     def loss(stacked, microbatches, targets, ends=None, first_fn=None, loss_fn=_mse):
         if s.get("strategy") == "megatron":   # Megatron-LM's model holds bfloat16 weights: cast once per step
             stacked = _cast(stacked, dtype)
-        if s["schedule"] == "1f1b":    # its backward slots recompute each stage from the stashed input
-            return pipeline_loss(stage_fn, loss_fn, stacked, microbatches, targets, mesh=mesh, stage_axis="p",
-                                 repeats=repeats, stage_major=True, ends=ends, first_fn=first_fn) / micro
-        if first_fn is not None:
-            microbatches = jax.vmap(first_fn, (None, 0))(ends, microbatches)
-        ys = pipeline(stage_fn, stacked, microbatches, mesh=mesh, stage_axis="p", schedule=s["schedule"],
-                      repeats=repeats, remat=policy if whole_stages else False, stage_major=True)
-        if ends is None:
-            return _mse(ys, targets)
-        return jnp.mean(jax.vmap(loss_fn, (0, 0, None))(ys, targets, ends))
+        remat = True if s["schedule"] == "1f1b" else (policy or False) if whole_stages else False
+        return pipeline_loss(stage_fn, loss_fn, stacked, microbatches, targets, mesh=mesh, stage_axis="p",
+                             schedule=s["schedule"], repeats=repeats, stage_major=True, ends=ends,
+                             first_fn=first_fn, remat=remat) / micro
 
     stacked = _stack(stack.shapes(cfg), stages * repeats, per_stage)
     described = (f"pipelined {stack.name}, {s['layers']} layers over {stages} stages ({s['schedule']}, "
