@@ -520,6 +520,8 @@ PIPELINES = [
      ["int 2", "stage_major=", "True or False"]),
     ("pipeline_loss.remat", "False with 1F1B", lambda: pipeline_loss(remat=False),
      ["remat=False", "always recompute each stage", "schedule='gpipe' or 'circular'"]),
+    ("pipeline_loss.remat", "a string", lambda: pipeline_loss(schedule="gpipe", remat="dots"),
+     [r"gspmd\.pipeline_loss\(remat=", "the string 'dots'", "True, False or a jax.checkpoint policy"]),
     ("pipeline_loss.manual_stages", "None", lambda: pipeline_loss(manual_stages=None),
      ["None", "manual_stages=", "True or False"]),
     ("stage_major_order.stages", "zero", lambda: gspmd.stage_major_order(np.ones((4, 3)), 0, 2),

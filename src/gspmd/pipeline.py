@@ -60,9 +60,7 @@ def pipeline(stage_fn: Callable, stacked_params, microbatches, *, mesh: Mesh, st
     stage_fn's annotations over the other axes partition it inside. stage_major: the
     stacks are in stage order (`stage_major_order`), which saves moving a circular
     schedule's layers into it."""
-    if not isinstance(remat, bool) and not callable(remat):
-        raise ShardingError(f"gspmd.pipeline(remat=...) needs True, False or a jax.checkpoint policy, got "
-                            f"{describe(remat)}; e.g. remat=jax.checkpoint_policies.dots_saveable.")
+    _check_remat(remat, "gspmd.pipeline")
     if schedule == "1f1b":
         raise ShardingError(_one_f_one_b_rewrite(stage_axis, repeats, stage_major, manual_stages))
     run = _Pipeline(stage_fn, stacked_params, microbatches, mesh, stage_axis, schedule, repeats, stage_major,
@@ -86,6 +84,7 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stacked_params, microba
     enters and its loss taken in the step it leaves, so no [M, ...] stage inputs exist.
     remat: as `pipeline`'s for gpipe and circular; 1f1b's backward slots always
     recompute each stage from its stashed input (remat=True)."""
+    _check_remat(remat, "gspmd.pipeline_loss")
     if schedule == "1f1b" and remat is not True:
         raise ShardingError(f"gspmd.pipeline_loss(schedule='1f1b', remat={describe(remat)}): 1F1B's backward "
                             "slots always recompute each stage from its stashed input, so remat must stay True; "
@@ -113,6 +112,12 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stacked_params, microba
                     manual_stages)
     record_schedule(run.timing.schedule(schedule))
     return run.one_f_one_b(loss, first, stacked_params, ends, microbatches, targets)
+
+
+def _check_remat(remat, caller: str) -> None:
+    if not isinstance(remat, bool) and not callable(remat):
+        raise ShardingError(f"{caller}(remat=...) needs True, False or a jax.checkpoint policy, got "
+                            f"{describe(remat)}; e.g. remat=jax.checkpoint_policies.dots_saveable.")
 
 
 def _one_f_one_b_rewrite(stage_axis: str, repeats: int, stage_major: bool, manual_stages: bool) -> str:
