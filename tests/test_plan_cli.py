@@ -225,6 +225,8 @@ def test_the_llama_example_builds_for_the_devices_given():
     (["moe", "--mesh", "4x2"], "2 dims"),
     (["transformer", "--activation-dtype", "int8"], "bfloat16"),
     (["transformer", "--optimizer", "lion"], "adafactor"),
+    (["transformer", "--attention", "ring"], "dot_product, flash"),
+    (["moe", "--attention", "flash"], "does not vary --attention"),
     (["--mesh", "2by4"], "must look like"),
     (["--devices", "48"], "power of two"),
     (["--devices", "64", "--mesh", "8x8"], "not both"),
@@ -268,3 +270,16 @@ def test_a_pipelined_transformer_with_an_embedding_and_softmax(capsys, schedule)
 
 def test_vocab_is_refused_where_it_is_not_planned(capsys):
     assert "does not vary --vocab" in plan_error(capsys, "conformer", "--vocab", "512")
+
+
+def test_flash_attention_holds_no_whole_score_matrix(capsys):
+    """--attention flash: 512 queries at a time, each block recomputed in the backward
+    pass; no [B, N, S, S] buffer at the peak, which is lower than dot_product's."""
+    flags = ["transformer", "--layers", "2", "--model-dim", "64", "--ffn-dim", "128", "--heads", "4", "--head-dim",
+             "16", "--seq", "2048", "--mesh", "2x4", "--batch", "8", "--top", "20"]
+    plain = plan_json(capsys, *flags)
+    flash = plan_json(capsys, *flags, "--attention", "flash")
+    scores = lambda plan: [t for t in plan["largest_buffers_at_peak"] if t["shape"][-2:] == [2048, 2048]]  # noqa: E731
+    assert scores(plain) and not scores(flash)
+    assert flash["peak_memory_bytes"] < plain["peak_memory_bytes"] / 2
+    assert flash["sizes"]["attention"] == "flash"

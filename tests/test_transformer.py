@@ -2,8 +2,11 @@
 weights and its input activation with Table 1's 2D-finalized strategy: completion must
 give every tensor, forward and backward, the layout the paper intends; the result must
 match one device and communicate no more than XLA's own partitioner does."""
+import dataclasses
+
 import jax
 import numpy as np
+import pytest
 from jax.sharding import Mesh as JaxMesh
 
 import gspmd
@@ -109,3 +112,20 @@ def test_two_layers_without_layer_norm():
     for v in _live_values(low.program):
         if v.shape in intended:
             assert v.sharding == gspmd.Sharding.from_mesh(MESH, intended[v.shape], v.shape), v.name
+
+
+def test_blockwise_attention_equals_one_device_with_the_same_collectives():
+    """Queries attended 4 at a time (3 blocks of an uneven 12 x 3 batch over the mesh):
+    the same numbers and the same collectives as attending them all at once."""
+    cfg = T.Config(batch=3, seq=12, heads=4, hidden=30, layers=2)
+    blockwise = dataclasses.replace(cfg, attention_block=4)
+    whole = check(T.make_train_step(T.gspmd_annotate(MESH), cfg), *T.example_inputs(cfg), mesh=MESH)
+    blocks = check(T.make_train_step(T.gspmd_annotate(MESH), blockwise), *T.example_inputs(blockwise), mesh=MESH)
+    assert blocks.report().counts() == whole.report().counts()
+    assert any(i.opcode == "while" for i in blocks.spmd.instrs)
+
+
+def test_an_attention_block_must_divide_the_sequence():
+    cfg = T.Config(seq=12, attention_block=5)
+    with pytest.raises(gspmd.ShardingError, match="attention_block 5 does not divide the sequence"):
+        _lower(cfg=cfg)

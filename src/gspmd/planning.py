@@ -51,6 +51,7 @@ class Sizes:
     activation_dtype: Optional[str] = None
     optimizer: Optional[str] = None
     strategy: Optional[str] = None
+    attention: Optional[str] = None
     devices: Optional[int] = None    # a user function's factory: how many devices to plan for
 
     def given(self) -> dict:

@@ -127,7 +127,7 @@ def _divide(what: str, total: int, parts: int, by: str) -> int:
 TRANSFORMER = {"layers": 32, "model_dim": 8192, "ffn_dim": 65536, "heads": 128, "head_dim": 256, "seq": 1024,
                "batch": None, "mesh": (32, 64), "stages": None, "microbatches": None, "schedule": "gpipe",
                "repeats": 1, "remat": None, "activation_dtype": "bfloat16", "optimizer": "adafactor", "vocab": None,
-               "strategy": "2d"}
+               "strategy": "2d", "attention": "dot_product"}
 # Table 5's Conformers: 23 M^2 parameters per block; M=2944 makes 32 blocks 6.4B (the paper: 6.47B).
 CONFORMER = {**{k: v for k, v in TRANSFORMER.items() if k not in ("vocab", "strategy")}, "layers": 32, "model_dim": 2944, "ffn_dim": 11776, "heads": 23, "head_dim": 128,
              "seq": 768, "mesh": (8, 1), "stages": 8, "microbatches": 16}
@@ -143,9 +143,24 @@ class LayerStack:
     strategy: dict                       # annotations by name, over mesh axes x (and y)
 
 
+# --attention: dot_product attends every query at once; flash a block of queries at a time,
+# each block recomputed in the backward pass, so that no [B, N, S, S] scores are held, as
+# MaxText's attention='flash' kernel holds none (its blocks are 512 queries).
+ATTENTION = ("dot_product", "flash")
+FLASH_BLOCK = 512
+
+
+def _attention_block(s: dict) -> Optional[int]:
+    kind = s.get("attention") or "dot_product"
+    if kind not in ATTENTION:
+        raise ShardingError(f"--attention {kind!r}: choose one of {', '.join(ATTENTION)}.")
+    return math.gcd(s["seq"], FLASH_BLOCK) if kind == "flash" else None
+
+
 def _transformer_config(s: dict, batch: int) -> transformer.Config:
     return transformer.Config(batch=batch, seq=s["seq"], model=s["model_dim"], heads=s["heads"],
-                              head_dim=s["head_dim"], hidden=s["ffn_dim"], layers=s["layers"], dtype=_dtype(s))
+                              head_dim=s["head_dim"], hidden=s["ffn_dim"], layers=s["layers"], dtype=_dtype(s),
+                              attention_block=_attention_block(s))
 
 
 def _layer_shapes(cfg: transformer.Config) -> dict:

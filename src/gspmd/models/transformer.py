@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gspmd.errors import ShardingError
 from gspmd.frontend import mesh_split
 from gspmd.mesh import Mesh
 from gspmd.models.optimizers import Optimizer, make_step
@@ -65,6 +66,10 @@ class Config:
     # matmuls in dtype (e.g. jnp.bfloat16); layer norm, softmax and the loss in float32.
     param_dtype: Any = np.float32
     dtype: Any = np.float32
+    # Queries attended per block (None: all at once). A block's [B, N, block, T] scores
+    # are recomputed for the backward pass, so no [B, N, S, T] is ever held: the memory
+    # of a flash-attention kernel (which also keeps the block on chip; this does not).
+    attention_block: Optional[int] = None
 
 
 def gspmd_annotate(mesh: Mesh) -> Annotate:
@@ -99,9 +104,27 @@ def attention(w: dict, x, at: Callable, cfg: Config):
     softmax in float32."""
     h = layer_norm(x) if cfg.layer_norm else x
     q, k, v = (at(n, jnp.einsum("bsm,mnd->bsnd", h, w["w" + n])) for n in "qkv")
+    context = attend(q, k, v, cfg) if cfg.attention_block is None else attend_blockwise(q, k, v, cfg)
+    return jnp.einsum("bsnd,ndm->bsm", context, w["wo"])
+
+
+def attend(q, k, v, cfg: Config):
+    """Each query's softmax-weighted sum of the values ([B, S, N, D])."""
     logits = jnp.einsum("bsnd,btnd->bnst", q, k) / float(np.sqrt(cfg.head_dim))
     probs = jax.nn.softmax(logits.astype(np.float32), axis=-1).astype(cfg.dtype)
-    return jnp.einsum("bsnd,ndm->bsm", jnp.einsum("bnst,btnd->bsnd", probs, v), w["wo"])
+    return jnp.einsum("bnst,btnd->bsnd", probs, v)
+
+
+def attend_blockwise(q, k, v, cfg: Config):
+    """`attend`, cfg.attention_block queries at a time (a loop over the blocks), each
+    block rematerialized in the backward pass."""
+    b, s, n, d = q.shape
+    block = cfg.attention_block
+    if s % block:
+        raise ShardingError(f"attention_block {block} does not divide the sequence ({s} queries).")
+    blocks = jnp.moveaxis(q.reshape(b, s // block, block, n, d), 1, 0)
+    context = jax.lax.map(jax.checkpoint(lambda queries: attend(queries, k, v, cfg)), blocks)
+    return jnp.moveaxis(context, 0, 1).reshape(b, s, n, d)
 
 
 def feed_forward(w_in, w_out, x, at: Callable, cfg: Config):
