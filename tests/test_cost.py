@@ -147,7 +147,8 @@ def test_data_parallel_rings_across_nodes_use_a_nic_per_gpu():
 
 def test_tpu_v5p_profile():
     v5p = cm.PROFILES["tpu-v5p"]
-    assert (v5p.flops_per_s, v5p.memory_bytes, v5p.hbm_bytes_per_s) == (459e12, 95 * 10 ** 9, 2.765e12)
+    assert (v5p.flops_per_s, v5p.memory_bytes, v5p.hbm_bytes_per_s) == (459e12, 96 * cm.GiB, 2.765e12)
+    assert v5p.usable_bytes == 95 * cm.GiB       # what jax reports a v5p chip has
     assert v5p.network(2048).shape == (8, 16, 16)   # a 3D torus of chips, one device each
     ring = rate(Pattern.ALL_GATHER, [range(16)], v5p, n=2048)    # along the minor torus dim
     assert ring.per_byte == approx(15 / 16 / 2 / 100e9)          # both ways round, 100 GB/s links

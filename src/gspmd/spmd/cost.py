@@ -197,10 +197,11 @@ PROFILES = {h.name: h for h in [
     Hardware("tpu-v3", 61.5e12, 16 * GiB, 450e9, Torus(45e9, 1e-6, devices_per_chip=2), reserved_bytes=530 * MiB),
     Hardware("tpu-v4", 275e12, 32 * GiB, 1.2e12, Torus(50e9, 1e-6, ndim=3),      # one device per chip
              reserved_bytes=GiB + 256 * MiB),
-    # TPU v5p, one device per chip (megacore) in a 3D torus: 459 TF/s bf16, 95 GB HBM2e at
-    # 2.76 TB/s; ICI 4800 Gb/s per chip over its 6 links (100 GB/s each, counted per
+    # TPU v5p, one device per chip (megacore) in a 3D torus: 459 TF/s bf16, 96 GiB HBM2e at
+    # 2.76 TB/s, of which 95 GiB are what jax may allocate (Cloud TPU's v5p page: the rest
+    # is libtpu's); ICI 4800 Gb/s per chip over its 6 links (100 GB/s each, counted per
     # direction as tpu-v4's 2400 Gb/s are).
-    Hardware("tpu-v5p", 459e12, 95 * 10 ** 9, 2.765e12, Torus(100e9, 1e-6, ndim=3), reserved_bytes=GiB + 256 * MiB),
+    Hardware("tpu-v5p", 459e12, 96 * GiB, 2.765e12, Torus(100e9, 1e-6, ndim=3), reserved_bytes=GiB),
     Hardware("a100", 312e12, 80 * GiB, 2.0e12, Hosts(8, 300e9, 3e-6, 25e9, 10e-6),      # NVLink 3, HDR IB
              fuses_into_matmul=False),
     Hardware("h100", 989e12, 80 * GiB, 3.35e12, Hosts(8, 450e9, 3e-6, 50e9, 10e-6),     # NVLink 4, NDR IB
