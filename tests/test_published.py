@@ -56,3 +56,14 @@ def test_every_published_row_plans(table):
     for row in t.rows:
         estimate = published.estimate(row, t.hardware)
         assert estimate.step_s > 0 and estimate.tflops > 0, row.label
+
+
+def test_runs_the_source_quotes_both_ways_are_not_ranked():
+    """MaxText's README quotes 256B at 308 and at 316: below 128B on v5p-256 (315) in one
+    table, above it in the other, so that pair is not ranked; 1024B on v5p-2048 (254 and
+    249) is below 512B (294) in both, so that pair is."""
+    labels = {r.label: r for r in published.MAXTEXT.rows}
+    assert published.published_order(labels["128B on v5p-256"], labels["256B on v5p-1024"]) is None
+    assert published.published_order(labels["512B on v5p-1024"], labels["1024B on v5p-2048"]) is True
+    assert published.published_order(labels["1024B on v5p-2048"], labels["512B on v5p-1024"]) is False
+    assert published.published_order(labels["32B on v5p-128"], labels["64B on v5p-128"]) is True
