@@ -159,17 +159,20 @@ def megatron_flops(batch: int, layers: int, hidden: int) -> float:
 
 
 def megatron_row(params: str, heads: int, hidden: int, layers: int, tensor: int, stages: int, gpus: int,
-                 batch: int, tflops: float, mfu: float) -> Row:
+                 batch: int, micro: int, chunks: int, tflops: float, mfu: float) -> Row:
+    """A row as examples/sc21/run_table_1.sh runs it: `micro` sequences per microbatch, each
+    stage's layers in `chunks` interleaved virtual stages (--num-layers-per-virtual-pipeline-stage)."""
     data = gpus // (tensor * stages)
     common = dict(layers=layers, model_dim=hidden, ffn_dim=4 * hidden, heads=heads, head_dim=hidden // heads,
                   seq=MEGATRON_SEQ, batch=batch, vocab=MEGATRON_VOCAB, optimizer="adamw", strategy="megatron")
-    if stages == 1:
+    if stages == 1:   # the replica's whole batch at once (its microbatches' gradients add up the same)
         sizes = planning.Sizes(mesh=(data, tensor), remat="nothing_saveable", **common)
-    else:   # microbatches of one sequence per data-parallel replica; 1F1B recomputes each stage
-        sizes = planning.Sizes(mesh=(stages, data, tensor), stages=stages, microbatches=batch // data,
-                               schedule="1f1b", **common)
-    stated = (f"{layers} layers, h {hidden}, {heads} heads; tensor {tensor} x pipeline {stages} x data {data}; "
-              f"batch {batch}")
+    else:             # 1F1B (interleaved over `chunks`), which recomputes each stage in its backward slot
+        sizes = planning.Sizes(mesh=(stages, data, tensor), stages=stages, microbatches=batch // data // micro,
+                               schedule="1f1b", repeats=chunks, **common)
+    interleaved = f", {chunks} virtual stages each" if chunks > 1 else ""
+    stated = (f"{layers} layers, h {hidden}, {heads} heads; tensor {tensor} x pipeline {stages}{interleaved} x "
+              f"data {data}; batch {batch} in microbatches of {micro}")
     return Row(f"{params}B on {gpus} GPUs", stated, sizes, gpus, megatron_flops(batch, layers, hidden), tflops, mfu)
 
 
@@ -178,25 +181,31 @@ MEGATRON = Table(
     "NVIDIA/Megatron-LM README.md, \"Training Speed and Scalability\" (2021-2023 versions; the table is an "
     "image there) = Table 1 of Narayanan et al., \"Efficient Large-Scale Language Model Training on GPU "
     "Clusters Using Megatron-LM\" (SC'21): GPT, vocabulary 51,200, sequence 2048, Selene (DGX A100, 8 "
-    "GPUs per node on NVLink, 8 HDR InfiniBand NICs per node).",
+    "GPUs per node on NVLink, 8 HDR InfiniBand NICs per node). Each row as the paper's authors ran it: "
+    "examples/sc21/run_table_1.sh of NVIDIA/Megatron-LM (2021-08; micro-batch size, interleaving, "
+    "--checkpoint-activations, --fp16).",
     "96 B s l h^2 (1 + s/6h + V/16lh) per iteration, recomputation included (megatron_flops)",
     tuple(megatron_row(*r) for r in [
-        ("1.7", 24, 2304, 24, 1, 1, 32, 512, 137, 44), ("3.6", 32, 3072, 30, 2, 1, 64, 512, 138, 44),
-        ("7.5", 32, 4096, 36, 4, 1, 128, 512, 142, 46), ("18.4", 48, 6144, 40, 8, 1, 256, 1024, 135, 43),
-        ("39.1", 64, 8192, 48, 8, 2, 512, 1536, 138, 44), ("76.1", 80, 10240, 60, 8, 4, 1024, 1792, 140, 45),
-        ("145.6", 96, 12288, 80, 8, 8, 1536, 2304, 148, 47), ("310.1", 128, 16384, 96, 8, 16, 1920, 2160, 155, 50),
-        ("529.6", 128, 20480, 105, 8, 35, 2520, 2520, 163, 52),
-        ("1008.0", 160, 25600, 128, 8, 64, 3072, 3072, 163, 52)]),
+        ("1.7", 24, 2304, 24, 1, 1, 32, 512, 16, 1, 137, 44), ("3.6", 32, 3072, 30, 2, 1, 64, 512, 16, 1, 138, 44),
+        ("7.5", 32, 4096, 36, 4, 1, 128, 512, 16, 1, 142, 46), ("18.4", 48, 6144, 40, 8, 1, 256, 1024, 8, 1, 135, 43),
+        ("39.1", 64, 8192, 48, 8, 2, 512, 1536, 4, 1, 138, 44),
+        ("76.1", 80, 10240, 60, 8, 4, 1024, 1792, 2, 3, 140, 45),
+        ("145.6", 96, 12288, 80, 8, 8, 1536, 2304, 2, 2, 148, 47),
+        ("310.1", 128, 16384, 96, 8, 16, 1920, 2160, 1, 2, 155, 50),
+        ("529.6", 128, 20480, 105, 8, 35, 2520, 2520, 1, 3, 163, 52),
+        ("1008.0", 160, 25600, 128, 8, 64, 3072, 3072, 1, 1, 163, 52)]),
     ("Sharding: `--strategy megatron` on a mesh (data, tensor) or (pipeline, data, tensor), laid out "
      "row-major on the a100 hosts (tensor inside a node): weights over the tensor axis only, replicated "
      "over data (gradients all-reduced across nodes as hierarchical rings), activations replicated over "
      "the tensor axis between layers (no sequence parallelism in 2021).",
-     "Full activation recomputation, as the formula counts it: nothing_saveable per layer without a "
-     "pipeline; with one, 1F1B (whose backward slots recompute each stage from its stashed input) with "
-     "microbatches of one sequence per data-parallel replica (B / data microbatches). The paper's "
-     "interleaved schedule is not used (ours would be --repeats), nor its scatter/gather of stage "
-     "boundaries across the tensor group.",
-     "FFN 4h, head dim h / heads, Adam (adamw), bfloat16 activations, float32 weights (pipelined rows: "
+     "Full activation recomputation (--checkpoint-activations), as the formula counts it: nothing_saveable "
+     "per layer without a pipeline; with one, 1F1B, whose backward slots recompute each stage from its "
+     "stashed input, interleaved as run_table_1.sh interleaves it (--num-layers-per-virtual-pipeline-stage "
+     "5, 5, 3, 1 at 76.1B-529.6B: our --repeats 3, 2, 2, 3), over its microbatches (4, 2, 2, 1, 1, 1 "
+     "sequences). Without a pipeline the replica's batch is one microbatch (16 sequences) but at 18.4B, "
+     "which run_table_1.sh runs as 4 of 8: we plan the 32 at once (gradient accumulation would add ~1%). "
+     "Not planned: the paper's scatter/gather of stage boundaries across the tensor group.",
+     "FFN 4h, head dim h / heads, Adam (adamw), bfloat16 activations (their --fp16: the same bytes), float32 weights (pipelined rows: "
      "cast to bfloat16 once per step, as Megatron-LM's model holds them, the float32 copy the optimizer's; "
      "gradients summed over microbatches in float32, as its main_grad). Every row plans the embedding and "
      "the 51,200-way softmax over one tied table (--vocab); pipelined: tokens in, embedded on the first "
@@ -220,32 +229,21 @@ MEGATRON = Table(
      "probabilities and twice per layer on the hidden states in Megatron's GPT; our model has none: by hand "
      "~15 bytes per attention probability per layer, +0.3 s at 1.7B, which would make it 1.32x, 18.4B "
      "1.30x) and PyTorch's per-kernel overheads. So these rows stay outside 20%.",
-     "Pipelined rows (39.1B-1T) are within 13%, 3-13% slow. What moved them: the 1F1B backward slot read "
-     "its stashed input as a masked sum over all 2L-1 stash slots (the whole stash through HBM every step), "
-     "now one gather per stage (1T: 134.0 -> 130.2 s); the stage's float32 layers were sliced and cast to "
-     "bfloat16 in every step, now cast once per step, as Megatron-LM holds bfloat16 weights (130.2 -> "
-     "116.5 s). Still costing them: every stage computes the logits and softmax of the step (one SPMD "
-     "program; only the last stage's count): planning the vocabulary added 5% to the 1T step (127.5 -> "
-     "134.0 s); the stage's layers transposed for the scan over them in every step; the stage's weight "
-     "gradient stacked per step before it is added to the accumulator.",
+     "Pipelined rows (39.1B-1T), as run_table_1.sh runs them, are 0-15% slow. Interleaving halves their "
+     "bubbles (310.1B: 9.4% -> 5.0%) but costs our vectorized schedule more than it saves: each slot gathers "
+     "its virtual stage's layers out of the stage's stack and scatter-adds their gradients back (310.1B: "
+     "gather 1.5 s, scatter 0.8 s, the accumulating adds 1.4 s more, twice the activation permutes), so "
+     "310.1B is 44.3 s interleaved against 40.9 s not (0.85 against 0.92 of the published). Also costing "
+     "them: every stage computes the step's logits and softmax (one SPMD program; only the last stage's "
+     "count): 5% at 1T; the stage's layers transposed for the scan over them in every step.",
      "The published ranking rises with model size (135-163 TF/s); ours falls from the rows without a "
-     "pipeline to the pipelined and is flat among these (130, 136, 140, 142.7, 142.5, 143.6 against 138, "
-     "140, 148, 155, 163, 163: only 310B / 529.6B, 0.1% apart in ours, swapped).",
-     "Memory: every row fits in the A100's 80 GiB (pipelined: 56-69 GB per GPU; they held 90-175 GB). "
-     "Where it went, "
-     "at 310B (90.3 GB then): 19.3 GB were the layer stack's inputs and targets, [M, mb, S, h] activations "
-     "held on every stage for want of an embedding (now tokens); 8 GB were the zeros the gradient "
-     "accumulator started from, kept alive because the second of 1F1B's three loops entered the first "
-     "loop's deferred all-reduce as a select against them (and all-reduced the gradient a second time): "
-     "the loop-motion pass now carries the unreduced sum on. Now 65.5 GB: float32 weights and Adam's "
-     "moments 29 GB (arguments, with the table's 1.3 GB), one float32 gradient 9.7 GB, the bfloat16 layers "
-     "4.8 GB, the stash 2.1 GB, ~17 GB inside the loop (the stage's recomputed activations and its "
-     "per-step weight gradient). 1F1B by hand (16 B per parameter, 2.42e9 per GPU, + bfloat16 copies + at "
-     "most L stashed [1, 2048, 16384] inputs + one layer's activations) is ~47 GB: ours holds more because "
-     "the backward slot recomputes the whole stage (6 layers) at once, not one layer at a time, keeps the "
-     "stage's weight gradient before adding it, and its lockstep schedule moves a microbatch one stage per "
-     "step of forward and backward, so a stage holds up to 2L-1 stashed inputs, not L (at 1T: 13.4 of "
-     "66 GB). These are modelling choices of the vectorized schedule, not double counts."))
+     "pipeline (182-205) to the pipelined (132-150), and among these 310.1B (interleaved, above) is our "
+     "slowest where it is the paper's third fastest.",
+     "Memory: every row but 39.1B fits in the A100's 80 GiB (56-66 GB). 39.1B's microbatches of 4 "
+     "sequences take our plan to 112 GB: the 1F1B backward slot recomputes the whole stage (24 layers) at "
+     "once and holds all its activations, 12.9 GB of them the float32 attention probabilities "
+     "[24, 4, 8, 2048, 2048], where Megatron-LM recomputes one layer at a time. (At microbatches of one "
+     "sequence, as planned before run_table_1.sh was read, it fit in 68.9 GB at 0.94 of the published.)"))
 
 TABLES = {t.key: t for t in (MAXTEXT, MEGATRON)}
 
