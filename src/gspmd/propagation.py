@@ -18,7 +18,7 @@ import functools
 import heapq
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Sequence
 
 from gspmd import ops
 from gspmd.ir import Instr, Program, Value
@@ -146,7 +146,7 @@ class _Tensors:
             self.places.setdefault(v, []).append(i)
 
     @functools.cached_property
-    def propose(self) -> Callable[[list[Optional[Sharding]], int], list[Sharding]]:
+    def propose(self) -> Callable[[list[Optional[Sharding]], int], Sequence[Sharding]]:
         return ops.proposer(self.instr)
 
 
