@@ -88,11 +88,10 @@ def complete(program: Program, num_devices: int) -> Completion:
     for instr, direction, changed in work:
         for v in _refine(instr, direction, completion, work.tensors[instr], changed):
             work.touch(v)
-    replicated = functools.cache(lambda rank: Sharding.replicated(rank, num_devices))
     for p in programs:
         for v in p.values():
             if v.sharding is None:
-                v.sharding = replicated(v.rank)
+                v.sharding = Sharding.replicated(v.rank, num_devices)
     return completion
 
 

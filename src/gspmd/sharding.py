@@ -73,7 +73,7 @@ class Sharding:
     def replicated(cls, rank: int, num_devices: int) -> "Sharding":
         rank = count(rank, "Sharding.replicated(rank)", minimum=0)
         num_devices = count(num_devices, "Sharding.replicated(num_devices)")
-        return cls._of(np.arange(num_devices).reshape((1,) * rank + (num_devices,)))
+        return _replicated(rank, num_devices)
 
     @classmethod
     def tiled(cls, devices) -> "Sharding":
@@ -326,6 +326,11 @@ def _shape(shape) -> tuple[int, ...]:
 # immutable and hashable, so the answers are memoized (this keeps 2048 devices cheap).
 _merge = functools.lru_cache(maxsize=65536)(Sharding._merge)
 _remap = functools.lru_cache(maxsize=65536)(Sharding._remap)
+
+
+@functools.lru_cache(maxsize=256)     # asked for every unsplit value and constant
+def _replicated(rank: int, num_devices: int) -> Sharding:
+    return Sharding._of(np.arange(num_devices).reshape((1,) * rank + (num_devices,)))
 
 
 @functools.lru_cache(maxsize=4096)
