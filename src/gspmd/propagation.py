@@ -103,14 +103,15 @@ class _Worklist:
         """`programs`: a program and those nested in it (not in manual regions)."""
         self.position = {instr: i for i, instr in enumerate(instr for p in programs for instr in p.instrs)}
         self.tensors = {instr: _Tensors(instr) for instr in self.position}
-        # Who learns from a value: instructions reading it, and loops tying it to their carry.
-        self.users: dict[Value, list[Instr]] = {}
+        # Who learns from a value: the instruction making it, those reading it, and loops
+        # tying it to their carry.
+        self.learners: dict[Value, list[Instr]] = {}
         for p in programs:
             for v, readers in p.users().items():
-                self.users.setdefault(v, []).extend(readers)
+                self.learners.setdefault(v, [] if v.producer is None else [v.producer]).extend(readers)
         for instr in self.position:
             for v in ops.tensors(instr)[len(instr.operands) + len(instr.outputs):]:
-                self.users.setdefault(v, []).append(instr)
+                self.learners.setdefault(v, [] if v.producer is None else [v.producer]).append(instr)
         self.heap: list[tuple[int, int, int, int]] = []
         self.changed: dict[tuple[int, int], set[Value]] = {}   # queued items and what changed for them
 
@@ -126,7 +127,7 @@ class _Worklist:
 
     def touch(self, v: Value) -> None:
         """v's sharding changed: everything that reads or writes v may learn from it."""
-        for instr in ([v.producer] if v.producer is not None else []) + self.users[v]:
+        for instr in self.learners[v]:
             sides = self.tensors[instr].sides
             for direction in (FORWARD, BACKWARD):
                 if any(u is not v for u in sides[direction]):   # else nothing there to refine
