@@ -18,7 +18,7 @@ import functools
 import heapq
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Sequence
 
 from gspmd import ops
 from gspmd.ir import Instr, Program, Value
@@ -73,8 +73,9 @@ def complete(program: Program, num_devices: int) -> Completion:
     completion = Completion()
     for body in program.regions():
         completion.provenance.update(complete(body, body.region.num_devices).provenance)
-    work = _Worklist(program)
-    for instr in program.all_instrs(into_regions=False):
+    programs = [program, *program.subprograms(into_regions=False)]
+    work = _Worklist(programs)
+    for instr in work.position:
         if is_annotation(instr):
             instr.output.sharding = instr.attrs["sharding"]
             completion.provenance[instr.output] = [Step(instr, None, instr.output.sharding)]
@@ -87,9 +88,10 @@ def complete(program: Program, num_devices: int) -> Completion:
     for instr, direction, changed in work:
         for v in _refine(instr, direction, completion, work.tensors[instr], changed):
             work.touch(v)
-    for v in program.all_values(into_regions=False):
-        if v.sharding is None:
-            v.sharding = Sharding.replicated(v.rank, num_devices)
+    for p in programs:
+        for v in p.values():
+            if v.sharding is None:
+                v.sharding = Sharding.replicated(v.rank, num_devices)
     return completion
 
 
@@ -97,17 +99,19 @@ class _Worklist:
     """Pending (instruction, direction) items, most urgent first, each queued once, with
     the tensors whose layouts changed since it last ran (only they can teach it more)."""
 
-    def __init__(self, program: Program):
-        self.position = {instr: i for i, instr in enumerate(program.all_instrs(into_regions=False))}
+    def __init__(self, programs: list[Program]):
+        """`programs`: a program and those nested in it (not in manual regions)."""
+        self.position = {instr: i for i, instr in enumerate(instr for p in programs for instr in p.instrs)}
         self.tensors = {instr: _Tensors(instr) for instr in self.position}
-        # Who learns from a value: instructions reading it, and loops tying it to their carry.
-        self.users: dict[Value, list[Instr]] = {}
-        for p in (program, *program.subprograms(into_regions=False)):
+        # Who learns from a value: the instruction making it, those reading it, and loops
+        # tying it to their carry.
+        self.learners: dict[Value, list[Instr]] = {}
+        for p in programs:
             for v, readers in p.users().items():
-                self.users.setdefault(v, []).extend(readers)
+                self.learners.setdefault(v, [] if v.producer is None else [v.producer]).extend(readers)
         for instr in self.position:
             for v in ops.tensors(instr)[len(instr.operands) + len(instr.outputs):]:
-                self.users.setdefault(v, []).append(instr)
+                self.learners.setdefault(v, [] if v.producer is None else [v.producer]).append(instr)
         self.heap: list[tuple[int, int, int, int]] = []
         self.changed: dict[tuple[int, int], set[Value]] = {}   # queued items and what changed for them
 
@@ -123,9 +127,11 @@ class _Worklist:
 
     def touch(self, v: Value) -> None:
         """v's sharding changed: everything that reads or writes v may learn from it."""
-        for instr in ([v.producer] if v.producer is not None else []) + self.users[v]:
-            self.push(instr, FORWARD, v)
-            self.push(instr, BACKWARD, v)
+        for instr in self.learners[v]:
+            sides = self.tensors[instr].sides
+            for direction in (FORWARD, BACKWARD):
+                if any(u is not v for u in sides[direction]):   # else nothing there to refine
+                    self.push(instr, direction, v)
 
     def __iter__(self) -> Iterator[tuple[Instr, int, set[Value]]]:
         instrs = list(self.position)
@@ -135,18 +141,20 @@ class _Worklist:
 
 
 class _Tensors:
-    """tensors(instr), where each value appears among them, and the instruction's
-    propagation rule (ops.proposer, made when first asked)."""
+    """tensors(instr), those each direction refines, where each value appears among
+    them, and the instruction's propagation rule (ops.proposer, made when first asked)."""
 
     def __init__(self, instr: Instr):
         self.instr = instr
         self.values = ops.tensors(instr)
+        n_in = len(instr.operands)
+        self.sides = (self.values[n_in:], self.values[:n_in])   # FORWARD, BACKWARD
         self.places: dict[Value, list[int]] = {}
         for i, v in enumerate(self.values):
             self.places.setdefault(v, []).append(i)
 
     @functools.cached_property
-    def propose(self) -> Callable[[list[Optional[Sharding]], int], list[Sharding]]:
+    def propose(self) -> Callable[[list[Optional[Sharding]], int], Sequence[Sharding]]:
         return ops.proposer(self.instr)
 
 
@@ -167,7 +175,9 @@ def _refine(instr: Instr, direction: int, completion: Completion, tensors: _Tens
     Informants are symmetric: the targets a source informs are its own informants."""
     n, n_in = len(tensors.values), len(instr.operands)
     changed = []
-    for source in sorted(sources, key=lambda v: tensors.places[v][0]):    # in operand order: deterministic
+    # in operand order: deterministic
+    ordered = sources if len(sources) == 1 else sorted(sources, key=lambda v: tensors.places[v][0])
+    for source in ordered:
         if source.sharding is None or source.sharding.is_replicated:
             continue
         for s in tensors.places[source]:

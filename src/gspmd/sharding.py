@@ -73,7 +73,7 @@ class Sharding:
     def replicated(cls, rank: int, num_devices: int) -> "Sharding":
         rank = count(rank, "Sharding.replicated(rank)", minimum=0)
         num_devices = count(num_devices, "Sharding.replicated(num_devices)")
-        return cls._of(np.arange(num_devices).reshape((1,) * rank + (num_devices,)))
+        return _replicated(rank, num_devices)
 
     @classmethod
     def tiled(cls, devices) -> "Sharding":
@@ -123,7 +123,7 @@ class Sharding:
         if not isinstance(named, NamedSharding):
             raise ShardingError(f"Sharding.from_named needs a jax.sharding.NamedSharding, got {describe(named)}; for "
                                 "a PartitionSpec use Sharding.from_mesh(mesh, spec, shape).")
-        return cls.from_mesh(named.mesh, named.spec, shape)
+        return _from_named(named, _shape(shape))
 
     # -- basic properties ---------------------------------------------------------
     @property
@@ -326,6 +326,16 @@ def _shape(shape) -> tuple[int, ...]:
 # immutable and hashable, so the answers are memoized (this keeps 2048 devices cheap).
 _merge = functools.lru_cache(maxsize=65536)(Sharding._merge)
 _remap = functools.lru_cache(maxsize=65536)(Sharding._remap)
+
+
+@functools.lru_cache(maxsize=256)     # asked for every unsplit value and constant
+def _replicated(rank: int, num_devices: int) -> Sharding:
+    return Sharding._of(np.arange(num_devices).reshape((1,) * rank + (num_devices,)))
+
+
+@functools.lru_cache(maxsize=4096)    # asked for every argument and result of a program
+def _from_named(named: NamedSharding, shape: tuple[int, ...]) -> Sharding:
+    return Sharding.from_mesh(named.mesh, named.spec, shape)
 
 
 @functools.lru_cache(maxsize=4096)

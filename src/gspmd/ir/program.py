@@ -16,7 +16,7 @@ class Value:
 
     def __init__(self, name: str, shape: Sequence[int], dtype, producer: Optional["Instr"] = None):
         self.name = name
-        self.shape = tuple(int(d) for d in shape)
+        self.shape = tuple(map(int, shape))
         self.dtype = np.dtype(dtype)
         self.producer = producer
         self.sharding: Optional[Sharding] = None

@@ -116,7 +116,8 @@ def call_eagerly(instr, args) -> list[np.ndarray]:
 
 def is_key(dtype) -> bool:
     """Whether `dtype` is a typed PRNG key's (jax.random.key)."""
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    # NumPy's own dtypes first: most values, and asking jax is slow
+    return dtype is not None and not isinstance(dtype, np.dtype) and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def physical_aval(aval) -> tuple[tuple[int, ...], np.dtype]:

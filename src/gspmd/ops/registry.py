@@ -301,12 +301,12 @@ def informants(instr: Instr, target: int, count: int) -> Sequence[int]:
     return range(count) if fn is None else fn(instr, target)
 
 
-def propagate(instr: Instr, shardings: Sequence[Optional[Sharding]], target: int) -> list[Sharding]:
+def propagate(instr: Instr, shardings: Sequence[Optional[Sharding]], target: int) -> Sequence[Sharding]:
     """Layouts that the other tensors(instr) imply for tensor `target`."""
     return proposer(instr)(shardings, target)
 
 
-def proposer(instr: Instr) -> Callable[[Sequence[Optional[Sharding]], int], list[Sharding]]:
+def proposer(instr: Instr) -> Callable[[Sequence[Optional[Sharding]], int], Sequence[Sharding]]:
     """propagate(instr, ...) as a function of (shardings, target), the op's factors
     worked out once (completion asks an instruction many times)."""
     rule = lookup(instr.opcode).rule
@@ -314,8 +314,21 @@ def proposer(instr: Instr) -> Callable[[Sequence[Optional[Sharding]], int], list
         return lambda shardings, target: rule.propagate(instr, list(shardings), target)
     if rule.factors is None:
         return lambda shardings, target: []
-    factors, ranks = tuple(rule.factors(instr)), [v.rank for v in tensors(instr)]
-    return lambda shardings, target: fx.propose(factors, shardings, ranks, target)
+    return _factor_proposer(tuple(rule.factors(instr)), tuple(v.rank for v in tensors(instr)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _factor_proposer(factors: tuple[fx.Factor, ...], ranks: tuple[int, ...]) -> Callable:
+    """fx.propose over these factors, its answers kept: completion asks every layer's
+    copy of an op the same, and the factors need hashing only once per instruction."""
+    answers: dict[tuple, tuple[Sharding, ...]] = {}
+
+    def propose(shardings: Sequence[Optional[Sharding]], target: int) -> Sequence[Sharding]:
+        key = (tuple(shardings), target)
+        if key not in answers:
+            answers[key] = tuple(fx.propose(factors, shardings, ranks, target))
+        return answers[key]
+    return propose
 
 
 def prune(instr: Instr, used: list[bool]) -> None:

@@ -1,6 +1,7 @@
 """Layout ops (broadcast, transpose, reshape) and value creation (constant, iota)."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -118,6 +119,7 @@ def _reshape_factors(instr) -> list[Factor]:
     return reshape_factors(instr.operands[0].shape, instr.outputs[0].shape)
 
 
+@functools.lru_cache(maxsize=4096)     # every layer's reshapes ask alike, in completion and partitioning
 def reshaped_layout(s: Sharding, src: tuple[int, ...], dst: tuple[int, ...]) -> Optional[Sharding]:
     """The layout of a reshape from src to dst in which each device holds exactly the
     elements of its shard of s, so the reshape is local (the factors carry s over);

@@ -46,10 +46,14 @@ def _key(instr: Instr) -> Hashable:
 
 def attrs_key(instr: Instr) -> Hashable:
     """The instruction's attributes as a hashable value: equal when the attributes are."""
+    if not instr.attrs:     # half of all instructions
+        return ()
     return tuple(sorted((k, _attr_key(v)) for k, v in instr.attrs.items()))
 
 
 def _attr_key(v) -> Hashable:
+    if type(v) is int or type(v) is str:    # most attributes (dims), their own keys; not bool
+        return v
     if isinstance(v, np.ndarray):
         return ("array", v.dtype.str, v.shape, v.tobytes())
     if isinstance(v, (list, tuple)):

@@ -148,15 +148,8 @@ def carried(factors: Sequence[Factor], s: Sharding, src: int, dst: int, rank: in
 def propose(factors: Sequence[Factor], shardings: Sequence[Optional[Sharding]], ranks: Sequence[int],
             target: int) -> list[Sharding]:
     """Layouts for tensor `target` implied by every other tensor that has one."""
-    return list(_propose(tuple(factors), tuple(shardings), ranks[target], target))
-
-
-@functools.lru_cache(maxsize=16384)
-def _propose(factors: tuple[Factor, ...], shardings: tuple[Optional[Sharding], ...], rank: int,
-             target: int) -> tuple[Sharding, ...]:
-    # Completion asks the same of every layer's copy of an op.
-    return tuple(tensor_layout(factors, target, _factor_view(factors, t, s, _WHOLE_IN_PROPAGATION), rank)
-                 for t, s in enumerate(shardings) if t != target and s is not None)
+    return [tensor_layout(factors, target, _factor_view(factors, t, s, _WHOLE_IN_PROPAGATION), ranks[target])
+            for t, s in enumerate(shardings) if t != target and s is not None]
 
 
 def _greedy_merge(views: Sequence[Sharding]) -> Sharding:
