@@ -94,9 +94,8 @@ def maxtext_row(size: str, cores: int, scale: int, per_device_batch: int, tensor
                            strategy="2d", attention="flash")
     stated = (f"scale {scale}: {d['layers']} layers, emb {d['emb']}, {d['heads']} heads of {d['head_dim']}, "
               f"MLP {d['mlp']}; per-device batch {per_device_batch} (global {batch}); fsdp {chips // tensor} x "
-              f"tensor {tensor}; remat {remat}")
-    return Row(f"{size} on v5p-{cores}", stated + "; attention flash", sizes, chips, maxtext_flops(d, batch), tflops,
-               mfu, alternate)
+              f"tensor {tensor}; remat {remat}; attention flash")
+    return Row(f"{size} on v5p-{cores}", stated, sizes, chips, maxtext_flops(d, batch), tflops, mfu, alternate)
 
 
 MAXTEXT = Table(

@@ -129,3 +129,5 @@ def test_an_attention_block_must_divide_the_sequence():
     cfg = T.Config(seq=12, attention_block=5)
     with pytest.raises(gspmd.ShardingError, match="attention_block 5 does not divide the sequence"):
         _lower(cfg=cfg)
+    with pytest.raises(gspmd.ShardingError, match="attention_block needs a whole number >= 1"):
+        _lower(cfg=T.Config(seq=12, attention_block=0))

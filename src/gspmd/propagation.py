@@ -108,10 +108,10 @@ class _Worklist:
         self.learners: dict[Value, list[Instr]] = {}
         for p in programs:
             for v, readers in p.users().items():
-                self.learners.setdefault(v, [] if v.producer is None else [v.producer]).extend(readers)
+                self._learners(v).extend(readers)
         for instr in self.position:
             for v in ops.tensors(instr)[len(instr.operands) + len(instr.outputs):]:
-                self.learners.setdefault(v, [] if v.producer is None else [v.producer]).append(instr)
+                self._learners(v).append(instr)
         self.heap: list[tuple[int, int, int, int]] = []
         self.changed: dict[tuple[int, int], set[Value]] = {}   # queued items and what changed for them
 
@@ -124,6 +124,9 @@ class _Worklist:
         self.changed[(pos, direction)] = {v}
         order = pos if direction == FORWARD else -pos
         heapq.heappush(self.heap, (priority(instr.opcode, direction == FORWARD), direction, order, pos))
+
+    def _learners(self, v: Value) -> list[Instr]:
+        return self.learners.setdefault(v, [] if v.producer is None else [v.producer])
 
     def touch(self, v: Value) -> None:
         """v's sharding changed: everything that reads or writes v may learn from it."""
@@ -175,9 +178,7 @@ def _refine(instr: Instr, direction: int, completion: Completion, tensors: _Tens
     Informants are symmetric: the targets a source informs are its own informants."""
     n, n_in = len(tensors.values), len(instr.operands)
     changed = []
-    # in operand order: deterministic
-    ordered = sources if len(sources) == 1 else sorted(sources, key=lambda v: tensors.places[v][0])
-    for source in ordered:
+    for source in sorted(sources, key=lambda v: tensors.places[v][0]):    # in operand order: deterministic
         if source.sharding is None or source.sharding.is_replicated:
             continue
         for s in tensors.places[source]:

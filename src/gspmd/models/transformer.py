@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gspmd.checks import count
 from gspmd.errors import ShardingError
 from gspmd.frontend import mesh_split
 from gspmd.mesh import Mesh
@@ -119,7 +120,7 @@ def attend_blockwise(q, k, v, cfg: Config):
     """`attend`, cfg.attention_block queries at a time (a loop over the blocks), each
     block rematerialized in the backward pass."""
     b, s, n, d = q.shape
-    block = cfg.attention_block
+    block = count(cfg.attention_block, "Config.attention_block", example="attention_block=512")
     if s % block:
         raise ShardingError(f"attention_block {block} does not divide the sequence ({s} queries).")
     blocks = jnp.moveaxis(q.reshape(b, s // block, block, n, d), 1, 0)

@@ -321,14 +321,10 @@ def proposer(instr: Instr) -> Callable[[Sequence[Optional[Sharding]], int], Sequ
 def _factor_proposer(factors: tuple[fx.Factor, ...], ranks: tuple[int, ...]) -> Callable:
     """fx.propose over these factors, its answers kept: completion asks every layer's
     copy of an op the same, and the factors need hashing only once per instruction."""
-    answers: dict[tuple, tuple[Sharding, ...]] = {}
-
-    def propose(shardings: Sequence[Optional[Sharding]], target: int) -> Sequence[Sharding]:
-        key = (tuple(shardings), target)
-        if key not in answers:
-            answers[key] = tuple(fx.propose(factors, shardings, ranks, target))
-        return answers[key]
-    return propose
+    @functools.lru_cache(maxsize=256)
+    def answer(shardings: tuple[Optional[Sharding], ...], target: int) -> tuple[Sharding, ...]:
+        return tuple(fx.propose(factors, shardings, ranks, target))
+    return lambda shardings, target: answer(tuple(shardings), target)
 
 
 def prune(instr: Instr, used: list[bool]) -> None:
