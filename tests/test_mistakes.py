@@ -493,6 +493,11 @@ PIPELINES = [
      ["the string 'yes'", "stage_major=", "True or False"]),
     ("pipeline.manual_stages", "a string", lambda: pipeline(manual_stages="yes"),
      ["the string 'yes'", "manual_stages=", "True or False"]),
+    ("pipeline.scan_layers", "a string", lambda: pipeline(scan_layers="yes"),
+     ["the string 'yes'", "scan_layers=", "True or False"]),
+    ("pipeline.scan_layers", "with layers of different counts", lambda: pipeline(
+        stacked_params={"a": np.ones((2, 3, 3), np.float32), "b": np.ones((2, 2, 3), np.float32)}, scan_layers=True),
+     [r"scan_layers=True", r"\[layers, K, \.\.\.\] with one K", r"second dims \[\(2,\), \(3,\)\]"]),
     ("pipeline.remat", "a string", lambda: pipeline(remat="dots"),
      ["the string 'dots'", "True, False or a jax.checkpoint policy", "dots_saveable"]),
     ("pipeline.stacked_params", "one layer short", lambda: pipeline(stacked_params=np.ones((3, 3), np.float32)),
@@ -522,6 +527,10 @@ PIPELINES = [
      ["remat=False", "always recompute each stage", "schedule='gpipe' or 'circular'"]),
     ("pipeline_loss.remat", "a string", lambda: pipeline_loss(schedule="gpipe", remat="dots"),
      [r"gspmd\.pipeline_loss\(remat=", "the string 'dots'", "True, False or a jax.checkpoint policy"]),
+    ("pipeline_loss.scan_layers", "a stack with no layer dim to scan", lambda: gspmd.pipeline_loss(
+        stage, lambda y, t: y, np.ones((2,), np.float32), MICROBATCHES, MICROBATCHES, mesh=PIPE_MESH, stage_axis="p",
+        scan_layers=True),
+     [r"scan_layers=True", "with one K", r"second dims \[\(\)\]"]),
     ("pipeline_loss.manual_stages", "None", lambda: pipeline_loss(manual_stages=None),
      ["None", "manual_stages=", "True or False"]),
     ("stage_major_order.stages", "zero", lambda: gspmd.stage_major_order(np.ones((4, 3)), 0, 2),

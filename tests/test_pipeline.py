@@ -72,6 +72,64 @@ def test_bubbles_give_finite_gradients_equal_to_the_sequential_model(schedule, r
     check(grad, ws, xs, ts, mesh=MESH, rtol=1e-4, atol=1e-5, backends=backends)
 
 
+@pytest.mark.parametrize("schedule,repeats,manual_stages,backends", [
+    ("1f1b", 2, False, BACKENDS), ("1f1b", 1, True, ("sim",)), ("gpipe", 1, False, ("sim",)),
+    ("circular", 2, False, ("sim",))])
+def test_scanned_layers_equal_the_layers_in_order(schedule, repeats, manual_stages, backends):
+    """scan_layers: each of the L*R pipeline layers is K=3 layers the pipeline scans
+    (1f1b stashes each one's input); loss and gradients equal the 3LR layers in order,
+    the stages a vmap or a manual region."""
+    rng = np.random.RandomState(6)
+    ws, xs, ts = rand(rng, 4 * repeats, 3, 8, 8) / 3, rand(rng, 5, 2, 8), rand(rng, 5, 2, 8)
+
+    def loss(ws, xs, ts):
+        return gspmd.pipeline_loss(rms_stage, loss_fn, ws, xs, ts, mesh=MESH, stage_axis="p", schedule=schedule,
+                                   repeats=repeats, manual_stages=manual_stages, scan_layers=True)
+
+    def reference(ws, xs, ts):
+        return jnp.sum(jax.vmap(loss_fn)(sequential(rms_stage, ws.reshape(-1, 8, 8), xs), ts))
+
+    grad = jax.value_and_grad(loss, argnums=(0, 1, 2))
+    got, want = jax.jit(grad)(ws, xs, ts), jax.value_and_grad(reference, argnums=(0, 1, 2))(ws, xs, ts)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)   # 24 layers deep
+    check(grad, ws, xs, ts, mesh=MESH, rtol=1e-4, atol=1e-4, backends=backends)
+
+
+def test_1f1b_with_scanned_layers_holds_one_layers_intermediates():
+    """A stage of 8 wide layers: recomputed whole in the backward slot it holds all 8
+    layers' intermediates at once; with scan_layers it keeps the 8 layers' inputs of each
+    stashed microbatch and recomputes one layer at a time, at no more FLOPs."""
+    K, width, hidden = 8, 32, 1024
+
+    def layer(p, x):
+        return x + jnp.tanh(x @ p["up"]) @ p["down"]
+
+    def stage(p, x):            # the stage's 8 layers, opaque to the pipeline
+        return jax.lax.scan(lambda x, q: (layer(q, x), None), x, p)[0]
+
+    ws = {"up": jax.ShapeDtypeStruct((4, K, width, hidden), np.float32),
+          "down": jax.ShapeDtypeStruct((4, K, hidden, width), np.float32)}
+    xs = jax.ShapeDtypeStruct((8, 64, width), np.float32)
+
+    def lower(fn, scan_layers):
+        def step(ws, xs, ts):
+            return jax.grad(lambda ws: gspmd.pipeline_loss(fn, loss_fn, ws, xs, ts, mesh=MESH, stage_axis="p",
+                                                           scan_layers=scan_layers))(ws)
+        return gspmd.jit(step, mesh=MESH).lower(ws, xs, xs).report()
+    whole, scanned = lower(stage, False), lower(layer, True)
+    intermediates = 64 * hidden * 4          # one layer's [64, hidden] activation
+    assert whole.peak_memory_bytes - scanned.peak_memory_bytes >= (K - 2) * intermediates, (whole, scanned)
+    assert scanned.flops <= whole.flops
+
+
+def test_scanned_layers_need_one_inner_layer_count():
+    ws = {"a": jnp.zeros((4, 3, 8, 8)), "b": jnp.zeros((4, 2, 8))}
+    with pytest.raises(gspmd.ShardingError, match=r"scan_layers=True.*\[layers, K, \.\.\.\]"):
+        gspmd.pipeline_loss(lambda p, x: x, loss_fn, ws, jnp.zeros((4, 2, 8)), jnp.zeros((4, 2, 8)), mesh=MESH,
+                            stage_axis="p", scan_layers=True)
+
+
 def _train_step(schedule, repeats=1, stage_major=False):
     """SGD on the stacked layers; microbatches split over "d" (data parallel)."""
     def step(ws, xs, ts):

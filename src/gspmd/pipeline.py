@@ -49,7 +49,7 @@ SCHEDULES = ("gpipe", "circular", "1f1b")
 
 def pipeline(stage_fn: Callable, stacked_params, microbatches, *, mesh: Mesh, stage_axis: str,
              schedule: str = "gpipe", repeats: int = 1, stage_major: bool = False,
-             remat: Union[bool, Callable] = True, manual_stages: bool = False):
+             remat: Union[bool, Callable] = True, manual_stages: bool = False, scan_layers: bool = False):
     """Apply the L*R layers of `stacked_params` (a pytree whose leaves have a leading
     layer dim) to each of the M microbatches (leading dim of `microbatches`):
     ys[m] == layer_{LR-1}(... layer_0(microbatches[m])), layer_i(x) = stage_fn(params_i, x).
@@ -59,12 +59,14 @@ def pipeline(stage_fn: Callable, stacked_params, microbatches, *, mesh: Mesh, st
     stages run as a manual region over the stage axis (paper 3.4) instead of a vmap;
     stage_fn's annotations over the other axes partition it inside. stage_major: the
     stacks are in stage order (`stage_major_order`), which saves moving a circular
-    schedule's layers into it."""
+    schedule's layers into it. scan_layers: each of the L*R layers is K layers in turn,
+    the leaves [L*R, K, ...], stage_fn one of them (params_i[k], x): the pipeline scans
+    them itself."""
     _check_remat(remat, "gspmd.pipeline")
     if schedule == "1f1b":
         raise ShardingError(_one_f_one_b_rewrite(stage_axis, repeats, stage_major, manual_stages))
     run = _Pipeline(stage_fn, stacked_params, microbatches, mesh, stage_axis, schedule, repeats, stage_major,
-                    manual_stages)
+                    manual_stages, scan_layers)
     record_schedule(run.timing.schedule(schedule))
     return run.forward(stacked_params, microbatches, remat)
 
@@ -72,7 +74,7 @@ def pipeline(stage_fn: Callable, stacked_params, microbatches, *, mesh: Mesh, st
 def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stacked_params, microbatches, targets, *, mesh: Mesh,
                   stage_axis: str, schedule: str = "1f1b", repeats: int = 1, stage_major: bool = False,
                   manual_stages: bool = False, ends=None, first_fn: Optional[Callable] = None,
-                  remat: Union[bool, Callable] = True):
+                  remat: Union[bool, Callable] = True, scan_layers: bool = False):
     """sum over m of loss_fn(ys[m], targets[m]) with ys as `pipeline` computes them.
     jax.grad of it (with respect to parameters, microbatches or targets) runs the
     schedule's backward pass; with schedule="1f1b" that is interleaved with the forward
@@ -83,7 +85,10 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stacked_params, microba
     gradient reaches them too. With 1f1b each microbatch is embedded in the step it
     enters and its loss taken in the step it leaves, so no [M, ...] stage inputs exist.
     remat: as `pipeline`'s for gpipe and circular; 1f1b's backward slots always
-    recompute each stage from its stashed input (remat=True)."""
+    recompute each stage from its stashed input (remat=True). scan_layers (as
+    `pipeline`'s): 1f1b stashes the input of each of a stage's K layers and its backward
+    slot recomputes them one at a time, as Megatron-LM does, holding one layer's
+    intermediates instead of the stage's."""
     _check_remat(remat, "gspmd.pipeline_loss")
     if schedule == "1f1b" and remat is not True:
         raise ShardingError(f"gspmd.pipeline_loss(schedule='1f1b', remat={describe(remat)}): 1F1B's backward "
@@ -106,10 +111,11 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stacked_params, microba
     if schedule != "1f1b":
         xs = jax.vmap(first, (None, 0))(ends, microbatches)
         ys = pipeline(stage_fn, stacked_params, xs, mesh=mesh, stage_axis=stage_axis, schedule=schedule,
-                      repeats=repeats, stage_major=stage_major, remat=remat, manual_stages=manual_stages)
+                      repeats=repeats, stage_major=stage_major, remat=remat, manual_stages=manual_stages,
+                      scan_layers=scan_layers)
         return jnp.sum(jax.vmap(loss, (0, 0, None))(ys, targets, ends))
     run = _Pipeline(stage_fn, stacked_params, microbatches, mesh, stage_axis, schedule, repeats, stage_major,
-                    manual_stages)
+                    manual_stages, scan_layers)
     record_schedule(run.timing.schedule(schedule))
     return run.one_f_one_b(loss, first, stacked_params, ends, microbatches, targets)
 
@@ -195,13 +201,14 @@ def _mask_tree(valid, tree):
 
 class _Pipeline:
     def __init__(self, stage_fn, stacked_params, microbatches, mesh: Mesh, stage_axis: str, schedule: str,
-                 repeats: int, stage_major: bool, manual_stages: bool):
+                 repeats: int, stage_major: bool, manual_stages: bool, scan_layers: bool):
         if not isinstance(schedule, str) or schedule not in SCHEDULES:
             raise ShardingError(f"Unknown pipeline schedule {schedule!r}; choose one of {SCHEDULES}.")
         function(stage_fn, "gspmd.pipeline's stage_fn (it gets (params_i, x))", arity=2)
         repeats = count(repeats, "gspmd.pipeline(repeats=...)")
         stage_major, manual_stages = flag(stage_major, "gspmd.pipeline(stage_major=...)"), \
             flag(manual_stages, "gspmd.pipeline(manual_stages=...)")
+        self.scan_layers = flag(scan_layers, "gspmd.pipeline(scan_layers=...)")
         if schedule == "gpipe" and repeats != 1:
             raise ShardingError(f"The gpipe schedule runs each layer once (repeats=1), got repeats={repeats}; "
                                 "use schedule='circular' (or '1f1b') for repeats > 1.")
@@ -213,6 +220,8 @@ class _Pipeline:
         m = _microbatch_count(microbatches)
         _check_leading(stacked_params, stages * repeats, "Stacked parameter",
                        f"{stages} stages x {repeats} repeats (stage axis {stage_axis!r} of {mesh})")
+        if self.scan_layers:
+            _check_inner_layers(stacked_params)
         self.stage_fn, self.mesh, self.axis = stage_fn, mesh, stage_axis
         self.in_stage_order = stage_major or repeats == 1     # (with one repeat both orders are one)
         self.manual_stages = manual_stages
@@ -276,8 +285,15 @@ class _Pipeline:
         return jax.lax.dynamic_update_index_in_dim(buffer, new, m, axis=1)
 
     def all_stages(self):
-        """(layers [L, ...], inputs [L, ...]) -> outputs [L, ...]: every stage at once; a
-        stage must return its input's shape and dtype (it feeds the next stage)."""
+        """(layers [L, ...], inputs [L, ...]) -> outputs [L, ...]: every stage at once
+        (with scan_layers, each of its K layers in turn)."""
+        if not self.scan_layers:
+            return self.one_layer()
+        return lambda layer, x: self.scan_forward(layer, x)[0]
+
+    def one_layer(self):
+        """(a layer per stage [L, ...], inputs [L, ...]) -> outputs [L, ...]; a layer must
+        return its input's shape and dtype (it feeds the next)."""
         stages = jax.vmap(self.stage_fn) if not self.manual_stages else self.manual_region()
 
         def checked(layer, x):
@@ -302,6 +318,23 @@ class _Pipeline:
                             in_specs=specs, out_specs=specs[-1], manual_axes=(self.axis,))
             return region(*leaves, x)
         return run
+
+    def scan_forward(self, layer, x):
+        """(outputs, each of the K layers' inputs [K, L, ...]) of layers [L, K, ...]."""
+        one = self.one_layer()
+        return jax.lax.scan(lambda x, p: (self.split(one(p, x)), x), x, _inner_first(layer))
+
+    def scan_backward(self, layer, inputs, ct):
+        """(d layers [L, K, ...], d x): the K layers last first, each recomputed from its
+        input [K, L, ...] as its gradient is taken, so one layer's intermediates live."""
+        one = self.one_layer()
+
+        def back(ct, p_x):
+            _, vjp = jax.vjp(jax.checkpoint(one), *p_x)     # (its forward marked as recomputed)
+            d_p, d_x = vjp(ct)
+            return self.split(d_x), d_p
+        d_x, d_layer = jax.lax.scan(back, ct, (_inner_first(layer), inputs), reverse=True)
+        return jax.tree_util.tree_map(lambda g: jnp.moveaxis(g, 0, 1), d_layer), d_x
 
     def run_stages(self, per_stage, r, x, valid):
         """All stages' forward slots at once, bubble slots masked in value and gradient."""
@@ -356,6 +389,10 @@ class _Pipeline:
         run.defvjp(fwd, bwd, symbolic_zeros=True)
         return run(stacked_params, ends, microbatches, targets)
 
+    def inner(self, stacked_params) -> tuple[int, ...]:
+        """(K,) with scan_layers: the stash keeps each of a stage's K layers' inputs."""
+        return jnp.shape(jax.tree_util.tree_leaves(stacked_params)[0])[1:2] if self.scan_layers else ()
+
     def per_stage_copy(self, tree):
         """A pytree's leaves as [L, ...] split by stage: each stage its own copy, whose
         gradient it accumulates locally (summed over the stages once, after the loop)."""
@@ -385,8 +422,13 @@ class _Pipeline:
             valid, r, _ = timing.forward(t, self.stage)
             fresh = lambda m: embed(ends_by_stage, m)   # noqa: E731
             x = _mask(valid, self.split(self.stage_inputs(t, fresh, jnp.roll(c["act"], 1, 0))))
-            c["stash"] = jax.lax.dynamic_update_index_in_dim(c["stash"], x, t % depth, axis=1)
-            y = self.split(_mask(valid, run_stages(self.layer(per_stage, r), x)))
+            if self.scan_layers:     # each layer's input kept
+                y, inputs = self.scan_forward(self.layer(per_stage, r), x)
+                kept = jnp.moveaxis(inputs, 0, 1)
+            else:
+                y, kept = run_stages(self.layer(per_stage, r), x), x
+            c["stash"] = jax.lax.dynamic_update_index_in_dim(c["stash"], kept, t % depth, axis=1)
+            y = self.split(_mask(valid, y))
             # The last layer's output meets its loss in this very step.
             last = valid & last_stage & (r == R - 1)
             done, _, m = timing.forward(t, L - 1)
@@ -405,9 +447,15 @@ class _Pipeline:
             valid, r, _ = timing.backward(t, self.stage)
             ct = jnp.where(_expand(last_stage & (r == R - 1), state), c["d_last"], jnp.roll(c["ct"], -1, axis=0))
             stashed = (t - 2 * (timing.layers - 1) + 2 * (self.stage + r * L)) % depth   # the step it was stashed
-            x = _pick(c["stash"], stashed)
-            _, vjp = jax.vjp(jax.checkpoint(lambda p, x: run_stages(self.layer(p, r), x)), per_stage, x)
-            d_params, d_x = vjp(_mask(valid, self.split(ct)))
+            ct_in = _mask(valid, self.split(ct))
+            if self.scan_layers:
+                layer, layer_vjp = jax.vjp(lambda p: self.layer(p, r), per_stage)
+                d_layer, d_x = self.scan_backward(layer, jnp.moveaxis(_pick(c["stash"], stashed), 1, 0), ct_in)
+                (d_params,) = layer_vjp(d_layer)
+            else:
+                _, vjp = jax.vjp(jax.checkpoint(lambda p, x: run_stages(self.layer(p, r), x)), per_stage,
+                                 _pick(c["stash"], stashed))
+                d_params, d_x = vjp(ct_in)
             c["grads"] = jax.tree_util.tree_map(lambda a, g: a + _mask(valid, g).astype(a.dtype), c["grads"], d_params)
             c["ct"] = self.split(_mask(valid, d_x))
             # The first layer's input gradient, through first_fn (recomputed, as cheap as
@@ -433,7 +481,8 @@ class _Pipeline:
 
         loss_type = jax.eval_shape(loss_fn, stage_input, ys[0], ends)
         carry = {"act": state, "ct": state, "d_last": state,
-                 "stash": self.split(jnp.zeros((L, depth) + stage_input.shape, stage_input.dtype)),
+                 "stash": self.split(jnp.zeros((L, depth) + self.inner(stacked_params) + stage_input.shape,
+                                               stage_input.dtype)),
                  "loss": self.split(jnp.zeros((L,), loss_type.dtype)),
                  "grads": jax.tree_util.tree_map(lambda p: self.split(jnp.zeros(jnp.shape(p), _accumulated(p))),
                                                  per_stage),
@@ -470,6 +519,19 @@ def _check_leading(tree, size: int, what: str, why: str, dim: str = "layer dim")
         if shape[:1] != (size,):
             given = f"of shape {shape}" if hasattr(leaf, "shape") else describe(leaf)
             raise ShardingError(f"{what} {given} must have a leading {dim} of {why} = {size}.")
+
+
+def _check_inner_layers(stacked_params) -> None:
+    """scan_layers: every leaf [L*R, K, ...] with one K."""
+    inner = {array_shape(leaf, "Stacked parameter")[1:2] for leaf in jax.tree_util.tree_leaves(stacked_params)}
+    if len(inner) != 1 or () in inner:
+        raise ShardingError(f"gspmd.pipeline(scan_layers=True) needs every stacked parameter as [layers, K, ...] "
+                            f"with one K (the layers each scans in turn); got second dims {sorted(inner)}.")
+
+
+def _inner_first(layer):
+    """Layers [L, K, ...] as [K, L, ...], to scan over K."""
+    return jax.tree_util.tree_map(lambda p: jnp.moveaxis(p, 1, 0), layer)
 
 
 def _index(x, m, axis: int = 0):
