@@ -197,13 +197,17 @@ MEGATRON = Table(
      "row-major on the a100 hosts (tensor inside a node): weights over the tensor axis only, replicated "
      "over data (gradients all-reduced across nodes as hierarchical rings), activations replicated over "
      "the tensor axis between layers (no sequence parallelism in 2021).",
-     "Full activation recomputation (--checkpoint-activations), as the formula counts it: nothing_saveable "
-     "per layer without a pipeline; with one, 1F1B, whose backward slots recompute each stage from its "
-     "stashed input, interleaved as run_table_1.sh interleaves it (--num-layers-per-virtual-pipeline-stage "
+     "Full activation recomputation (--checkpoint-activations): nothing_saveable per layer without a "
+     "pipeline; with one, 1F1B, which stashes each layer's input and whose backward slots recompute one layer "
+     "at a time (Megatron-LM's activation memory; `pipeline_loss(scan_layers=True)`), interleaved as "
+     "run_table_1.sh interleaves it (--num-layers-per-virtual-pipeline-stage "
      "5, 5, 3, 1 at 76.1B-529.6B: our --repeats 3, 2, 2, 3), over its microbatches (4, 2, 2, 1, 1, 1 "
      "sequences). Without a pipeline the replica's batch is one microbatch (16 sequences) but at 18.4B, "
      "which run_table_1.sh runs as 4 of 8: we plan the 32 at once (gradient accumulation would add ~1%). "
-     "Not planned: the paper's scatter/gather of stage boundaries across the tensor group.",
+     "Not planned: the paper's scatter/gather of stage boundaries across the tensor group. Recomputation "
+     "is jax's: a layer is recomputed only as far as its gradient needs, not its last matmul's output (17-18% "
+     "of our FLOPs, where the formula counts a whole forward pass, 25%, as torch's checkpoint reruns the "
+     "layer).",
      "FFN 4h, head dim h / heads, Adam (adamw), bfloat16 activations (their --fp16: the same bytes), float32 weights (pipelined rows: "
      "cast to bfloat16 once per step, as Megatron-LM's model holds them, the float32 copy the optimizer's; "
      "gradients summed over microbatches in float32, as its main_grad). Every row plans the embedding and "
@@ -215,7 +219,7 @@ MEGATRON = Table(
      "Model FLOPs for every row by the paper's formula (so TFLOP/s compare like for like); our plan's own "
      "FLOPs decide its step time."),
     ("Rows without a pipeline (1.7B-18.4B) come out 33-50% fast, 58-66% of peak where Megatron-LM reached "
-     "43-46%. Pricing the softmax and layer norms that feed matmuls as kernels of their own (GPU matmuls "
+     "43-46%. 8% of it is recomputation: ours does 0.93 of the formula's FLOPs (above). Pricing the softmax and layer norms that feed matmuls as kernels of their own (GPU matmuls "
      "take no fused producers) took them from 42-73% fast to this. What else was tried, none of which is "
      "principled enough to keep: every element-wise op its own kernel (PyTorch eager without Megatron's "
      "fused layer-norm, softmax, bias-GeLU and bias-dropout-add kernels) overshoots, 0.49x at 1.7B, 0.65x "
@@ -228,21 +232,22 @@ MEGATRON = Table(
      "probabilities and twice per layer on the hidden states in Megatron's GPT; our model has none: by hand "
      "~15 bytes per attention probability per layer, +0.3 s at 1.7B, which would make it 1.32x, 18.4B "
      "1.30x) and PyTorch's per-kernel overheads. So these rows stay outside 20%.",
-     "Pipelined rows (39.1B-1T), as run_table_1.sh runs them, are 0-15% slow. Interleaving halves their "
-     "bubbles (310.1B: 9.4% -> 5.0%) but costs our vectorized schedule more than it saves: each slot gathers "
-     "its virtual stage's layers out of the stage's stack and scatter-adds their gradients back (310.1B: "
-     "gather 1.5 s, scatter 0.8 s, the accumulating adds 1.4 s more, twice the activation permutes), so "
-     "310.1B is 44.3 s interleaved against 40.9 s not (0.85 against 0.92 of the published). Also costing "
-     "them: every stage computes the step's logits and softmax (one SPMD program; only the last stage's "
-     "count): 5% at 1T; the stage's layers transposed for the scan over them in every step.",
-     "The published ranking rises with model size (135-163 TF/s); ours falls from the rows without a "
-     "pipeline (182-205) to the pipelined (132-150), and among these 310.1B (interleaved, above) is our "
-     "slowest where it is the paper's third fastest.",
-     "Memory: every row but 39.1B fits in the A100's 80 GiB (56-66 GB). 39.1B's microbatches of 4 "
-     "sequences take our plan to 112 GB: the 1F1B backward slot recomputes the whole stage (24 layers) at "
-     "once and holds all its activations, 12.9 GB of them the float32 attention probabilities "
-     "[24, 4, 8, 2048, 2048], where Megatron-LM recomputes one layer at a time. (At microbatches of one "
-     "sequence, as planned before run_table_1.sh was read, it fit in 68.9 GB at 0.94 of the published.)"))
+     "Pipelined rows (39.1B-1T), as run_table_1.sh runs them, are 0.92-1.22 of the published, all but "
+     "39.1B (1.22) within 20%. Across the table ours / published falls as h grows (1.50 at h = 2304, 1.33-1.35 "
+     "at 4096-6144, 1.22 at 8192, 1.12-1.13 at 10240-12288, 0.92-1.02 at 16384-25600), the paper's own account "
+     "of its weak scaling: larger matrix multiplications run closer to peak, which our one matmul efficiency "
+     "(80%) does not model. Interleaving halves the bubbles (310.1B: 9.4% -> 5.0%) but costs our vectorized "
+     "schedule more than it saves: each slot gathers its virtual stage's layers out of the stage's stack and "
+     "scatter-adds their gradients back, so 310.1B is 38.3 s interleaved against 34.2 s not (0.98 against "
+     "1.10 of the published). Every stage also computes the step's logits and softmax (one SPMD program; "
+     "only the last stage's count).",
+     "The published ranking rises with model size (135-163 TF/s); ours falls with it, from the rows without a "
+     "pipeline (182-205) to the pipelined (150-168), so most ordered pairs are swapped.",
+     "Memory: every row fits in the A100's 80 GiB (48-83 GB). 39.1B (microbatches of 4 sequences) took "
+     "112 GB while 1F1B's backward slot recomputed the whole stage (24 layers) at once, 12.9 GB of it the "
+     "float32 attention probabilities [24, 4, 8, 2048, 2048]; with each layer's input stashed (3 in-flight "
+     "microbatches x 24 layers x 134 MB) and one layer recomputed at a time, as Megatron-LM does, it takes "
+     "65 GB, and every pipelined row does 7-8% fewer FLOPs (recomputation 25% -> 17-18% of them)."))
 
 TABLES = {t.key: t for t in (MAXTEXT, MEGATRON)}
 

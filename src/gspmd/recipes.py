@@ -278,23 +278,27 @@ def _pipelined(stack: LayerStack, s: dict, hw: Hardware) -> Case:
 
     # GPipe rematerializes each layer inside its stage. A circular schedule selects a
     # different layer each step: the pipeline rematerializes the step's stage, selection
-    # included, so that the layer is not held once per step. 1F1B's backward slots
-    # always recompute the stage from its stashed input.
-    whole_stages = repeats > 1 or s["schedule"] == "1f1b"
+    # included, so that the layer is not held once per step. 1F1B scans the stage's
+    # layers itself: it stashes each layer's input and its backward slots recompute one
+    # layer at a time (Megatron-LM's activation memory).
+    one_f_one_b = s["schedule"] == "1f1b"
+    whole_stages = repeats > 1 or one_f_one_b
     policy = _policy(s["remat"])
 
+    def layer_fn(params, x):
+        return stack.layer(params, x, annotate, stack.strategy, cfg)
+
     def stage_fn(params, x):
-        def body(x, p):
-            return stack.layer(p, x, annotate, stack.strategy, cfg), None
-        return jax.lax.scan(_layers(body, None if whole_stages else policy), x, params)[0]
+        body = _layers(lambda x, p: (layer_fn(p, x), None), None if whole_stages else policy)
+        return jax.lax.scan(body, x, params)[0]
 
     def loss(stacked, microbatches, targets, ends=None, first_fn=None, loss_fn=_mse):
         if s.get("strategy") == "megatron":   # Megatron-LM's model holds bfloat16 weights: cast once per step
             stacked = _cast(stacked, dtype)
-        remat = True if s["schedule"] == "1f1b" else (policy or False) if whole_stages else False
-        return pipeline_loss(stage_fn, loss_fn, stacked, microbatches, targets, mesh=mesh, stage_axis="p",
-                             schedule=s["schedule"], repeats=repeats, stage_major=True, ends=ends,
-                             first_fn=first_fn, remat=remat) / micro
+        remat = True if one_f_one_b else (policy or False) if whole_stages else False
+        return pipeline_loss(layer_fn if one_f_one_b else stage_fn, loss_fn, stacked, microbatches, targets,
+                             mesh=mesh, stage_axis="p", schedule=s["schedule"], repeats=repeats, stage_major=True,
+                             ends=ends, first_fn=first_fn, remat=remat, scan_layers=one_f_one_b) / micro
 
     stacked = _stack(stack.shapes(cfg), stages * repeats, per_stage)
     described = (f"pipelined {stack.name}, {s['layers']} layers over {stages} stages ({s['schedule']}, "
