@@ -384,6 +384,9 @@ def test_pipeline_rejects_bad_configurations():
     with pytest.raises(gspmd.ShardingError, match=r"gspmd\.pipeline_loss\(stage_fn, loss_fn, params, xs, targets, "
                        r"mesh=mesh, stage_axis='p', repeats=2, schedule='1f1b'\)"):   # the call to write instead
         gspmd.pipeline(stage_fn, ws, xs, mesh=MESH, stage_axis="p", schedule="1f1b", repeats=2)
+    with pytest.raises(gspmd.ShardingError, match=r"targets, mesh=mesh, stage_axis='p', scan_layers=True, "
+                       r"schedule='1f1b'\)"):
+        gspmd.pipeline(stage_fn, ws[:4, None], xs, mesh=MESH, stage_axis="p", schedule="1f1b", scan_layers=True)
     with pytest.raises(gspmd.ShardingError, match="at least one microbatch"):
         gspmd.pipeline(stage_fn, ws[:4], xs[:0], mesh=MESH, stage_axis="p")
 

@@ -64,7 +64,8 @@ def pipeline(stage_fn: Callable, stacked_params, microbatches, *, mesh: Mesh, st
     them itself."""
     _check_remat(remat, "gspmd.pipeline")
     if schedule == "1f1b":
-        raise ShardingError(_one_f_one_b_rewrite(stage_axis, repeats, stage_major, manual_stages))
+        raise ShardingError(_one_f_one_b_rewrite(stage_axis, repeats, stage_major=stage_major,
+                                                 manual_stages=manual_stages, scan_layers=scan_layers))
     run = _Pipeline(stage_fn, stacked_params, microbatches, mesh, stage_axis, schedule, repeats, stage_major,
                     manual_stages, scan_layers)
     record_schedule(run.timing.schedule(schedule))
@@ -126,10 +127,11 @@ def _check_remat(remat, caller: str) -> None:
                             f"{describe(remat)}; e.g. remat=jax.checkpoint_policies.dots_saveable.")
 
 
-def _one_f_one_b_rewrite(stage_axis: str, repeats: int, stage_major: bool, manual_stages: bool) -> str:
-    """Why gspmd.pipeline refuses schedule="1f1b", and the call to write instead."""
+def _one_f_one_b_rewrite(stage_axis: str, repeats: int, **flags: bool) -> str:
+    """Why gspmd.pipeline refuses schedule="1f1b", and the call to write instead (flags:
+    the boolean options given as True)."""
     options = f"mesh=mesh, stage_axis={stage_axis!r}" + (f", repeats={repeats}" if repeats != 1 else "") + \
-        (", stage_major=True" if stage_major else "") + (", manual_stages=True" if manual_stages else "")
+        "".join(f", {name}=True" for name, on in flags.items() if on is True)
     return ("gspmd.pipeline(..., schedule='1f1b') cannot run 1F1B: its backward slots need each microbatch's "
             "loss gradient while the forward loop still runs, and gspmd.pipeline returns the outputs, not the "
             "loss. Give the loss to gspmd.pipeline_loss; rewrite\n"
