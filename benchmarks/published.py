@@ -232,17 +232,17 @@ MEGATRON = Table(
      "probabilities and twice per layer on the hidden states in Megatron's GPT; our model has none: by hand "
      "~15 bytes per attention probability per layer, +0.3 s at 1.7B, which would make it 1.32x, 18.4B "
      "1.30x) and PyTorch's per-kernel overheads. So these rows stay outside 20%.",
-     "Pipelined rows (39.1B-1T), as run_table_1.sh runs them, are 0.92-1.22 of the published, all but "
+     "Pipelined rows (39.1B-1T), as run_table_1.sh runs them, are 1.02-1.22 of the published, all but "
      "39.1B (1.22) within 20%. Across the table ours / published falls as h grows (1.50 at h = 2304, 1.33-1.35 "
-     "at 4096-6144, 1.22 at 8192, 1.12-1.13 at 10240-12288, 0.92-1.02 at 16384-25600), the paper's own account "
+     "at 4096-6144, 1.22 at 8192, 1.16-1.19 at 10240-12288, 1.02-1.04 at 16384-25600), the paper's own account "
      "of its weak scaling: larger matrix multiplications run closer to peak, which our one matmul efficiency "
      "(80%) does not model. Interleaving halves the bubbles (310.1B: 9.4% -> 5.0%) but costs our vectorized "
-     "schedule more than it saves: each slot gathers its virtual stage's layers out of the stage's stack and "
-     "scatter-adds their gradients back, so 310.1B is 38.3 s interleaved against 34.2 s not (0.98 against "
+     "schedule more than it saves: each slot gathers its virtual stage's layers out of the stage's stack "
+     "(their gradients go back in place), so 310.1B is 36.1 s interleaved against 34.2 s not (1.04 against "
      "1.10 of the published). Every stage also computes the step's logits and softmax (one SPMD program; "
      "only the last stage's count).",
      "The published ranking rises with model size (135-163 TF/s); ours falls with it, from the rows without a "
-     "pipeline (182-205) to the pipelined (150-168), so most ordered pairs are swapped.",
+     "pipeline (182-205) to the pipelined (161-171), so most ordered pairs are swapped.",
      "Memory: every row fits in the A100's 80 GiB (48-83 GB). 39.1B (microbatches of 4 sequences) took "
      "112 GB while 1F1B's backward slot recomputed the whole stage (24 layers) at once, 12.9 GB of it the "
      "float32 attention probabilities [24, 4, 8, 2048, 2048]; with each layer's input stashed (3 in-flight "

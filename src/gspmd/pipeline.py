@@ -451,14 +451,21 @@ class _Pipeline:
             stashed = (t - 2 * (timing.layers - 1) + 2 * (self.stage + r * L)) % depth   # the step it was stashed
             ct_in = _mask(valid, self.split(ct))
             if self.scan_layers:
-                layer, layer_vjp = jax.vjp(lambda p: self.layer(p, r), per_stage)
-                d_layer, d_x = self.scan_backward(layer, jnp.moveaxis(_pick(c["stash"], stashed), 1, 0), ct_in)
-                (d_params,) = layer_vjp(d_layer)
+                d_layer, d_x = self.scan_backward(self.layer(per_stage, r),
+                                                  jnp.moveaxis(_pick(c["stash"], stashed), 1, 0), ct_in)
+                # Masked and widened before going to its place in the stack: the sum with
+                # the accumulator is then an update of zeros, made in place (passes.accumulate)
+                # where the repeats' stack would be added whole every step.
+                _, place = jax.vjp(lambda p: self.layer(p, r), c["grads"])
+                (d_params,) = place(jax.tree_util.tree_map(lambda g, a: _mask(valid, g).astype(a.dtype), d_layer,
+                                                           c["grads"]))
+                c["grads"] = jax.tree_util.tree_map(jnp.add, c["grads"], d_params)
             else:
                 _, vjp = jax.vjp(jax.checkpoint(lambda p, x: run_stages(self.layer(p, r), x)), per_stage,
                                  _pick(c["stash"], stashed))
                 d_params, d_x = vjp(ct_in)
-            c["grads"] = jax.tree_util.tree_map(lambda a, g: a + _mask(valid, g).astype(a.dtype), c["grads"], d_params)
+                c["grads"] = jax.tree_util.tree_map(lambda a, g: a + _mask(valid, g).astype(a.dtype), c["grads"],
+                                                    d_params)
             c["ct"] = self.split(_mask(valid, d_x))
             # The first layer's input gradient, through first_fn (recomputed, as cheap as
             # an embedding lookup), to the ends' parameters and the microbatch.
