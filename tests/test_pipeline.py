@@ -123,19 +123,21 @@ def test_1f1b_with_scanned_layers_holds_one_layers_intermediates():
     assert scanned.flops <= whole.flops
 
 
-def test_interleaved_1f1b_adds_each_layers_gradient_in_place():
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_interleaved_1f1b_adds_each_layers_gradient_in_place(scan_layers):
     """With repeats, a backward slot's layer gradients go to their repeat's place in the
     stage's float32 accumulator as one in-place update: the stack of all repeats is not
     added whole every step."""
-    R, K, width = 2, 3, 16
-    ws = jax.ShapeDtypeStruct((4 * R, K, width, width), jnp.bfloat16)
+    R, width = 2, 16
+    inner = (3,) if scan_layers else ()
+    ws = jax.ShapeDtypeStruct((4 * R,) + inner + (width, width), jnp.bfloat16)
     xs = jax.ShapeDtypeStruct((8, 4, width), jnp.bfloat16)
 
     def step(ws, xs, ts):
         return jax.grad(lambda ws: gspmd.pipeline_loss(stage_fn, loss_fn, ws, xs, ts, mesh=MESH, stage_axis="p",
-                                                       repeats=R, stage_major=True, scan_layers=True))(ws)
+                                                       repeats=R, stage_major=True, scan_layers=scan_layers))(ws)
     low = gspmd.jit(step, mesh=MESH).lower(ws, xs, xs)
-    stack = (1, R, K, width, width)          # a stage's accumulator, per device
+    stack = (1, R) + inner + (width, width)  # a stage's accumulator, per device
     made = [(i.opcode, v.dtype) for i in low.spmd.all_instrs() for v in i.outputs if v.shape == stack]
     assert ("scatter", np.float32) in made and ("add", np.float32) not in made, made
 

@@ -453,19 +453,16 @@ class _Pipeline:
             if self.scan_layers:
                 d_layer, d_x = self.scan_backward(self.layer(per_stage, r),
                                                   jnp.moveaxis(_pick(c["stash"], stashed), 1, 0), ct_in)
-                # Masked and widened before going to its place in the stack: the sum with
-                # the accumulator is then an update of zeros, made in place (passes.accumulate)
-                # where the repeats' stack would be added whole every step.
-                _, place = jax.vjp(lambda p: self.layer(p, r), c["grads"])
-                (d_params,) = place(jax.tree_util.tree_map(lambda g, a: _mask(valid, g).astype(a.dtype), d_layer,
-                                                           c["grads"]))
-                c["grads"] = jax.tree_util.tree_map(jnp.add, c["grads"], d_params)
             else:
-                _, vjp = jax.vjp(jax.checkpoint(lambda p, x: run_stages(self.layer(p, r), x)), per_stage,
-                                 _pick(c["stash"], stashed))
-                d_params, d_x = vjp(ct_in)
-                c["grads"] = jax.tree_util.tree_map(lambda a, g: a + _mask(valid, g).astype(a.dtype), c["grads"],
-                                                    d_params)
+                _, vjp = jax.vjp(jax.checkpoint(run_stages), self.layer(per_stage, r), _pick(c["stash"], stashed))
+                d_layer, d_x = vjp(ct_in)
+            # Masked and widened before going to its place in the stage's stack: the sum with
+            # the accumulator is then an update of zeros, made in place (passes.accumulate)
+            # where the stack of all repeats would be added whole every step.
+            _, place = jax.vjp(lambda p: self.layer(p, r), c["grads"])
+            (d_params,) = place(jax.tree_util.tree_map(lambda g, a: _mask(valid, g).astype(a.dtype), d_layer,
+                                                       c["grads"]))
+            c["grads"] = jax.tree_util.tree_map(jnp.add, c["grads"], d_params)
             c["ct"] = self.split(_mask(valid, d_x))
             # The first layer's input gradient, through first_fn (recomputed, as cheap as
             # an embedding lookup), to the ends' parameters and the microbatch.
