@@ -222,8 +222,8 @@ class _Pipeline:
         m = _microbatch_count(microbatches)
         _check_leading(stacked_params, stages * repeats, "Stacked parameter",
                        f"{stages} stages x {repeats} repeats (stage axis {stage_axis!r} of {mesh})")
-        if self.scan_layers:
-            _check_inner_layers(stacked_params)
+        # (K,): with scan_layers the stash keeps each of a stage's K layers' inputs
+        self.inner = _inner_layers(stacked_params) if self.scan_layers else ()
         self.stage_fn, self.mesh, self.axis = stage_fn, mesh, stage_axis
         self.in_stage_order = stage_major or repeats == 1     # (with one repeat both orders are one)
         self.manual_stages = manual_stages
@@ -391,10 +391,6 @@ class _Pipeline:
         run.defvjp(fwd, bwd, symbolic_zeros=True)
         return run(stacked_params, ends, microbatches, targets)
 
-    def inner(self, stacked_params) -> tuple[int, ...]:
-        """(K,) with scan_layers: the stash keeps each of a stage's K layers' inputs."""
-        return jnp.shape(jax.tree_util.tree_leaves(stacked_params)[0])[1:2] if self.scan_layers else ()
-
     def per_stage_copy(self, tree):
         """A pytree's leaves as [L, ...] split by stage: each stage its own copy, whose
         gradient it accumulates locally (summed over the stages once, after the loop)."""
@@ -487,7 +483,7 @@ class _Pipeline:
 
         loss_type = jax.eval_shape(loss_fn, stage_input, ys[0], ends)
         carry = {"act": state, "ct": state, "d_last": state,
-                 "stash": self.split(jnp.zeros((L, depth) + self.inner(stacked_params) + stage_input.shape,
+                 "stash": self.split(jnp.zeros((L, depth) + self.inner + stage_input.shape,
                                                stage_input.dtype)),
                  "loss": self.split(jnp.zeros((L,), loss_type.dtype)),
                  "grads": jax.tree_util.tree_map(lambda p: self.split(jnp.zeros(jnp.shape(p), _accumulated(p))),
@@ -527,12 +523,13 @@ def _check_leading(tree, size: int, what: str, why: str, dim: str = "layer dim")
             raise ShardingError(f"{what} {given} must have a leading {dim} of {why} = {size}.")
 
 
-def _check_inner_layers(stacked_params) -> None:
-    """scan_layers: every leaf [L*R, K, ...] with one K."""
+def _inner_layers(stacked_params) -> tuple[int]:
+    """scan_layers: (K,), every leaf being [L*R, K, ...] with one K."""
     inner = {array_shape(leaf, "Stacked parameter")[1:2] for leaf in jax.tree_util.tree_leaves(stacked_params)}
     if len(inner) != 1 or () in inner:
         raise ShardingError(f"gspmd.pipeline(scan_layers=True) needs every stacked parameter as [layers, K, ...] "
                             f"with one K (the layers each scans in turn); got second dims {sorted(inner)}.")
+    return inner.pop()
 
 
 def _inner_first(layer):
