@@ -4,9 +4,9 @@ from gspmd.ops import (callbacks, collectives, control, conv, dot, elementwise, 
                        manual, random, reduce, shape, slicing, sort, window)
 from gspmd.ops.elementwise import annotated
 from gspmd.ops.registry import (KEY_PRIMITIVES, OPS, PRIMITIVES, OpDef, flops, informants, is_annotation, is_zero,
-                                layouts_named, lookup, partition, propagate, proposer, prune, runs, seeds, storage,
-                                tensors)
+                                layouts_named, lookup, partition, propagate, proposer, prune, runs, seeds, splats,
+                                storage, tensors)
 
 __all__ = ["KEY_PRIMITIVES", "OPS", "PRIMITIVES", "OpDef", "annotated", "flops", "informants", "is_annotation",
            "is_zero", "layouts_named", "lookup", "partition", "propagate", "proposer", "prune", "runs", "seeds",
-           "storage", "tensors"]
+           "splats", "storage", "tensors"]

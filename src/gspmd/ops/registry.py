@@ -174,6 +174,8 @@ class Facets:
     layouts_named: Optional[Callable[[Instr], list[Sharding]]] = None
     # zero(instr, is_zero) -> whether its result is all zeros, given is_zero of values
     zero: Optional[Callable[[Instr, Callable[[Value], bool]], bool]] = None
+    # splat(instr) -> whether its result repeats its one operand, a scalar, in every element
+    splat: Optional[Callable[[Instr], bool]] = None
     # uniform(instr, groups, uniform) -> whether its result is the same on every device of
     # each group (default: when every operand is); loop motion asks
     uniform: Optional[Callable[[Instr, np.ndarray, Uniform], bool]] = None
@@ -352,6 +354,12 @@ def is_zero(v: Value) -> bool:
         return False
     fn = lookup(p.opcode).facets.zero
     return fn is not None and fn(p, is_zero)
+
+
+def splats(instr: Instr) -> bool:
+    """Whether `instr`'s result repeats its one operand, a scalar, in every element."""
+    fn = lookup(instr.opcode).facets.splat
+    return fn is not None and fn(instr)
 
 
 def partition(ctx: DeviceContext, instr: Instr, operands: list[PartitionedValue],

@@ -356,7 +356,8 @@ register("broadcast",
          rule=Rule(factors=_broadcast_factors, priority=LAYOUT, forward_priority=EXPAND),
          memory=Memory(storage=Storage.REPEATED),
          rewrites=Rewrites(linear=jointly_linear),
-         facets=Facets(zero=lambda instr, is_zero: is_zero(instr.operands[0])))
+         facets=Facets(zero=lambda instr, is_zero: is_zero(instr.operands[0]),
+                       splat=lambda instr: instr.operands[0].rank == 0))
 register("transpose",
          frontend=Frontend(converts={"transpose": _convert_transpose}),
          semantics=Semantics(evaluate=_evaluate_transpose, lower=_lower_transpose),
