@@ -1,5 +1,6 @@
 """The jax backend: runs an SPMD program on jax devices as ONE jax.jit around a
-`jax.shard_map` of the per-device program.
+`jax.shard_map` of the per-device program (and, after it, the program's element-wise
+tail on global arrays: runtime/epilogue.py).
 
 The shard_map is over the user's mesh (as a jax Mesh); collectives span all of its axes,
 flattened, so a device's mesh position is its axis index and our device groups become
@@ -27,6 +28,7 @@ from gspmd.errors import ShardingError
 from gspmd.ir import Instr, Program, Value
 from gspmd.mesh import Mesh, has_explicit_axes
 from gspmd.ops.convert import LowerContext
+from gspmd.runtime.epilogue import Epilogue
 from gspmd.sharding import Sharding, spec_of
 
 
@@ -143,7 +145,13 @@ class Executable:
         self.out_shardings = [NamedSharding(mesh.to_jax(), self.named_sharding(v.sharding, v.shape).spec)
                               for v in self.outputs]
         self._coarse_in = [self._coarse(ns, v) for ns, v in zip(self.in_shardings, self.params)]
-        self._coarse_out = [self._coarse(ns, v) for ns, v in zip(self.out_shardings, self.outputs)]
+        # The element-wise tail runs after the shard_map, on global arrays (runtime/epilogue.py);
+        # the shard_map's results are the core's outputs, each as (spec, coarser layout, global value).
+        self.epilogue = Epilogue(spmd, self.params, self.outputs, mesh.size,
+                                 lambda v: v.sharding is not None and self._coarse(self._named(v), v) is None)
+        core_globals = [g for local, g in zip(spmd.outputs, self.outputs) if local not in self.epilogue.made]
+        core_globals += list(self.epilogue.read.values())
+        self._core_out = [(self._named(g).spec, self._coarse(self._named(g), g), g) for g in core_globals]
         self._wrap = wrap
         # The program is jitted by itself inside the wrapper: jax lowers the custom vmap
         # rule's call by evaluating its jaxpr again, which is then one call, not the
@@ -155,6 +163,9 @@ class Executable:
         self.multiprocess = jax.process_count() > 1
 
     # -- layouts ------------------------------------------------------------------------
+    def _named(self, v: Value) -> NamedSharding:
+        return self.named_sharding(v.sharding, v.shape)
+
     def named_sharding(self, sharding: Sharding, shape: Sequence[int]) -> NamedSharding:
         """The finest NamedSharding over the mesh that `sharding` refines and that splits
         `shape` evenly: exactly `sharding` where it can be."""
@@ -183,13 +194,16 @@ class Executable:
     def _run_global(self, *args):
         if any(tuple(x.shape) != p.shape or np.dtype(x.dtype) != p.dtype for x, p in zip(args, self.params)):
             raise OtherSignature()      # jax retraces for another signature: not this program's
-        in_specs = tuple(s.spec for s in self.in_shardings)
-        out_specs = tuple(P() if coarse is not None else s.spec for s, coarse in zip(self.out_shardings, self._coarse_out))
+        epilogue = self.epilogue
+        in_specs = tuple(self.in_shardings[k].spec for k in epilogue.arguments)
+        out_specs = tuple(P() if coarse is not None else spec for spec, coarse, _ in self._core_out)
 
         def run(*args):
             with jax.sharding.use_abstract_mesh(self.jax_mesh.abstract_mesh):   # whatever jax.set_mesh says outside
-                return jax.shard_map(self._body, mesh=self.jax_mesh, in_specs=in_specs, out_specs=out_specs,
-                                     check_vma=False)(*args)
+                results = jax.shard_map(self._body, mesh=self.jax_mesh, in_specs=in_specs, out_specs=out_specs,
+                                        check_vma=False)(*[args[k] for k in epilogue.arguments])
+                # element-wise lowerings read nothing of a device: no LowerContext
+                return tuple(epilogue.run(args, results, lambda instr, xs: lower_instr(instr, xs, None)))
         context = jax.sharding.get_abstract_mesh()
         if has_explicit_axes(context) and context == self.mesh.to_jax().abstract_mesh:
             # traced in explicit mode over the user's mesh: results typed with their layouts, as jax's are
@@ -198,11 +212,11 @@ class Executable:
 
     def _body(self, *blocks):
         lc = LowerContext(self.jax_mesh.axis_names, lambda program, args: _run_body(program, args, lc), self._ids)
-        local = [b if coarse is None else _tile_of_block(b, p, coarse, lc)
-                 for b, p, coarse in zip(blocks, self.params, self._coarse_in)]
-        outs = _run_body(self.spmd, local, lc)
-        return tuple(o if coarse is None else _assemble(o, v.sharding, v.shape, lc)
-                     for o, v, coarse in zip(outs, self.outputs, self._coarse_out))
+        local = [b if self._coarse_in[k] is None else _tile_of_block(b, self.params[k], self._coarse_in[k], lc)
+                 for b, k in zip(blocks, self.epilogue.arguments)]
+        outs = _run_body(self.epilogue.core, local, lc)
+        return tuple(o if coarse is None else _assemble(o, g.sharding, g.shape, lc)
+                     for o, (_, coarse, g) in zip(outs, self._core_out))
 
     # -- run ------------------------------------------------------------------------------
     def __call__(self, flat_args: Sequence) -> list[jax.Array]:
