@@ -88,6 +88,8 @@ class Epilogue:
         self.core.params = [spmd.params[k] for k in self.arguments]
 
     def _tail(self, wanted: dict[Value, dict[tuple, Value]]) -> set[Instr]:
+        """The epilogue's instructions (and the splats it reads as scalars), from the
+        program's end backwards: an instruction joins once all its readers have."""
         users: dict[Value, list[Instr]] = {}
         for instr in self.spmd.instrs:
             for o in instr.operands:
@@ -145,6 +147,7 @@ class Epilogue:
         if p is None or v.rank == 0 or not ops.splats(p):
             return None
         return p.operands[0] if self._same_everywhere(p.operands[0]) else None
+
     def _same_everywhere(self, v: Value) -> bool:
         """Whether scalar v is the same on every device (computed from scalars alone)."""
         if v not in self._uniform:
@@ -176,6 +179,7 @@ class Epilogue:
         return [env[o] if o in self.made else next(core) for o in self.spmd.outputs]
 
     def _read(self, env: dict, o: Value, as_global: Value):
+        """Operand o of an epilogue instruction, read as the global value `as_global`."""
         if o in self.splats:       # one broadcast per scalar and shape
             key = (o, as_global.shape)
             if key not in env:
