@@ -92,8 +92,8 @@ class Execution:
         return jax.tree_util.tree_unflatten(self.out_tree, self.keys.results(self._execute(arrays)))
 
     def _first_execute(self, arrays: list) -> list:
-        self._execute = self.jax_executable() if self.backend == "jax" else self._run_on_host
-        with gc_paused():   # the jax backend traces and compiles here
+        with gc_paused():   # the jax backend builds its executable, traces and compiles here
+            self._execute = self.jax_executable() if self.backend == "jax" else self._run_on_host
             return self._execute(arrays)
 
     @property
