@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 from hypothesis import given, settings, strategies as st
 
 import gspmd
