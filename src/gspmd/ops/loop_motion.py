@@ -16,7 +16,7 @@ the same groups made it (an earlier loop's deferred sum), what that all-reduce r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -39,7 +39,7 @@ def defer_reductions(ctx: DeviceContext, body: Program, cond: Program, init: lis
     returns the loop's initial values (as partial sums where deferred) and what to
     all-reduce after the loop (`finish_reductions`)."""
     deferred: list[Deferred] = []
-    uniform = _Uniformity(body, ctx.virtual)
+    uniform = Uniformity(body, ctx.virtual)
     for i, (param, out) in enumerate(zip(body.params, body.outputs)):
         if _reads(cond, cond.params[i]):
             continue
@@ -99,7 +99,7 @@ class _Expression:
 
 
 def _partial_expression(body: Program, param: Value, out: Value, groups: np.ndarray,
-                        uniform: "_Uniformity") -> Optional[_Expression]:
+                        uniform: "Uniformity") -> Optional[_Expression]:
     """The expression giving `out` as partial sums over `groups`, if there is one."""
     key = _groups_key(groups)
     partial: dict[Value, bool] = {param: True}    # value -> derived from the accumulator
@@ -190,15 +190,18 @@ def _as_partial(ctx: DeviceContext, init: Value, groups: np.ndarray) -> Value:
 
 
 # -- uniformity ------------------------------------------------------------------------------
-class _Uniformity:
+class Uniformity:
     """Whether a body value is the same on every device of each group: constants, loop
     counters and other carries whose layout gives a group's devices the same tile,
     partition-id table lookups whose table agrees within groups, collectives over
-    groups that contain them, and what is computed from such values alone."""
+    groups that contain them, and what is computed from such values alone (operands
+    for which `follows` holds; others count as varying: the jax backend's epilogue
+    follows scalars only, not a whole program's worth of tensors)."""
 
-    def __init__(self, body: Program, virtual: np.ndarray):
+    def __init__(self, body: Program, virtual: np.ndarray, follows: Callable[[Value], bool] = lambda v: True):
         self.body = body
         self.virtual = virtual      # real device -> the device the layouts are written over
+        self.follows = follows
         self.excluded: set[Value] = set()
         self.memo: dict[tuple, bool] = {}
 
@@ -223,7 +226,7 @@ class _Uniformity:
         rule = lookup(p.opcode).facets.uniform    # constants, partition-id, collectives, table lookups
         if rule is not None:
             return rule(p, groups, self)
-        return all(self(o, groups) for o in p.operands)
+        return all(self.follows(o) and self(o, groups) for o in p.operands)
 
 
 def same_within(per_device: np.ndarray, groups: np.ndarray) -> bool:

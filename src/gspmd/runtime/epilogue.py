@@ -32,7 +32,7 @@ from jax import lax
 
 from gspmd import ops
 from gspmd.ir import Instr, Program, Value
-from gspmd.ops.loop_motion import same_within
+from gspmd.ops.loop_motion import Uniformity
 from gspmd.ops.registry import Storage, elementwise_factors
 from gspmd.sharding import Sharding
 
@@ -63,7 +63,8 @@ class Epilogue:
         NamedSharding holds its layout as it is."""
         self.spmd, self._exact_layout, self._exact_of = spmd, exact, {}
         self._params = dict(zip(spmd.params, params))
-        self._everywhere, self._uniform = np.arange(num_devices)[None, :], {}
+        self._everywhere = np.arange(num_devices)[None, :]
+        self._uniform = Uniformity(spmd, np.arange(num_devices), follows=lambda o: o.rank == 0)
         self._scalar = Value("scalar", (), np.float32)      # the global value of every scalar read
         self._scalar.sharding = Sharding.replicated(0, num_devices)
         self.splats: dict[Value, Value] = {}     # operand -> the scalar it splats
@@ -150,18 +151,7 @@ class Epilogue:
 
     def _same_everywhere(self, v: Value) -> bool:
         """Whether scalar v is the same on every device (computed from scalars alone)."""
-        if v not in self._uniform:
-            p, everywhere = v.producer, self._everywhere
-            if p is None:
-                same = v.sharding is not None and same_within(v.sharding.coords(), everywhere)
-            elif any(isinstance(a, Program) for a in p.attrs.values()):
-                same = False
-            elif ops.lookup(p.opcode).facets.uniform is not None:
-                same = ops.lookup(p.opcode).facets.uniform(p, everywhere, lambda o, groups: self._same_everywhere(o))
-            else:
-                same = all(o.rank == 0 and self._same_everywhere(o) for o in p.operands)
-            self._uniform[v] = same
-        return self._uniform[v]
+        return self._uniform(v, self._everywhere)
 
     def run(self, arguments: Sequence, core_results: Sequence, lower: Callable) -> list:
         """spmd's outputs as global arrays: its arguments and the core's results in,

@@ -146,12 +146,13 @@ class Executable:
                               for v in self.outputs]
         self._coarse_in = [self._coarse(ns, v) for ns, v in zip(self.in_shardings, self.params)]
         # The element-wise tail runs after the shard_map, on global arrays (runtime/epilogue.py);
-        # the shard_map's results are the core's outputs, each as (spec, coarser layout, global value).
+        # the shard_map's results are the core's outputs, each as (global value, coarser layout
+        # it leaves in or None).
         self.epilogue = Epilogue(spmd, self.params, self.outputs, mesh.size,
                                  lambda v: v.sharding is not None and self._coarse(self._named(v), v) is None)
         core_globals = [g for local, g in zip(spmd.outputs, self.outputs) if local not in self.epilogue.made]
         core_globals += list(self.epilogue.read.values())
-        self._core_out = [(self._named(g).spec, self._coarse(self._named(g), g), g) for g in core_globals]
+        self._core_out = [(g, self._coarse(self._named(g), g)) for g in core_globals]
         self._wrap = wrap
         # The program is jitted by itself inside the wrapper: jax lowers the custom vmap
         # rule's call by evaluating its jaxpr again, which is then one call, not the
@@ -196,7 +197,7 @@ class Executable:
             raise OtherSignature()      # jax retraces for another signature: not this program's
         epilogue = self.epilogue
         in_specs = tuple(self.in_shardings[k].spec for k in epilogue.arguments)
-        out_specs = tuple(P() if coarse is not None else spec for spec, coarse, _ in self._core_out)
+        out_specs = tuple(P() if coarse is not None else self._named(g).spec for g, coarse in self._core_out)
 
         def run(*args):
             with jax.sharding.use_abstract_mesh(self.jax_mesh.abstract_mesh):   # whatever jax.set_mesh says outside
@@ -216,7 +217,7 @@ class Executable:
                  for b, k in zip(blocks, self.epilogue.arguments)]
         outs = _run_body(self.epilogue.core, local, lc)
         return tuple(o if coarse is None else _assemble(o, g.sharding, g.shape, lc)
-                     for o, (_, coarse, g) in zip(outs, self._core_out))
+                     for o, (g, coarse) in zip(outs, self._core_out))
 
     # -- run ------------------------------------------------------------------------------
     def __call__(self, flat_args: Sequence) -> list[jax.Array]:
