@@ -2,6 +2,7 @@
 device hashes only the counters of its own shard, with raw uint32 and typed keys, keys as
 arguments and results, split/fold_in chains, inside scan, and in Flax and Equinox dropout.
 Randomness never adds a collective. Keys of the rbg PRNGs give one device's bits too."""
+import functools
 import math
 
 import jax
@@ -12,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gspmd
+from jax.sharding import PartitionSpec as P
 from gspmd.ops.random import threefry2x32
 from strategies import MESH_SHAPES, dims_mappings, meshes
 from util import BACKENDS, assert_same
@@ -162,6 +164,34 @@ def test_typed_keys_as_arguments_and_results():
     abstract = [jax.ShapeDtypeStruct(keys.shape, keys.dtype), jax.ShapeDtypeStruct((), keys.dtype),
                 jax.ShapeDtypeStruct((6, 5), np.float32)]
     assert gspmd.jit(f, mesh=MESH).lower(*abstract).program.params[0].shape == (6, 2)   # the key data
+
+
+def test_layouts_of_keys_annotate_their_key_data():
+    """A layout given to typed keys (mesh_split, with_sharding_constraint, in/out_shardings)
+    lays out their key data, words whole: no key is sliced into its words and stacked
+    again around an annotation."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("x", "y"))
+    named = lambda *spec: jax.sharding.NamedSharding(mesh, P(*spec))
+
+    def f(keys, key, x, annotate=True):
+        if annotate:
+            keys = split(jax.lax.with_sharding_constraint(keys, named("y")), "y")
+        noise = jax.vmap(lambda k: jax.random.normal(k, (5,)))(keys)
+        return keys, jax.random.fold_in(key, 1), split(x, "y", "x") + noise
+
+    args = (jax.random.split(jax.random.key(4), 8), jax.random.key(9), np.zeros((8, 5), np.float32))
+    layouts = dict(in_shardings=(named("x"), named(), None), out_shardings=(named("x"), named(), None))
+    expected = jax.jit(f, **layouts)(*args)
+    for backend in BACKENDS:
+        assert_same(gspmd.jit(f, mesh=mesh, backend=backend, **layouts)(*args), expected, SIM_RTOL, SIM_ATOL)
+
+    def moves_words(program):
+        return sorted(i.opcode for i in program.instrs if i.opcode in ("slice", "reshape", "concatenate"))
+    low = gspmd.jit(f, mesh=mesh, **layouts).lower(*args)
+    plain = gspmd.jit(functools.partial(f, annotate=False), mesh=mesh).lower(*args)
+    assert moves_words(low.program) == moves_words(plain.program), low.as_text()   # the random ops' own
+    data = low.program.params[0]
+    assert data.shape == (8, 2) and data.sharding.tiles == (2, 1)     # the words dim unsplit
 
 
 def test_batched_keys_fold_in_and_bits():

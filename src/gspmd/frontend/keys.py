@@ -3,7 +3,8 @@ key array of shape K is its uint32 key data, shape K + (2,) (threefry2x32; ops/r
 or K + (4,) (rbg, unsafe_rbg).
 
 - The random primitives' converters (their records' `converts_keys`) take and make key
-  data; control flow carries it like any value.
+  data, and so do layout annotations (a key's layout is its key data's, words whole);
+  control flow carries it like any value.
 - Every other primitive on keys only moves them around (slice, squeeze, concatenate,
   select, gather, ...): it moves each key word the same way, so it is converted once per
   word, on uint32 arrays of the keys' own shape, and the words are stacked again.

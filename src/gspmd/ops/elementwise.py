@@ -22,7 +22,7 @@ from gspmd.dtypes import is_floating
 from gspmd.errors import ShardingError
 from gspmd.ir import Builder, Instr, Value
 from gspmd.ir.reducer import ADD
-from gspmd.ops.convert import Conversion, Converter
+from gspmd.ops.convert import Conversion, Converter, is_key
 from gspmd.ops.registry import (ELEMENTWISE, Facets, Frontend, Memory, Rewrites, Rule, Semantics, Storage, Timing,
                                 elementwise_factors, elementwise_flops, jointly_linear, linear_in, register)
 from gspmd.sharding import UNSPECIFIED, Sharding, dims_mapping_from_spec
@@ -92,20 +92,23 @@ def _exactly(x, dtype):
 
 
 def elementwise(opcode: str, numpy_fn: Optional[Callable], lax_fn: Callable, primitives: Sequence[str] = (),
-                converts: Optional[dict[str, Converter]] = None, params: Sequence[str] = (),
+                converts: Optional[dict[str, Converter]] = None, converts_keys: Optional[dict[str, Converter]] = None,
+                params: Sequence[str] = (),
                 evaluate: Optional[Callable] = None, partition: Optional[Callable] = None,
                 flops: Optional[Callable] = elementwise_flops, compute: ComputeKind = ComputeKind.MEMORY,
                 storage: Storage = Storage.ELEMENTWISE, expensive: Union[bool, Callable] = False,
                 linear: Optional[Callable] = None, facets: Optional[Facets] = None) -> None:
     """Register element-wise `opcode`: each JAX primitive in `primitives` becomes it
-    (more converters in `converts`), its `params` becoming attributes that numpy_fn and
+    (more converters in `converts`, and in `converts_keys` those that see typed PRNG keys
+    as their key data), its `params` becoming attributes that numpy_fn and
     lax_fn take by name; numpy_fn None: the reference runs lax_fn eagerly (or is
     `evaluate`, a whole reference of its own). One operation per element unless `flops`
     says otherwise."""
     if evaluate is None:
         evaluate = _evaluate_eagerly(lax_fn, params) if numpy_fn is None else _evaluate_with(numpy_fn, params)
     register(opcode,
-             frontend=Frontend(converts={**{p: convert_as(opcode, params) for p in primitives}, **(converts or {})}),
+             frontend=Frontend(converts={**{p: convert_as(opcode, params) for p in primitives}, **(converts or {})},
+                               converts_keys=converts_keys or {}),
              semantics=Semantics(evaluate=evaluate, lower=_lower_with(lax_fn, params)),
              rule=Rule(factors=elementwise_factors, partition=partition, priority=ELEMENTWISE),
              timing=Timing(flops=flops, compute=compute),
@@ -422,6 +425,8 @@ def annotated(b: Builder, x: Value, layout: Sharding, unspecified: Sequence[int]
 
 def _annotation(b, eqn, args):
     sharding = b.local_layout(eqn.params["sharding"], f"the value {args[0].type_str()}")
+    if is_key(eqn.invars[0].aval.dtype):   # key data: the key's layout, its words kept whole
+        sharding = sharding.insert_dim(sharding.rank)
     return [annotated(b, args[0], sharding, eqn.params["unspecified"])]
 
 
@@ -459,10 +464,12 @@ def _nested_jit(b, eqn, args):
     return annotated(outs, eqn.params["out_shardings"])
 
 
-# "mesh_split" is gspmd.frontend.annotation.mesh_split_p's name.
+# "mesh_split" is gspmd.frontend.annotation.mesh_split_p's name. Layouts of typed keys
+# annotate their key data (a spec leaves its trailing words dim unsplit), not each word
+# apart, which would slice the key data into words and stack them again around each.
 elementwise("sharding", lambda x: x, lambda x: x, partition=_reshard_to_target, flops=None, compute=ComputeKind.FREE,
-            converts={"mesh_split": _annotation, "sharding_constraint": _sharding_constraint, "reshard": _reshard,
-                      "jit": _nested_jit},
+            converts={"jit": _nested_jit},
+            converts_keys={"mesh_split": _annotation, "sharding_constraint": _sharding_constraint, "reshard": _reshard},
             facets=Facets(annotation=True, identity=True, layouts_named=lambda instr: [instr.attrs["sharding"]]))
 # "pvary" marks a value in a shard_map body as varying over axes (check_vma).
 elementwise("copy", lambda x: x, lambda x: x, flops=None,
