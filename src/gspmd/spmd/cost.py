@@ -465,18 +465,15 @@ def rounded(cost: Cost) -> float:
 def at_least(src: Sharding, dst: Sharding, shape: Sequence[int], itemsize: int, hw: Hardware) -> Cost:
     """A lower bound of what resharding src to dst takes on `hw`, without planning:
     callers comparing alternatives skip the plans that cannot win."""
-    return _at_least(src, dst, tuple(shape), itemsize, hw)
+    return FREE if src == dst else lacking(src, dst, tuple(shape), itemsize, hw)
 
 
 @functools.lru_cache(maxsize=65536)
-def _at_least(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int, hw: Hardware) -> Cost:
-    return FREE if src == dst else lacking(src, dst, shape, itemsize, hw)
-
-
 def lacking(cur: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int, hw: Hardware) -> Cost:
     """A lower bound of what turning cur into dst takes: the most data any device lacks
     (what it needs of its dst tile minus what its cur tile holds), received over all of
-    its links at once by one collective."""
+    its links at once by one collective. Cached: searches for reshard plans ask it of the
+    same layouts again and again."""
     n, m, size = np.asarray(cur.shard_shape(shape)), np.asarray(dst.shard_shape(shape)), np.asarray(shape)
     lo_c, lo_d = cur.coords() * n, dst.coords() * m
     hi_c, hi_d = np.minimum(lo_c + n, size), np.minimum(lo_d + m, size)
