@@ -16,7 +16,6 @@ from typing import Optional, Sequence
 
 import numpy as np
 from jax import lax
-from jax import numpy as jnp
 
 from gspmd.ir import Instr, Value
 from gspmd.ir.emit import mask_range, pad_dim
@@ -400,7 +399,7 @@ def _clamped(starts, shape, sizes) -> list:
     """Starts clamped into bounds explicitly, as HLO defines (lax would first wrap negative
     ones from the end, and XLA:CPU folds nested dynamic-slices into one at the summed
     start without clamping the inner one)."""
-    return [jnp.clip(s, 0, n - k).astype(s.dtype) for s, n, k in zip(starts, shape, sizes)]
+    return [lax.clamp(np.asarray(0, s.dtype), s, np.asarray(n - k, s.dtype)) for s, n, k in zip(starts, shape, sizes)]
 
 
 def _lower_dynamic_slice(instr, args, lc):
