@@ -139,8 +139,11 @@ class Partitioned:
         except TypeError:        # an unhashable static value: _lower explains
             lowered = None
         if lowered is None:
-            lowered = self._lower(args, kwargs, static, leaves, treedef)
-        out = lowered._run(leaves)
+            with gc_paused():   # the first call lowers, compiles and runs: one pause for all three
+                lowered = self._lower(args, kwargs, static, leaves, treedef)
+                out = lowered._run(leaves)
+        else:
+            out = lowered._run(leaves)
         if lowered.fast_call is not None and not kwargs and self.signature.simple:
             self._fast[jax.tree_util.tree_structure(args), jax.sharding.get_abstract_mesh()] = lowered.fast_call
         return out
