@@ -151,6 +151,44 @@ def test_threefry2x32_primitive():
                np.arange(11, dtype=np.uint32))
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(0, 2 ** 32 - 1), min_size=1, max_size=6), st.integers(1, 2 ** 32 - 1),
+       st.integers(0, 2 ** 32 - 1))
+def test_counters_past_two_to_the_32_in_32_bit_words(xs, factor, addend):
+    """Beyond 2**32 random values per key, each value's counter is its 64-bit index as
+    (high, low) words, computed in uint32 (no x64): x * factor + addend, as uint64 does."""
+    from gspmd.ir import Program
+    from gspmd.ops.convert import Conversion
+    from gspmd.ops.random import _plus, _times
+    from gspmd.runtime import sim
+    program = Program()
+    b = Conversion(program, inline=None)
+    x, extra = (b.param((len(xs),), np.uint32) for _ in range(2))
+    program.outputs = list(_plus(b, *_times(b, x, factor), extra))
+    xs = np.asarray(xs, np.uint64)
+    high, low = sim.evaluate(program, [xs.astype(np.uint32), np.full(len(xs), addend, np.uint32)])
+    expected = xs * np.uint64(factor) + np.uint64(addend)
+    np.testing.assert_array_equal(high, (expected >> np.uint64(32)).astype(np.uint32))
+    np.testing.assert_array_equal(low, (expected & np.uint64(2 ** 32 - 1)).astype(np.uint32))
+
+
+def test_dropout_past_two_to_the_32_values_plans():
+    """A global dropout mask of more than 2**32 values under one key (jax.jit draws it:
+    its counters are 64-bit) partitions: each device hashes its shard's counters, the
+    high words from the index of the leading dims."""
+    mesh = gspmd.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
+
+    def dropout(key, x):
+        x = gspmd.mesh_split(x, mesh, ["x", "y", -1, -1])
+        return jnp.where(jax.random.bernoulli(key, 0.9, x.shape), x / 0.9, 0)
+
+    x = jax.ShapeDtypeStruct((64, 16, 2048, 2048), jnp.bfloat16)   # 2**32 values
+    low = gspmd.jit(dropout).lower(jax.random.key(0), x)
+    (hashed,) = [i for i in low.spmd.instrs if i.opcode == "threefry2x32"]
+    assert hashed.outputs[0].shape == (32, 4, 2048, 2048)
+    assert not low.report().collectives
+
+
 def test_typed_keys_as_arguments_and_results():
     def f(keys, key, x):
         keys = split(keys, "x")                 # a key array, split over the devices

@@ -98,21 +98,61 @@ def _zeros(b: Conversion, shape: Sequence[int]) -> Value:
 def _counters(b: Conversion, shape: tuple[int, ...], first: int) -> tuple[Value, Value]:
     """The 64-bit row-major index of each element within dims first.. of `shape` (the
     same for every index of the dims before), as (high word, low word). Built from iotas,
-    which partition with each shard's offset."""
-    if math.prod(shape[first:]) >= 2 ** 32:
-        raise ShardingError(f"gspmd generates at most 2**32 random values per key in one call; {shape[first:]} "
+    which partition with each shard's offset. Past 2**32 elements the index is q * P + r,
+    r the index within the trailing dims (P of them, under 2**32) and q within the rest,
+    in 32-bit words: the IR, like JAX without x64, has no 64-bit integers."""
+    split = len(shape)
+    while split > first and math.prod(shape[split - 1:]) < 2 ** 32:
+        split -= 1
+    low = _row_major(b, shape, split)
+    if split == first:   # under 2**32 elements: the high word is 0
+        return _zeros(b, shape), low
+    if math.prod(shape[first:split]) >= 2 ** 32:
+        raise ShardingError(f"gspmd generates at most 2**64 random values per key in one call; {shape[first:]} "
                             "asks for more. Split the key and generate in pieces.")
-    low, stride = None, 1
-    for d in reversed(range(first, len(shape))):
+    high, product_low = _times(b, _row_major(b, shape, first, split), math.prod(shape[split:]))
+    return _plus(b, high, product_low, low)
+
+
+def _uint(b: Conversion, value: int, shape: tuple[int, ...]) -> Value:
+    return b.broadcast_to(b.constant(value, UINT32), shape)
+
+
+def _row_major(b: Conversion, shape: tuple[int, ...], first: int, end: Optional[int] = None) -> Value:
+    """Each element's row-major index within dims first..end of `shape` (under 2**32)."""
+    index, stride = None, 1
+    for d in reversed(range(first, len(shape) if end is None else end)):
         if shape[d] > 1:
-            index = b.add1("iota", [], shape, UINT32, dimension=d)
+            term = b.add1("iota", [], shape, UINT32, dimension=d)
             if stride > 1:
-                index = b.add1("multiply", [index, b.broadcast_to(b.constant(stride, UINT32), shape)], shape, UINT32)
-            low = index if low is None else b.add1("add", [low, index], shape, UINT32)
+                term = b.add1("multiply", [term, _uint(b, stride, shape)], shape, UINT32)
+            index = term if index is None else b.add1("add", [index, term], shape, UINT32)
         stride *= shape[d]
-    if low is None:   # one element per key
-        low = _zeros(b, shape)
-    return _zeros(b, shape), low
+    return _zeros(b, shape) if index is None else index
+
+
+def _times(b: Conversion, x: Value, factor: int) -> tuple[Value, Value]:
+    """x * factor (both under 2**32) as 64 bits (high word, low word), from 16-bit halves
+    whose products fit in 32."""
+    shape, half = x.shape, lambda v, s: b.add1(s, [v, _uint(b, 16, x.shape)], x.shape, UINT32)   # noqa: E731
+    x_low = b.add1("and", [x, _uint(b, 0xFFFF, shape)], shape, UINT32)
+    x_high = half(x, "shift-right-logical")
+    f_low, f_high = factor & 0xFFFF, factor >> 16
+    times = lambda v, f: b.add1("multiply", [v, _uint(b, f, shape)], shape, UINT32)   # noqa: E731
+    cross = [times(x_low, f_high), times(x_high, f_low)]   # each * 2**16
+    high = times(x_high, f_high)
+    for c in cross:
+        high = b.add1("add", [high, half(c, "shift-right-logical")], shape, UINT32)
+    high, low = _plus(b, high, times(x_low, f_low), half(cross[0], "shift-left"))
+    return _plus(b, high, low, half(cross[1], "shift-left"))
+
+
+def _plus(b: Conversion, high: Value, low: Value, addend: Value) -> tuple[Value, Value]:
+    """(high, low) + addend in 64 bits: the low word wraps, its carry goes to the high."""
+    shape = low.shape
+    total = b.add1("add", [low, addend], shape, UINT32)
+    carried = b.add1("compare", [total, low], shape, np.bool_, direction="LT")
+    return b.add1("add", [high, b.add1("convert", [carried], shape, UINT32)], shape, UINT32), total
 
 
 def _hash(b: Conversion, k1: Value, k2: Value, x1: Value, x2: Value) -> list[Value]:
