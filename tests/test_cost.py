@@ -1,6 +1,9 @@
 """The shared cost model (spmd/cost.py): ring, torus, all-to-all and permute formulas on
 small topologies, compute rooflines, and the partitioner pricing its choices with it."""
+import functools
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -166,9 +169,10 @@ def test_compute_roofline():
     hw = cm.PROFILES["tpu-v3"]
     big = cm.compute_seconds(cm.ComputeKind.MATMUL, 1e12, 1e6, hw)
     assert big == approx(1e12 / (hw.flops_per_s * hw.matmul_efficiency))
+    streamed = hw.hbm_bytes_per_s * hw.memory_efficiency
     thin = cm.compute_seconds(cm.ComputeKind.MATMUL, 1e6, 1e9, hw)
-    assert thin == approx(1e9 / hw.hbm_bytes_per_s)       # memory-bound
-    assert cm.compute_seconds(cm.ComputeKind.MEMORY, 1e9, 1e9, hw) == approx(1e9 / hw.hbm_bytes_per_s)
+    assert thin == approx(1e9 / streamed)       # memory-bound
+    assert cm.compute_seconds(cm.ComputeKind.MEMORY, 1e9, 1e9, hw) == approx(1e9 / streamed)
     assert cm.compute_seconds(cm.ComputeKind.FREE, 1e9, 1e9, hw) == 0
 
 
@@ -251,8 +255,25 @@ def test_element_wise_producers_fuse_into_matmuls_on_tpus_not_on_gpus():
     tpu = dataclasses.replace(cm.PROFILES["a100"], fuses_into_matmul=True)
     fused, unfused = low.report(hardware=tpu), low.report(hardware="a100")
     dot = 2 * n * n * 64 / (tpu.flops_per_s * tpu.matmul_efficiency)
-    scores = n * n * 4 / tpu.hbm_bytes_per_s
+    scores = n * n * 4 / (tpu.hbm_bytes_per_s * tpu.memory_efficiency)
     assert fused.compute_seconds < dot + scores          # the dot reads the scores once, nothing else
     # unfused: the softmax's passes read the scores at least once and write the probabilities
     assert unfused.compute_seconds >= fused.compute_seconds + 2 * scores * 0.99
     assert not cm.PROFILES["a100"].fuses_into_matmul and cm.PROFILES["tpu-v3"].fuses_into_matmul
+
+
+def test_an_optimization_barrier_splits_a_fused_chain():
+    """An element-wise chain is one kernel that reads its input and writes its result;
+    through an optimization barrier (XLA fuses nothing across one) it is two, and the
+    value between them is written to HBM and read back."""
+    def chain(x, barrier):
+        y = jnp.sin(x)
+        return jnp.exp(jax.lax.optimization_barrier(y) if barrier else y)
+
+    x = jax.ShapeDtypeStruct((1024, 1024), np.float32)
+    hw = cm.PROFILES["a100"]
+    fused, split = (gspmd.jit(functools.partial(chain, barrier=b)).lower(x).report(hardware=hw).compute_seconds
+                    for b in (False, True))
+    once = x.size * 4 / (hw.hbm_bytes_per_s * hw.memory_efficiency)
+    assert fused == approx(2 * once)
+    assert split == approx(4 * once)

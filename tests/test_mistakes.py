@@ -585,6 +585,8 @@ HARDWARE = [
      ["got None;", "needs a Torus or Hosts", r"Hosts\(8, 450e9"]),
     ("Hardware.matmul_efficiency", "a percentage", lambda: hardware(matmul_efficiency=80),
      ["int 80", "needs a number > 0 and <= 1", "matmul_efficiency"]),
+    ("Hardware.memory_efficiency", "zero", lambda: hardware(memory_efficiency=0),
+     ["int 0", "needs a number > 0 and <= 1", "memory_efficiency"]),
     ("Hardware.collective_overhead_s", "negative", lambda: hardware(collective_overhead_s=-1e-6),
      ["-1e-06", "needs a number >= 0", "collective_overhead_s"]),
     ("Hardware.overlap", "above one", lambda: hardware(overlap=1.5),

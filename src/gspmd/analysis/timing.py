@@ -12,7 +12,7 @@ Memory-bound ops are fused as XLA fuses element-wise chains: a value made by one
 memory-bound op and used only by others never goes through HBM, so only values that a
 matmul, a collective, a loop or the program's boundary touches are read or written;
 and an op that only feeds matmuls (an operand transpose, slice or convert) is fused into
-them.
+them. Nothing fuses across an optimization barrier: what passes one goes through HBM.
 """
 from __future__ import annotations
 
@@ -141,7 +141,7 @@ def _groups(instr: Instr):
 
 def _fusible(instr: Instr) -> bool:
     op = ops.lookup(instr.opcode).timing
-    return op.compute is not cm.ComputeKind.MATMUL and op.collective is None and op.runs is None
+    return op.fuses and op.compute is not cm.ComputeKind.MATMUL and op.collective is None and op.runs is None
 
 
 def _into_matmul(program: Program, producers: bool = True) -> set:

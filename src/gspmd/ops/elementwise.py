@@ -97,7 +97,7 @@ def elementwise(opcode: str, numpy_fn: Optional[Callable], lax_fn: Callable, pri
                 evaluate: Optional[Callable] = None, partition: Optional[Callable] = None,
                 flops: Optional[Callable] = elementwise_flops, compute: ComputeKind = ComputeKind.MEMORY,
                 storage: Storage = Storage.ELEMENTWISE, expensive: Union[bool, Callable] = False,
-                linear: Optional[Callable] = None, facets: Optional[Facets] = None) -> None:
+                linear: Optional[Callable] = None, facets: Optional[Facets] = None, fuses: bool = True) -> None:
     """Register element-wise `opcode`: each JAX primitive in `primitives` becomes it
     (more converters in `converts`, and in `converts_keys` those that see typed PRNG keys
     as their key data), its `params` becoming attributes that numpy_fn and
@@ -111,7 +111,7 @@ def elementwise(opcode: str, numpy_fn: Optional[Callable], lax_fn: Callable, pri
                                converts_keys=converts_keys or {}),
              semantics=Semantics(evaluate=evaluate, lower=_lower_with(lax_fn, params)),
              rule=Rule(factors=elementwise_factors, partition=partition, priority=ELEMENTWISE),
-             timing=Timing(flops=flops, compute=compute),
+             timing=Timing(flops=flops, compute=compute, fuses=fuses),
              memory=Memory(storage=storage,
                            expensive=expensive), rewrites=Rewrites(linear=linear), facets=facets or Facets())
 
@@ -526,7 +526,7 @@ def _identity_each(b, eqn, args):
 
 
 elementwise("optimization-barrier", lambda x: x, lax.optimization_barrier, storage=Storage.VIEW, flops=None,
-            compute=ComputeKind.FREE,
+            compute=ComputeKind.FREE, fuses=False,
             converts={"optimization_barrier": _convert_optimization_barrier, "remat2": _convert_remat,
                       "device_put": _convert_device_put, "name": _identity_each})
 

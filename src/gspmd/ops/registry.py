@@ -121,6 +121,9 @@ class Timing:
     # the sub-programs one execution runs, each with how often (a loop's trip count,
     # once for each branch of a conditional)
     runs: Optional[Callable[[Instr], list[tuple[Program, int]]]] = None
+    # whether a memory-bound op fuses with its neighbours; XLA fuses nothing across an
+    # optimization barrier, so what enters one is written to HBM and read back after it
+    fuses: bool = True
 
 
 @dataclass
