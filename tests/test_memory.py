@@ -36,6 +36,15 @@ def test_fused_elementwise_chains_store_only_their_result():
     assert prof.peak_bytes == 2 * 4096   # the argument and the result, nothing in between
 
 
+def test_a_dropout_mask_is_hashed_inside_the_fusion_that_reads_it():
+    """threefry's two words of random bits fuse into the mask's users, as XLA computes
+    the hash's rounds in the fusion: no buffer of random words, only x and the result."""
+    def dropout(key, x):
+        return jnp.where(jax.random.bernoulli(key, 0.9, x.shape), x / 0.9, 0)
+    prof = _peak(dropout, jax.random.key(0), spec(1024, 1024))
+    assert prof.peak_bytes <= 2 * 1024 * 1024 * 4 + 64
+
+
 def test_a_value_read_by_a_dot_is_stored_and_lives_until_its_last_reader():
     def f(x, w):
         h = jnp.maximum(x @ w, 0.0)      # stored: the second dot reads it

@@ -281,16 +281,16 @@ def _fused(steps: list[_Step], results: set[Value]) -> set[Value]:
             readers.setdefault(v, []).append(step)
     fused: set[Value] = set()
     for step in steps:
-        if step.storage not in FUSIBLE or len(step.outputs) != 1:
+        if step.storage not in FUSIBLE:
             continue
-        v = step.outputs[0]
-        users = readers.get(v, [])
-        if v in results or not users or not all(u.storage in FUSIBLE for u in users):
-            continue
-        if step.expensive and (len(users) > 1 or users[0].operands.count(v) > 1
-                               or users[0].storage is Storage.REPEATED):
-            continue   # XLA would compute it in several places: it stores it once instead
-        fused.add(v)
+        for v in step.outputs:   # several: threefry's two words, each fused where it is read
+            users = readers.get(v, [])
+            if v in results or not users or not all(u.storage in FUSIBLE for u in users):
+                continue
+            if step.expensive and (len(users) > 1 or users[0].operands.count(v) > 1
+                                   or users[0].storage is Storage.REPEATED):
+                continue   # XLA would compute it in several places: it stores it once instead
+            fused.add(v)
     return fused
 
 

@@ -25,8 +25,8 @@ from jax.extend.random import threefry2x32_p, threefry_prng_impl
 from gspmd.errors import ShardingError
 from gspmd.ir import Value
 from gspmd.ops.convert import Conversion
-from gspmd.ops.registry import (ELEMENTWISE, Frontend, Rule, Semantics, elementwise_factors, register,
-                                replicate_fallback)
+from gspmd.ops.registry import (ELEMENTWISE, Frontend, Memory, Rule, Semantics, Storage, elementwise_factors,
+                                register, replicate_fallback)
 
 UINT32 = np.dtype(np.uint32)
 
@@ -273,7 +273,10 @@ register("threefry2x32",
                                           "random_wrap": _same_key_data, "random_unwrap": _same_key_data,
                                           "random_clone": _same_key_data, "random_gamma": _random_gamma}),
          semantics=Semantics(evaluate=_evaluate_threefry, lower=_lower_threefry),
-         rule=Rule(factors=elementwise_factors, priority=ELEMENTWISE))
+         rule=Rule(factors=elementwise_factors, priority=ELEMENTWISE),
+         # XLA computes the hash's rounds (integer adds, rotations, xors) inside whatever
+         # fusion reads the bits: a dropout mask is never a buffer of random words
+         memory=Memory(storage=Storage.ELEMENTWISE))
 
 
 # -- rng-bit-generator: XLA's RngBitGenerator (the rbg PRNGs' random bits) -----------------
