@@ -227,6 +227,9 @@ def test_the_llama_example_builds_for_the_devices_given():
     (["transformer", "--optimizer", "lion"], "adafactor"),
     (["transformer", "--attention", "ring"], "dot_product, flash"),
     (["moe", "--attention", "flash"], "does not vary --attention"),
+    (["transformer", "--dropout", "1.5"], "a rate in [0, 1)"),
+    (["transformer", "--mesh", "2x2x2", "--dropout", "0.1"], "without a pipeline"),
+    (["conformer", "--dropout", "0.1"], "does not vary --dropout"),
     (["--mesh", "2by4"], "must look like"),
     (["--devices", "48"], "power of two"),
     (["--devices", "64", "--mesh", "8x8"], "not both"),
@@ -283,3 +286,30 @@ def test_flash_attention_holds_no_whole_score_matrix(capsys):
     assert scores(plain) and not scores(flash)
     assert flash["peak_memory_bytes"] < plain["peak_memory_bytes"] / 2
     assert flash["sizes"]["attention"] == "flash"
+
+
+def test_dropout_draws_from_the_steps_key_and_communicates_nothing_more(capsys):
+    """--dropout (Megatron-LM's GPT: 0.1): the step takes a key, each layer's masks are
+    hashed where their shards live: the same collectives as without dropout."""
+    flags = ["transformer", *SMALL, "--mesh", "2x4", "--batch", "8", "--strategy", "megatron", "--vocab", "512"]
+    without = plan_json(capsys, *flags)
+    out = plan_json(capsys, *flags, "--dropout", "0.1")
+    assert out["sizes"]["dropout"] == 0.1 and "dropout 0.1" in out["model"]
+    assert out["collectives"] == without["collectives"]
+    sizes = planning.Sizes(layers=2, model_dim=64, ffn_dim=128, heads=4, head_dim=16, seq=32, batch=8, mesh=(2, 4),
+                           dropout=0.1)
+    lowered = planning.plan("transformer", sizes).lowered
+    assert any(i.opcode == "threefry2x32" for i in lowered.spmd.all_instrs())
+    assert lowered.label(lowered.program.params[-1]) == "args[4]"    # the key, after the activations and targets
+
+
+def test_megatron_attention_writes_the_probabilities_between_its_kernels(capsys):
+    """--attention megatron: the softmax a kernel of its own (Megatron-LM's fused
+    scale-mask-softmax), so the dropout after it, which would fuse with it, reads the
+    probabilities back from HBM: more compute time, the same FLOPs."""
+    flags = ["transformer", *SMALL[:-2], "--seq", "512", "--mesh", "2x4", "--batch", "8", "--dropout", "0.1",
+             "--hardware", "a100"]
+    fused = plan_json(capsys, *flags)
+    unfused = plan_json(capsys, *flags, "--attention", "megatron")
+    assert unfused["flops_per_device"] == fused["flops_per_device"]
+    assert unfused["compute_seconds"] > fused["compute_seconds"]

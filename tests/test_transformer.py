@@ -131,3 +131,42 @@ def test_an_attention_block_must_divide_the_sequence():
         _lower(cfg=cfg)
     with pytest.raises(gspmd.ShardingError, match="attention_block needs a whole number >= 1"):
         _lower(cfg=T.Config(seq=12, attention_block=0))
+
+
+def _dropout_step(cfg: T.Config, strategy=T.MEGATRON):
+    """Gradients of a squared-error loss through cfg.layers layers, each drawing its
+    dropout masks from its own key."""
+    annotate = T.gspmd_annotate(MESH)
+
+    def loss(params, x, target, key):
+        for p, k in zip(params, jax.random.split(key, len(params))):
+            x = T.layer(p, x, annotate, strategy, cfg, key=k)
+        return jax.numpy.mean((x - target) ** 2)
+    return jax.grad(loss)
+
+
+@pytest.mark.parametrize("block", [None, 4])
+def test_dropout_equals_one_device_with_the_collectives_of_no_dropout(block):
+    """Dropout on the attention probabilities and both residual branches (Megatron-LM's
+    places), an uneven batch of 3 over X and 4 heads over Y: the gradients equal one
+    device's (the same masks: each device hashes its own shard's counters), with the
+    collectives of the same step without dropout; the softmax as a kernel of its own
+    changes neither."""
+    cfg = T.Config(batch=3, seq=12, heads=4, hidden=30, layers=2, attention_block=block)
+    params, x, target = T.example_inputs(cfg)
+    key = jax.random.key(7)
+    plain = check(_dropout_step(dataclasses.replace(cfg, dropout=0.1)), params, x, target, key, mesh=MESH)
+    unfused = dataclasses.replace(cfg, dropout=0.1, softmax_kernel=True)
+    barriered = check(_dropout_step(unfused), params, x, target, key, mesh=MESH)
+    without = gspmd.jit(_dropout_step(cfg), mesh=MESH).lower(params, x, target, key)
+    assert plain.report().counts() == barriered.report().counts() == without.report().counts()
+    dropped = jax.jit(_dropout_step(unfused))(params, x, target, key)
+    kept = jax.jit(_dropout_step(cfg))(params, x, target, key)
+    assert not np.allclose(dropped[0]["wq"], kept[0]["wq"])       # the masks do drop
+
+
+def test_dropout_needs_a_key():
+    cfg = T.Config(dropout=0.1)
+    params, x, _ = T.example_inputs(cfg)
+    with pytest.raises(gspmd.ShardingError, match="draws its masks from a key"):
+        T.layer(params[0], x, T.gspmd_annotate(MESH), T.MEGATRON, cfg)

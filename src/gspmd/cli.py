@@ -161,7 +161,7 @@ def _plan_command(parser: argparse.ArgumentParser, args) -> int:
     fields = {f: getattr(args, f) for f in ("layers", "model_dim", "ffn_dim", "heads", "head_dim", "seq", "vocab",
                                             "experts", "batch", "stages", "microbatches", "schedule", "repeats",
                                             "image_size", "remat", "activation_dtype", "optimizer", "strategy",
-                                            "attention")}
+                                            "attention", "dropout")}
     try:
         plan(args.model, planning.Sizes(mesh=mesh, devices=devices, **fields), args.hardware, args.json, args.top, args.memory_plot)
     except gspmd.ShardingError as e:
@@ -278,8 +278,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    "recompute that fits what a program may use of the hardware's memory")
     p.add_argument("--strategy", help="transformer: 2d (default: the paper's 2D finalized sharding, weights over "
                    "X and Y, as FSDP + tensor parallelism) or megatron (weights over Y only, data parallel over X)")
-    p.add_argument("--attention", help="transformer, conformer: dot_product (default: all queries at once) or "
-                   "flash (512 queries at a time, recomputed in the backward pass: no [B, N, S, S] scores held)")
+    p.add_argument("--attention", help="transformer, conformer: dot_product (default: all queries at once), "
+                   "flash (512 queries at a time, recomputed in the backward pass: no [B, N, S, S] scores held) "
+                   "or megatron (all at once, the softmax a kernel of its own as Megatron-LM's)")
+    p.add_argument("--dropout", type=float, help="transformer: dropout rate on the attention probabilities and "
+                   "each sublayer's output (Megatron-LM's GPT: 0.1), masks from the step's key")
     p.add_argument("--activation-dtype", help="bfloat16 (default, as the paper) or float32")
     p.add_argument("--optimizer", help="adafactor (default, as the paper), adamw or sgd")
     p.add_argument("--hardware", default="tpu-v3", help="tpu-v3 (default), tpu-v4, a100, h100, h200 or cpu")

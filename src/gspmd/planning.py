@@ -52,6 +52,7 @@ class Sizes:
     optimizer: Optional[str] = None
     strategy: Optional[str] = None
     attention: Optional[str] = None
+    dropout: Optional[float] = None
     devices: Optional[int] = None    # a user function's factory: how many devices to plan for
 
     def given(self) -> dict:

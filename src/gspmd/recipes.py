@@ -127,9 +127,9 @@ def _divide(what: str, total: int, parts: int, by: str) -> int:
 TRANSFORMER = {"layers": 32, "model_dim": 8192, "ffn_dim": 65536, "heads": 128, "head_dim": 256, "seq": 1024,
                "batch": None, "mesh": (32, 64), "stages": None, "microbatches": None, "schedule": "gpipe",
                "repeats": 1, "remat": None, "activation_dtype": "bfloat16", "optimizer": "adafactor", "vocab": None,
-               "strategy": "2d", "attention": "dot_product"}
+               "strategy": "2d", "attention": "dot_product", "dropout": None}
 # Table 5's Conformers: 23 M^2 parameters per block; M=2944 makes 32 blocks 6.4B (the paper: 6.47B).
-CONFORMER = {**{k: v for k, v in TRANSFORMER.items() if k not in ("vocab", "strategy")}, "layers": 32, "model_dim": 2944, "ffn_dim": 11776, "heads": 23, "head_dim": 128,
+CONFORMER = {**{k: v for k, v in TRANSFORMER.items() if k not in ("vocab", "strategy", "dropout")}, "layers": 32, "model_dim": 2944, "ffn_dim": 11776, "heads": 23, "head_dim": 128,
              "seq": 768, "mesh": (8, 1), "stages": 8, "microbatches": 16}
 
 
@@ -145,22 +145,33 @@ class LayerStack:
 
 # --attention: dot_product attends every query at once; flash a block of queries at a time,
 # each block recomputed in the backward pass, so that no [B, N, S, S] scores are held, as
-# MaxText's attention='flash' kernel holds none (its blocks are 512 queries).
-ATTENTION = ("dot_product", "flash")
+# MaxText's attention='flash' kernel holds none (its blocks are 512 queries); megatron all
+# at once with the softmax a kernel of its own, as Megatron-LM's fused scale-mask-softmax
+# (its dropout and the matmul after it read the probabilities from HBM).
+ATTENTION = ("dot_product", "flash", "megatron")
 FLASH_BLOCK = 512
 
 
-def _attention_block(s: dict) -> Optional[int]:
+def _attention(s: dict) -> str:
     kind = s.get("attention") or "dot_product"
     if kind not in ATTENTION:
         raise ShardingError(f"--attention {kind!r}: choose one of {', '.join(ATTENTION)}.")
-    return math.gcd(s["seq"], FLASH_BLOCK) if kind == "flash" else None
+    return kind
+
+
+def _dropout(s: dict) -> float:
+    rate = s.get("dropout") or 0.0
+    if not 0 <= rate < 1:
+        raise ShardingError(f"--dropout {rate}: give a rate in [0, 1), e.g. 0.1 (Megatron-LM's GPT).")
+    return rate
 
 
 def _transformer_config(s: dict, batch: int) -> transformer.Config:
+    kind = _attention(s)
     return transformer.Config(batch=batch, seq=s["seq"], model=s["model_dim"], heads=s["heads"],
                               head_dim=s["head_dim"], hidden=s["ffn_dim"], layers=s["layers"], dtype=_dtype(s),
-                              attention_block=_attention_block(s))
+                              attention_block=math.gcd(s["seq"], FLASH_BLOCK) if kind == "flash" else None,
+                              dropout=_dropout(s), softmax_kernel=kind == "megatron")
 
 
 def _layer_shapes(cfg: transformer.Config) -> dict:
@@ -185,23 +196,29 @@ def _layer_stack(stack: LayerStack, s: dict, hw: Hardware) -> Case:
     cfg, dtype, policy = stack.config(s, batch), _dtype(s), _policy(s["remat"])
     annotate = transformer.gspmd_annotate(mesh)
 
-    def layers(stacked, x):
-        def body(x, p):
-            return stack.layer(p, x, annotate, stack.strategy, cfg), None
-        return jax.lax.scan(_layers(body, policy), x, stacked)[0]
+    def layers(stacked, x, key=None):   # with dropout, each layer's masks from its own key
+        def body(x, xs):
+            p, layer_key = xs
+            return stack.layer(p, x, annotate, stack.strategy, cfg, **({} if key is None else {"key": layer_key})), None
+        keys = None if key is None else jax.random.split(key, cfg.layers)
+        return jax.lax.scan(_layers(body, policy), x, (stacked, keys))[0]
 
     stacked = _stack(stack.shapes(cfg), cfg.layers)
     described = (f"{stack.name}, {cfg.layers} layers, M={cfg.model} H={cfg.hidden} N={cfg.heads} "
                  f"D={cfg.head_dim}, batch {batch} x seq {cfg.seq}")
+    key = (jax.eval_shape(jax.random.key, 0),) if cfg.dropout else ()   # the step's dropout key, if any
+    if cfg.dropout:
+        described += f", dropout {cfg.dropout}"
     if s.get("vocab"):
         tokens = _spec((batch, cfg.seq), jnp.int32)
         params = {"layers": stacked, "embedding": _spec((s["vocab"], cfg.model))}
         vocabulary = Vocabulary(annotate, dtype, EMBEDDINGS[s.get("strategy", "2d")])
         return Case(f"{described}, vocabulary {s['vocab']}",
-                    *_train(_language_model_loss(layers, vocabulary), params, (tokens, tokens), s), mesh,
+                    *_train(_language_model_loss(layers, vocabulary), params, (tokens, tokens, *key), s), mesh,
                     {**s, "batch": batch}, donate=_in_place(s))
     act = _spec((batch, cfg.seq, cfg.model), dtype)
-    return Case(described, *_train(lambda stacked, x, target: _mse(layers(stacked, x), target), stacked, (act, act), s),
+    return Case(described, *_train(lambda stacked, x, target, *key: _mse(layers(stacked, x, *key), target), stacked,
+                                   (act, act, *key), s),
                 mesh, {**s, "batch": batch}, donate=_in_place(s))
 
 
@@ -235,9 +252,9 @@ class Vocabulary:
 
 def _language_model_loss(layers: Callable, vocabulary: Vocabulary) -> Callable:
     """Tokens in, next-token cross-entropy out: embed, the layer stack, the loss."""
-    def loss(params, tokens, labels):
+    def loss(params, tokens, labels, *key):
         table = params["embedding"]
-        return vocabulary.loss(layers(params["layers"], vocabulary.embed(table, tokens)), labels, table)
+        return vocabulary.loss(layers(params["layers"], vocabulary.embed(table, tokens), *key), labels, table)
     return loss
 
 
@@ -274,6 +291,9 @@ def _pipelined(stack: LayerStack, s: dict, hw: Hardware) -> Case:
     per_stage = _divide("--layers", s["layers"], stages * repeats, f"{stages} stages x {repeats} repeats")
     mb = _divide("--batch", batch, micro, f"{micro} microbatches")
     cfg, dtype = stack.config(s, mb), _dtype(s)
+    if cfg.dropout:
+        raise ShardingError(f"--dropout {cfg.dropout} is planned without a pipeline only: the pipeline's stages "
+                            "carry no keys to draw each microbatch's masks from.")
     annotate = transformer.gspmd_annotate(mesh)
 
     # GPipe rematerializes each layer inside its stage. A circular schedule selects a

@@ -71,6 +71,13 @@ class Config:
     # are recomputed for the backward pass, so no [B, N, S, T] is ever held: the memory
     # of a flash-attention kernel (which also keeps the block on chip; this does not).
     attention_block: Optional[int] = None
+    # Dropout (Megatron-LM's GPT: 0.1) on the attention probabilities and on each
+    # sublayer's output before its residual add, drawn from a key per layer.
+    dropout: float = 0.0
+    # The softmax a kernel of its own, as Megatron-LM's fused scale-mask-softmax is: its
+    # probabilities go through HBM before the dropout or the matmul reads them (an
+    # optimization barrier; otherwise they fuse, as XLA fuses them).
+    softmax_kernel: bool = False
 
 
 def gspmd_annotate(mesh: Mesh) -> Annotate:
@@ -100,23 +107,33 @@ def annotator(annotate: Annotate, strategy: dict) -> Callable:
     return lambda name, value: annotate(value, strategy[name]) if name in strategy else value
 
 
-def attention(w: dict, x, at: Callable, cfg: Config):
+def attention(w: dict, x, at: Callable, cfg: Config, key=None):
     """Multi-head self-attention of layer-normed x (weights wq, wk, wv, wo); the
     softmax in float32."""
     h = layer_norm(x) if cfg.layer_norm else x
     q, k, v = (at(n, jnp.einsum("bsm,mnd->bsnd", h, w["w" + n])) for n in "qkv")
-    context = attend(q, k, v, cfg) if cfg.attention_block is None else attend_blockwise(q, k, v, cfg)
+    context = attend(q, k, v, cfg, key) if cfg.attention_block is None else attend_blockwise(q, k, v, cfg, key)
     return jnp.einsum("bsnd,ndm->bsm", context, w["wo"])
 
 
-def attend(q, k, v, cfg: Config):
+def dropout(x, rate: float, key):
+    """x with each element zeroed with probability `rate`, the rest scaled by 1 / (1 - rate)."""
+    if not rate:
+        return x
+    keep = jax.random.bernoulli(key, 1 - rate, x.shape)
+    return jnp.where(keep, x / (1 - rate), 0).astype(x.dtype)
+
+
+def attend(q, k, v, cfg: Config, key=None):
     """Each query's softmax-weighted sum of the values ([B, S, N, D])."""
     logits = jnp.einsum("bsnd,btnd->bnst", q, k) / float(np.sqrt(cfg.head_dim))
     probs = jax.nn.softmax(logits.astype(np.float32), axis=-1).astype(cfg.dtype)
-    return jnp.einsum("bnst,btnd->bsnd", probs, v)
+    if cfg.softmax_kernel:
+        probs = jax.lax.optimization_barrier(probs)
+    return jnp.einsum("bnst,btnd->bsnd", dropout(probs, cfg.dropout, key), v)
 
 
-def attend_blockwise(q, k, v, cfg: Config):
+def attend_blockwise(q, k, v, cfg: Config, key=None):
     """`attend`, cfg.attention_block queries at a time (a loop over the blocks), each
     block rematerialized in the backward pass."""
     b, s, n, d = q.shape
@@ -124,7 +141,8 @@ def attend_blockwise(q, k, v, cfg: Config):
     if s % block:
         raise ShardingError(f"attention_block {block} does not divide the sequence ({s} queries).")
     blocks = jnp.moveaxis(q.reshape(b, s // block, block, n, d), 1, 0)
-    context = jax.lax.map(jax.checkpoint(lambda queries: attend(queries, k, v, cfg)), blocks)
+    keys = None if key is None else jax.random.split(key, s // block)
+    context = jax.lax.map(jax.checkpoint(lambda xs: attend(xs[0], k, v, cfg, xs[1])), (blocks, keys))
     return jnp.moveaxis(context, 0, 1).reshape(b, s, n, d)
 
 
@@ -134,14 +152,20 @@ def feed_forward(w_in, w_out, x, at: Callable, cfg: Config):
     return jnp.einsum("bsh,hm->bsm", at("hidden", jax.nn.relu(jnp.einsum("bsm,mh->bsh", h, w_in))), w_out)
 
 
-def layer(params: dict, x, annotate: Annotate, strategy: dict, cfg: Config):
+def layer(params: dict, x, annotate: Annotate, strategy: dict, cfg: Config, key=None):
     """One pre-norm Transformer layer. Annotates each tensor that `strategy` names
-    (the weights, "x" its input, and optionally the ACTIVATIONS_2D points)."""
+    (the weights, "x" its input, and optionally the ACTIVATIONS_2D points). With
+    cfg.dropout, `key` draws the layer's dropout masks."""
+    if cfg.dropout and key is None:
+        raise ShardingError(f"Config(dropout={cfg.dropout}) draws its masks from a key: pass the layer one "
+                            "(transformer.layer(..., key=jax.random.key(0))).")
+    keys = [None] * 3 if key is None else list(jax.random.split(key, 3))
     at = annotator(annotate, strategy)
     w = {name: at(name, params[name]).astype(cfg.dtype) for name in WEIGHTS}
     x = at("x", x.astype(cfg.dtype))
-    x = x + at("attention_out", attention(w, x, at, cfg))
-    return at("out", x + at("ffn_out", feed_forward(w["w_in"], w["w_out"], x, at, cfg)))
+    x = x + dropout(at("attention_out", attention(w, x, at, cfg, keys[0])), cfg.dropout, keys[1])
+    ffn = at("ffn_out", feed_forward(w["w_in"], w["w_out"], x, at, cfg))
+    return at("out", x + dropout(ffn, cfg.dropout, keys[2]))
 
 
 def intended_2d(cfg: "Config") -> dict[tuple[int, ...], list]:
