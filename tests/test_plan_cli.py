@@ -218,7 +218,7 @@ def test_the_llama_example_builds_for_the_devices_given():
     (["transformer", "--remat", "offload_dot_with_no_batch_dims"], "host memory"),
     (["unet", "--experts", "8"], "does not vary --experts"),
     (["resnet"], "Unknown model"),
-    (["transformer", "--mesh", "4x4", "--microbatches", "4"], "pipelines only"),
+    (["transformer", "--mesh", "4x4", "--batch", "6", "--microbatches", "4"], "does not divide into 4"),
     (["transformer", "--mesh", "2x2x2", "--stages", "4"], "first dim"),
     (["transformer", "--mesh", "2x2x2", "--schedule", "zigzag"], "gpipe"),
     (["transformer", "--mesh", "2x2x2", "--layers", "3"], "does not divide"),
@@ -313,3 +313,23 @@ def test_megatron_attention_writes_the_probabilities_between_its_kernels(capsys)
     unfused = plan_json(capsys, *flags, "--attention", "megatron")
     assert unfused["flops_per_device"] == fused["flops_per_device"]
     assert unfused["compute_seconds"] > fused["compute_seconds"]
+
+
+def test_microbatches_without_a_pipeline_accumulate_gradients(capsys):
+    """--microbatches without --stages: gradient accumulation (run_table_1.sh's micro-batch
+    size), one microbatch's activations at a time: a lower peak, the same FLOPs up to the
+    accumulation's adds, the weights' gradients reduced across X once, after the loop."""
+    flags = ["transformer", *SMALL, "--mesh", "2x4", "--batch", "16", "--strategy", "megatron", "--dropout", "0.1",
+             "--remat", "nothing_saveable", "--optimizer", "adamw"]
+    whole = plan_json(capsys, *flags)
+    out = plan_json(capsys, *flags, "--microbatches", "4")
+    assert "in 4 microbatches (gradient accumulation)" in out["model"]
+    assert out["peak_memory_bytes"] < whole["peak_memory_bytes"]
+    assert out["flops_per_device"] == pytest.approx(whole["flops_per_device"], rel=0.02)
+    sizes = planning.Sizes(layers=2, model_dim=64, ffn_dim=128, heads=4, head_dim=16, seq=32, batch=16, mesh=(2, 4),
+                           strategy="megatron", microbatches=4)
+    spmd = planning.plan("transformer", sizes).lowered.spmd
+    wq = (2, 64, 1, 16)   # [layers, M, N / Y, D]
+    reduced = lambda program: [i for i in program.instrs if i.opcode == "all-reduce" and i.output.shape == wq]  # noqa: E731
+    assert len(reduced(spmd)) == 3                     # wq, wk, wv: once, after the loop
+    assert not any(reduced(p) for p in spmd.subprograms() if p is not spmd)

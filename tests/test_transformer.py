@@ -133,16 +133,20 @@ def test_an_attention_block_must_divide_the_sequence():
         _lower(cfg=T.Config(seq=12, attention_block=0))
 
 
-def _dropout_step(cfg: T.Config, strategy=T.MEGATRON):
-    """Gradients of a squared-error loss through cfg.layers layers, each drawing its
-    dropout masks from its own key."""
+def _dropout_loss(cfg: T.Config, strategy=T.MEGATRON):
+    """A squared-error loss through cfg.layers layers, each drawing its dropout masks
+    from its own key."""
     annotate = T.gspmd_annotate(MESH)
 
     def loss(params, x, target, key):
         for p, k in zip(params, jax.random.split(key, len(params))):
             x = T.layer(p, x, annotate, strategy, cfg, key=k)
         return jax.numpy.mean((x - target) ** 2)
-    return jax.grad(loss)
+    return loss
+
+
+def _dropout_step(cfg: T.Config, strategy=T.MEGATRON):
+    return jax.grad(_dropout_loss(cfg, strategy))
 
 
 @pytest.mark.parametrize("block", [None, 4])
@@ -170,3 +174,30 @@ def test_dropout_needs_a_key():
     params, x, _ = T.example_inputs(cfg)
     with pytest.raises(gspmd.ShardingError, match="draws its masks from a key"):
         T.layer(params[0], x, T.gspmd_annotate(MESH), T.MEGATRON, cfg)
+
+
+def test_gradient_accumulation_equals_one_device_and_the_whole_batch():
+    """make_step(microbatches=3): an AdamW step over 3 microbatches of an uneven batch
+    (6 sequences over X = 2, with dropout: each microbatch its own folded key) equals one
+    device's; without dropout it is the whole batch's step."""
+    from gspmd.models.optimizers import AdamW, make_step
+    cfg = T.Config(batch=6, seq=12, heads=4, hidden=30, layers=2)
+    params, x, target = T.example_inputs(cfg)
+    state, key = AdamW().init(params), jax.random.key(3)
+    dropped = dataclasses.replace(cfg, dropout=0.1)
+    low = check(make_step(_dropout_loss(dropped), AdamW(), 0.01, microbatches=3, batched=2), params, state, x, target,
+                key, mesh=MESH)
+    assert any(i.opcode == "while" for i in low.spmd.instrs)
+    loss = _dropout_loss(cfg)
+    accumulated = jax.jit(make_step(loss, AdamW(), 0.01, microbatches=3, batched=2))(params, state, x, target, key)
+    whole = jax.jit(make_step(loss, AdamW(), 0.01))(params, state, x, target, key)
+    for a, b in zip(jax.tree_util.tree_leaves(accumulated), jax.tree_util.tree_leaves(whole)):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+
+
+def test_gradient_accumulation_needs_a_batch_that_divides():
+    from gspmd.models.optimizers import make_step
+    cfg = T.Config(batch=6)
+    params, x, target = T.example_inputs(cfg)
+    with pytest.raises(gspmd.ShardingError, match="over 4 microbatches needs a batch that divides"):
+        jax.eval_shape(make_step(_dropout_loss(cfg), None, 0.1, microbatches=4), params, x, target, jax.random.key(0))

@@ -95,13 +95,14 @@ def _cast(params: dict, dtype) -> dict:
 OPTIMIZERS = {"sgd": lambda: None, "adamw": optimizers.AdamW, "adafactor": optimizers.Adafactor}
 
 
-def _train(loss: Callable, params, data: tuple, s: dict) -> tuple[Callable, tuple]:
+def _train(loss: Callable, params, data: tuple, s: dict, microbatches: int = 1) -> tuple[Callable, tuple]:
     """The train step of loss(params, *data) with the chosen optimizer, and its abstract
-    arguments: the parameters, the optimizer's state (none for SGD), the data."""
+    arguments: the parameters, the optimizer's state (none for SGD), the data.
+    microbatches > 1: gradient accumulation over data's first two (inputs, targets)."""
     if s["optimizer"] not in OPTIMIZERS:
         raise ShardingError(f"--optimizer {s['optimizer']!r}: choose one of {sorted(OPTIMIZERS)}.")
     optimizer = OPTIMIZERS[s["optimizer"]]()
-    step = optimizers.make_step(loss, optimizer, lr=0.01)
+    step = optimizers.make_step(loss, optimizer, lr=0.01, microbatches=microbatches, batched=2)
     if optimizer is None:
         return step, (params, *data)
     return step, (params, jax.eval_shape(optimizer.init, params), *data)
@@ -189,11 +190,11 @@ CONFORMER_STACK = LayerStack("Conformer", conformer.layer, conformer.shapes,
 def _layer_stack(stack: LayerStack, s: dict, hw: Hardware) -> Case:
     if s["stages"] is not None:
         return _pipelined(stack, s, hw)
-    if s["microbatches"] is not None:
-        raise ShardingError("--microbatches applies to pipelines only: give --stages and a --mesh LxXxY.")
     mesh = _mesh(s["mesh"], ("x", "y"), hw)
     batch = s["batch"] or mesh.size // 2
-    cfg, dtype, policy = stack.config(s, batch), _dtype(s), _policy(s["remat"])
+    micro = s["microbatches"] or 1   # without a pipeline: gradient accumulation steps
+    _divide("--batch", batch, micro, f"{micro} microbatches of gradient accumulation")
+    cfg, dtype, policy = stack.config(s, batch // micro), _dtype(s), _policy(s["remat"])
     annotate = transformer.gspmd_annotate(mesh)
 
     def layers(stacked, x, key=None):   # with dropout, each layer's masks from its own key
@@ -207,6 +208,8 @@ def _layer_stack(stack: LayerStack, s: dict, hw: Hardware) -> Case:
     described = (f"{stack.name}, {cfg.layers} layers, M={cfg.model} H={cfg.hidden} N={cfg.heads} "
                  f"D={cfg.head_dim}, batch {batch} x seq {cfg.seq}")
     key = (jax.eval_shape(jax.random.key, 0),) if cfg.dropout else ()   # the step's dropout key, if any
+    if micro > 1:
+        described += f" in {micro} microbatches (gradient accumulation)"
     if cfg.dropout:
         described += f", dropout {cfg.dropout}"
     if s.get("vocab"):
@@ -214,11 +217,11 @@ def _layer_stack(stack: LayerStack, s: dict, hw: Hardware) -> Case:
         params = {"layers": stacked, "embedding": _spec((s["vocab"], cfg.model))}
         vocabulary = Vocabulary(annotate, dtype, EMBEDDINGS[s.get("strategy", "2d")])
         return Case(f"{described}, vocabulary {s['vocab']}",
-                    *_train(_language_model_loss(layers, vocabulary), params, (tokens, tokens, *key), s), mesh,
+                    *_train(_language_model_loss(layers, vocabulary), params, (tokens, tokens, *key), s, micro), mesh,
                     {**s, "batch": batch}, donate=_in_place(s))
     act = _spec((batch, cfg.seq, cfg.model), dtype)
     return Case(described, *_train(lambda stacked, x, target, *key: _mse(layers(stacked, x, *key), target), stacked,
-                                   (act, act, *key), s),
+                                   (act, act, *key), s, micro),
                 mesh, {**s, "batch": batch}, donate=_in_place(s))
 
 

@@ -14,6 +14,8 @@ from typing import Any, Callable, Optional, Protocol
 import jax
 import jax.numpy as jnp
 
+from gspmd.errors import ShardingError
+
 
 class Optimizer(Protocol):
     def init(self, params) -> Any: ...
@@ -99,18 +101,57 @@ class Adafactor:
         return p - self.lr * u, moments
 
 
-def make_step(loss: Callable, optimizer: Optional[Optimizer], lr: float) -> Callable:
+def make_step(loss: Callable, optimizer: Optional[Optimizer], lr: float, microbatches: int = 1,
+              batched: Optional[int] = None) -> Callable:
     """A train step of `loss(params, *batch)`. Without an optimizer, plain SGD at `lr`:
     step(params, *batch) -> (new params, loss). With one:
-    step(params, optimizer state, *batch) -> (new params, new state, loss)."""
+    step(params, optimizer state, *batch) -> (new params, new state, loss).
+    microbatches > 1: gradient accumulation (`accumulated`) over the first `batched`
+    batch arguments (default: all)."""
+    value_and_grad = jax.value_and_grad(loss) if microbatches == 1 else accumulated(loss, microbatches, batched)
     if optimizer is None:
         def sgd_step(params, *batch):
-            value, grads = jax.value_and_grad(loss)(params, *batch)
+            value, grads = value_and_grad(params, *batch)
             return SGD(lr).update(grads, (), params)[0], value
         return sgd_step
 
     def step(params, state, *batch):
-        value, grads = jax.value_and_grad(loss)(params, *batch)
+        value, grads = value_and_grad(params, *batch)
         params, state = optimizer.update(grads, state, params)
         return params, state, value
     return step
+
+
+def accumulated(loss: Callable, microbatches: int, batched: Optional[int] = None) -> Callable:
+    """jax.value_and_grad(loss) over the batch as `microbatches` steps of gradient
+    accumulation: the mean loss's value and gradients, one microbatch at a time (a scan),
+    summed in float32. The first `batched` batch arguments (default: all) split along
+    their leading dim, sequence j of microbatch i being sequence j * microbatches + i (so
+    that a batch split over devices splits each microbatch alike); the others (a PRNG
+    key) reach every microbatch, a key folded with the microbatch's index."""
+    def value_and_grad(params, *batch):
+        count = len(batch) if batched is None else batched
+        data, shared = batch[:count], batch[count:]
+        for x in data:
+            if not jnp.ndim(x) or x.shape[0] % microbatches:
+                raise ShardingError(f"Gradient accumulation over {microbatches} microbatches needs a batch "
+                                    f"that divides into them along its leading dim; got shape {tuple(jnp.shape(x))}"
+                                    f" (pass batched=... to leave arguments without a batch dim, as a key, whole).")
+        split = [jnp.swapaxes(x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]), 0, 1)
+                 for x in data]
+
+        def one(total, xs):
+            index, microbatch = xs
+            extra = [jax.random.fold_in(k, index) if _is_key(k) else k for k in shared]
+            value, grads = jax.value_and_grad(loss)(params, *microbatch, *extra)
+            return jax.tree_util.tree_map(lambda t, g: t + g.astype(jnp.float32), total, (value, grads)), None
+
+        zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), (0.0, params))
+        (value, grads), _ = jax.lax.scan(one, zeros, (jnp.arange(microbatches), split))
+        return value / microbatches, jax.tree_util.tree_map(lambda g, p: (g / microbatches).astype(p.dtype),
+                                                            grads, params)
+    return value_and_grad
+
+
+def _is_key(x) -> bool:
+    return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
