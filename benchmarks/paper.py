@@ -382,7 +382,7 @@ planned on abstract inputs and estimated on the `tpu-v3` profile of the shared c
 
 What our numbers are today:
 - **Step time** = modeled compute (matmuls at 80% of peak, element-wise chains bytes over
-  HBM bandwidth) + communication not hidden behind independent compute (two-stream list
+  80% of the HBM bandwidth) + communication not hidden behind independent compute (two-stream list
   schedule), collectives priced on the TPU v3 torus (2 cores per chip, 45 GB/s per link
   direction, 1 us per hop).
 - **Utilization** = our FLOPs per device / (61.5 TFLOP/s x step): the paper's "raw"

@@ -128,7 +128,7 @@ MAXTEXT = Table(
      "93.7 GB it then had, and jit's memory fitting recomputed 13% of its FLOPs (fifth, 273 TF/s).",
      "The README quotes three runs twice: 128B v5p-512 316 and 315, 256B 308 and 316, 1024B v5p-2048 254 "
      "and 249. 256B is below both 128B rows in one table and level or above in the other, so the source "
-     "does not order them; we have 256B 4% above (its twice wider embedding: attention and the per-token "
+     "does not order them; we have 256B 5% above (its twice wider embedding: attention and the per-token "
      "element-wise work weigh less against the matmuls).",
      "The two 1024B rows do the same work per chip (2 sequences, tensor 8, FSDP over 128 or 256 chips): "
      "our steps are equal, the published runs differ by 17% (254 and 297) with nothing in the stated "
@@ -148,6 +148,7 @@ MAXTEXT = Table(
 
 # -- Megatron-LM on A100 --------------------------------------------------------------------
 MEGATRON_SEQ, MEGATRON_VOCAB = 2048, 51200
+MEGATRON_DROPOUT = 0.1   # Megatron-LM's --attention-dropout and --hidden-dropout, which run_table_1.sh keeps
 
 
 def megatron_flops(batch: int, layers: int, hidden: int) -> float:
@@ -163,9 +164,11 @@ def megatron_row(params: str, heads: int, hidden: int, layers: int, tensor: int,
     stage's layers in `chunks` interleaved virtual stages (--num-layers-per-virtual-pipeline-stage)."""
     data = gpus // (tensor * stages)
     common = dict(layers=layers, model_dim=hidden, ffn_dim=4 * hidden, heads=heads, head_dim=hidden // heads,
-                  seq=MEGATRON_SEQ, batch=batch, vocab=MEGATRON_VOCAB, optimizer="adamw", strategy="megatron")
-    if stages == 1:   # the replica's whole batch at once (its microbatches' gradients add up the same)
-        sizes = planning.Sizes(mesh=(data, tensor), remat="nothing_saveable", **common)
+                  seq=MEGATRON_SEQ, batch=batch, vocab=MEGATRON_VOCAB, optimizer="adamw", strategy="megatron",
+                  attention="megatron")
+    if stages == 1:   # the replica's batch in microbatches of `micro` sequences: gradient accumulation
+        sizes = planning.Sizes(mesh=(data, tensor), remat="nothing_saveable", dropout=MEGATRON_DROPOUT,
+                               microbatches=batch // data // micro, **common)
     else:             # 1F1B (interleaved over `chunks`), which recomputes each stage in its backward slot
         sizes = planning.Sizes(mesh=(stages, data, tensor), stages=stages, microbatches=batch // data // micro,
                                schedule="1f1b", repeats=chunks, **common)
@@ -203,7 +206,7 @@ MEGATRON = Table(
      "run_table_1.sh interleaves it (--num-layers-per-virtual-pipeline-stage "
      "5, 5, 3, 1 at 76.1B-529.6B: our --repeats 3, 2, 2, 3), over its microbatches (4, 2, 2, 1, 1, 1 "
      "sequences). Without a pipeline the replica's batch is one microbatch (16 sequences) but at 18.4B, "
-     "which run_table_1.sh runs as 4 of 8: we plan the 32 at once (gradient accumulation would add ~1%). "
+     "which run_table_1.sh runs as 4 of 8: gradient accumulation over them (`--microbatches 4`). "
      "Not planned: the paper's scatter/gather of stage boundaries across the tensor group. Recomputation "
      "is jax's: a layer is recomputed only as far as its gradient needs, not its last matmul's output (17-18% "
      "of our FLOPs, where the formula counts a whole forward pass, 25%, as torch's checkpoint reruns the "
@@ -213,41 +216,52 @@ MEGATRON = Table(
      "gradients summed over microbatches in float32, as its main_grad). Every row plans the embedding and "
      "the 51,200-way softmax over one tied table (--vocab); pipelined: tokens in, embedded on the first "
      "stage, logits and loss on the last.",
+     "Dropout 0.1 (`--dropout 0.1`: Megatron-LM's --attention-dropout and --hidden-dropout, which "
+     "run_table_1.sh keeps) on the attention probabilities and on each sublayer's output before its residual "
+     "add, each layer's masks from the step's key, in the rows without a pipeline: pipelined plans take no "
+     "dropout (their stages carry no keys; planned once with a fixed key per layer it added ~3% to 39.1B's "
+     "step and ~1% to 310.1B's). Not the embedding's dropout (one [b, s, h] mask a step).",
+     "Attention as Megatron-LM runs it (`--attention megatron`, every row): the scores by a batched matmul, "
+     "the fused scale-mask-softmax a kernel of its own, then the dropout, each reading the probabilities "
+     "from HBM (an optimization barrier after the softmax in the plan). Our dropout draws its mask inside "
+     "its kernel and draws it again in the backward pass; torch's stores it as bytes.",
      "Profile `a100`: GPU matmuls are library kernels (cuBLAS) that read their operands from HBM, so a "
      "layer norm, softmax or cast feeding one is a kernel of its own (`fuses_into_matmul=False`, every "
-     "GPU profile; TPU profiles fuse them into the matmul, as XLA:TPU does).",
+     "GPU profile; TPU profiles fuse them into the matmul, as XLA:TPU does). Memory-bound kernels at 80% of "
+     "the 2.0 TB/s (the shared default: a streaming copy reaches 85-90% on an A100).",
      "Model FLOPs for every row by the paper's formula (so TFLOP/s compare like for like); our plan's own "
      "FLOPs decide its step time."),
-    ("Rows without a pipeline (1.7B-18.4B) come out 33-50% fast, 58-66% of peak where Megatron-LM reached "
-     "43-46%. 8% of it is recomputation: ours does 0.93 of the formula's FLOPs (above). Pricing the softmax and layer norms that feed matmuls as kernels of their own (GPU matmuls "
-     "take no fused producers) took them from 42-73% fast to this. What else was tried, none of which is "
-     "principled enough to keep: every element-wise op its own kernel (PyTorch eager without Megatron's "
-     "fused layer-norm, softmax, bias-GeLU and bias-dropout-add kernels) overshoots, 0.49x at 1.7B, 0.65x "
-     "at 18.4B and 0.46-0.49x pipelined (before the pipeline changes below), and a fraction in between "
-     "would be fitted; synchronous collectives "
-     "(Megatron's 2021 NCCL calls) add at most 0.03 s (1.7B) to 0.18 s (18.4B), ours already exposes "
-     "70-90% of their communication, while the pipelined rows would lose 3-4%; a size-dependent matmul "
-     "efficiency would need ~0.55 at h = 2304-6144, where A100 GEMMs of 8k-32k rows reach 70-80% (thousands "
-     "of tiles on 108 SMs: no wave quantization). Not modelled: dropout (0.1 on the [b, n, s, s] attention "
-     "probabilities and twice per layer on the hidden states in Megatron's GPT; our model has none: by hand "
-     "~15 bytes per attention probability per layer, +0.3 s at 1.7B, which would make it 1.32x, 18.4B "
-     "1.30x) and PyTorch's per-kernel overheads. So these rows stay outside 20%.",
-     "Pipelined rows (39.1B-1T), as run_table_1.sh runs them, are 1.02-1.22 of the published, all but "
-     "39.1B (1.22) within 20%. Across the table ours / published falls as h grows (1.50 at h = 2304, 1.33-1.35 "
-     "at 4096-6144, 1.22 at 8192, 1.16-1.19 at 10240-12288, 1.02-1.04 at 16384-25600), the paper's own account "
-     "of its weak scaling: larger matrix multiplications run closer to peak, which our one matmul efficiency "
-     "(80%) does not model. Interleaving halves the bubbles (310.1B: 9.4% -> 5.0%) but costs our vectorized "
-     "schedule more than it saves: each slot gathers its virtual stage's layers out of the stage's stack "
-     "(their gradients go back in place), so 310.1B is 36.1 s interleaved against 34.2 s not (1.04 against "
-     "1.10 of the published). Every stage also computes the step's logits and softmax (one SPMD program; "
-     "only the last stage's count).",
-     "The published ranking rises with model size (135-163 TF/s); ours falls with it, from the rows without a "
-     "pipeline (182-205) to the pipelined (161-171), so most ordered pairs are swapped.",
-     "Memory: every row fits in the A100's 80 GiB (48-83 GB). 39.1B (microbatches of 4 sequences) took "
-     "112 GB while 1F1B's backward slot recomputed the whole stage (24 layers) at once, 12.9 GB of it the "
-     "float32 attention probabilities [24, 4, 8, 2048, 2048]; with each layer's input stashed (3 in-flight "
-     "microbatches x 24 layers x 134 MB) and one layer recomputed at a time, as Megatron-LM does, it takes "
-     "65 GB, and every pipelined row does 7-8% fewer FLOPs (recomputation 25% -> 17-18% of them)."))
+    ("Rows without a pipeline (1.7B-18.4B) are 1.19-1.22 of the published (1.33-1.50 before dropout, "
+     "Megatron-LM's attention kernels, memory-bound kernels at 80% of the HBM bandwidth and 18.4B's "
+     "gradient accumulation): at 1.7B the bandwidth took the step from 2.36 to 2.54 s, dropout to 2.60 s and "
+     "the softmax as a kernel of its own to 2.89 s, against the published 3.53 s; 18.4B's 4 microbatches of "
+     "8 took it from 7.60 to 7.82 s (and its peak from 86 to 58 GB). 1.7B and 3.6B stay 2% outside 20%, "
+     "18.4B 0.3%. What "
+     "Megatron-LM's run does and our plan does not: torch's checkpoint reruns each layer's whole forward "
+     "pass, its last matmul (h x 4h) included, where jax recomputes only what the gradient needs: our plan "
+     "does 0.94 of the formula's FLOPs, and the formula's full recomputation would add ~8% of the matmul "
+     "time (~0.15 s at 1.7B, making it ~1.16; 18.4B ~1.18); torch's dropout stores its masks (~1 byte a "
+     "probability written and read: +2% at 1.7B); the vocabulary-parallel cross-entropy runs as separate "
+     "float32 kernels over [b, s, V/t] (~100 GB a step at 1.7B where ours moves ~15: +2%). Tried before and not kept (not principled): every element-wise op its own kernel overshoots "
+     "(0.49x at 1.7B); a size-dependent matmul efficiency would need ~0.55 at h = 2304-6144, where A100 "
+     "GEMMs of 8k-32k rows reach 70-80%; synchronous collectives add at most 0.03 s (1.7B) to 0.18 s "
+     "(18.4B).",
+     "Pipelined rows (39.1B-1T), as run_table_1.sh runs them, are 0.98-1.17 of the published, all within "
+     "20%. Across the table ours / published falls as h grows (1.22 at h = 2304, 1.19-1.22 at 3072-6144, "
+     "1.17 at 8192, 1.10-1.14 at 10240-12288, 0.98 at 16384-25600), the paper's own account of its weak "
+     "scaling: larger matrix multiplications run closer to peak, which our one matmul efficiency (80%) does "
+     "not model, and the attention's memory-bound kernels weigh s / 6h against the matmuls (15% of their "
+     "FLOPs at 1.7B, 1% at 1T). Interleaving halves the bubbles (310.1B: 9.4% -> 5.0%) but costs our "
+     "vectorized schedule more than it saves: each slot gathers its virtual stage's layers out of the "
+     "stage's stack (their gradients go back in place). Every stage also computes the step's logits and "
+     "softmax (one SPMD program; only the last stage's count).",
+     "The published ranking rises with model size (135-163 TF/s); ours is nearly flat (152-169 TF/s), "
+     "highest without a pipeline, so most ordered pairs are still swapped (27 of them; 31 before).",
+     "Memory: every row fits in the A100's 80 GiB (49-73 GB). 39.1B (microbatches of 4 sequences) took 112 GB while 1F1B's backward slot "
+     "recomputed the whole stage (24 layers) at once, 12.9 GB of it the float32 attention probabilities "
+     "[24, 4, 8, 2048, 2048]; with each layer's input stashed (3 in-flight microbatches x 24 layers x 134 "
+     "MB) and one layer recomputed at a time, as Megatron-LM does, it takes 65 GB, and every pipelined row "
+     "does 7-8% fewer FLOPs (recomputation 25% -> 17-18% of them)."))
 
 TABLES = {t.key: t for t in (MAXTEXT, MEGATRON)}
 
@@ -296,7 +310,8 @@ def render(table: Table, estimates: list[Estimate]) -> list[str]:
     hw = profile(table.hardware)
     lines = [f"## {table.title}", "", f"Source: {table.source}", "",
              f"Model FLOPs per step: {table.formula}. Profile `{hw.name}`: {hw.flops_per_s / 1e12:.0f} TF/s "
-             f"peak, matmuls at {hw.matmul_efficiency:.0%}.", "",
+             f"peak, matmuls at {hw.matmul_efficiency:.0%}, memory-bound kernels at {hw.memory_efficiency:.0%} of "
+             f"{hw.hbm_bytes_per_s / 1e12:.2f} TB/s.", "",
              "| row | configuration as stated | published TF/s/chip (MFU) | ours TF/s/chip (MFU) | ours / published "
              "| step (s) | peak GB (fits) | rank: published / ours |",
              "|---|---|---|---|---|---|---|---|"]
@@ -326,8 +341,9 @@ planned on abstract inputs with the Transformer recipe of `src/gspmd/recipes.py`
 model, `src/gspmd/spmd/cost.py`). Ours: TF/s per chip = the source's model FLOPs per
 step / (our step time x chips); MFU = that / the profile's peak. One set of constants
 per profile, none tuned per row: `tpu-v5p` and `a100` keep the shared defaults (matmuls
-at 80% of peak, 40% of a collective hideable behind independent compute, 5 us per
-collective), none calibrated against these tables; like every GPU profile, `a100` fuses no
+at 80% of peak, memory-bound kernels at 80% of the HBM bandwidth, 40% of a collective
+hideable behind independent compute, 5 us per collective), none calibrated against these
+tables; like every GPU profile, `a100` fuses no
 element-wise producers into matmuls (cuBLAS reads its operands from HBM).
 """
 
