@@ -45,6 +45,16 @@ def test_a_dropout_mask_is_hashed_inside_the_fusion_that_reads_it():
     assert prof.peak_bytes <= 2 * 1024 * 1024 * 4 + 64
 
 
+def test_a_fused_chain_that_reads_its_values_many_times_is_walked_once():
+    """y = y * y + y forty times is one fusion reading x once: the model walks each fused
+    value once, not once per path to it (3**40 paths)."""
+    def chain(x):
+        for _ in range(40):
+            x = x * x + x
+        return x
+    assert _peak(chain, spec(1024)).peak_bytes == 2 * 4096
+
+
 def test_a_value_read_by_a_dot_is_stored_and_lives_until_its_last_reader():
     def f(x, w):
         h = jnp.maximum(x @ w, 0.0)      # stored: the second dot reads it

@@ -373,11 +373,16 @@ class _Liveness:
         self.aliased_param = {program.outputs[j]: program.params[i] for i, j in aliases.items()}
 
     def _reads(self, step: _Step) -> list[Value]:
-        """The stored values `step` reads, through the fused values it computes itself."""
+        """The stored values `step` reads, through the fused values it computes itself,
+        each once (fused values share operands: a dropout mask's hash reads its key words
+        along many paths)."""
         out: list[Value] = []
-        pending = list(reversed(step.operands))
+        pending, seen = list(reversed(step.operands)), set()
         while pending:
             v = pending.pop()
+            if v in seen:
+                continue
+            seen.add(v)
             if v in self.fused:
                 pending.extend(reversed(self.producer[v].operands))
             else:
@@ -395,15 +400,19 @@ class _Liveness:
         return []
 
     def _elementwise_reads(self, step: _Step, shape) -> list[Value]:
-        """Stored values `step` reads element for element (through fused element-wise ops)."""
-        out = []
-        for v in step.operands:
-            if v.shape != shape:
+        """Stored values `step` reads element for element (through fused element-wise ops),
+        each once."""
+        out: list[Value] = []
+        pending, seen = list(reversed(step.operands)), set()
+        while pending:
+            v = pending.pop()
+            if v.shape != shape or v in seen:
                 continue
+            seen.add(v)
             if v not in self.fused:
                 out.append(v)
             elif self.producer[v].storage is Storage.ELEMENTWISE:
-                out.extend(self._elementwise_reads(self.producer[v], shape))
+                pending.extend(reversed(self.producer[v].operands))
         return out
 
     # -- pass 1: buffers and their live ranges ------------------------------------------
@@ -529,9 +538,12 @@ class _Liveness:
     def _steps_of(self) -> dict[int, int]:
         at: dict[int, int] = {}
         for s, step in enumerate(self.steps):
-            pending = [step]
+            pending, seen = [step], set()
             while pending:
                 computed = pending.pop()
+                if id(computed) in seen:
+                    continue
+                seen.add(id(computed))
                 if computed.instr is not None:
                     at.setdefault(id(computed.instr), s)
                 pending += [self.producer[v] for v in computed.operands if v in self.fused]
