@@ -205,15 +205,21 @@ def _repeatable(instr: Instr, recompute_any: bool) -> bool:
 def _kept_alive(v, held: memory.MemoryProfile) -> int:
     """Bytes the peak would hold more if `v` were read after it: none if it holds `v`
     already; else those of the layout copy of `v` a kernel reads (made once for all
-    readers that want it), or of a fused value's stored operands, or `v`'s own."""
-    if v in held.held_at_peak:
-        return 0
-    copies = held.layout_copies.get(v)
-    if copies:
-        return min(0 if c in held.held_at_peak else c.nbytes for c in copies)
-    if v in held.fused:
-        return sum(_kept_alive(o, held) for o in set(v.producer.operands))
-    return v.nbytes
+    readers that want it), or of a fused value's stored operands (each once), or `v`'s own."""
+    total, pending, seen = 0, [v], set()
+    while pending:
+        x = pending.pop()
+        if x in seen or x in held.held_at_peak:
+            continue
+        seen.add(x)
+        copies = held.layout_copies.get(x)
+        if copies:
+            total += min(0 if c in held.held_at_peak else c.nbytes for c in copies)
+        elif x in held.fused:
+            pending.extend(x.producer.operands)
+        else:
+            total += x.nbytes
+    return total
 
 
 def _seconds(instr: Instr, num_devices: int, hw: cm.Hardware) -> float:
@@ -234,17 +240,16 @@ def _compute_again(spmd: Program, num_devices: int, instr: Instr, later: list[In
     position = {id(i): k for k, i in enumerate(spmd.instrs)}
     later = sorted(later, key=lambda r: position[id(r)])
     staging = Program("again", parent=spmd)
-    v = instr.output
     repeat = ops.lookup(instr.opcode).rewrites.repeat
     if repeat is not None:
-        copy = repeat(DeviceContext(Builder(staging, instr.origin), num_devices), instr)
+        copies = [repeat(DeviceContext(Builder(staging, instr.origin), num_devices), instr)]
+        copies[0].sharding = instr.output.sharding
     else:
-        copy = _clone(staging, instr, {})
-    copy.sharding = v.sharding
+        copies = _clone(staging, instr, {})
     at = {id(i): position[id(later[0])] for i in staging.instrs}
-    renamed = {v: copy}
-    for between, first in _fused_between(v, later, fused, position):
-        renamed[between.output] = _clone(staging, between, renamed)
+    renamed = dict(zip(instr.outputs, copies))
+    for between, first in _fused_between(set(instr.outputs), later, fused, position):
+        renamed.update(zip(between.outputs, _clone(staging, between, renamed)))
         at[id(staging.instrs[-1])] = position[id(first)]
     added = staging.instrs
     for k, i in sorted(enumerate(added), key=lambda ki: (-at[id(ki[1])], -ki[0])):   # from the back
@@ -260,13 +265,14 @@ def _compute_again(spmd: Program, num_devices: int, instr: Instr, later: list[In
     return undo
 
 
-def _fused_between(v, later: list[Instr], fused: frozenset, position: dict) -> list[tuple[Instr, Instr]]:
-    """The fused instructions on the paths from `v` to the operands of `later` (in
-    program order), each with the first of `later` it feeds."""
-    leads: dict[int, bool] = {}   # id(instr) -> v reaches its result through fused values
+def _fused_between(sources: set, later: list[Instr], fused: frozenset,
+                   position: dict) -> list[tuple[Instr, Instr]]:
+    """The fused instructions on the paths from the `sources` values to the operands of
+    `later` (in program order), each with the first of `later` it feeds."""
+    leads: dict[int, bool] = {}   # id(instr) -> a source reaches its result through fused values
 
     def on_path(x) -> bool:
-        if x is v:
+        if x in sources:
             return True
         p = x.producer
         if p is None or x not in fused:
@@ -276,21 +282,22 @@ def _fused_between(v, later: list[Instr], fused: frozenset, position: dict) -> l
         return leads[id(p)]
     first: dict[int, tuple[Instr, Instr]] = {}
     for r in later:   # in program order
-        pending = [o for o in r.operands if o is not v and on_path(o)]
+        pending = [o for o in r.operands if o not in sources and on_path(o)]
         while pending:
             p = pending.pop().producer
             if id(p) not in first:
                 first[id(p)] = (p, r)
-                pending += [o for o in p.operands if o is not v and on_path(o)]
+                pending += [o for o in p.operands if o not in sources and on_path(o)]
     return sorted(first.values(), key=lambda pair: position[id(pair[0])])
 
 
-def _clone(staging: Program, instr: Instr, renamed: dict) -> Value:
+def _clone(staging: Program, instr: Instr, renamed: dict) -> list[Value]:
     """`instr` again (reading `renamed` values in place of the originals), marked
-    recomputed."""
+    recomputed: its results (several for threefry's two words)."""
     b = Builder(staging, f"{instr.origin or instr.opcode} [recomputed to fit memory]", instr.source)
     b.recomputed = True
-    out = instr.output
-    copy = b.add1(instr.opcode, [renamed.get(o, o) for o in instr.operands], out.shape, out.dtype, **instr.attrs)
-    copy.sharding = out.sharding
-    return copy
+    copies = b.add(instr.opcode, [renamed.get(o, o) for o in instr.operands],
+                   [(out.shape, out.dtype) for out in instr.outputs], **instr.attrs)
+    for copy, out in zip(copies, instr.outputs):
+        copy.sharding = out.sharding
+    return copies
