@@ -330,6 +330,8 @@ def test_microbatches_without_a_pipeline_accumulate_gradients(capsys):
                            strategy="megatron", microbatches=4)
     spmd = planning.plan("transformer", sizes).lowered.spmd
     wq = (2, 64, 1, 16)   # [layers, M, N / Y, D]
-    reduced = lambda program: [i for i in program.instrs if i.opcode == "all-reduce" and i.output.shape == wq]  # noqa: E731
+
+    def reduced(program):
+        return [i for i in program.instrs if i.opcode == "all-reduce" and i.output.shape == wq]
     assert len(reduced(spmd)) == 3                     # wq, wk, wv: once, after the loop
     assert not any(reduced(p) for p in spmd.subprograms() if p is not spmd)

@@ -130,7 +130,8 @@ TRANSFORMER = {"layers": 32, "model_dim": 8192, "ffn_dim": 65536, "heads": 128, 
                "repeats": 1, "remat": None, "activation_dtype": "bfloat16", "optimizer": "adafactor", "vocab": None,
                "strategy": "2d", "attention": "dot_product", "dropout": None}
 # Table 5's Conformers: 23 M^2 parameters per block; M=2944 makes 32 blocks 6.4B (the paper: 6.47B).
-CONFORMER = {**{k: v for k, v in TRANSFORMER.items() if k not in ("vocab", "strategy", "dropout")}, "layers": 32, "model_dim": 2944, "ffn_dim": 11776, "heads": 23, "head_dim": 128,
+CONFORMER = {**{k: v for k, v in TRANSFORMER.items() if k not in ("vocab", "strategy", "dropout")},
+             "layers": 32, "model_dim": 2944, "ffn_dim": 11776, "heads": 23, "head_dim": 128,
              "seq": 768, "mesh": (8, 1), "stages": 8, "microbatches": 16}
 
 
@@ -200,7 +201,8 @@ def _layer_stack(stack: LayerStack, s: dict, hw: Hardware) -> Case:
     def layers(stacked, x, key=None):   # with dropout, each layer's masks from its own key
         def body(x, xs):
             p, layer_key = xs
-            return stack.layer(p, x, annotate, stack.strategy, cfg, **({} if key is None else {"key": layer_key})), None
+            dropping = {} if layer_key is None else {"key": layer_key}   # (a Conformer layer takes no key)
+            return stack.layer(p, x, annotate, stack.strategy, cfg, **dropping), None
         keys = None if key is None else jax.random.split(key, cfg.layers)
         return jax.lax.scan(_layers(body, policy), x, (stacked, keys))[0]
 
