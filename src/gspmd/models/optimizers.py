@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from gspmd.errors import ShardingError
+from gspmd.ops.convert import is_key
 
 
 class Optimizer(Protocol):
@@ -142,7 +143,7 @@ def accumulated(loss: Callable, microbatches: int, batched: Optional[int] = None
 
         def one(total, xs):
             index, microbatch = xs
-            extra = [jax.random.fold_in(k, index) if _is_key(k) else k for k in shared]
+            extra = [jax.random.fold_in(k, index) if is_key(k.dtype) else k for k in shared]
             value, grads = jax.value_and_grad(loss)(params, *microbatch, *extra)
             return jax.tree_util.tree_map(lambda t, g: t + g.astype(jnp.float32), total, (value, grads)), None
 
@@ -151,7 +152,3 @@ def accumulated(loss: Callable, microbatches: int, batched: Optional[int] = None
         return value / microbatches, jax.tree_util.tree_map(lambda g, p: (g / microbatches).astype(p.dtype),
                                                             grads, params)
     return value_and_grad
-
-
-def _is_key(x) -> bool:
-    return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)

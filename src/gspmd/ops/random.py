@@ -92,7 +92,7 @@ def _expand(b: Conversion, x: Value, shape: Sequence[int], offset: Optional[int]
 
 
 def _zeros(b: Conversion, shape: Sequence[int]) -> Value:
-    return b.broadcast_to(b.constant(0, UINT32), shape)
+    return _uint(b, 0, shape)
 
 
 def _counters(b: Conversion, shape: tuple[int, ...], first: int) -> tuple[Value, Value]:
@@ -114,7 +114,7 @@ def _counters(b: Conversion, shape: tuple[int, ...], first: int) -> tuple[Value,
     return _plus(b, high, product_low, low)
 
 
-def _uint(b: Conversion, value: int, shape: tuple[int, ...]) -> Value:
+def _uint(b: Conversion, value: int, shape: Sequence[int]) -> Value:
     return b.broadcast_to(b.constant(value, UINT32), shape)
 
 
@@ -134,17 +134,16 @@ def _row_major(b: Conversion, shape: tuple[int, ...], first: int, end: Optional[
 def _times(b: Conversion, x: Value, factor: int) -> tuple[Value, Value]:
     """x * factor (both under 2**32) as 64 bits (high word, low word), from 16-bit halves
     whose products fit in 32."""
-    shape, half = x.shape, lambda v, s: b.add1(s, [v, _uint(b, 16, x.shape)], x.shape, UINT32)   # noqa: E731
-    x_low = b.add1("and", [x, _uint(b, 0xFFFF, shape)], shape, UINT32)
-    x_high = half(x, "shift-right-logical")
+    shape = x.shape
+    by = lambda opcode, v, k: b.add1(opcode, [v, _uint(b, k, shape)], shape, UINT32)   # noqa: E731
+    x_low, x_high = by("and", x, 0xFFFF), by("shift-right-logical", x, 16)
     f_low, f_high = factor & 0xFFFF, factor >> 16
-    times = lambda v, f: b.add1("multiply", [v, _uint(b, f, shape)], shape, UINT32)   # noqa: E731
-    cross = [times(x_low, f_high), times(x_high, f_low)]   # each * 2**16
-    high = times(x_high, f_high)
+    cross = [by("multiply", x_low, f_high), by("multiply", x_high, f_low)]   # each * 2**16
+    high = by("multiply", x_high, f_high)
     for c in cross:
-        high = b.add1("add", [high, half(c, "shift-right-logical")], shape, UINT32)
-    high, low = _plus(b, high, times(x_low, f_low), half(cross[0], "shift-left"))
-    return _plus(b, high, low, half(cross[1], "shift-left"))
+        high = b.add1("add", [high, by("shift-right-logical", c, 16)], shape, UINT32)
+    high, low = _plus(b, high, by("multiply", x_low, f_low), by("shift-left", cross[0], 16))
+    return _plus(b, high, low, by("shift-left", cross[1], 16))
 
 
 def _plus(b: Conversion, high: Value, low: Value, addend: Value) -> tuple[Value, Value]:
