@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from gspmd import ops
 from gspmd.ir import Instr, Program, Value
@@ -373,20 +373,25 @@ class _Liveness:
         self.aliased_param = {program.outputs[j]: program.params[i] for i, j in aliases.items()}
 
     def _reads(self, step: _Step) -> list[Value]:
-        """The stored values `step` reads, through the fused values it computes itself,
-        each once (fused values share operands: a dropout mask's hash reads its key words
-        along many paths)."""
+        """The stored values `step` reads, through the fused values it computes itself."""
+        return self._stored_behind(step)
+
+    def _stored_behind(self, step: _Step, wanted: Callable[[Value], bool] = lambda v: True,
+                       enters: Callable[[_Step], bool] = lambda producer: True) -> list[Value]:
+        """The stored values behind `step`'s operands, in order, through the fused values
+        whose producer `enters`; each once (fused values share operands: a dropout mask's
+        hash reads its key words along many paths). A value not `wanted` is passed over."""
         out: list[Value] = []
         pending, seen = list(reversed(step.operands)), set()
         while pending:
             v = pending.pop()
-            if v in seen:
+            if v in seen or not wanted(v):
                 continue
             seen.add(v)
-            if v in self.fused:
-                pending.extend(reversed(self.producer[v].operands))
-            else:
+            if v not in self.fused:
                 out.append(v)
+            elif enters(self.producer[v]):
+                pending.extend(reversed(self.producer[v].operands))
         return out
 
     def _in_place_candidates(self, step: _Step, index: int) -> list[Value]:
@@ -400,20 +405,8 @@ class _Liveness:
         return []
 
     def _elementwise_reads(self, step: _Step, shape) -> list[Value]:
-        """Stored values `step` reads element for element (through fused element-wise ops),
-        each once."""
-        out: list[Value] = []
-        pending, seen = list(reversed(step.operands)), set()
-        while pending:
-            v = pending.pop()
-            if v.shape != shape or v in seen:
-                continue
-            seen.add(v)
-            if v not in self.fused:
-                out.append(v)
-            elif self.producer[v].storage is Storage.ELEMENTWISE:
-                pending.extend(reversed(self.producer[v].operands))
-        return out
+        """Stored values `step` reads element for element (through fused element-wise ops)."""
+        return self._stored_behind(step, lambda v: v.shape == shape, lambda p: p.storage is Storage.ELEMENTWISE)
 
     # -- pass 1: buffers and their live ranges ------------------------------------------
     def buffers(self) -> tuple[list[_Buffer], list[tuple[int, Optional[MemoryProfile]]]]:
