@@ -268,7 +268,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for flag, what in [("layers", "layers"), ("model-dim", "model dim M"), ("ffn-dim", "feed-forward dim H"),
                        ("heads", "attention heads N"), ("head-dim", "head dim D"), ("seq", "sequence length"),
                        ("vocab", "vocabulary"), ("experts", "experts E"), ("batch", "global batch"),
-                       ("stages", "pipeline stages L"), ("microbatches", "pipeline microbatches; without a pipeline, steps of gradient accumulation"),
+                       ("stages", "pipeline stages L"),
+                       ("microbatches", "pipeline microbatches; without a pipeline, steps of gradient accumulation"),
                        ("repeats", "circular or 1f1b schedule: layers per stage per microbatch pass"),
                        ("image-size", "U-Net: side of the cubic image")]:
         p.add_argument(f"--{flag}", type=int, help=what)

@@ -194,8 +194,8 @@ def _layer_stack(stack: LayerStack, s: dict, hw: Hardware) -> Case:
     mesh = _mesh(s["mesh"], ("x", "y"), hw)
     batch = s["batch"] or mesh.size // 2
     micro = s["microbatches"] or 1   # without a pipeline: gradient accumulation steps
-    _divide("--batch", batch, micro, f"{micro} microbatches of gradient accumulation")
-    cfg, dtype, policy = stack.config(s, batch // micro), _dtype(s), _policy(s["remat"])
+    mb = _divide("--batch", batch, micro, f"{micro} microbatches of gradient accumulation")
+    cfg, dtype, policy = stack.config(s, mb), _dtype(s), _policy(s["remat"])
     annotate = transformer.gspmd_annotate(mesh)
 
     def layers(stacked, x, key=None):   # with dropout, each layer's masks from its own key
