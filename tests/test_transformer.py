@@ -177,11 +177,11 @@ def test_dropout_needs_a_key():
 
 
 def test_gradient_accumulation_equals_one_device_and_the_whole_batch():
-    """make_step(microbatches=3): an AdamW step over 3 microbatches of an uneven batch
-    (6 sequences over X = 2, with dropout: each microbatch its own folded key) equals one
+    """make_step(microbatches=3): an AdamW step over 3 microbatches of 3 sequences each,
+    split unevenly over X = 2 (with dropout: each microbatch its own folded key), equals one
     device's; without dropout it is the whole batch's step."""
     from gspmd.models.optimizers import AdamW, make_step
-    cfg = T.Config(batch=6, seq=12, heads=4, hidden=30, layers=2)
+    cfg = T.Config(batch=9, seq=12, heads=4, hidden=30, layers=2)
     params, x, target = T.example_inputs(cfg)
     state, key = AdamW().init(params), jax.random.key(3)
     dropped = dataclasses.replace(cfg, dropout=0.1)
