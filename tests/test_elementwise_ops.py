@@ -200,6 +200,20 @@ def test_optimization_barriers_are_never_merged():
     assert low.report().collectives == []
 
 
+def test_an_optimization_barrier_computes_every_operand():
+    """XLA computes all of a barrier's operands if one result is read: a value that
+    only passes through the barrier is not dead code (recipes.rerun_forward relies on
+    it); each value's barrier of the jaxpr's one barrier stays."""
+    def f(x, w):
+        unread, y = lax.optimization_barrier((gspmd.mesh_split(x, MESH, ["x", -1]) @ w, x + 1))
+        return y
+    rng = np.random.RandomState(4)
+    low = check(f, rng.standard_normal((6, 4)).astype(np.float32), rng.standard_normal((4, 3)).astype(np.float32),
+                mesh=MESH)
+    assert [i.opcode for i in low.spmd.instrs].count("optimization-barrier") == 2
+    assert low.report().flops >= 2 * 3 * 4 * 3    # the unread matmul's rows on a device
+
+
 def test_complex_numbers_element_wise():
     """(tests/test_complex.py has FFTs, rotary embeddings and complex matmuls.)"""
     def f(x):

@@ -96,6 +96,10 @@ def test_remat_reports_its_recompute_share(capsys):
     assert remat["flops_per_device"] > plain["flops_per_device"]
     assert remat["peak_memory_bytes"] < plain["peak_memory_bytes"]
     assert remat["effective_utilization"] == pytest.approx(remat["flops_utilization"] * (1 - remat["recompute_fraction"]))
+    # torch's checkpoint: the whole forward pass again, the layer's last matmul included; the same inputs kept
+    rerun = plan_json(capsys, "transformer", *SMALL, "--mesh", "2x4", "--batch", "8", "--remat", "rerun")
+    assert rerun["recompute_fraction"] > remat["recompute_fraction"]
+    assert rerun["peak_memory_bytes"] < plain["peak_memory_bytes"]
 
 
 @pytest.mark.parametrize("argv, collective", [
@@ -229,6 +233,9 @@ def test_the_llama_example_builds_for_the_devices_given():
     (["moe", "--attention", "flash"], "does not vary --attention"),
     (["transformer", "--dropout", "1.5"], "a rate in [0, 1)"),
     (["transformer", "--mesh", "2x2x2", "--dropout", "0.1"], "without a pipeline"),
+    (["transformer", "--mesh", "2x2x2", "--schedule", "1f1b", "--remat", "dots_saveable"], "gpipe or circular"),
+    (["transformer", "--mesh", "2x2x2", "--schedule", "circular", "--repeats", "2", "--remat", "rerun"],
+     "1f1b or gpipe"),
     (["conformer", "--dropout", "0.1"], "does not vary --dropout"),
     (["--mesh", "2by4"], "must look like"),
     (["--devices", "48"], "power of two"),

@@ -97,7 +97,8 @@ def _concrete(case, seed=0):
     ("transformer", dict(SMALL, layers=4, seq=8, batch=4, mesh=(2, 2, 2), stages=2, microbatches=2,
                          schedule="circular", repeats=2, remat="nothing_saveable")),
     ("transformer", dict(SMALL, layers=4, seq=8, batch=4, mesh=(2, 2, 2), stages=2, microbatches=2,
-                         schedule="1f1b", repeats=2, remat="dots_saveable")),
+                         schedule="1f1b", repeats=2, remat="rerun")),
+    ("transformer", dict(SMALL, layers=2, seq=16, remat="rerun", microbatches=2)),
 ])
 def test_planned_train_steps_equal_the_single_device_step(model, sizes):
     """What `gspmd plan` partitions (rematerialized layers, a circular pipeline with its

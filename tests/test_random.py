@@ -455,3 +455,12 @@ def test_gamma_family_samples_as_jax_does(sample):
     floats to the last bits (XLA fuses the log-space ratios differently in the two programs)."""
     x = np.random.RandomState(5).standard_normal((6, 10)).astype(np.float32)
     check_same(lambda k, x: sample(k, split(x, "x", "y")), jax.random.key(7), x, reassociates=True)
+
+
+def test_keys_pass_an_optimization_barrier_with_other_values():
+    """jax.lax.optimization_barrier over keys and arrays together (recipes.rerun_forward's
+    backward pass holds a layer's dropout key with its input)."""
+    def f(key, x):
+        key, x = jax.lax.optimization_barrier((key, split(x, "x", -1)))
+        return x * jax.random.uniform(key, x.shape)
+    check_same(f, jax.random.key(3), jnp.ones((6, 4)))

@@ -8,6 +8,7 @@ import pytest
 from jax.ad_checkpoint import checkpoint_name
 
 import gspmd
+from gspmd import recipes
 from util import check, rand
 
 MESH = gspmd.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
@@ -83,3 +84,32 @@ def test_offload_policies_are_a_clear_error():
     grad = jax.grad(_stack_loss(policy), argnums=(1, 2))
     with pytest.raises(gspmd.ShardingError, match="offload"):
         gspmd.jit(grad, mesh=MESH).lower(*_args(np.random.RandomState(3)))
+
+
+def _rerun_stack_loss(rerun):
+    """_stack_loss's layers with dropout on the hidden units, each layer its own key."""
+    def layer(x, xs):
+        w1, w2, key = xs
+        w1 = gspmd.mesh_split(w1, MESH, [-1, "y"])
+        h = jax.nn.gelu(x @ w1) * jax.random.bernoulli(key, 0.9, (x.shape[0], w1.shape[1]))
+        return x + h @ w2, None
+
+    def loss(x, w1s, w2s, key):
+        x = gspmd.mesh_split(x, MESH, ["x", -1])
+        keys = jax.random.split(key, w1s.shape[0])
+        y, _ = jax.lax.scan(recipes.rerun_forward(layer) if rerun else jax.checkpoint(layer), x, (w1s, w2s, keys))
+        return jnp.mean(y ** 2)
+    return jax.grad(loss, argnums=(0, 1, 2))
+
+
+def test_rerun_forward_recomputes_the_whole_layer_as_torch_checkpoint_does():
+    """recipes.rerun_forward (--remat rerun, Megatron-LM's --checkpoint-activations):
+    the gradient of jax.checkpoint's, and the backward pass recomputes the layer's last
+    matmul too, which jax.checkpoint leaves out (the gradient does not need its output)."""
+    batch, model, hidden, layers = 13, 8, 32, 3      # 13: uneven over x
+    args = (*_args(np.random.RandomState(4), batch, model, hidden, layers), jax.random.key(5))
+    rerun = check(_rerun_stack_loss(True), *args, mesh=MESH).report()
+    remat = gspmd.jit(_rerun_stack_loss(False), mesh=MESH).lower(*args).report()
+    last_matmul, residual_add = 2 * 7 * (hidden // 4) * model, 7 * model   # per device: 7 rows of 13 (x)
+    assert rerun.recompute_flops - remat.recompute_flops == layers * (last_matmul + residual_add)
+    assert rerun.counts()["all-reduce"] == remat.counts()["all-reduce"] + 1   # so does its sum over y

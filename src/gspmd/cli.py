@@ -275,8 +275,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.add_argument(f"--{flag}", type=int, help=what)
     p.add_argument("--schedule", help="pipeline schedule: gpipe, circular or 1f1b (interleaved with --repeats)")
     p.add_argument("--remat", help="rematerialize each layer with a jax.checkpoint policy: nothing_saveable, "
-                   "dots_saveable, dots_with_no_batch_dims_saveable, everything_saveable; or auto: the least "
-                   "recompute that fits what a program may use of the hardware's memory")
+                   "dots_saveable, dots_with_no_batch_dims_saveable, everything_saveable; rerun: its whole "
+                   "forward pass again, as torch.utils.checkpoint (Megatron-LM's --checkpoint-activations); "
+                   "or auto: the least recompute that fits what a program may use of the hardware's memory")
     p.add_argument("--strategy", help="transformer: 2d (default: the paper's 2D finalized sharding, weights over "
                    "X and Y, as FSDP + tensor parallelism) or megatron (weights over Y only, data parallel over X)")
     p.add_argument("--attention", help="transformer, conformer: dot_product (default: all queries at once), "

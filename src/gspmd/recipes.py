@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gspmd.errors import ShardingError
+from gspmd.frontend.trace import RERUN_SCOPE
 from gspmd.mesh import Mesh
 from gspmd.models import conformer, moe, optimizers, transformer, unet
 from gspmd.pipeline import SCHEDULES, pipeline_loss
@@ -60,6 +61,7 @@ def _dtype(sizes: dict):
 
 
 REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "everything_saveable")
+RERUN = "rerun"   # --remat rerun: rerun_forward
 
 
 def _policy(name: Optional[str]) -> Optional[Callable]:
@@ -67,15 +69,40 @@ def _policy(name: Optional[str]) -> Optional[Callable]:
     if name is None:
         return None
     if name not in REMAT_POLICIES:
-        raise ShardingError(f"--remat {name!r}: choose one of {', '.join(REMAT_POLICIES + ('auto',))} (offload "
-                            "policies move values to host memory, which gspmd does not model).")
+        raise ShardingError(f"--remat {name!r}: choose one of {', '.join(REMAT_POLICIES + (RERUN, 'auto'))} "
+                            "(offload policies move values to host memory, which gspmd does not model).")
     return getattr(jax.checkpoint_policies, name)
 
 
-def _layers(layer: Callable, policy: Optional[Callable]) -> Callable:
-    """layer(x, params) -> (x, None), under jax.checkpoint with the saving policy when one
-    is given: the backward pass recomputes what the policy does not save."""
-    return layer if policy is None else jax.checkpoint(layer, policy=policy)
+def rerun_forward(f: Callable) -> Callable:
+    """f, keeping only its inputs for the backward pass, which first reruns f's whole
+    forward pass, its output included, as torch.utils.checkpoint does (Megatron-LM's
+    --checkpoint-activations). jax.checkpoint recomputes only what the gradient needs:
+    not the last matmul's output, which the barrier here keeps."""
+    @jax.custom_vjp
+    def rerun(*args):
+        return f(*args)
+
+    def backward(args, ct):
+        args, ct = jax.lax.optimization_barrier((args, ct))   # rerun here, not merged with the forward pass
+        with jax.named_scope(RERUN_SCOPE):
+            out, pull = jax.vjp(f, *args)
+        _, ct = jax.lax.optimization_barrier((out, ct))
+        return pull(ct)
+
+    rerun.defvjp(lambda *args: (f(*args), args), backward)
+    return rerun
+
+
+def _remat(name: Optional[str]) -> Callable[[Callable], Callable]:
+    """--remat as a wrapper of a layer function: jax.checkpoint with the named saving
+    policy (the backward pass recomputes what it does not save), rerun_forward, or none."""
+    if name is None:
+        return lambda f: f
+    if name == RERUN:
+        return rerun_forward
+    policy = _policy(name)
+    return lambda f: jax.checkpoint(f, policy=policy)
 
 
 def _spec(shape, dtype=jnp.float32) -> jax.ShapeDtypeStruct:
@@ -195,7 +222,7 @@ def _layer_stack(stack: LayerStack, s: dict, hw: Hardware) -> Case:
     batch = s["batch"] or mesh.size // 2
     micro = s["microbatches"] or 1   # without a pipeline: gradient accumulation steps
     mb = _divide("--batch", batch, micro, f"{micro} microbatches of gradient accumulation")
-    cfg, dtype, policy = stack.config(s, mb), _dtype(s), _policy(s["remat"])
+    cfg, dtype, remat = stack.config(s, mb), _dtype(s), _remat(s["remat"])
     annotate = transformer.gspmd_annotate(mesh)
 
     def layers(stacked, x, key=None):   # with dropout, each layer's masks from its own key
@@ -204,7 +231,7 @@ def _layer_stack(stack: LayerStack, s: dict, hw: Hardware) -> Case:
             dropping = {} if layer_key is None else {"key": layer_key}   # (a Conformer layer takes no key)
             return stack.layer(p, x, annotate, stack.strategy, cfg, **dropping), None
         keys = None if key is None else jax.random.split(key, cfg.layers)
-        return jax.lax.scan(_layers(body, policy), x, (stacked, keys))[0]
+        return jax.lax.scan(remat(body), x, (stacked, keys))[0]
 
     stacked = _stack(stack.shapes(cfg), cfg.layers)
     described = (f"{stack.name}, {cfg.layers} layers, M={cfg.model} H={cfg.hidden} N={cfg.heads} "
@@ -275,6 +302,16 @@ def _transformer(s: dict, hw: Hardware) -> Case:
     return _layer_stack(stack, {**s, "stages": s["stages"] or (s["mesh"][0] if len(s["mesh"]) == 3 else None)}, hw)
 
 
+def _check_pipeline_remat(name: Optional[str], one_f_one_b: bool, circular: bool) -> None:
+    if one_f_one_b and name not in (None, "nothing_saveable", RERUN):
+        raise ShardingError(f"--remat {name} with --schedule 1f1b: 1F1B's backward slots recompute each layer "
+                            "from its stashed input (nothing_saveable), or with --remat rerun its whole forward "
+                            "pass; for a saving policy use --schedule gpipe or circular.")
+    if circular and name == RERUN:
+        raise ShardingError("--remat rerun with a circular schedule (--repeats > 1): the pipeline rematerializes "
+                            "each step's stage as a whole; rerun each layer with --schedule 1f1b or gpipe.")
+
+
 def _pipelined(stack: LayerStack, s: dict, hw: Hardware) -> Case:
     """Stages over the mesh's first axis, data parallel over the second, and (3-D
     meshes) the strategy's model parallelism over the third. With --vocab the first
@@ -305,22 +342,24 @@ def _pipelined(stack: LayerStack, s: dict, hw: Hardware) -> Case:
     # different layer each step: the pipeline rematerializes the step's stage, selection
     # included, so that the layer is not held once per step. 1F1B scans the stage's
     # layers itself: it stashes each layer's input and its backward slots recompute one
-    # layer at a time (Megatron-LM's activation memory).
+    # layer at a time (Megatron-LM's activation memory), as far as its gradient needs or,
+    # with --remat rerun, its whole forward pass.
     one_f_one_b = s["schedule"] == "1f1b"
-    whole_stages = repeats > 1 or one_f_one_b
-    policy = _policy(s["remat"])
+    circular = repeats > 1 and not one_f_one_b
+    _check_pipeline_remat(s["remat"], one_f_one_b, circular)
+    per_layer = None if circular or (one_f_one_b and s["remat"] != RERUN) else s["remat"]
+    remat = True if one_f_one_b else (_policy(s["remat"]) or False) if circular else False
 
+    @_remat(per_layer)
     def layer_fn(params, x):
         return stack.layer(params, x, annotate, stack.strategy, cfg)
 
     def stage_fn(params, x):
-        body = _layers(lambda x, p: (layer_fn(p, x), None), None if whole_stages else policy)
-        return jax.lax.scan(body, x, params)[0]
+        return jax.lax.scan(lambda x, p: (layer_fn(p, x), None), x, params)[0]
 
     def loss(stacked, microbatches, targets, ends=None, first_fn=None, loss_fn=_mse):
         if s.get("strategy") == "megatron":   # Megatron-LM's model holds bfloat16 weights: cast once per step
             stacked = _cast(stacked, dtype)
-        remat = True if one_f_one_b else (policy or False) if whole_stages else False
         return pipeline_loss(layer_fn if one_f_one_b else stage_fn, loss_fn, stacked, microbatches, targets,
                              mesh=mesh, stage_axis="p", schedule=s["schedule"], repeats=repeats, stage_major=True,
                              ends=ends, first_fn=first_fn, remat=remat, scan_layers=one_f_one_b) / micro
@@ -367,7 +406,7 @@ def _moe_transformer(s: dict, hw: Hardware, hybrid: bool) -> Case:
         raise ShardingError(f"--experts {experts} must be a multiple of the expert axis ({mesh.shape[0]}).")
     batch = s["batch"] or 4 * mesh.shape[0]
     pairs = _divide("--layers", s["layers"], 2, "dense and MoE layers alternate")
-    dtype, policy = _dtype(s), _policy(s["remat"])
+    dtype, remat = _dtype(s), _remat(s["remat"])
     cfg = _transformer_config({**s, "layers": pairs}, batch)
     mcfg = moe.Config(groups=batch, group_size=s["seq"], model=s["model_dim"], hidden=s["ffn_dim"],
                       experts=experts, capacity=max(1, math.ceil(2 * s["seq"] / experts)), dtype=dtype)
@@ -378,7 +417,7 @@ def _moe_transformer(s: dict, hw: Hardware, hybrid: bool) -> Case:
             dense, sparse = p
             x = transformer.layer(dense, x, annotate, dense_strategy, cfg)
             return moe.moe_layer(sparse, x, mesh, "x", mcfg, expert_axis).astype(dtype), None
-        y, _ = jax.lax.scan(_layers(body, policy), x, stacked)
+        y, _ = jax.lax.scan(remat(body), x, stacked)
         return _mse(y, target)
 
     expert_shapes = {"w_gate": (mcfg.model, experts), "w_in": (experts, mcfg.model, mcfg.hidden),
@@ -401,16 +440,14 @@ UNET = {"image_size": 128, "batch": 4, "mesh": (1, 16), "model_dim": 128, "remat
 def _unet(s: dict, hw: Hardware) -> Case:
     """Mesh (data, spatial): batch over the first axis, image depth over the second.
     --model-dim is the width of the first convolution (the model doubles it once);
-    --remat: the whole forward pass under jax.checkpoint with that policy."""
+    --remat: the whole forward pass under jax.checkpoint with that policy (or rerun)."""
     mesh = _mesh(s["mesh"], ("data", "spatial"), hw)
     dtype, size, width = _dtype(s), s["image_size"], s["model_dim"]
     params = {name: _spec(w.shape) for name, w in unet.init_params(np.random.RandomState(0), 1, width).items()}
 
     def forward(params, x):
         return unet.forward(_cast(params, dtype), x, mesh, ("spatial", -1, -1), batch_axis="data")
-    policy = _policy(s["remat"])
-    if policy is not None:
-        forward = jax.checkpoint(forward, policy=policy)
+    forward = _remat(s["remat"])(forward)
 
     def loss(params, x, y):
         return _mse(forward(params, x), y)

@@ -33,8 +33,10 @@ from gspmd.ops.elementwise import annotate
 CALLS = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "remat", "checkpoint", "closed_call",
          "core_call", "custom_partitioning", "call_hi_primitive", "eval_jaxpr")
 _BODY_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr", "call")
-# JAX's name for the forward computation a differentiated jax.checkpoint repeats.
-_RECOMPUTE_SCOPE = "rematted_computation"
+# Forward computation a backward pass repeats: JAX's name for what a differentiated
+# jax.checkpoint recomputes, and ours for a forward pass rerun whole (recipes.rerun_forward).
+RERUN_SCOPE = "rerun_forward"
+_RECOMPUTE_SCOPES = ("rematted_computation", RERUN_SCOPE)
 # Pipeline schedules recorded while a function is traced for gspmd (see record_schedule).
 _schedules: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("gspmd_schedules", default=None)
 
@@ -133,7 +135,7 @@ def _inline(b: Conversion, closed, args: list[Value], on_equation: Optional[OnEq
 
     for index, eqn in enumerate(jaxpr.eqns):
         b.origin, b.source = eqn.primitive.name, source_line(eqn) or caller
-        b.recomputed = recomputed or _RECOMPUTE_SCOPE in str(eqn.source_info.name_stack)
+        b.recomputed = recomputed or any(scope in str(eqn.source_info.name_stack) for scope in _RECOMPUTE_SCOPES)
         operands = [read(a) for a in eqn.invars]
         outs = [_typed(b, v, out) for v, out in zip(eqn.outvars, _convert(b, eqn, operands))]
         env.update(zip(eqn.outvars, outs))

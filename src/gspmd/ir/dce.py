@@ -2,7 +2,8 @@
 through others) is dropped, unless it has side effects (a host callback that prints).
 JAX traces keep such values (a zeros buffer of a gradient nobody reads); left in, they
 would be materialized, whole and unsplit since no user gives them a sharding, on every
-device."""
+device. Instructions that share a `together` attribute live as one: the values of one
+optimization barrier, all of which XLA computes if one is used."""
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -18,9 +19,11 @@ def eliminate_dead_code(program: Program, prune: Optional[Prune] = None) -> Prog
     sub-program's results stay: its op uses them), unless `prune` shrinks an
     instruction to the results in use (a loop's unused carries)."""
     live = set(program.outputs)
+    together = _together(program)
     kept = []
     for instr in reversed(program.instrs):
-        if instr.has_side_effect or any(o in live for o in instr.outputs):
+        group = together.get(instr.attrs.get("together"), instr.outputs)
+        if instr.has_side_effect or any(o in live for o in group):
             if prune is not None:
                 prune(instr, [o in live for o in instr.outputs])
             kept.append(instr)
@@ -32,3 +35,13 @@ def eliminate_dead_code(program: Program, prune: Optional[Prune] = None) -> Prog
                 if isinstance(sub, Program):
                     eliminate_dead_code(sub, prune)
     return program
+
+
+def _together(program: Program) -> dict:
+    """`together` attribute -> the results of every instruction that has it. (All of a
+    group's users follow all of its members, so the reverse walk has seen them.)"""
+    groups: dict = {}
+    for instr in program.instrs:
+        if instr.attrs.get("together") is not None:
+            groups.setdefault(instr.attrs["together"], []).extend(instr.outputs)
+    return groups

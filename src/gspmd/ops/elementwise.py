@@ -484,13 +484,16 @@ elementwise("copy", lambda x: x, lambda x: x, flops=None,
 _regions = itertools.count()
 
 
-def _barrier_each(b, values) -> list:
+def _barrier_each(b, values, together: bool = False) -> list:
     region = next(_regions)
-    return [b.add1("optimization-barrier", [v], v.shape, v.dtype, region=region) for v in values]
+    attrs = {"region": region, "together": region} if together else {"region": region}
+    return [b.add1("optimization-barrier", [v], v.shape, v.dtype, **attrs) for v in values]
 
 
 def _convert_optimization_barrier(b, eqn, args):
-    return _barrier_each(b, args)
+    """lax.optimization_barrier: one barrier per value, which live as one (dead-code
+    elimination keeps all if one is read: XLA computes every operand of the barrier)."""
+    return _barrier_each(b, args, together=True)
 
 
 def _convert_remat(b, eqn, args):
@@ -527,8 +530,8 @@ def _identity_each(b, eqn, args):
 
 elementwise("optimization-barrier", lambda x: x, lax.optimization_barrier, storage=Storage.VIEW, flops=None,
             compute=ComputeKind.FREE, fuses=False,
-            converts={"optimization_barrier": _convert_optimization_barrier, "remat2": _convert_remat,
-                      "device_put": _convert_device_put, "name": _identity_each})
+            converts={"remat2": _convert_remat, "device_put": _convert_device_put, "name": _identity_each},
+            converts_keys={"optimization_barrier": _convert_optimization_barrier})   # keys' data pass as they are
 
 
 # -- bitcasts: element-wise, but an element of a wider type is a minor dim of a narrower one
