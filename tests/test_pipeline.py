@@ -1,6 +1,8 @@
 """Pipelining reduced to sharding: GPipe, circular and 1F1B schedules equal the layers
 applied in order, forward and backward, whatever the stages compute on the bubble;
 one collective-permute per step each way; reports carry the schedule's bubble."""
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -140,6 +142,23 @@ def test_interleaved_1f1b_adds_each_layers_gradient_in_place(scan_layers):
     stack = (1, R) + inner + (width, width)  # a stage's accumulator, per device
     made = [(i.opcode, v.dtype) for i in low.spmd.all_instrs() for v in i.outputs if v.shape == stack]
     assert ("scatter", np.float32) in made and ("add", np.float32) not in made, made
+
+
+def test_interleaved_1f1b_with_scanned_layers_reads_each_layer_in_place():
+    """Each slot takes its repeat's K layers one at a time from the stage's stack (one
+    layer gathered per layer run or recomputed), not the repeat's K layers copied out
+    first and then each sliced from the copy."""
+    R, K, width = 2, 3, 16
+    ws = jax.ShapeDtypeStruct((4 * R, K, width, width), jnp.bfloat16)
+    xs = jax.ShapeDtypeStruct((8, 4, width), jnp.bfloat16)
+
+    def step(ws, xs, ts):
+        return jax.grad(lambda ws: gspmd.pipeline_loss(stage_fn, loss_fn, ws, xs, ts, mesh=MESH, stage_axis="p",
+                                                       repeats=R, stage_major=True, scan_layers=True))(ws)
+    low = gspmd.jit(step, mesh=MESH).lower(ws, xs, xs)
+    read = [i.outputs[0].shape for i in low.spmd.all_instrs() if i.opcode in ("gather", "dynamic-slice", "slice")
+            and i.operands[0].shape[-2:] == (width, width) and i.operands[0].shape[:2] == (1, R)]
+    assert read and all(shape[-2:] == (width, width) and math.prod(shape[:-2]) == 1 for shape in read), read
 
 
 def test_scanned_layers_need_one_inner_layer_count():

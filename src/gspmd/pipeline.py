@@ -271,6 +271,14 @@ class _Pipeline:
             return jax.tree_util.tree_map(lambda p: p[:, 0], per_stage)
         return jax.tree_util.tree_map(lambda p: _pick(p, r), per_stage)
 
+    def layer_at(self, per_stage, r, k):
+        """With scan_layers, per stage, the k-th of its layers for repeat r[s]: a gather of
+        that one layer, local to each stage, where selecting the repeat's K layers first
+        would copy them all every slot (and their gradients back)."""
+        if self.R == 1:
+            return _tree_index(jax.tree_util.tree_map(lambda p: p[:, 0], per_stage), k, axis=1)
+        return jax.tree_util.tree_map(lambda p: _pick_at(p, r, k), per_stage)
+
     # -- pieces of a step -------------------------------------------------------------
     def stage_inputs(self, t, read, previous):
         """What each stage's forward slot reads at step t: stage 0 a fresh microbatch
@@ -291,7 +299,7 @@ class _Pipeline:
         (with scan_layers, each of its K layers in turn)."""
         if not self.scan_layers:
             return self.one_layer()
-        return lambda layer, x: self.scan_forward(layer, x)[0]
+        return lambda layer, x: self.scan_forward(lambda k: _tree_index(layer, k, axis=1), x)[0]
 
     def one_layer(self):
         """(a layer per stage [L, ...], inputs [L, ...]) -> outputs [L, ...]; a layer must
@@ -321,21 +329,24 @@ class _Pipeline:
             return region(*leaves, x)
         return run
 
-    def scan_forward(self, layer, x):
-        """(outputs, each of the K layers' inputs [K, L, ...]) of layers [L, K, ...]."""
+    def scan_forward(self, layer_at, x):
+        """(outputs, each of the K layers' inputs [K, L, ...]); layer_at(k): every
+        stage's k-th layer [L, ...]."""
         one = self.one_layer()
-        return jax.lax.scan(lambda x, p: (self.split(one(p, x)), x), x, _inner_first(layer))
+        return jax.lax.scan(lambda x, k: (self.split(one(layer_at(k), x)), x), x, jnp.arange(self.inner[0]))
 
-    def scan_backward(self, layer, inputs, ct):
+    def scan_backward(self, layer_at, inputs, ct):
         """(d layers [L, K, ...], d x): the K layers last first, each recomputed from its
-        input [K, L, ...] as its gradient is taken, so one layer's intermediates live."""
+        input [K, L, ...] as its gradient is taken, so one layer's intermediates live.
+        (Their gradients leave as the scan's outputs, whose sum over data-parallel devices
+        waits until after the pipeline's loop, as a carry's would not.)"""
         one = self.one_layer()
 
-        def back(ct, p_x):
-            _, vjp = jax.vjp(jax.checkpoint(one), *p_x)     # (its forward marked as recomputed)
+        def back(ct, k_x):
+            _, vjp = jax.vjp(jax.checkpoint(one), layer_at(k_x[0]), k_x[1])     # (its forward marked as recomputed)
             d_p, d_x = vjp(ct)
             return self.split(d_x), d_p
-        d_x, d_layer = jax.lax.scan(back, ct, (_inner_first(layer), inputs), reverse=True)
+        d_x, d_layer = jax.lax.scan(back, ct, (jnp.arange(self.inner[0]), inputs), reverse=True)
         return jax.tree_util.tree_map(lambda g: jnp.moveaxis(g, 0, 1), d_layer), d_x
 
     def run_stages(self, per_stage, r, x, valid):
@@ -421,7 +432,7 @@ class _Pipeline:
             fresh = lambda m: embed(ends_by_stage, m)   # noqa: E731
             x = _mask(valid, self.split(self.stage_inputs(t, fresh, jnp.roll(c["act"], 1, 0))))
             if self.scan_layers:     # each layer's input kept
-                y, inputs = self.scan_forward(self.layer(per_stage, r), x)
+                y, inputs = self.scan_forward(lambda k: self.layer_at(per_stage, r, k), x)
                 kept = jnp.moveaxis(inputs, 0, 1)
             else:
                 y, kept = run_stages(self.layer(per_stage, r), x), x
@@ -447,7 +458,7 @@ class _Pipeline:
             stashed = (t - 2 * (timing.layers - 1) + 2 * (self.stage + r * L)) % depth   # the step it was stashed
             ct_in = _mask(valid, self.split(ct))
             if self.scan_layers:
-                d_layer, d_x = self.scan_backward(self.layer(per_stage, r),
+                d_layer, d_x = self.scan_backward(lambda k: self.layer_at(per_stage, r, k),
                                                   jnp.moveaxis(_pick(c["stash"], stashed), 1, 0), ct_in)
             else:
                 _, vjp = jax.vjp(jax.checkpoint(run_stages), self.layer(per_stage, r), _pick(c["stash"], stashed))
@@ -532,18 +543,20 @@ def _inner_layers(stacked_params) -> tuple[int]:
     return inner.pop()
 
 
-def _inner_first(layer):
-    """Layers [L, K, ...] as [K, L, ...], to scan over K."""
-    return jax.tree_util.tree_map(lambda p: jnp.moveaxis(p, 1, 0), layer)
-
-
 def _index(x, m, axis: int = 0):
     return jax.lax.dynamic_index_in_dim(x, m, axis=axis, keepdims=False)
+
+
+def _tree_index(tree, m, axis: int):
+    return jax.tree_util.tree_map(lambda x: _index(x, m, axis), tree)
 
 
 # Per stage s, buffer[s, index[s]]: a gather local to each stage (its batch dim is the
 # stage dim) that reads one entry, where a one-hot masked sum would read them all.
 _pick = jax.vmap(lambda buffer, i: jax.lax.dynamic_index_in_dim(buffer, i, 0, keepdims=False))
+# Per stage s, stack[s, index[s], k]: likewise, one entry of a [R, K, ...] stack.
+_pick_at = jax.vmap(lambda stack, i, k: jax.lax.dynamic_slice(stack, (i, k) + (0,) * (stack.ndim - 2),
+                                                               (1, 1) + stack.shape[2:])[0, 0], in_axes=(0, 0, None))
 
 
 def _accumulated(p):
