@@ -98,6 +98,51 @@ def test_scanned_layers_equal_the_layers_in_order(schedule, repeats, manual_stag
     check(grad, ws, xs, ts, mesh=MESH, rtol=1e-4, atol=1e-4, backends=backends)
 
 
+def dropout_stage(w, x, key):
+    return jnp.tanh(x @ w) * jax.random.bernoulli(key, 0.75, x.shape) / 0.75
+
+
+@pytest.mark.parametrize("schedule,repeats,stage_major,inner,manual_stages,backends", [
+    ("gpipe", 1, False, (), False, ("sim",)), ("circular", 2, False, (), False, ("sim",)),
+    ("1f1b", 2, True, (), False, BACKENDS), ("1f1b", 2, False, (3,), False, ("sim",)),
+    ("1f1b", 1, False, (3,), True, ("sim",)), ("gpipe", 1, False, (3,), False, ("sim",))])
+def test_a_key_gives_each_microbatch_and_layer_its_own(schedule, repeats, stage_major, inner, manual_stages,
+                                                      backends):
+    """pipeline_loss(key=...): layer i of microbatch m draws from fold_in(fold_in(key, m),
+    i) (with scan_layers, then k), in its forward slot and again when its backward
+    recomputes it: loss and gradients equal the layers in order with those keys."""
+    rng = np.random.RandomState(7)
+    ws, xs, ts = rand(rng, 4 * repeats, *inner, 8, 8) / 3, rand(rng, 5, 2, 8), rand(rng, 5, 2, 8)
+    key = jax.random.key(11)
+    stacked = gspmd.stage_major_order(ws, 4, repeats) if stage_major else ws
+
+    def loss(ws, xs, ts, key):
+        return gspmd.pipeline_loss(dropout_stage, loss_fn, ws, xs, ts, mesh=MESH, stage_axis="p",
+                                   schedule=schedule, repeats=repeats, stage_major=stage_major,
+                                   manual_stages=manual_stages, scan_layers=bool(inner), key=key)
+
+    def reference(ws, xs, ts, key):
+        total = 0.0
+        for m in range(len(xs)):
+            x = xs[m]
+            for i in range(len(ws)):
+                layer_key = jax.random.fold_in(jax.random.fold_in(key, m), i)
+                for k in range(inner[0] if inner else 1):
+                    x = dropout_stage(ws[i][k] if inner else ws[i], x,
+                                      jax.random.fold_in(layer_key, k) if inner else layer_key)
+            total = total + loss_fn(x, ts[m])
+        return total
+
+    grad = jax.value_and_grad(loss, argnums=(0, 1, 2))
+    got = jax.jit(grad)(stacked, xs, ts, key)
+    want = jax.value_and_grad(reference, argnums=(0, 1, 2))(ws, xs, ts, key)
+    want = (want[0], ((gspmd.stage_major_order(want[1][0], 4, repeats) if stage_major else want[1][0]),
+                      *want[1][1:]))
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+    check(grad, stacked, xs, ts, key, mesh=MESH, rtol=1e-4, atol=1e-5, backends=backends)
+
+
 def test_1f1b_with_scanned_layers_holds_one_layers_intermediates():
     """A stage of 8 wide layers: recomputed whole in the backward slot it holds all 8
     layers' intermediates at once; with scan_layers it keeps the 8 layers' inputs of each
@@ -427,6 +472,10 @@ def test_pipeline_rejects_bad_configurations():
         gspmd.pipeline(stage_fn, ws[:4, None], xs, mesh=MESH, stage_axis="p", schedule="1f1b", scan_layers=True)
     with pytest.raises(gspmd.ShardingError, match="at least one microbatch"):
         gspmd.pipeline(stage_fn, ws[:4], xs[:0], mesh=MESH, stage_axis="p")
+    with pytest.raises(gspmd.ShardingError, match=r"needs one PRNG key \(jax.random.key"):
+        gspmd.pipeline(dropout_stage, ws[:4], xs, mesh=MESH, stage_axis="p", key=jax.random.split(jax.random.key(0)))
+    with pytest.raises(gspmd.ShardingError, match=r"stage_fn \(it gets \(params_i, x, key\)\)"):
+        gspmd.pipeline(stage_fn, ws[:4], xs, mesh=MESH, stage_axis="p", key=jax.random.key(0))
 
 
 def test_pipelined_transformer_train_step():

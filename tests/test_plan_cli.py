@@ -232,7 +232,6 @@ def test_the_llama_example_builds_for_the_devices_given():
     (["transformer", "--attention", "ring"], "dot_product, flash"),
     (["moe", "--attention", "flash"], "does not vary --attention"),
     (["transformer", "--dropout", "1.5"], "a rate in [0, 1)"),
-    (["transformer", "--mesh", "2x2x2", "--dropout", "0.1"], "without a pipeline"),
     (["transformer", "--mesh", "2x2x2", "--schedule", "1f1b", "--remat", "dots_saveable"], "gpipe or circular"),
     (["transformer", "--mesh", "2x2x2", "--schedule", "circular", "--repeats", "2", "--remat", "rerun"],
      "1f1b or gpipe"),
@@ -308,6 +307,17 @@ def test_dropout_draws_from_the_steps_key_and_communicates_nothing_more(capsys):
     lowered = planning.plan("transformer", sizes).lowered
     assert any(i.opcode == "threefry2x32" for i in lowered.spmd.all_instrs())
     assert lowered.label(lowered.program.params[-1]) == "args[4]"    # the key, after the activations and targets
+
+
+def test_pipelined_dropout_draws_each_microbatchs_masks_and_communicates_nothing_more(capsys):
+    """--dropout with --stages: pipeline_loss(key=...) gives each microbatch's layers their
+    own keys (Megatron-LM's pipelined runs keep their dropout), rerun with the layer."""
+    flags = ["transformer", *SMALL, "--mesh", "2x2x2", "--stages", "2", "--microbatches", "4", "--batch", "8",
+             "--schedule", "1f1b", "--strategy", "megatron", "--vocab", "512", "--remat", "rerun"]
+    without = plan_json(capsys, *flags)
+    out = plan_json(capsys, *flags, "--dropout", "0.1")
+    assert "dropout 0.1" in out["model"] and out["collectives"] == without["collectives"]
+    assert out["flops_per_device"] > without["flops_per_device"]   # the masks' hashing, forward and rerun
 
 
 def test_megatron_attention_writes_the_probabilities_between_its_kernels(capsys):

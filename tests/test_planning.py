@@ -78,13 +78,17 @@ SMALL = dict(layers=4, model_dim=64, ffn_dim=256, heads=4, head_dim=16, seq=32, 
 
 
 def _concrete(case, seed=0):
-    """Arrays for a planned case's abstract arguments: parameters and data random, the
-    optimizer's state positive (second moments), its step count zero."""
+    """Arrays for a planned case's abstract arguments: parameters and data random (token
+    ids below 8: equal ones would leave attention's gradients near zero, which an
+    optimizer's normalization amplifies), the optimizer's state positive (second
+    moments), its step count zero, a dropout key."""
     rng = np.random.RandomState(seed)
 
     def fill(path, s):
+        if jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key):
+            return jax.random.key(seed)
         if np.issubdtype(s.dtype, np.integer):
-            return np.zeros(s.shape, s.dtype)
+            return rng.randint(0, 8, s.shape).astype(s.dtype) if s.shape else np.zeros(s.shape, s.dtype)
         x = rng.standard_normal(s.shape) * 0.1
         return (np.abs(x) + 0.01 if len(case.args) == 4 and path[0].idx == 1 else x).astype(s.dtype)
     return jax.tree_util.tree_map_with_path(fill, tuple(case.args))
@@ -99,6 +103,8 @@ def _concrete(case, seed=0):
     ("transformer", dict(SMALL, layers=4, seq=8, batch=4, mesh=(2, 2, 2), stages=2, microbatches=2,
                          schedule="1f1b", repeats=2, remat="rerun")),
     ("transformer", dict(SMALL, layers=2, seq=16, remat="rerun", microbatches=2)),
+    ("transformer", dict(SMALL, layers=4, seq=8, batch=4, mesh=(2, 2, 2), stages=2, microbatches=2,
+                         schedule="1f1b", remat="rerun", dropout=0.1, vocab=64, strategy="megatron")),
 ])
 def test_planned_train_steps_equal_the_single_device_step(model, sizes):
     """What `gspmd plan` partitions (rematerialized layers, a circular pipeline with its

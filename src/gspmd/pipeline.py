@@ -49,7 +49,8 @@ SCHEDULES = ("gpipe", "circular", "1f1b")
 
 def pipeline(stage_fn: Callable, stacked_params, microbatches, *, mesh: Mesh, stage_axis: str,
              schedule: str = "gpipe", repeats: int = 1, stage_major: bool = False,
-             remat: Union[bool, Callable] = True, manual_stages: bool = False, scan_layers: bool = False):
+             remat: Union[bool, Callable] = True, manual_stages: bool = False, scan_layers: bool = False,
+             key=None):
     """Apply the L*R layers of `stacked_params` (a pytree whose leaves have a leading
     layer dim) to each of the M microbatches (leading dim of `microbatches`):
     ys[m] == layer_{LR-1}(... layer_0(microbatches[m])), layer_i(x) = stage_fn(params_i, x).
@@ -61,21 +62,25 @@ def pipeline(stage_fn: Callable, stacked_params, microbatches, *, mesh: Mesh, st
     stacks are in stage order (`stage_major_order`), which saves moving a circular
     schedule's layers into it. scan_layers: each of the L*R layers is K layers in turn,
     the leaves [L*R, K, ...], stage_fn one of them (params_i[k], x): the pipeline scans
-    them itself."""
+    them itself. key: a PRNG key (jax.random.key) for layers that draw random values
+    (dropout): layer_i(x) = stage_fn(params_i, x, key_mi) on microbatch m, key_mi =
+    fold_in(fold_in(key, m), i), the same when the backward pass recomputes the layer;
+    with scan_layers the k-th of them gets fold_in(key_mi, k)."""
     _check_remat(remat, "gspmd.pipeline")
+    _check_key(key, "gspmd.pipeline")
     if schedule == "1f1b":
         raise ShardingError(_one_f_one_b_rewrite(stage_axis, repeats, stage_major=stage_major,
                                                  manual_stages=manual_stages, scan_layers=scan_layers))
     run = _Pipeline(stage_fn, stacked_params, microbatches, mesh, stage_axis, schedule, repeats, stage_major,
-                    manual_stages, scan_layers)
+                    manual_stages, scan_layers, keyed=key is not None)
     record_schedule(run.timing.schedule(schedule))
-    return run.forward(stacked_params, microbatches, remat)
+    return run.forward(stacked_params, microbatches, remat, key)
 
 
 def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stacked_params, microbatches, targets, *, mesh: Mesh,
                   stage_axis: str, schedule: str = "1f1b", repeats: int = 1, stage_major: bool = False,
                   manual_stages: bool = False, ends=None, first_fn: Optional[Callable] = None,
-                  remat: Union[bool, Callable] = True, scan_layers: bool = False):
+                  remat: Union[bool, Callable] = True, scan_layers: bool = False, key=None):
     """sum over m of loss_fn(ys[m], targets[m]) with ys as `pipeline` computes them.
     jax.grad of it (with respect to parameters, microbatches or targets) runs the
     schedule's backward pass; with schedule="1f1b" that is interleaved with the forward
@@ -89,8 +94,9 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stacked_params, microba
     recompute each stage from its stashed input (remat=True). scan_layers (as
     `pipeline`'s): 1f1b stashes the input of each of a stage's K layers and its backward
     slot recomputes them one at a time, as Megatron-LM does, holding one layer's
-    intermediates instead of the stage's."""
+    intermediates instead of the stage's. key: as `pipeline`'s, every schedule."""
     _check_remat(remat, "gspmd.pipeline_loss")
+    _check_key(key, "gspmd.pipeline_loss")
     if schedule == "1f1b" and remat is not True:
         raise ShardingError(f"gspmd.pipeline_loss(schedule='1f1b', remat={describe(remat)}): 1F1B's backward "
                             "slots always recompute each stage from its stashed input, so remat must stay True; "
@@ -113,12 +119,19 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stacked_params, microba
         xs = jax.vmap(first, (None, 0))(ends, microbatches)
         ys = pipeline(stage_fn, stacked_params, xs, mesh=mesh, stage_axis=stage_axis, schedule=schedule,
                       repeats=repeats, stage_major=stage_major, remat=remat, manual_stages=manual_stages,
-                      scan_layers=scan_layers)
+                      scan_layers=scan_layers, key=key)
         return jnp.sum(jax.vmap(loss, (0, 0, None))(ys, targets, ends))
     run = _Pipeline(stage_fn, stacked_params, microbatches, mesh, stage_axis, schedule, repeats, stage_major,
-                    manual_stages, scan_layers)
+                    manual_stages, scan_layers, keyed=key is not None)
     record_schedule(run.timing.schedule(schedule))
-    return run.one_f_one_b(loss, first, stacked_params, ends, microbatches, targets)
+    return run.one_f_one_b(loss, first, stacked_params, ends, microbatches, targets, key)
+
+
+def _check_key(key, caller: str) -> None:
+    if key is not None and (not jax.dtypes.issubdtype(getattr(key, "dtype", None), jax.dtypes.prng_key)
+                            or jnp.shape(key) != ()):
+        raise ShardingError(f"{caller}(key=...) needs one PRNG key (jax.random.key(...)), got {describe(key)}; "
+                            "each microbatch's layers draw from keys folded in from it.")
 
 
 def _check_remat(remat, caller: str) -> None:
@@ -203,10 +216,10 @@ def _mask_tree(valid, tree):
 
 class _Pipeline:
     def __init__(self, stage_fn, stacked_params, microbatches, mesh: Mesh, stage_axis: str, schedule: str,
-                 repeats: int, stage_major: bool, manual_stages: bool, scan_layers: bool):
+                 repeats: int, stage_major: bool, manual_stages: bool, scan_layers: bool, keyed: bool = False):
         if not isinstance(schedule, str) or schedule not in SCHEDULES:
             raise ShardingError(f"Unknown pipeline schedule {schedule!r}; choose one of {SCHEDULES}.")
-        function(stage_fn, "gspmd.pipeline's stage_fn (it gets (params_i, x))", arity=2)
+        function(stage_fn, f"gspmd.pipeline's stage_fn (it gets (params_i, x{', key' * keyed}))", arity=2 + keyed)
         repeats = count(repeats, "gspmd.pipeline(repeats=...)")
         stage_major, manual_stages = flag(stage_major, "gspmd.pipeline(stage_major=...)"), \
             flag(manual_stages, "gspmd.pipeline(manual_stages=...)")
@@ -271,6 +284,14 @@ class _Pipeline:
             return jax.tree_util.tree_map(lambda p: p[:, 0], per_stage)
         return jax.tree_util.tree_map(lambda p: _pick(p, r), per_stage)
 
+    def keys(self, key, r, m):
+        """Per stage [L], the key of the layer it runs for repeat r[s] on microbatch m[s]
+        (None without a key): fold_in(fold_in(key, m), i), layer i = r*L + s."""
+        if key is None:
+            return None
+        fold = jax.vmap(lambda m, i: jax.random.fold_in(jax.random.fold_in(key, m), i))
+        return self.split(fold(m, r * self.L + self.stage))
+
     def layer_at(self, per_stage, r, k):
         """With scan_layers, per stage, the k-th of its layers for repeat r[s]: a gather of
         that one layer, local to each stage, where selecting the repeat's K layers first
@@ -299,15 +320,15 @@ class _Pipeline:
         (with scan_layers, each of its K layers in turn)."""
         if not self.scan_layers:
             return self.one_layer()
-        return lambda layer, x: self.scan_forward(lambda k: _tree_index(layer, k, axis=1), x)[0]
+        return lambda layer, x, keys=None: self.scan_forward(lambda k: _tree_index(layer, k, axis=1), x, keys)[0]
 
     def one_layer(self):
         """(a layer per stage [L, ...], inputs [L, ...]) -> outputs [L, ...]; a layer must
         return its input's shape and dtype (it feeds the next)."""
         stages = jax.vmap(self.stage_fn) if not self.manual_stages else self.manual_region()
 
-        def checked(layer, x):
-            y = stages(layer, x)
+        def checked(layer, x, keys=None):
+            y = stages(layer, x) if keys is None else stages(layer, x, keys)
             if (jnp.shape(y), jnp.result_type(y)) != (jnp.shape(x), jnp.result_type(x)):
                 raise ShardingError(f"gspmd.pipeline: stage_fn maps a microbatch of shape {jnp.shape(x)[1:]} and "
                                     f"dtype {jnp.result_type(x)} to shape {jnp.shape(y)[1:]} and dtype "
@@ -318,24 +339,29 @@ class _Pipeline:
 
     def manual_region(self):
         """All stages as a manual region over the stage axis (paper 3.4)."""
-        def one_stage(layer, x):    # a stage's piece, with its unit stage dim
-            return self.stage_fn(jax.tree_util.tree_map(lambda p: p[0], layer), x[0])[None]
-
-        def run(layer, x):
+        def run(layer, x, keys=None):
             leaves, structure = jax.tree_util.tree_flatten(layer)
-            specs = [[self.axis] + [-1] * (jnp.ndim(v) - 1) for v in (*leaves, x)]
-            region = manual(lambda *a: one_stage(jax.tree_util.tree_unflatten(structure, a[:-1]), a[-1]), self.mesh,
-                            in_specs=specs, out_specs=specs[-1], manual_axes=(self.axis,))
-            return region(*leaves, x)
+            # Keys enter as their key data, wrapped again inside (typed keys do not cross the region).
+            words = () if keys is None else (jax.random.key_data(keys),)
+
+            def one_stage(*a):    # a stage's piece, with its unit stage dim
+                layer = jax.tree_util.tree_map(lambda p: p[0], jax.tree_util.tree_unflatten(structure, a[:len(leaves)]))
+                key = [jax.random.wrap_key_data(w[0], impl=jax.random.key_impl(keys)) for w in a[len(leaves) + 1:]]
+                return self.stage_fn(layer, a[len(leaves)][0], *key)[None]
+            specs = [[self.axis] + [-1] * (jnp.ndim(v) - 1) for v in (*leaves, x, *words)]
+            region = manual(one_stage, self.mesh, in_specs=specs, out_specs=specs[len(leaves)],
+                            manual_axes=(self.axis,))
+            return region(*leaves, x, *words)
         return run
 
-    def scan_forward(self, layer_at, x):
+    def scan_forward(self, layer_at, x, keys=None):
         """(outputs, each of the K layers' inputs [K, L, ...]); layer_at(k): every
-        stage's k-th layer [L, ...]."""
+        stage's k-th layer [L, ...]; keys: the stages' keys, folded with k."""
         one = self.one_layer()
-        return jax.lax.scan(lambda x, k: (self.split(one(layer_at(k), x)), x), x, jnp.arange(self.inner[0]))
+        return jax.lax.scan(lambda x, k: (self.split(one(layer_at(k), x, _fold(keys, k))), x), x,
+                            jnp.arange(self.inner[0]))
 
-    def scan_backward(self, layer_at, inputs, ct):
+    def scan_backward(self, layer_at, inputs, ct, keys=None):
         """(d layers [L, K, ...], d x): the K layers last first, each recomputed from its
         input [K, L, ...] as its gradient is taken, so one layer's intermediates live.
         (Their gradients leave as the scan's outputs, whose sum over data-parallel devices
@@ -343,18 +369,20 @@ class _Pipeline:
         one = self.one_layer()
 
         def back(ct, k_x):
-            _, vjp = jax.vjp(jax.checkpoint(one), layer_at(k_x[0]), k_x[1])     # (its forward marked as recomputed)
+            k, x = k_x
+            layer = jax.checkpoint(lambda p, x: one(p, x, _fold(keys, k)))      # (its forward marked as recomputed)
+            _, vjp = jax.vjp(layer, layer_at(k), x)
             d_p, d_x = vjp(ct)
             return self.split(d_x), d_p
         d_x, d_layer = jax.lax.scan(back, ct, (jnp.arange(self.inner[0]), inputs), reverse=True)
         return jax.tree_util.tree_map(lambda g: jnp.moveaxis(g, 0, 1), d_layer), d_x
 
-    def run_stages(self, per_stage, r, x, valid):
+    def run_stages(self, per_stage, r, x, valid, keys=None):
         """All stages' forward slots at once, bubble slots masked in value and gradient."""
-        return _masked_stages(self.all_stages())(self.layer(per_stage, r), x, valid)
+        return _masked_stages(self.all_stages())(self.layer(per_stage, r), x, valid, keys)
 
     # -- gpipe and circular -------------------------------------------------------------
-    def forward(self, stacked_params, microbatches, remat: Union[bool, Callable]):
+    def forward(self, stacked_params, microbatches, remat: Union[bool, Callable], key=None):
         per_stage = jax.tree_util.tree_map(self.by_stage, stacked_params)
         inputs = self.per_stage_buffer(microbatches)
         run = jax.checkpoint(self.run_stages, policy=None if remat is True else remat) if remat else self.run_stages
@@ -362,9 +390,9 @@ class _Pipeline:
 
         def step(carry, t):
             state, outputs = carry
-            valid, r, _ = self.timing.forward(t, self.stage)
+            valid, r, m = self.timing.forward(t, self.stage)
             x = self.split(self.stage_inputs(t, lambda m: _index(inputs, m, axis=1), shift_right(state)))
-            state = self.split(run(per_stage, r, x, valid))
+            state = self.split(run(per_stage, r, x, valid, self.keys(key, r, m)))
             done, r_last, m_last = self.timing.forward(t, last)
             return (state, self.store(outputs, m_last, done & (r_last == self.R - 1), state)), None
 
@@ -381,33 +409,34 @@ class _Pipeline:
         return jax.lax.reduce(_mask(self.stage == s, buffer), np.zeros((), buffer.dtype), jax.lax.add, (0,))
 
     # -- 1f1b -----------------------------------------------------------------------
-    def one_f_one_b(self, loss_fn, first_fn, stacked_params, ends, microbatches, targets):
+    def one_f_one_b(self, loss_fn, first_fn, stacked_params, ends, microbatches, targets, key=None):
         """The summed loss. Its gradient comes from the fused forward-backward loop, scaled
         by the incoming cotangent; without differentiation only the forward runs."""
-        def primal(params, ends, xs, ys):
+        def primal(params, ends, xs, ys, key):
             xs = jax.vmap(first_fn, (None, 0))(ends, xs)
-            return jnp.sum(jax.vmap(loss_fn, (0, 0, None))(self.forward(params, xs, remat=False), ys, ends))
+            return jnp.sum(jax.vmap(loss_fn, (0, 0, None))(self.forward(params, xs, False, key), ys, ends))
 
-        def fwd(params, ends, xs, ys):
-            values = [jax.tree_util.tree_map(lambda a: a.value, x, is_leaf=_is_primal) for x in (params, ends, xs, ys)]
+        def fwd(params, ends, xs, ys, key):
+            values = [jax.tree_util.tree_map(lambda a: a.value, x, is_leaf=_is_primal)
+                      for x in (params, ends, xs, ys, key)]
             wanted = [any(a.perturbed for a in jax.tree_util.tree_leaves(x, is_leaf=_is_primal)) for x in (xs, ys)]
             return self.fused(loss_fn, first_fn, *values, *wanted)
 
         def bwd(grads, ct):
             ct = jnp.zeros(()) if isinstance(ct, SymbolicZero) else ct
             return tuple(None if g is None else jax.tree_util.tree_map(lambda g: (ct * g).astype(g.dtype), g)
-                         for g in grads)
+                         for g in grads) + (None,)   # (the key's)
 
         run = jax.custom_vjp(primal)
         run.defvjp(fwd, bwd, symbolic_zeros=True)
-        return run(stacked_params, ends, microbatches, targets)
+        return run(stacked_params, ends, microbatches, targets, key)
 
     def per_stage_copy(self, tree):
         """A pytree's leaves as [L, ...] split by stage: each stage its own copy, whose
         gradient it accumulates locally (summed over the stages once, after the loop)."""
         return jax.tree_util.tree_map(lambda p: self.split(jnp.broadcast_to(p[None], (self.L,) + jnp.shape(p))), tree)
 
-    def fused(self, loss_fn, first_fn, stacked_params, ends, xs, ys, want_d_xs: bool, want_d_ys: bool):
+    def fused(self, loss_fn, first_fn, stacked_params, ends, xs, ys, key, want_d_xs: bool, want_d_ys: bool):
         """(loss, (d params, d ends, d xs, d ys)) from one loop in three phases: forward
         slots only, both, backward slots only. Besides parameters and their gradients, a
         stage holds its in-flight inputs (the stash) and per-microbatch buffers only for
@@ -428,14 +457,15 @@ class _Pipeline:
             return jax.vmap(first_fn)(e, jnp.broadcast_to(_index(xs, m), (L,) + jnp.shape(xs)[1:]))
 
         def forward_slot(t, c):
-            valid, r, _ = timing.forward(t, self.stage)
+            valid, r, m = timing.forward(t, self.stage)
+            keys = self.keys(key, r, m)
             fresh = lambda m: embed(ends_by_stage, m)   # noqa: E731
             x = _mask(valid, self.split(self.stage_inputs(t, fresh, jnp.roll(c["act"], 1, 0))))
             if self.scan_layers:     # each layer's input kept
-                y, inputs = self.scan_forward(lambda k: self.layer_at(per_stage, r, k), x)
+                y, inputs = self.scan_forward(lambda k: self.layer_at(per_stage, r, k), x, keys)
                 kept = jnp.moveaxis(inputs, 0, 1)
             else:
-                y, kept = run_stages(self.layer(per_stage, r), x), x
+                y, kept = run_stages(self.layer(per_stage, r), x, keys), x
             c["stash"] = jax.lax.dynamic_update_index_in_dim(c["stash"], kept, t % depth, axis=1)
             y = self.split(_mask(valid, y))
             # The last layer's output meets its loss in this very step.
@@ -453,15 +483,17 @@ class _Pipeline:
             return c
 
         def backward_slot(t, c):
-            valid, r, _ = timing.backward(t, self.stage)
+            valid, r, m = timing.backward(t, self.stage)
+            keys = self.keys(key, r, m)
             ct = jnp.where(_expand(last_stage & (r == R - 1), state), c["d_last"], jnp.roll(c["ct"], -1, axis=0))
             stashed = (t - 2 * (timing.layers - 1) + 2 * (self.stage + r * L)) % depth   # the step it was stashed
             ct_in = _mask(valid, self.split(ct))
             if self.scan_layers:
                 d_layer, d_x = self.scan_backward(lambda k: self.layer_at(per_stage, r, k),
-                                                  jnp.moveaxis(_pick(c["stash"], stashed), 1, 0), ct_in)
+                                                  jnp.moveaxis(_pick(c["stash"], stashed), 1, 0), ct_in, keys)
             else:
-                _, vjp = jax.vjp(jax.checkpoint(run_stages), self.layer(per_stage, r), _pick(c["stash"], stashed))
+                _, vjp = jax.vjp(jax.checkpoint(lambda p, x: run_stages(p, x, keys)), self.layer(per_stage, r),
+                                 _pick(c["stash"], stashed))
                 d_layer, d_x = vjp(ct_in)
             # Masked and widened before going to its place in the stage's stack: the sum with
             # the accumulator is then an update of zeros, made in place (passes.accumulate)
@@ -547,6 +579,11 @@ def _index(x, m, axis: int = 0):
     return jax.lax.dynamic_index_in_dim(x, m, axis=axis, keepdims=False)
 
 
+def _fold(keys, k):
+    """Per stage, its key folded with k (None: no keys)."""
+    return None if keys is None else jax.vmap(jax.random.fold_in, (0, None))(keys, k)
+
+
 def _tree_index(tree, m, axis: int):
     return jax.tree_util.tree_map(lambda x: _index(x, m, axis), tree)
 
@@ -593,17 +630,17 @@ def _masked_stages(run):
     backward pass the cotangents of the parameters and inputs too, since the stage's
     vjp on a bubble slot may be NaN (0 * inf) even for a zero cotangent."""
 
-    def primal(layer, x, valid):
-        return _mask(valid, run(layer, _mask(valid, x)))
+    def primal(layer, x, valid, keys):
+        return _mask(valid, run(layer, _mask(valid, x), keys))
 
-    def fwd(layer, x, valid):
-        y, vjp = jax.vjp(run, layer, _mask(valid, x))
+    def fwd(layer, x, valid, keys):
+        y, vjp = jax.vjp(lambda layer, x: run(layer, x, keys), layer, _mask(valid, x))
         return _mask(valid, y), (vjp, valid)
 
     def bwd(res, ct):
         vjp, valid = res
         d_layer, d_x = vjp(_mask(valid, ct))
-        return _mask_tree(valid, d_layer), _mask(valid, d_x), None
+        return _mask_tree(valid, d_layer), _mask(valid, d_x), None, None
 
     masked = jax.custom_vjp(primal)
     masked.defvjp(fwd, bwd)

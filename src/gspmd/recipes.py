@@ -333,9 +333,6 @@ def _pipelined(stack: LayerStack, s: dict, hw: Hardware) -> Case:
     per_stage = _divide("--layers", s["layers"], stages * repeats, f"{stages} stages x {repeats} repeats")
     mb = _divide("--batch", batch, micro, f"{micro} microbatches")
     cfg, dtype = stack.config(s, mb), _dtype(s)
-    if cfg.dropout:
-        raise ShardingError(f"--dropout {cfg.dropout} is planned without a pipeline only: the pipeline's stages "
-                            "carry no keys to draw each microbatch's masks from.")
     annotate = transformer.gspmd_annotate(mesh)
 
     # GPipe rematerializes each layer inside its stage. A circular schedule selects a
@@ -351,35 +348,41 @@ def _pipelined(stack: LayerStack, s: dict, hw: Hardware) -> Case:
     remat = True if one_f_one_b else (_policy(s["remat"]) or False) if circular else False
 
     @_remat(per_layer)
-    def layer_fn(params, x):
-        return stack.layer(params, x, annotate, stack.strategy, cfg)
+    def layer_fn(params, x, key=None):   # with dropout, the pipeline gives each layer of a microbatch a key
+        dropping = {} if key is None else {"key": key}
+        return stack.layer(params, x, annotate, stack.strategy, cfg, **dropping)
 
-    def stage_fn(params, x):
-        return jax.lax.scan(lambda x, p: (layer_fn(p, x), None), x, params)[0]
+    def stage_fn(params, x, key=None):
+        keys = None if key is None else jax.random.split(key, per_stage)
+        return jax.lax.scan(lambda x, p_key: (layer_fn(p_key[0], x, p_key[1]), None), x, (params, keys))[0]
 
-    def loss(stacked, microbatches, targets, ends=None, first_fn=None, loss_fn=_mse):
+    def loss(stacked, microbatches, targets, key=None, ends=None, first_fn=None, loss_fn=_mse):
         if s.get("strategy") == "megatron":   # Megatron-LM's model holds bfloat16 weights: cast once per step
             stacked = _cast(stacked, dtype)
         return pipeline_loss(layer_fn if one_f_one_b else stage_fn, loss_fn, stacked, microbatches, targets,
                              mesh=mesh, stage_axis="p", schedule=s["schedule"], repeats=repeats, stage_major=True,
-                             ends=ends, first_fn=first_fn, remat=remat, scan_layers=one_f_one_b) / micro
+                             ends=ends, first_fn=first_fn, remat=remat, scan_layers=one_f_one_b, key=key) / micro
 
     stacked = _stack(stack.shapes(cfg), stages * repeats, per_stage)
     described = (f"pipelined {stack.name}, {s['layers']} layers over {stages} stages ({s['schedule']}, "
                  f"{repeats} repeats), M={cfg.model} H={cfg.hidden} N={cfg.heads} D={cfg.head_dim}, "
                  f"{micro} microbatches of {mb} x seq {cfg.seq}")
     sizes = {**s, "stages": stages, "microbatches": micro, "batch": batch}
+    key = (jax.eval_shape(jax.random.key, 0),) if cfg.dropout else ()   # the step's dropout key, if any
+    if cfg.dropout:
+        described += f", dropout {cfg.dropout}"
     if s.get("vocab"):
         vocabulary = Vocabulary(annotate, dtype, EMBEDDINGS[s.get("strategy", "2d")])
         tokens = _spec((micro, mb, cfg.seq), jnp.int32)
         params = {"layers": stacked, "embedding": _spec((s["vocab"], cfg.model))}
 
-        def language_model(params, tokens, labels):
-            return loss(params["layers"], tokens, labels, params["embedding"], vocabulary.embed, vocabulary.loss)
-        return Case(f"{described}, vocabulary {s['vocab']}", *_train(language_model, params, (tokens, tokens), s),
-                    mesh, sizes, donate=_in_place(s))
+        def language_model(params, tokens, labels, key=None):
+            return loss(params["layers"], tokens, labels, key, params["embedding"], vocabulary.embed,
+                        vocabulary.loss)
+        return Case(f"{described}, vocabulary {s['vocab']}",
+                    *_train(language_model, params, (tokens, tokens, *key), s), mesh, sizes, donate=_in_place(s))
     data = _spec((micro, mb, cfg.seq, cfg.model), dtype)
-    return Case(described, *_train(loss, stacked, (data, data), s), mesh, sizes, donate=_in_place(s))
+    return Case(described, *_train(loss, stacked, (data, data, *key), s), mesh, sizes, donate=_in_place(s))
 
 
 # -- mixture of experts (Table 6) and hybrid sparse/dense (Table 7) -------------------------
