@@ -167,11 +167,11 @@ def megatron_row(params: str, heads: int, hidden: int, layers: int, tensor: int,
                   seq=MEGATRON_SEQ, batch=batch, vocab=MEGATRON_VOCAB, optimizer="adamw", strategy="megatron",
                   attention="megatron")
     if stages == 1:   # the replica's batch in microbatches of `micro` sequences: gradient accumulation
-        sizes = planning.Sizes(mesh=(data, tensor), remat="nothing_saveable", dropout=MEGATRON_DROPOUT,
+        sizes = planning.Sizes(mesh=(data, tensor), remat="rerun", dropout=MEGATRON_DROPOUT,
                                microbatches=batch // data // micro, **common)
     else:             # 1F1B (interleaved over `chunks`), which recomputes each stage in its backward slot
         sizes = planning.Sizes(mesh=(stages, data, tensor), stages=stages, microbatches=batch // data // micro,
-                               schedule="1f1b", repeats=chunks, **common)
+                               schedule="1f1b", repeats=chunks, remat="rerun", dropout=MEGATRON_DROPOUT, **common)
     interleaved = f", {chunks} virtual stages each" if chunks > 1 else ""
     stated = (f"{layers} layers, h {hidden}, {heads} heads; tensor {tensor} x pipeline {stages}{interleaved} x "
               f"data {data}; batch {batch} in microbatches of {micro}")
@@ -200,27 +200,28 @@ MEGATRON = Table(
      "row-major on the a100 hosts (tensor inside a node): weights over the tensor axis only, replicated "
      "over data (gradients all-reduced across nodes as hierarchical rings), activations replicated over "
      "the tensor axis between layers (no sequence parallelism in 2021).",
-     "Full activation recomputation (--checkpoint-activations): nothing_saveable per layer without a "
-     "pipeline; with one, 1F1B, which stashes each layer's input and whose backward slots recompute one layer "
-     "at a time (Megatron-LM's activation memory; `pipeline_loss(scan_layers=True)`), interleaved as "
+     "Full activation recomputation (--checkpoint-activations) as torch's checkpoint does it (`--remat "
+     "rerun`, every row): each layer keeps only its input and the backward pass reruns its whole forward "
+     "pass, its last matmul and that matmul's all-reduce included, where jax.checkpoint would recompute only "
+     "what the gradient needs (that did 0.94 of the formula's FLOPs); the rows without a pipeline now do "
+     "1.00-1.01 of them, the pipelined 1.10-1.19 (bubble slots compute on zeros, and every stage computes the "
+     "logits). With a pipeline, 1F1B, which stashes each layer's input and whose backward slots rerun one "
+     "layer at a time (Megatron-LM's activation memory; `pipeline_loss(scan_layers=True)`), interleaved as "
      "run_table_1.sh interleaves it (--num-layers-per-virtual-pipeline-stage "
      "5, 5, 3, 1 at 76.1B-529.6B: our --repeats 3, 2, 2, 3), over its microbatches (4, 2, 2, 1, 1, 1 "
      "sequences). Without a pipeline the replica's batch is one microbatch (16 sequences) but at 18.4B, "
      "which run_table_1.sh runs as 4 of 8: gradient accumulation over them (`--microbatches 4`). "
-     "Not planned: the paper's scatter/gather of stage boundaries across the tensor group. Recomputation "
-     "is jax's: a layer is recomputed only as far as its gradient needs, not its last matmul's output (17-18% "
-     "of our FLOPs, where the formula counts a whole forward pass, 25%, as torch's checkpoint reruns the "
-     "layer).",
+     "Not planned: the paper's scatter/gather of stage boundaries across the tensor group.",
      "FFN 4h, head dim h / heads, Adam (adamw), bfloat16 activations (their --fp16: the same bytes), float32 weights (pipelined rows: "
      "cast to bfloat16 once per step, as Megatron-LM's model holds them, the float32 copy the optimizer's; "
      "gradients summed over microbatches in float32, as its main_grad). Every row plans the embedding and "
      "the 51,200-way softmax over one tied table (--vocab); pipelined: tokens in, embedded on the first "
      "stage, logits and loss on the last.",
      "Dropout 0.1 (`--dropout 0.1`: Megatron-LM's --attention-dropout and --hidden-dropout, which "
-     "run_table_1.sh keeps) on the attention probabilities and on each sublayer's output before its residual "
-     "add, each layer's masks from the step's key, in the rows without a pipeline: pipelined plans take no "
-     "dropout (their stages carry no keys; planned once with a fixed key per layer it added ~3% to 39.1B's "
-     "step and ~1% to 310.1B's). Not the embedding's dropout (one [b, s, h] mask a step).",
+     "run_table_1.sh keeps), every row, on the attention probabilities and on each sublayer's output before "
+     "its residual add: without a pipeline each layer's masks from the step's key, with one each "
+     "microbatch's layers from their own (`pipeline_loss(key=...)`), drawn again when the layer reruns. "
+     "Not the embedding's dropout (one [b, s, h] mask a step).",
      "Attention as Megatron-LM runs it (`--attention megatron`, every row): the scores by a batched matmul, "
      "the fused scale-mask-softmax a kernel of its own, then the dropout, each reading the probabilities "
      "from HBM (an optimization barrier after the softmax in the plan). Our dropout draws its mask inside "
@@ -231,32 +232,35 @@ MEGATRON = Table(
      "the 2.0 TB/s (the shared default: a streaming copy reaches 85-90% on an A100).",
      "Model FLOPs for every row by the paper's formula (so TFLOP/s compare like for like); our plan's own "
      "FLOPs decide its step time."),
-    ("Rows without a pipeline (1.7B-18.4B) are 1.19-1.22 of the published (1.33-1.50 before dropout, "
-     "Megatron-LM's attention kernels, memory-bound kernels at 80% of the HBM bandwidth and 18.4B's "
-     "gradient accumulation): at 1.7B the bandwidth took the step from 2.36 to 2.54 s, dropout to 2.60 s and "
-     "the softmax as a kernel of its own to 2.89 s, against the published 3.53 s; 18.4B's 4 microbatches of "
-     "8 took it from 7.60 to 7.82 s (and its peak from 86 to 58 GB). 1.7B and 3.6B stay 2% outside 20%, "
-     "18.4B 0.3%. What "
-     "Megatron-LM's run does and our plan does not: torch's checkpoint reruns each layer's whole forward "
-     "pass, its last matmul (h x 4h) included, where jax recomputes only what the gradient needs: our plan "
-     "does 0.94 of the formula's FLOPs, and the formula's full recomputation would add ~8% of the matmul "
-     "time (~0.15 s at 1.7B, making it ~1.16; 18.4B ~1.18); torch's dropout stores its masks (~1 byte a "
-     "probability written and read: +2% at 1.7B); the vocabulary-parallel cross-entropy runs as separate "
-     "float32 kernels over [b, s, V/t] (~100 GB a step at 1.7B where ours moves ~15: +2%). Tried before and not kept (not principled): every element-wise op its own kernel overshoots "
-     "(0.49x at 1.7B); a size-dependent matmul efficiency would need ~0.55 at h = 2304-6144, where A100 "
-     "GEMMs of 8k-32k rows reach 70-80%; synchronous collectives add at most 0.03 s (1.7B) to 0.18 s "
-     "(18.4B).",
-     "Pipelined rows (39.1B-1T), as run_table_1.sh runs them, are 0.98-1.17 of the published, all within "
-     "20%. Across the table ours / published falls as h grows (1.22 at h = 2304, 1.19-1.22 at 3072-6144, "
-     "1.17 at 8192, 1.10-1.14 at 10240-12288, 0.98 at 16384-25600), the paper's own account of its weak "
-     "scaling: larger matrix multiplications run closer to peak, which our one matmul efficiency (80%) does "
-     "not model, and the attention's memory-bound kernels weigh s / 6h against the matmuls (15% of their "
-     "FLOPs at 1.7B, 1% at 1T). Interleaving halves the bubbles (310.1B: 9.4% -> 5.0%) but costs our "
-     "vectorized schedule more than it saves: each slot gathers its virtual stage's layers out of the "
-     "stage's stack (their gradients go back in place). Every stage also computes the step's logits and "
+    ("Rows without a pipeline (1.7B-18.4B) are 1.12-1.17 of the published (1.33-1.50 before dropout, "
+     "Megatron-LM's attention kernels, memory-bound kernels at 80% of the HBM bandwidth, 18.4B's gradient "
+     "accumulation and torch's whole-layer recomputation): at 1.7B the bandwidth took the step from 2.36 to "
+     "2.54 s, dropout to 2.60 s, the softmax as a kernel of its own to 2.89 s and rerunning each layer whole "
+     "to 3.03 s, against the published 3.53 s; 18.4B went from 7.60 to 8.37 s (its 4 microbatches of 8: "
+     "7.82 s and a peak of 58 GB instead of 86). What Megatron-LM's run still does and our plan does not: "
+     "torch's dropout stores its masks (~1 byte a probability written and read: +2% at 1.7B); the "
+     "vocabulary-parallel cross-entropy runs as separate float32 kernels over [b, s, V/t] (~100 GB a step "
+     "at 1.7B where ours moves ~15: +2%). Tried before and not kept (not principled): every element-wise "
+     "op its own kernel overshoots (0.49x at 1.7B); a size-dependent matmul efficiency would need ~0.55 at "
+     "h = 2304-6144, where A100 GEMMs of 8k-32k rows reach 70-80%; synchronous collectives add at most "
+     "0.03 s (1.7B) to 0.18 s (18.4B).",
+     "Pipelined rows (39.1B-1T), as run_table_1.sh runs them, are 0.92-1.07 of the published. Across the "
+     "table ours / published falls as h grows (1.17 at h = 2304, 1.12-1.16 at 3072-6144, 1.05-1.07 at "
+     "8192-12288, 0.92-0.97 at 16384-25600), the paper's own account of its weak scaling: larger matrix "
+     "multiplications run closer to peak, which our one matmul efficiency (80%) does not model, and the "
+     "attention's memory-bound kernels weigh s / 6h against the matmuls (15% of their FLOPs at 1.7B, 1% at "
+     "1T). Interleaving halves the bubbles (310.1B: 9.4% -> 5.0%) and now costs our vectorized schedule "
+     "about what it saves (310.1B 38.69 s interleaved, 38.63 s not; 76.1B 14.96 and 15.00 s): each slot "
+     "gathers its virtual stage's layers one at a time from the stage's stack (it copied the repeat's layers "
+     "out first, 8% of 310.1B's step) and their gradients go back in place once a slot. A jax program also "
+     "copies each layer's weights out of its stack for the matmul (a dynamic slice, 3% of 1T's step) where "
+     "Megatron-LM's layers are tensors of their own. Every stage also computes the step's logits and "
      "softmax (one SPMD program; only the last stage's count).",
-     "The published ranking rises with model size (135-163 TF/s); ours is nearly flat (152-169 TF/s), "
-     "highest without a pipeline, so most ordered pairs are still swapped (27 of them; 31 before).",
+     "The published ranking rises with model size (135-163 TF/s); ours is nearly flat (147-160 TF/s), "
+     "highest without a pipeline, so most ordered pairs are still swapped (27 of them; 31 two runs ago): "
+     "with one matmul efficiency and kernels costed by their bytes, the rows differ in our plans by their "
+     "bubbles, their attention's share and their communication, a few percent each, where the published "
+     "differ by up to 20%.",
      "Memory: every row fits in the A100's 80 GiB (49-73 GB). 39.1B (microbatches of 4 sequences) took 112 GB while 1F1B's backward slot "
      "recomputed the whole stage (24 layers) at once, 12.9 GB of it the float32 attention probabilities "
      "[24, 4, 8, 2048, 2048]; with each layer's input stashed (3 in-flight microbatches x 24 layers x 134 "
