@@ -498,6 +498,13 @@ PIPELINES = [
     ("pipeline.scan_layers", "with layers of different counts", lambda: pipeline(
         stacked_params={"a": np.ones((2, 3, 3), np.float32), "b": np.ones((2, 2, 3), np.float32)}, scan_layers=True),
      [r"scan_layers=True", r"\[layers, K, \.\.\.\] with one K", r"second dims \[\(2,\), \(3,\)\]"]),
+    ("pipeline.key", "a batch of keys", lambda: pipeline(key=jax.random.split(jax.random.key(0))),
+     [r"pipeline\(key=\.\.\.\) needs one PRNG key", r"keys of shape \(2,\)", "folded in"]),
+    ("pipeline.key", "with a stage_fn that does not take it", lambda: pipeline(key=jax.random.key(0)),
+     [r"stage_fn \(it gets \(params_i, x, key\)\)", "called with 3 positional arguments",
+      "give it 3 parameters"]),
+    ("pipeline_loss.key", "raw uint32 key data", lambda: pipeline_loss(key=np.array([0, 1], np.uint32)),
+     [r"pipeline_loss\(key=\.\.\.\)", r"array\(\[0, 1\], dtype=uint32\)", "jax.random.wrap_key_data"]),
     ("pipeline.remat", "a string", lambda: pipeline(remat="dots"),
      ["the string 'dots'", "True, False or a jax.checkpoint policy", "dots_saveable"]),
     ("pipeline.stacked_params", "one layer short", lambda: pipeline(stacked_params=np.ones((3, 3), np.float32)),

@@ -128,10 +128,13 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stacked_params, microba
 
 
 def _check_key(key, caller: str) -> None:
-    if key is not None and (not jax.dtypes.issubdtype(getattr(key, "dtype", None), jax.dtypes.prng_key)
-                            or jnp.shape(key) != ()):
-        raise ShardingError(f"{caller}(key=...) needs one PRNG key (jax.random.key(...)), got {describe(key)}; "
-                            "each microbatch's layers draw from keys folded in from it.")
+    typed = key is not None and jax.dtypes.issubdtype(getattr(key, "dtype", None), jax.dtypes.prng_key)
+    if key is None or typed and jnp.shape(key) == ():
+        return
+    given = f"keys of shape {jnp.shape(key)}" if typed else describe(key)
+    raise ShardingError(f"{caller}(key=...) needs one PRNG key (jax.random.key(...)), got {given}; each "
+                        "microbatch's layers draw from keys folded in from it (wrap raw uint32 key data with "
+                        "jax.random.wrap_key_data).")
 
 
 def _check_remat(remat, caller: str) -> None:
