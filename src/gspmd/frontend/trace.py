@@ -135,7 +135,7 @@ def _inline(b: Conversion, closed, args: list[Value], on_equation: Optional[OnEq
 
     for index, eqn in enumerate(jaxpr.eqns):
         b.origin, b.source = eqn.primitive.name, source_line(eqn) or caller
-        b.recomputed = recomputed or any(scope in str(eqn.source_info.name_stack) for scope in _RECOMPUTE_SCOPES)
+        b.recomputed = recomputed or _recomputes(str(eqn.source_info.name_stack))
         operands = [read(a) for a in eqn.invars]
         outs = [_typed(b, v, out) for v, out in zip(eqn.outvars, _convert(b, eqn, operands))]
         env.update(zip(eqn.outvars, outs))
@@ -143,6 +143,10 @@ def _inline(b: Conversion, closed, args: list[Value], on_equation: Optional[OnEq
             on_equation(index, eqn, operands, outs)
     b.origin, b.recomputed, b.source = origin, recomputed, caller
     return [read(v) for v in jaxpr.outvars]
+
+
+def _recomputes(name_stack: str) -> bool:
+    return any(scope in name_stack for scope in _RECOMPUTE_SCOPES)
 
 
 def _typed(b: Conversion, var, value: Value) -> Value:
