@@ -1,5 +1,6 @@
 """The shared cost model (spmd/cost.py): ring, torus, all-to-all and permute formulas on
 small topologies, compute rooflines, and the partitioner pricing its choices with it."""
+import dataclasses
 import functools
 
 import jax
@@ -277,3 +278,26 @@ def test_an_optimization_barrier_splits_a_fused_chain():
     once = x.size * 4 / (hw.hbm_bytes_per_s * hw.memory_efficiency)
     assert fused == approx(2 * once)
     assert split == approx(4 * once)
+
+
+def test_a_kernel_hashing_random_bits_takes_its_arithmetic_time_where_that_is_longer():
+    """Dropout on a GPU: jax hashes one counter pair per 32-bit value (threefry's 80
+    vector instructions), fused into the kernel that applies the mask, which takes the
+    longer of its bytes and its arithmetic: on an A100 the rounds outlast the bytes of a
+    float32 input and its result. Profiles without a vector rate (TPUs) time the bytes."""
+    def dropout(x, key):
+        return x * jax.random.bernoulli(key, 0.9, x.shape).astype(x.dtype)
+
+    n, hw = 1 << 22, cm.PROFILES["a100"]
+    key = jax.eval_shape(jax.random.key, 0)
+    low = gspmd.jit(dropout).lower(jax.ShapeDtypeStruct((n,), np.float32), key)
+    rounds, nbytes = n * 80 / hw.vector_ops_per_s, 2 * n * 4 / (hw.hbm_bytes_per_s * hw.memory_efficiency)
+    assert rounds > nbytes
+    assert low.report(hardware=hw).compute_seconds == pytest.approx(rounds, rel=1e-3)
+    bytes_only = dataclasses.replace(hw, vector_ops_per_s=None)
+    assert low.report(hardware=bytes_only).compute_seconds == pytest.approx(nbytes, rel=1e-3)
+    assert cm.PROFILES["tpu-v5p"].vector_ops_per_s is None
+    # a kernel whose bytes outlast its rounds keeps its bytes' time: 16 float32 values a hash
+    wide = gspmd.jit(lambda x, key: x * jax.random.bernoulli(key, 0.9, x.shape[:1])[:, None]).lower(
+        jax.ShapeDtypeStruct((n // 16, 16), np.float32), key)
+    assert wide.report(hardware=hw).compute_seconds == pytest.approx(nbytes, rel=1e-3)

@@ -594,6 +594,8 @@ HARDWARE = [
      ["int 80", "needs a number > 0 and <= 1", "matmul_efficiency"]),
     ("Hardware.memory_efficiency", "zero", lambda: hardware(memory_efficiency=0),
      ["int 0", "needs a number > 0 and <= 1", "memory_efficiency"]),
+    ("Hardware.vector_ops_per_s", "a string", lambda: hardware(vector_ops_per_s="fast"),
+     ["the string 'fast'", "vector_ops_per_s"]),
     ("Hardware.collective_overhead_s", "negative", lambda: hardware(collective_overhead_s=-1e-6),
      ["-1e-06", "needs a number >= 0", "collective_overhead_s"]),
     ("Hardware.overlap", "above one", lambda: hardware(overlap=1.5),

@@ -63,7 +63,53 @@ def _durations(program: Program, hw: cm.Hardware, num_devices: int) -> tuple[lis
         else:
             durations.append(0.0 if instr in into_matmul else op_seconds(instr, hw, materialized))
             streams.append(_COMPUTE)
+    if hw.vector_ops_per_s is not None:
+        _add_arithmetic(program, durations, materialized, hw.vector_ops_per_s)
     return durations, streams
+
+
+def _add_arithmetic(program: Program, durations: list[float], materialized: set, rate: float) -> None:
+    """A fused kernel takes the longer of its bytes and its vector arithmetic: where its
+    ops' vector instructions (a hash's rounds) outlast its bytes, its last op takes the
+    difference."""
+    kernel = _kernels(program, materialized)
+    arithmetic: dict[int, float] = {}
+    for i, instr in enumerate(program.instrs):
+        count = ops.lookup(instr.opcode).timing.vector_ops
+        if count is not None:
+            arithmetic[kernel[i]] = arithmetic.get(kernel[i], 0.0) + count(instr) / rate
+    if not arithmetic:
+        return
+    members: dict[int, list[int]] = {}
+    for i, k in kernel.items():
+        members.setdefault(k, []).append(i)
+    for k, seconds in arithmetic.items():
+        extra = seconds - sum(durations[i] for i in members[k])
+        if extra > 0:
+            durations[max(members[k])] += extra
+
+
+def _kernels(program: Program, materialized: set) -> dict[int, int]:
+    """Fusible instruction (index) -> its kernel: the first instruction of the fused
+    chain it belongs to (linked by values that stay on chip)."""
+    index = {instr: i for i, instr in enumerate(program.instrs)}
+    root: dict[int, int] = {}
+
+    def find(i: int) -> int:
+        while root[i] != i:
+            root[i] = root[root[i]]
+            i = root[i]
+        return i
+
+    for i, instr in enumerate(program.instrs):
+        if not _fusible(instr):
+            continue
+        root[i] = i
+        for v in instr.operands:
+            if v not in materialized and v.producer is not None and index.get(v.producer) in root:
+                a, b = sorted((find(index[v.producer]), find(i)))
+                root[b] = a
+    return {i: find(i) for i in root}
 
 
 def _schedule(program: Program, durations: list[float], streams: list[str], overlap: float) -> list[float]:

@@ -25,10 +25,15 @@ from jax.extend.random import threefry2x32_p, threefry_prng_impl
 from gspmd.errors import ShardingError
 from gspmd.ir import Value
 from gspmd.ops.convert import Conversion
-from gspmd.ops.registry import (ELEMENTWISE, Frontend, Memory, Rule, Semantics, Storage, elementwise_factors,
-                                register, replicate_fallback)
+from gspmd.ops.registry import (ELEMENTWISE, Frontend, Memory, Rule, Semantics, Storage, Timing,
+                                elementwise_factors, register, replicate_fallback)
 
 UINT32 = np.dtype(np.uint32)
+# Vector instructions per hash: threefry2x32's 20 rounds of an add, a rotation (one funnel
+# shift on a GPU) and a xor, its 5 key injections of 3 adds and its key schedule, for a
+# pair of words; Philox4x32-10 (RngBitGenerator on GPUs) 10 rounds of two 32x32 -> 64-bit
+# multiplies (2 instructions each), 4 xors and 2 key adds, for 4 words: per word.
+THREEFRY_OPS, PHILOX_OPS = 80, 25
 
 
 # -- the hash: threefry-2x32 with 20 rounds (Salmon et al., "Parallel random numbers:
@@ -275,7 +280,8 @@ register("threefry2x32",
          rule=Rule(factors=elementwise_factors, priority=ELEMENTWISE),
          # XLA computes the hash's rounds (integer adds, rotations, xors) inside whatever
          # fusion reads the bits: a dropout mask is never a buffer of random words
-         memory=Memory(storage=Storage.ELEMENTWISE))
+         memory=Memory(storage=Storage.ELEMENTWISE),
+         timing=Timing(vector_ops=lambda instr: THREEFRY_OPS * instr.outputs[0].nbytes // 4))
 
 
 # -- rng-bit-generator: XLA's RngBitGenerator (the rbg PRNGs' random bits) -----------------
@@ -299,6 +305,7 @@ def _evaluate_rng_bit_generator(instr, args, device):
 
 
 register("rng-bit-generator",
+         timing=Timing(vector_ops=lambda instr: PHILOX_OPS * instr.outputs[1].nbytes // 4),
          frontend=Frontend(converts={"rng_bit_generator": _convert_rng_bit_generator}),
          semantics=Semantics(evaluate=_evaluate_rng_bit_generator, lower=lambda instr, args,
                              lc: _generate(instr, args[0])),

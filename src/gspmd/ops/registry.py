@@ -124,6 +124,9 @@ class Timing:
     # whether a memory-bound op fuses with its neighbours; XLA fuses nothing across an
     # optimization barrier, so what enters one is written to HBM and read back after it
     fuses: bool = True
+    # vector instructions of one execution, where they may outweigh its bytes (a hash's
+    # rounds): its fused kernel takes the longer of its bytes and its arithmetic
+    vector_ops: Optional[Callable[[Instr], int]] = None
 
 
 @dataclass

@@ -32,7 +32,7 @@ import functools
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
@@ -168,6 +168,10 @@ class Hardware:
     # feeding one runs as a kernel of its own and writes its result (operand transposes
     # still fold, as the kernel's transpose flags).
     fuses_into_matmul: bool = True
+    # Element-wise arithmetic per second outside the matmul units (integer and float32
+    # vector instructions): what a fused kernel whose arithmetic outweighs its bytes, a
+    # PRNG's hash rounds, runs at. None: not modelled (kernels timed by their bytes).
+    vector_ops_per_s: Optional[float] = None
 
     def __post_init__(self):
         """A profile given wrong numbers (or its fields out of order) fails here, not in a plan."""
@@ -183,6 +187,8 @@ class Hardware:
         for name in ("matmul_efficiency", "memory_efficiency", "overlap"):
             number(getattr(self, name), f"Hardware({name}=...)", positive=name != "overlap", at_most=1)
         number(self.collective_overhead_s, "Hardware(collective_overhead_s=...)", positive=False)
+        if self.vector_ops_per_s is not None:
+            number(self.vector_ops_per_s, "Hardware(vector_ops_per_s=...)")
         for name in ("kernel_scratch", "rematerializes", "fuses_into_matmul"):
             flag(getattr(self, name), f"Hardware({name}=...)")
 
@@ -206,11 +212,14 @@ PROFILES = {h.name: h for h in [
     # is libtpu's); ICI 4800 Gb/s per chip over its 6 links (100 GB/s each, counted per
     # direction as tpu-v4's 2400 Gb/s are).
     Hardware("tpu-v5p", 459e12, 96 * GiB, 2.765e12, Torus(100e9, 1e-6, ndim=3), reserved_bytes=GiB),
+    # GPUs' vector rate: 64 int32 lanes per SM (A100: 108 SMs at 1.41 GHz; H100 and H200
+    # SXM: 132 at 1.98 GHz), one add, xor or funnel-shift rotation each per clock.
     Hardware("a100", 312e12, 80 * GiB, 2.0e12, Hosts(8, 300e9, 3e-6, 25e9, 10e-6),      # NVLink 3, HDR IB
-             fuses_into_matmul=False),
+             fuses_into_matmul=False, vector_ops_per_s=9.7e12),
     Hardware("h100", 989e12, 80 * GiB, 3.35e12, Hosts(8, 450e9, 3e-6, 50e9, 10e-6),     # NVLink 4, NDR IB
-             fuses_into_matmul=False),
-    Hardware("h200", 989e12, 141 * GiB, 4.8e12, Hosts(8, 450e9, 3e-6, 50e9, 10e-6), fuses_into_matmul=False),
+             fuses_into_matmul=False, vector_ops_per_s=16.7e12),
+    Hardware("h200", 989e12, 141 * GiB, 4.8e12, Hosts(8, 450e9, 3e-6, 50e9, 10e-6), fuses_into_matmul=False,
+             vector_ops_per_s=16.7e12),
     Hardware("cpu", 1e11, 16 * GiB, 20e9, Hosts(1 << 20, 10e9, 20e-6, 10e9, 20e-6), kernel_scratch=True,
              rematerializes=False),
 ]}
