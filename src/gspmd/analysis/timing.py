@@ -69,29 +69,26 @@ def _durations(program: Program, hw: cm.Hardware, num_devices: int) -> tuple[lis
 
 
 def _add_arithmetic(program: Program, durations: list[float], materialized: set, rate: float) -> None:
-    """A fused kernel takes the longer of its bytes and its vector arithmetic: where its
-    ops' vector instructions (a hash's rounds) outlast its bytes, its last op takes the
-    difference."""
-    kernel = _kernels(program, materialized)
-    arithmetic: dict[int, float] = {}
-    for i, instr in enumerate(program.instrs):
-        count = ops.lookup(instr.opcode).timing.vector_ops
-        if count is not None:
-            arithmetic[kernel[i]] = arithmetic.get(kernel[i], 0.0) + count(instr) / rate
-    if not arithmetic:
-        return
+    """A fused kernel takes the longer of its bytes and its vector arithmetic: where an
+    op's vector instructions (a hash's rounds) outlast the bytes of the kernel that
+    reads its results, the kernel's last op takes the difference."""
+    kernel = _reading_kernels(program, materialized)
     members: dict[int, list[int]] = {}
     for i, k in kernel.items():
         members.setdefault(k, []).append(i)
-    for k, seconds in arithmetic.items():
-        extra = seconds - sum(durations[i] for i in members[k])
+    for k, indices in members.items():
+        arithmetic = sum(ops.lookup(program.instrs[i].opcode).timing.vector_ops(program.instrs[i]) / rate
+                         for i in indices if ops.lookup(program.instrs[i].opcode).timing.vector_ops is not None)
+        extra = arithmetic - sum(durations[i] for i in indices)
         if extra > 0:
-            durations[max(members[k])] += extra
+            durations[max(indices)] += extra
 
 
-def _kernels(program: Program, materialized: set) -> dict[int, int]:
-    """Fusible instruction (index) -> its kernel: the first instruction of the fused
-    chain it belongs to (linked by values that stay on chip)."""
+def _reading_kernels(program: Program, materialized: set) -> dict[int, int]:
+    """Instructions (by index) with vector arithmetic and those that read their results
+    on chip, through fusible ops, up to the values written to HBM -> their kernel (the
+    first such instruction of it). Cheap producers the kernel shares with others (loop
+    counters, indices) are left out: XLA computes those again in each fusion."""
     index = {instr: i for i, instr in enumerate(program.instrs)}
     root: dict[int, int] = {}
 
@@ -104,10 +101,13 @@ def _kernels(program: Program, materialized: set) -> dict[int, int]:
     for i, instr in enumerate(program.instrs):
         if not _fusible(instr):
             continue
-        root[i] = i
+        if ops.lookup(instr.opcode).timing.vector_ops is not None:
+            root[i] = i
         for v in instr.operands:
-            if v not in materialized and v.producer is not None and index.get(v.producer) in root:
-                a, b = sorted((find(index[v.producer]), find(i)))
+            p = index.get(v.producer) if v.producer is not None else None
+            if v not in materialized and p in root:
+                root.setdefault(i, i)
+                a, b = sorted((find(p), find(i)))
                 root[b] = a
     return {i: find(i) for i in root}
 
