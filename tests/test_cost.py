@@ -301,3 +301,12 @@ def test_a_kernel_hashing_random_bits_takes_its_arithmetic_time_where_that_is_lo
     wide = gspmd.jit(lambda x, key: x * jax.random.bernoulli(key, 0.9, x.shape[:1])[:, None]).lower(
         jax.ShapeDtypeStruct((n // 16, 16), np.float32), key)
     assert wide.report(hardware=hw).compute_seconds == pytest.approx(nbytes, rel=1e-3)
+    # a scalar the hash shares with another fusion (a loop counter's index) does not join
+    # their kernels: the other's bytes do not hide the rounds
+    def two_kernels(x, big, key, i):
+        j = i * 2
+        return dropout(x, jax.random.fold_in(key, j)), jnp.exp(big * j.astype(big.dtype))
+    big = jax.ShapeDtypeStruct((4 * n,), np.float32)
+    both = gspmd.jit(two_kernels).lower(jax.ShapeDtypeStruct((n,), np.float32), big, key,
+                                        jax.ShapeDtypeStruct((), np.int32))
+    assert both.report(hardware=hw).compute_seconds == pytest.approx(rounds + 4 * nbytes, rel=1e-2)
