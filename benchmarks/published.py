@@ -229,38 +229,43 @@ MEGATRON = Table(
      "Profile `a100`: GPU matmuls are library kernels (cuBLAS) that read their operands from HBM, so a "
      "layer norm, softmax or cast feeding one is a kernel of its own (`fuses_into_matmul=False`, every "
      "GPU profile; TPU profiles fuse them into the matmul, as XLA:TPU does). Memory-bound kernels at 80% of "
-     "the 2.0 TB/s (the shared default: a streaming copy reaches 85-90% on an A100).",
+     "the 2.0 TB/s (the shared default: a streaming copy reaches 85-90% on an A100). A fused kernel takes "
+     "the longer of its bytes and its vector arithmetic, at 9.7e12 integer instructions a second (64 int32 "
+     "lanes per SM x 108 SMs x 1.41 GHz): what decides a dropout kernel, whose threefry hash takes 80 a "
+     "value (TPU profiles time kernels by their bytes).",
      "Model FLOPs for every row by the paper's formula (so TFLOP/s compare like for like); our plan's own "
      "FLOPs decide its step time."),
-    ("Rows without a pipeline (1.7B-18.4B) are 1.12-1.17 of the published (1.33-1.50 before dropout, "
-     "Megatron-LM's attention kernels, memory-bound kernels at 80% of the HBM bandwidth, 18.4B's gradient "
-     "accumulation and torch's whole-layer recomputation): at 1.7B the bandwidth took the step from 2.36 to "
-     "2.54 s, dropout to 2.60 s, the softmax as a kernel of its own to 2.89 s and rerunning each layer whole "
-     "to 3.03 s, against the published 3.53 s; 18.4B went from 7.60 to 8.37 s (its 4 microbatches of 8: "
-     "7.82 s and a peak of 58 GB instead of 86). What Megatron-LM's run still does and our plan does not: "
-     "torch's dropout stores its masks (~1 byte a probability written and read: +2% at 1.7B); the "
-     "vocabulary-parallel cross-entropy runs as separate float32 kernels over [b, s, V/t] (~100 GB a step "
-     "at 1.7B where ours moves ~15: +2%). Tried before and not kept (not principled): every element-wise "
-     "op its own kernel overshoots (0.49x at 1.7B); a size-dependent matmul efficiency would need ~0.55 at "
-     "h = 2304-6144, where A100 GEMMs of 8k-32k rows reach 70-80%; synchronous collectives add at most "
-     "0.03 s (1.7B) to 0.18 s (18.4B).",
-     "Pipelined rows (39.1B-1T), as run_table_1.sh runs them, are 0.92-1.07 of the published. Across the "
-     "table ours / published falls as h grows (1.17 at h = 2304, 1.12-1.16 at 3072-6144, 1.05-1.07 at "
-     "8192-12288, 0.92-0.97 at 16384-25600), the paper's own account of its weak scaling: larger matrix "
-     "multiplications run closer to peak, which our one matmul efficiency (80%) does not model, and the "
-     "attention's memory-bound kernels weigh s / 6h against the matmuls (15% of their FLOPs at 1.7B, 1% at "
-     "1T). Interleaving halves the bubbles (310.1B: 9.4% -> 5.0%) and now costs our vectorized schedule "
-     "about what it saves (310.1B 38.69 s interleaved, 38.63 s not; 76.1B 14.96 and 15.00 s): each slot "
-     "gathers its virtual stage's layers one at a time from the stage's stack (it copied the repeat's layers "
-     "out first, 8% of 310.1B's step) and their gradients go back in place once a slot. A jax program also "
-     "copies each layer's weights out of its stack for the matmul (a dynamic slice, 3% of 1T's step) where "
-     "Megatron-LM's layers are tensors of their own. Every stage also computes the step's logits and "
-     "softmax (one SPMD program; only the last stage's count).",
-     "The published ranking rises with model size (135-163 TF/s); ours is nearly flat (147-160 TF/s), "
-     "highest without a pipeline, so most ordered pairs are still swapped (27 of them; 31 two runs ago): "
-     "with one matmul efficiency and kernels costed by their bytes, the rows differ in our plans by their "
-     "bubbles, their attention's share and their communication, a few percent each, where the published "
-     "differ by up to 20%.",
+    ("Every row is within 11% of the published, rows without a pipeline (1.7B-18.4B) at 1.02-1.05 (1.33-1.50 "
+     "before dropout, Megatron-LM's attention kernels, memory-bound kernels at 80% of the HBM bandwidth, "
+     "18.4B's gradient accumulation, torch's whole-layer recomputation and the dropout hash's arithmetic): at "
+     "1.7B the bandwidth took the step from 2.36 to 2.54 s, dropout to 2.60 s, the softmax as a kernel of its "
+     "own to 2.89 s, rerunning each layer whole to 3.03 s and the hash's arithmetic to 3.45 s, against the "
+     "published 3.53 s. The last is our program's cost more than Megatron-LM's: jax's threefry takes 80 "
+     "integer instructions a random value (on an A100, 8 ps against 5 ps for a float32 value's read and "
+     "write: a dropout kernel is bound by its arithmetic, 1.61e9 values a layer at 1.7B, drawn three times), "
+     "torch's Philox about 20. What Megatron-LM's run still does and our plan does not: torch's dropout "
+     "stores its masks (~1 byte a probability written and read: +2% at 1.7B); the vocabulary-parallel "
+     "cross-entropy runs as separate float32 kernels over [b, s, V/t] (~100 GB a step at 1.7B where ours moves "
+     "~15: +2%). Tried before and not kept (not principled): every element-wise op its own kernel overshoots "
+     "(0.49x at 1.7B); a size-dependent matmul efficiency would need ~0.55 at h = 2304-6144, where A100 GEMMs "
+     "of 8k-32k rows reach 70-80%.",
+     "Pipelined rows (39.1B-1T), as run_table_1.sh runs them, are 0.89-1.02 of the published. Across the "
+     "table ours / published falls as h grows (1.02-1.05 at h = 2304-6144, 1.00-1.02 at 8192-12288, "
+     "0.89-0.94 at 16384-25600), the paper's own account of its weak scaling: larger matrix multiplications "
+     "run closer to peak, which our one matmul efficiency (80%) does not model, and the attention's "
+     "memory-bound kernels and its dropout's hash weigh s / 6h against the matmuls (15% of their FLOPs at "
+     "1.7B, 1% at 1T). Interleaving halves the bubbles (310.1B: 9.4% -> 5.0%) and costs our vectorized "
+     "schedule about what it saves: each slot gathers its virtual stage's layers one at a time from the "
+     "stage's stack (it copied the repeat's layers out first, 8% of 310.1B's step) and their gradients go "
+     "back in place once a slot. A jax program also copies each layer's weights out of its stack for the "
+     "matmul (a dynamic slice, 3% of 1T's step) where Megatron-LM's layers are tensors of their own. Every "
+     "stage also computes the step's logits and softmax (one SPMD program; only the last stage's count).",
+     "Ranking: 8 ordered pairs swapped (27 before the hash's arithmetic, 31 before that). The published "
+     "rises with model size (135-163 TF/s), ours less (138-148): the largest rows (529.6B, 1T, 163 "
+     "published) are ours 146-148, level with 7.5B (147) and 145.6B (148); 18.4B, the published slowest, is "
+     "not ours (39.1B is, by its 7.7% bubble). With one matmul efficiency and kernels costed by their bytes and arithmetic, the rows differ "
+     "in our plans by their bubbles, their attention's share and their communication; the published differ "
+     "by up to 20%.",
      "Memory: every row fits in the A100's 80 GiB (49-73 GB). 39.1B (microbatches of 4 sequences) took 112 GB while 1F1B's backward slot "
      "recomputed the whole stage (24 layers) at once, 12.9 GB of it the float32 attention probabilities "
      "[24, 4, 8, 2048, 2048]; with each layer's input stashed (3 in-flight microbatches x 24 layers x 134 "
@@ -315,7 +320,8 @@ def render(table: Table, estimates: list[Estimate]) -> list[str]:
     lines = [f"## {table.title}", "", f"Source: {table.source}", "",
              f"Model FLOPs per step: {table.formula}. Profile `{hw.name}`: {hw.flops_per_s / 1e12:.0f} TF/s "
              f"peak, matmuls at {hw.matmul_efficiency:.0%}, memory-bound kernels at {hw.memory_efficiency:.0%} of "
-             f"{hw.hbm_bytes_per_s / 1e12:.2f} TB/s.", "",
+             f"{hw.hbm_bytes_per_s / 1e12:.2f} TB/s" + (f", element-wise arithmetic at {hw.vector_ops_per_s / 1e12:.1f} "
+                                                      "T instructions/s" if hw.vector_ops_per_s else "") + ".", "",
              "| row | configuration as stated | published TF/s/chip (MFU) | ours TF/s/chip (MFU) | ours / published "
              "| step (s) | peak GB (fits) | rank: published / ours |",
              "|---|---|---|---|---|---|---|---|"]
