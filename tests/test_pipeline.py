@@ -251,6 +251,44 @@ def test_one_collective_permute_per_step_each_way_and_gradients_reduced_once(sch
     assert low.program.params[0].sharding.tiles[0] == 4 and low.program.outputs[0].sharding.tiles[0] == 4
 
 
+@pytest.mark.parametrize("schedule,repeats,backends", [("gpipe", 1, ("sim",)), ("1f1b", 2, BACKENDS)])
+def test_scatter_axis_sends_each_devices_share_of_a_replicated_stage_output(schedule, repeats, backends):
+    """Stages tensor-parallel over "t" (columns, then rows and a sum: the output replicated
+    over "t"): with scatter_axis="t" each device sends the next stage half the output's
+    last dim and the next stage gathers it back (Megatron-LM's scatter/gather), both ways;
+    the same loss and gradients as the layers in order."""
+    mesh = gspmd.Mesh(np.arange(8).reshape(4, 2), ("p", "t"))
+
+    def tensor_parallel(w, x):
+        h = jnp.tanh(x @ gspmd.mesh_split(w[0], mesh, [-1, "t"]))
+        return x + h @ gspmd.mesh_split(w[1], mesh, ["t", -1])
+
+    rng = np.random.RandomState(8)
+    ws, xs, ts = rand(rng, 4 * repeats, 2, 8, 8) / 3, rand(rng, 8, 4, 8), rand(rng, 8, 4, 8)
+
+    def step(scatter_axis):
+        return jax.grad(lambda ws, xs, ts: gspmd.pipeline_loss(
+            tensor_parallel, loss_fn, ws, xs, ts, mesh=mesh, stage_axis="p", schedule=schedule, repeats=repeats,
+            scatter_axis=scatter_axis), argnums=(0, 1))
+
+    want = jax.grad(lambda ws, xs, ts: jnp.sum(jax.vmap(loss_fn)(sequential(tensor_parallel, ws, xs), ts)),
+                    argnums=(0, 1))(ws, xs, ts)
+    for g, w in zip(jax.jit(step("t"))(ws, xs, ts), want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+    whole = gspmd.jit(step(None), mesh=mesh).lower(ws, xs, ts).report()
+    scattered = check(step("t"), ws, xs, ts, mesh=mesh, backends=backends).report()
+
+    def permutes(report):
+        return [(c.bytes, c.executions) for c in report.collectives if c.kind == "collective-permute"]
+    shifts = [(b, n) for b, n in permutes(whole) if n > 1]          # those of the loop's steps
+    assert shifts and {b for b, _ in shifts} == {4 * 8 * 4}              # a microbatch [4, 8] each
+    assert [(b // 2, n) for b, n in shifts] == [(b, n) for b, n in permutes(scattered) if n > 1]
+    def gathers_over_t(report):
+        return [c for c in report.collectives if c.kind == "all-gather" and
+                set(c.groups) == {(0, 1), (2, 3), (4, 5), (6, 7)}]
+    assert gathers_over_t(scattered) and not gathers_over_t(whole)
+
+
 @pytest.mark.parametrize("schedule,repeats,backends", [("circular", 2, BACKENDS), ("1f1b", 2, ("sim",)),
                                                       ("circular", 4, ("sim",))])
 def test_layer_ordered_stacks_stay_split_by_stage(schedule, repeats, backends):

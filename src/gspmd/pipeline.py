@@ -50,7 +50,7 @@ SCHEDULES = ("gpipe", "circular", "1f1b")
 def pipeline(stage_fn: Callable, stacked_params, microbatches, *, mesh: Mesh, stage_axis: str,
              schedule: str = "gpipe", repeats: int = 1, stage_major: bool = False,
              remat: Union[bool, Callable] = True, manual_stages: bool = False, scan_layers: bool = False,
-             key=None):
+             key=None, scatter_axis: Optional[str] = None):
     """Apply the L*R layers of `stacked_params` (a pytree whose leaves have a leading
     layer dim) to each of the M microbatches (leading dim of `microbatches`):
     ys[m] == layer_{LR-1}(... layer_0(microbatches[m])), layer_i(x) = stage_fn(params_i, x).
@@ -65,14 +65,18 @@ def pipeline(stage_fn: Callable, stacked_params, microbatches, *, mesh: Mesh, st
     them itself. key: a PRNG key (jax.random.key) for layers that draw random values
     (dropout): layer_i(x) = stage_fn(params_i, x, key_mi) on microbatch m, key_mi =
     fold_in(fold_in(key, m), i), the same when the backward pass recomputes the layer;
-    with scan_layers the k-th of them gets fold_in(key_mi, k)."""
+    with scan_layers the k-th of them gets fold_in(key_mi, k). scatter_axis: a mesh axis
+    over which stage outputs are replicated (tensor parallelism's): each device sends the
+    next stage its 1/n of the output's last dim and the next stage gathers it back over
+    that axis (Megatron-LM's scatter/gather of stage boundaries), so the shift between
+    stages moves 1/n of the bytes and the gather runs on the axis's own links."""
     _check_remat(remat, "gspmd.pipeline")
     _check_key(key, "gspmd.pipeline")
     if schedule == "1f1b":
         raise ShardingError(_one_f_one_b_rewrite(stage_axis, repeats, stage_major=stage_major,
                                                  manual_stages=manual_stages, scan_layers=scan_layers))
     run = _Pipeline(stage_fn, stacked_params, microbatches, mesh, stage_axis, schedule, repeats, stage_major,
-                    manual_stages, scan_layers, keyed=key is not None)
+                    manual_stages, scan_layers, keyed=key is not None, scatter_axis=scatter_axis)
     record_schedule(run.timing.schedule(schedule))
     return run.forward(stacked_params, microbatches, remat, key)
 
@@ -80,7 +84,8 @@ def pipeline(stage_fn: Callable, stacked_params, microbatches, *, mesh: Mesh, st
 def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stacked_params, microbatches, targets, *, mesh: Mesh,
                   stage_axis: str, schedule: str = "1f1b", repeats: int = 1, stage_major: bool = False,
                   manual_stages: bool = False, ends=None, first_fn: Optional[Callable] = None,
-                  remat: Union[bool, Callable] = True, scan_layers: bool = False, key=None):
+                  remat: Union[bool, Callable] = True, scan_layers: bool = False, key=None,
+                  scatter_axis: Optional[str] = None):
     """sum over m of loss_fn(ys[m], targets[m]) with ys as `pipeline` computes them.
     jax.grad of it (with respect to parameters, microbatches or targets) runs the
     schedule's backward pass; with schedule="1f1b" that is interleaved with the forward
@@ -94,7 +99,8 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stacked_params, microba
     recompute each stage from its stashed input (remat=True). scan_layers (as
     `pipeline`'s): 1f1b stashes the input of each of a stage's K layers and its backward
     slot recomputes them one at a time, as Megatron-LM does, holding one layer's
-    intermediates instead of the stage's. key: as `pipeline`'s, every schedule."""
+    intermediates instead of the stage's. key, scatter_axis: as `pipeline`'s, every
+    schedule."""
     _check_remat(remat, "gspmd.pipeline_loss")
     _check_key(key, "gspmd.pipeline_loss")
     if schedule == "1f1b" and remat is not True:
@@ -119,10 +125,10 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stacked_params, microba
         xs = jax.vmap(first, (None, 0))(ends, microbatches)
         ys = pipeline(stage_fn, stacked_params, xs, mesh=mesh, stage_axis=stage_axis, schedule=schedule,
                       repeats=repeats, stage_major=stage_major, remat=remat, manual_stages=manual_stages,
-                      scan_layers=scan_layers, key=key)
+                      scan_layers=scan_layers, key=key, scatter_axis=scatter_axis)
         return jnp.sum(jax.vmap(loss, (0, 0, None))(ys, targets, ends))
     run = _Pipeline(stage_fn, stacked_params, microbatches, mesh, stage_axis, schedule, repeats, stage_major,
-                    manual_stages, scan_layers, keyed=key is not None)
+                    manual_stages, scan_layers, keyed=key is not None, scatter_axis=scatter_axis)
     record_schedule(run.timing.schedule(schedule))
     return run.one_f_one_b(loss, first, stacked_params, ends, microbatches, targets, key)
 
@@ -219,7 +225,8 @@ def _mask_tree(valid, tree):
 
 class _Pipeline:
     def __init__(self, stage_fn, stacked_params, microbatches, mesh: Mesh, stage_axis: str, schedule: str,
-                 repeats: int, stage_major: bool, manual_stages: bool, scan_layers: bool, keyed: bool = False):
+                 repeats: int, stage_major: bool, manual_stages: bool, scan_layers: bool, keyed: bool = False,
+                 scatter_axis: Optional[str] = None):
         if not isinstance(schedule, str) or schedule not in SCHEDULES:
             raise ShardingError(f"Unknown pipeline schedule {schedule!r}; choose one of {SCHEDULES}.")
         function(stage_fn, f"gspmd.pipeline's stage_fn (it gets (params_i, x{', key' * keyed}))", arity=2 + keyed)
@@ -235,12 +242,16 @@ class _Pipeline:
             stages = mesh.shape[mesh.axis_index(stage_axis)]
         except ShardingError as e:
             raise ShardingError(f"gspmd.pipeline(stage_axis={stage_axis!r}): {e}") from None
+        if scatter_axis is not None and (scatter_axis == stage_axis or scatter_axis not in mesh.axis_names):
+            raise ShardingError(f"gspmd.pipeline(scatter_axis={scatter_axis!r}) needs an axis of {mesh} other than "
+                                f"the stage axis {stage_axis!r}: the one stage outputs are replicated over "
+                                "(tensor parallelism's), e.g. scatter_axis='model'.")
         m = _microbatch_count(microbatches)
         _check_leading(stacked_params, stages * repeats, "Stacked parameter",
                        f"{stages} stages x {repeats} repeats (stage axis {stage_axis!r} of {mesh})")
         # (K,): with scan_layers the stash keeps each of a stage's K layers' inputs
         self.inner = _inner_layers(stacked_params) if self.scan_layers else ()
-        self.stage_fn, self.mesh, self.axis = stage_fn, mesh, stage_axis
+        self.stage_fn, self.mesh, self.axis, self.scatter_axis = stage_fn, mesh, stage_axis, scatter_axis
         self.in_stage_order = stage_major or repeats == 1     # (with one repeat both orders are one)
         self.manual_stages = manual_stages
         self.L, self.R = stages, repeats
@@ -251,6 +262,26 @@ class _Pipeline:
     def split(self, x):
         """x with its leading dim split over the stage axis, the rest left to propagation."""
         return mesh_split(x, self.mesh, [self.axis] + [UNSPECIFIED] * (jnp.ndim(x) - 1))
+
+    def shift(self, x, step: int):
+        """x [L, ...] moved `step` stages along the ring (a collective-permute). With
+        scatter_axis, the last dim whole on both sides (pinned, so that the split on the
+        way does not propagate into the stages) and split over that axis as it moves."""
+        if self.scatter_axis is None:
+            return jnp.roll(x, step, 0)
+
+        def last(v, how):
+            return mesh_split(v, self.mesh, [self.axis] + [UNSPECIFIED] * (jnp.ndim(v) - 2) + [how])
+        return last(jnp.roll(last(last(x, -1), self.scatter_axis), step, 0), -1)
+
+    def shift_right(self):
+        """shift(x, 1) whose gradient is shift(ct, -1): one collective-permute each way, where
+        a roll's own transpose would be two halo exchanges."""
+        @jax.custom_vjp
+        def shifted(x):
+            return self.shift(x, 1)
+        shifted.defvjp(lambda x: (self.shift(x, 1), None), lambda _, ct: (self.shift(ct, -1),))
+        return shifted
 
     def by_stage(self, p):
         """A [L*R, ...] stack as [L, R, ...]: stage s holds layers s, L+s, 2L+s, ...
@@ -389,7 +420,7 @@ class _Pipeline:
         per_stage = jax.tree_util.tree_map(self.by_stage, stacked_params)
         inputs = self.per_stage_buffer(microbatches)
         run = jax.checkpoint(self.run_stages, policy=None if remat is True else remat) if remat else self.run_stages
-        last = self.L - 1
+        last, shift_right = self.L - 1, self.shift_right()
 
         def step(carry, t):
             state, outputs = carry
@@ -463,7 +494,7 @@ class _Pipeline:
             valid, r, m = timing.forward(t, self.stage)
             keys = self.keys(key, r, m)
             fresh = lambda m: embed(ends_by_stage, m)   # noqa: E731
-            x = _mask(valid, self.split(self.stage_inputs(t, fresh, jnp.roll(c["act"], 1, 0))))
+            x = _mask(valid, self.split(self.stage_inputs(t, fresh, self.shift(c["act"], 1))))
             if self.scan_layers:     # each layer's input kept
                 y, inputs = self.scan_forward(lambda k: self.layer_at(per_stage, r, k), x, keys)
                 kept = jnp.moveaxis(inputs, 0, 1)
@@ -488,7 +519,7 @@ class _Pipeline:
         def backward_slot(t, c):
             valid, r, m = timing.backward(t, self.stage)
             keys = self.keys(key, r, m)
-            ct = jnp.where(_expand(last_stage & (r == R - 1), state), c["d_last"], jnp.roll(c["ct"], -1, axis=0))
+            ct = jnp.where(_expand(last_stage & (r == R - 1), state), c["d_last"], self.shift(c["ct"], -1))
             stashed = (t - 2 * (timing.layers - 1) + 2 * (self.stage + r * L)) % depth   # the step it was stashed
             ct_in = _mask(valid, self.split(ct))
             if self.scan_layers:
@@ -612,20 +643,6 @@ def _add_tree(a, b):
 def _is_primal(x) -> bool:
     return isinstance(x, CustomVJPPrimal)
 
-
-def _roll(k: int):
-    return lambda x: jnp.roll(x, k, axis=0)
-
-
-@jax.custom_vjp
-def shift_right(x):
-    """Stage s takes stage s-1's value along the ring: one collective-permute, and one
-    for the gradient (the opposite rotation), where a roll's own transpose would be
-    two halo exchanges."""
-    return _roll(1)(x)
-
-
-shift_right.defvjp(lambda x: (_roll(1)(x), None), lambda _, ct: (_roll(-1)(ct),))
 
 
 def _masked_stages(run):

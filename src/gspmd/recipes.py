@@ -356,12 +356,15 @@ def _pipelined(stack: LayerStack, s: dict, hw: Hardware) -> Case:
         keys = None if key is None else jax.random.split(key, per_stage)
         return jax.lax.scan(lambda x, p_key: (layer_fn(p_key[0], x, p_key[1]), None), x, (params, keys))[0]
 
+    # Megatron-LM's model holds bfloat16 weights (cast once per step) and sends each tensor
+    # rank's share of a stage's output to the next, which gathers it over the tensor axis.
+    megatron = s.get("strategy") == "megatron"
+
     def loss(stacked, microbatches, targets, key=None, ends=None, first_fn=None, loss_fn=_mse):
-        if s.get("strategy") == "megatron":   # Megatron-LM's model holds bfloat16 weights: cast once per step
-            stacked = _cast(stacked, dtype)
-        return pipeline_loss(layer_fn if one_f_one_b else stage_fn, loss_fn, stacked, microbatches, targets,
-                             mesh=mesh, stage_axis="p", schedule=s["schedule"], repeats=repeats, stage_major=True,
-                             ends=ends, first_fn=first_fn, remat=remat, scan_layers=one_f_one_b, key=key) / micro
+        return pipeline_loss(layer_fn if one_f_one_b else stage_fn, loss_fn, _cast(stacked, dtype) if megatron
+                             else stacked, microbatches, targets, mesh=mesh, stage_axis="p", schedule=s["schedule"],
+                             repeats=repeats, stage_major=True, ends=ends, first_fn=first_fn, remat=remat,
+                             scan_layers=one_f_one_b, key=key, scatter_axis="y" if megatron else None) / micro
 
     stacked = _stack(stack.shapes(cfg), stages * repeats, per_stage)
     described = (f"pipelined {stack.name}, {s['layers']} layers over {stages} stages ({s['schedule']}, "
