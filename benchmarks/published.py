@@ -211,7 +211,9 @@ MEGATRON = Table(
      "5, 5, 3, 1 at 76.1B-529.6B: our --repeats 3, 2, 2, 3), over its microbatches (4, 2, 2, 1, 1, 1 "
      "sequences). Without a pipeline the replica's batch is one microbatch (16 sequences) but at 18.4B, "
      "which run_table_1.sh runs as 4 of 8: gradient accumulation over them (`--microbatches 4`). "
-     "Not planned: the paper's scatter/gather of stage boundaries across the tensor group.",
+     "The paper's scatter/gather of stage boundaries (on by default in Megatron-LM): each tensor rank sends "
+     "the next stage its 1/8 of the stage's output over InfiniBand and the next stage gathers it over NVLink "
+     "(`pipeline_loss(scatter_axis=...)`, which `--strategy megatron` passes the tensor axis).",
      "FFN 4h, head dim h / heads, Adam (adamw), bfloat16 activations (their --fp16: the same bytes), float32 weights (pipelined rows: "
      "cast to bfloat16 once per step, as Megatron-LM's model holds them, the float32 copy the optimizer's; "
      "gradients summed over microbatches in float32, as its main_grad). Every row plans the embedding and "
@@ -235,7 +237,7 @@ MEGATRON = Table(
      "value (TPU profiles time kernels by their bytes).",
      "Model FLOPs for every row by the paper's formula (so TFLOP/s compare like for like); our plan's own "
      "FLOPs decide its step time."),
-    ("Every row is within 11% of the published, rows without a pipeline (1.7B-18.4B) at 1.02-1.05 (1.33-1.50 "
+    ("Every row is within 7% of the published, rows without a pipeline (1.7B-18.4B) at 1.02-1.05 (1.33-1.50 "
      "before dropout, Megatron-LM's attention kernels, memory-bound kernels at 80% of the HBM bandwidth, "
      "18.4B's gradient accumulation, torch's whole-layer recomputation and the dropout hash's arithmetic): at "
      "1.7B the bandwidth took the step from 2.36 to 2.54 s, dropout to 2.60 s, the softmax as a kernel of its "
@@ -249,23 +251,24 @@ MEGATRON = Table(
      "~15: +2%). Tried before and not kept (not principled): every element-wise op its own kernel overshoots "
      "(0.49x at 1.7B); a size-dependent matmul efficiency would need ~0.55 at h = 2304-6144, where A100 GEMMs "
      "of 8k-32k rows reach 70-80%.",
-     "Pipelined rows (39.1B-1T), as run_table_1.sh runs them, are 0.89-1.02 of the published. Across the "
-     "table ours / published falls as h grows (1.02-1.05 at h = 2304-6144, 1.00-1.02 at 8192-12288, "
-     "0.89-0.94 at 16384-25600), the paper's own account of its weak scaling: larger matrix multiplications "
-     "run closer to peak, which our one matmul efficiency (80%) does not model, and the attention's "
-     "memory-bound kernels and its dropout's hash weigh s / 6h against the matmuls (15% of their FLOPs at "
-     "1.7B, 1% at 1T). Interleaving halves the bubbles (310.1B: 9.4% -> 5.0%) and costs our vectorized "
-     "schedule about what it saves: each slot gathers its virtual stage's layers one at a time from the "
-     "stage's stack (it copied the repeat's layers out first, 8% of 310.1B's step) and their gradients go "
-     "back in place once a slot. A jax program also copies each layer's weights out of its stack for the "
-     "matmul (a dynamic slice, 3% of 1T's step) where Megatron-LM's layers are tensors of their own. Every "
-     "stage also computes the step's logits and softmax (one SPMD program; only the last stage's count).",
-     "Ranking: 8 ordered pairs swapped (27 before the hash's arithmetic, 31 before that). The published "
-     "rises with model size (135-163 TF/s), ours less (138-148): the largest rows (529.6B, 1T, 163 "
-     "published) are ours 146-148, level with 7.5B (147) and 145.6B (148); 18.4B, the published slowest, is "
-     "not ours (39.1B is, by its 7.7% bubble). With one matmul efficiency and kernels costed by their bytes and arithmetic, the rows differ "
-     "in our plans by their bubbles, their attention's share and their communication; the published differ "
-     "by up to 20%.",
+     "Pipelined rows (39.1B-1T), as run_table_1.sh runs them, are 0.93-1.05 of the published. The stage "
+     "boundaries' scatter/gather took 529.6B from 60.5 to 57.8 s and 1T from 113.3 to 110.5 s (a stage's "
+     "output, 84-105 MB, crossed InfiniBand whole from every tensor rank). Across the table ours / "
+     "published falls as h grows (1.02-1.05 at h = 2304-6144, 1.01-1.05 at 8192-12288, 0.93-0.96 at "
+     "16384-25600), the paper's own account of its weak scaling: larger matrix multiplications run closer "
+     "to peak, which our one matmul efficiency (80%) does not model, and the attention's memory-bound kernels "
+     "and its dropout's hash weigh s / 6h against the matmuls (15% of their FLOPs at 1.7B, 1% at 1T). "
+     "Interleaving halves the bubbles (310.1B: 9.4% -> 5.0%) and costs our vectorized schedule about what it "
+     "saves: each slot gathers its virtual stage's layers one at a time from the stage's stack (it copied "
+     "the repeat's layers out first, 8% of 310.1B's step) and their gradients go back in place once a slot. "
+     "A jax program also copies each layer's weights out of its stack for the matmul (a dynamic slice, 3% "
+     "of 1T's step) where Megatron-LM's layers are tensors of their own. Every stage also computes the "
+     "step's logits and softmax (one SPMD program; only the last stage's count).",
+     "Ranking: 4 ordered pairs swapped (8 before the stage boundaries' scatter/gather, 27 before the hash's "
+     "arithmetic, 31 before that): 1.7B / 18.4B and 18.4B / 39.1B (published 1.5% and 2% apart; ours "
+     "0.7% and 1.4% the other way), 145.6B / 310.1B and 145.6B / 1T (published 155 and 163 against 148; "
+     "ours 149 and 151 against 152). The published rises with model size (135-163 TF/s), ours less "
+     "(139-153): with one matmul efficiency the largest rows' bigger GEMMs gain nothing in our plans.",
      "Memory: every row fits in the A100's 80 GiB (49-73 GB). 39.1B (microbatches of 4 sequences) took 112 GB while 1F1B's backward slot "
      "recomputed the whole stage (24 layers) at once, 12.9 GB of it the float32 attention probabilities "
      "[24, 4, 8, 2048, 2048]; with each layer's input stashed (3 in-flight microbatches x 24 layers x 134 "
