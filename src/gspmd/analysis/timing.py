@@ -13,6 +13,8 @@ memory-bound op and used only by others never goes through HBM, so only values t
 matmul, a collective, a loop or the program's boundary touches are read or written;
 and an op that only feeds matmuls (an operand transpose, slice or convert) is fused into
 them. Nothing fuses across an optimization barrier: what passes one goes through HBM.
+Where a profile gives a vector rate, a kernel whose arithmetic outlasts its bytes (a
+PRNG hash's rounds, fused into the kernel that reads the bits) takes its arithmetic's time.
 """
 from __future__ import annotations
 
@@ -76,12 +78,15 @@ def _add_arithmetic(program: Program, durations: list[float], materialized: set,
     members: dict[int, list[int]] = {}
     for i, k in kernel.items():
         members.setdefault(k, []).append(i)
-    for k, indices in members.items():
-        arithmetic = sum(ops.lookup(program.instrs[i].opcode).timing.vector_ops(program.instrs[i]) / rate
-                         for i in indices if ops.lookup(program.instrs[i].opcode).timing.vector_ops is not None)
-        extra = arithmetic - sum(durations[i] for i in indices)
+    for indices in members.values():
+        extra = sum(_vector_ops(program.instrs[i]) for i in indices) / rate - sum(durations[i] for i in indices)
         if extra > 0:
             durations[max(indices)] += extra
+
+
+def _vector_ops(instr: Instr) -> int:
+    count = ops.lookup(instr.opcode).timing.vector_ops
+    return 0 if count is None else count(instr)
 
 
 def _reading_kernels(program: Program, materialized: set) -> dict[int, int]:
