@@ -267,7 +267,7 @@ class _Pipeline:
         """x [L, ...] moved `step` stages along the ring (a collective-permute). With
         scatter_axis, the last dim whole on both sides (pinned, so that the split on the
         way does not propagate into the stages) and split over that axis as it moves."""
-        if self.scatter_axis is None:
+        if self.scatter_axis is None or jnp.ndim(x) < 2:     # (a microbatch of scalars: nothing to split)
             return jnp.roll(x, step, 0)
 
         def last(v, how):
