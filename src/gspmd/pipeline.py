@@ -42,6 +42,7 @@ from gspmd.errors import ShardingError
 from gspmd.frontend import manual, mesh_split, record_schedule
 from gspmd.ir.schedule import PipelineSchedule
 from gspmd.mesh import Mesh, as_mesh
+from gspmd.ops.convert import is_key
 from gspmd.sharding import UNSPECIFIED
 
 SCHEDULES = ("gpipe", "circular", "1f1b")
@@ -134,7 +135,7 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stacked_params, microba
 
 
 def _check_key(key, caller: str) -> None:
-    typed = key is not None and jax.dtypes.issubdtype(getattr(key, "dtype", None), jax.dtypes.prng_key)
+    typed = is_key(getattr(key, "dtype", None))
     if key is None or typed and jnp.shape(key) == ():
         return
     given = f"keys of shape {jnp.shape(key)}" if typed else describe(key)
