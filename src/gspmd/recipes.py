@@ -171,6 +171,19 @@ class LayerStack:
     config: Callable[[dict, int], Any]   # (sizes, batch) -> cfg
     strategy: dict                       # annotations by name, over mesh axes x (and y)
 
+    def apply(self, params, x, annotate: Callable, cfg, key=None):
+        """One layer on x; with dropout, its masks from `key` (a Conformer layer takes none)."""
+        dropping = {} if key is None else {"key": key}
+        return self.layer(params, x, annotate, self.strategy, cfg, **dropping)
+
+
+def _dropout_key(cfg, described: str) -> tuple[tuple, str]:
+    """The train step's dropout key argument ((key,), or () without dropout) and the
+    description that says so."""
+    if not cfg.dropout:
+        return (), described
+    return (jax.eval_shape(jax.random.key, 0),), f"{described}, dropout {cfg.dropout}"
+
 
 # --attention: dot_product attends every query at once; flash a block of queries at a time,
 # each block recomputed in the backward pass, so that no [B, N, S, S] scores are held, as
@@ -228,19 +241,16 @@ def _layer_stack(stack: LayerStack, s: dict, hw: Hardware) -> Case:
     def layers(stacked, x, key=None):   # with dropout, each layer's masks from its own key
         def body(x, xs):
             p, layer_key = xs
-            dropping = {} if layer_key is None else {"key": layer_key}   # (a Conformer layer takes no key)
-            return stack.layer(p, x, annotate, stack.strategy, cfg, **dropping), None
+            return stack.apply(p, x, annotate, cfg, layer_key), None
         keys = None if key is None else jax.random.split(key, cfg.layers)
         return jax.lax.scan(remat(body), x, (stacked, keys))[0]
 
     stacked = _stack(stack.shapes(cfg), cfg.layers)
     described = (f"{stack.name}, {cfg.layers} layers, M={cfg.model} H={cfg.hidden} N={cfg.heads} "
                  f"D={cfg.head_dim}, batch {batch} x seq {cfg.seq}")
-    key = (jax.eval_shape(jax.random.key, 0),) if cfg.dropout else ()   # the step's dropout key, if any
     if micro > 1:
         described += f" in {micro} microbatches (gradient accumulation)"
-    if cfg.dropout:
-        described += f", dropout {cfg.dropout}"
+    key, described = _dropout_key(cfg, described)
     if s.get("vocab"):
         tokens = _spec((batch, cfg.seq), jnp.int32)
         params = {"layers": stacked, "embedding": _spec((s["vocab"], cfg.model))}
@@ -349,8 +359,7 @@ def _pipelined(stack: LayerStack, s: dict, hw: Hardware) -> Case:
 
     @_remat(per_layer)
     def layer_fn(params, x, key=None):   # with dropout, the pipeline gives each layer of a microbatch a key
-        dropping = {} if key is None else {"key": key}
-        return stack.layer(params, x, annotate, stack.strategy, cfg, **dropping)
+        return stack.apply(params, x, annotate, cfg, key)
 
     def stage_fn(params, x, key=None):
         keys = None if key is None else jax.random.split(key, per_stage)
@@ -371,9 +380,7 @@ def _pipelined(stack: LayerStack, s: dict, hw: Hardware) -> Case:
                  f"{repeats} repeats), M={cfg.model} H={cfg.hidden} N={cfg.heads} D={cfg.head_dim}, "
                  f"{micro} microbatches of {mb} x seq {cfg.seq}")
     sizes = {**s, "stages": stages, "microbatches": micro, "batch": batch}
-    key = (jax.eval_shape(jax.random.key, 0),) if cfg.dropout else ()   # the step's dropout key, if any
-    if cfg.dropout:
-        described += f", dropout {cfg.dropout}"
+    key, described = _dropout_key(cfg, described)
     if s.get("vocab"):
         vocabulary = Vocabulary(annotate, dtype, EMBEDDINGS[s.get("strategy", "2d")])
         tokens = _spec((micro, mb, cfg.seq), jnp.int32)
