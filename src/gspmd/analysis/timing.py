@@ -74,11 +74,7 @@ def _add_arithmetic(program: Program, durations: list[float], materialized: set,
     """A fused kernel takes the longer of its bytes and its vector arithmetic: where an
     op's vector instructions (a hash's rounds) outlast the bytes of the kernel that
     reads its results, the kernel's last op takes the difference."""
-    kernel = _reading_kernels(program, materialized)
-    members: dict[int, list[int]] = {}
-    for i, k in kernel.items():
-        members.setdefault(k, []).append(i)
-    for indices in members.values():
+    for indices in _reading_kernels(program, materialized):
         extra = sum(_vector_ops(program.instrs[i]) for i in indices) / rate - sum(durations[i] for i in indices)
         if extra > 0:
             durations[max(indices)] += extra
@@ -89,10 +85,10 @@ def _vector_ops(instr: Instr) -> int:
     return 0 if count is None else count(instr)
 
 
-def _reading_kernels(program: Program, materialized: set) -> dict[int, int]:
-    """Instructions (by index) with vector arithmetic and those that read their results
-    on chip, through fusible ops, up to the values written to HBM -> their kernel (the
-    first such instruction of it). Cheap producers the kernel shares with others (loop
+def _reading_kernels(program: Program, materialized: set) -> list[list[int]]:
+    """Kernels (instruction indices): each instruction with vector arithmetic, with those
+    that read its results on chip, through fusible ops, up to the values written to HBM.
+    Cheap producers the kernel shares with others (loop
     counters, indices) are left out: XLA computes those again in each fusion."""
     index = {instr: i for i, instr in enumerate(program.instrs)}
     root: dict[int, int] = {}
@@ -114,7 +110,10 @@ def _reading_kernels(program: Program, materialized: set) -> dict[int, int]:
                 root.setdefault(i, i)
                 a, b = sorted((find(p), find(i)))
                 root[b] = a
-    return {i: find(i) for i in root}
+    kernels: dict[int, list[int]] = {}
+    for i in root:
+        kernels.setdefault(find(i), []).append(i)
+    return list(kernels.values())
 
 
 def _schedule(program: Program, durations: list[float], streams: list[str], overlap: float) -> list[float]:
