@@ -251,12 +251,13 @@ def test_one_collective_permute_per_step_each_way_and_gradients_reduced_once(sch
     assert low.program.params[0].sharding.tiles[0] == 4 and low.program.outputs[0].sharding.tiles[0] == 4
 
 
-@pytest.mark.parametrize("schedule,repeats,backends", [("gpipe", 1, ("sim",)), ("1f1b", 2, BACKENDS)])
-def test_scatter_axis_sends_each_devices_share_of_a_replicated_stage_output(schedule, repeats, backends):
+@pytest.mark.parametrize("schedule,repeats,width,backends", [("gpipe", 1, 8, ("sim",)), ("1f1b", 2, 8, BACKENDS),
+                                                            ("1f1b", 1, 7, ("sim",))])
+def test_scatter_axis_sends_each_devices_share_of_a_replicated_stage_output(schedule, repeats, width, backends):
     """Stages tensor-parallel over "t" (columns, then rows and a sum: the output replicated
-    over "t"): with scatter_axis="t" each device sends the next stage half the output's
-    last dim and the next stage gathers it back (Megatron-LM's scatter/gather), both ways;
-    the same loss and gradients as the layers in order."""
+    over "t"): with scatter_axis="t" each device sends the next stage its half of the
+    output's last dim (4 of an uneven 7) and the next stage gathers it back (Megatron-LM's
+    scatter/gather), both ways; the same loss and gradients as the layers in order."""
     mesh = gspmd.Mesh(np.arange(8).reshape(4, 2), ("p", "t"))
 
     def tensor_parallel(w, x):
@@ -264,7 +265,8 @@ def test_scatter_axis_sends_each_devices_share_of_a_replicated_stage_output(sche
         return x + h @ gspmd.mesh_split(w[1], mesh, ["t", -1])
 
     rng = np.random.RandomState(8)
-    ws, xs, ts = rand(rng, 4 * repeats, 2, 8, 8) / 3, rand(rng, 8, 4, 8), rand(rng, 8, 4, 8)
+    ws = rand(rng, 4 * repeats, 2, width, width) / 3
+    xs, ts = rand(rng, 8, 4, width), rand(rng, 8, 4, width)
 
     def step(scatter_axis):
         return jax.grad(lambda ws, xs, ts: gspmd.pipeline_loss(
@@ -281,8 +283,10 @@ def test_scatter_axis_sends_each_devices_share_of_a_replicated_stage_output(sche
     def permutes(report):
         return [(c.bytes, c.executions) for c in report.collectives if c.kind == "collective-permute"]
     shifts = [(b, n) for b, n in permutes(whole) if n > 1]          # those of the loop's steps
-    assert shifts and {b for b, _ in shifts} == {4 * 8 * 4}              # a microbatch [4, 8] each
-    assert [(b // 2, n) for b, n in shifts] == [(b, n) for b, n in permutes(scattered) if n > 1]
+    assert shifts and {b for b, _ in shifts} == {4 * width * 4}          # a microbatch [4, width] each
+    share = 4 * -(-width // 2) * 4                                     # [4, ceil(width / 2)]
+    assert [(share, n) for _, n in shifts] == [(b, n) for b, n in permutes(scattered) if n > 1]
+
     def gathers_over_t(report):
         return [c for c in report.collectives if c.kind == "all-gather" and
                 set(c.groups) == {(0, 1), (2, 3), (4, 5), (6, 7)}]
