@@ -119,7 +119,7 @@ def test_gpu_hosts_nvlink_inside_network_across():
     inside = rate(Pattern.ALL_GATHER, ids, h100)
     across = rate(Pattern.ALL_GATHER, ids.T, h100)
     # A port sends both ways round through one link: (k-1)/k of the result at its bandwidth.
-    assert inside.per_byte == approx(7 / 8 / 450e9)
+    assert inside.per_byte == approx(7 / 8 / (0.8 * 450e9))   # NVLink at what NCCL gets of it
     assert across.per_byte == approx(1 / 2 / 50e9)
     everything = rate(Pattern.ALL_TO_ALL, [range(16)], h100)
     assert everything.per_byte == approx(8 / 16 / 50e9)   # half the data leaves the host
@@ -130,7 +130,7 @@ def test_gpu_cluster_all_reduce_runs_as_hierarchical_rings():
     of the node's 1/8 across the nodes (each GPU over its own NIC, the 8 rings at once),
     all-gather inside the node: NCCL's hierarchical ring."""
     a100 = cm.PROFILES["a100"]
-    nvlink, ib, fixed = 300e9, 25e9, a100.collective_overhead_s
+    nvlink, ib, fixed = 0.8 * 300e9, 25e9, a100.collective_overhead_s
     everything = rate(Pattern.ALL_REDUCE, [range(64)], a100)
     node_rings = 2 * (7 / 8) / nvlink                    # reduce-scatter, then all-gather, of the whole
     cross_node = 2 * (7 / 8) * (1 / 8) / ib              # all-reduce of 1/8 of it across 8 nodes

@@ -129,6 +129,13 @@ def _near_square(n: int, ndim: int) -> tuple[int, ...]:
 
 
 # -- hardware ----------------------------------------------------------------------------
+# Share of NVLink's line rate a ring collective moves data at: NCCL's protocol takes about
+# a fifth of it (H100: ~370 of 450 GB/s, NCCL's maintainers in nccl-tests issue 212; 8-GPU
+# A100 all-reduces measure 200-235 GB/s of bus bandwidth of 300). NICs reach 85-96% of
+# their line rate in the same tests, which the GPU profiles leave at 100%.
+NVLINK_BY_NCCL = 0.8
+
+
 @dataclass(frozen=True)
 class Hardware:
     """Per-device numbers (public peak figures, rounded) plus the calibrated fractions
@@ -214,12 +221,13 @@ PROFILES = {h.name: h for h in [
     Hardware("tpu-v5p", 459e12, 96 * GiB, 2.765e12, Torus(100e9, 1e-6, ndim=3), reserved_bytes=GiB),
     # GPUs' vector rate: 64 int32 lanes per SM (A100: 108 SMs at 1.41 GHz; H100 and H200
     # SXM: 132 at 1.98 GHz), one add, xor or funnel-shift rotation each per clock.
-    Hardware("a100", 312e12, 80 * GiB, 2.0e12, Hosts(8, 300e9, 3e-6, 25e9, 10e-6),      # NVLink 3, HDR IB
+    # NVLink at what NCCL gets of its line rate (NVLINK_BY_NCCL); NICs at theirs.
+    Hardware("a100", 312e12, 80 * GiB, 2.0e12, Hosts(8, NVLINK_BY_NCCL * 300e9, 3e-6, 25e9, 10e-6),   # NVLink 3, HDR IB
              fuses_into_matmul=False, vector_ops_per_s=9.7e12),
-    Hardware("h100", 989e12, 80 * GiB, 3.35e12, Hosts(8, 450e9, 3e-6, 50e9, 10e-6),     # NVLink 4, NDR IB
+    Hardware("h100", 989e12, 80 * GiB, 3.35e12, Hosts(8, NVLINK_BY_NCCL * 450e9, 3e-6, 50e9, 10e-6),  # NVLink 4, NDR IB
              fuses_into_matmul=False, vector_ops_per_s=16.7e12),
-    Hardware("h200", 989e12, 141 * GiB, 4.8e12, Hosts(8, 450e9, 3e-6, 50e9, 10e-6), fuses_into_matmul=False,
-             vector_ops_per_s=16.7e12),
+    Hardware("h200", 989e12, 141 * GiB, 4.8e12, Hosts(8, NVLINK_BY_NCCL * 450e9, 3e-6, 50e9, 10e-6),
+             fuses_into_matmul=False, vector_ops_per_s=16.7e12),
     Hardware("cpu", 1e11, 16 * GiB, 20e9, Hosts(1 << 20, 10e9, 20e-6, 10e9, 20e-6), kernel_scratch=True,
              rematerializes=False),
 ]}
