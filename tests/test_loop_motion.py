@@ -73,3 +73,43 @@ def test_loops_accumulating_one_gradient_in_turn_reduce_it_once():
     low = check(f, rand(rng, 8, 6), rand(rng, 3, 6, 8), rand(rng, 2, 6, 8), mesh=MESH)
     (reduction,) = _all_reduces(low)
     assert reduction.executions == 1 and "deferred past the loop" in reduction.origin
+
+
+def test_a_loop_in_a_loop_adding_into_the_outer_accumulator_reduces_it_once():
+    """A 1F1B pipeline's backward slots: each outer step's inner scan adds one gradient
+    per layer into the outer loop's accumulator, in place. The inner loop's partial sums
+    start from the outer accumulator's own (not from a copy whole on one device of each
+    group and zero on the others), so the sum waits until after the outer loop."""
+    def f(w, xs, acc):
+        def layer(acc, k_x):
+            k, x = k_x
+            return acc.at[k].add(_grad_of(w, x)), None
+
+        def step(acc, x_layers):
+            return jax.lax.scan(layer, acc, (jnp.arange(3), x_layers))[0], None
+        return jax.lax.scan(step, acc, xs)[0]
+
+    rng = np.random.RandomState(4)
+    w, xs = rand(rng, 8, 6), rand(rng, 4, 3, 6, 8)
+    for acc in (np.zeros((3, 8, 6), np.float32), rand(rng, 3, 8, 6)):
+        low = check(f, w, xs, acc, mesh=MESH)
+        (reduction,) = _all_reduces(low)
+        assert reduction.executions == 1 and "deferred past the loop" in reduction.origin
+
+
+def test_an_inner_loop_whose_outer_accumulator_is_read_keeps_a_correct_sum():
+    """The outer carry read every step, not linearly (not deferrable): the inner loop still
+    starts from it as partial sums whole on one device of each group; values stay right."""
+    def f(w, xs):
+        def layer(acc, x):
+            return acc + _grad_of(w, x), None
+
+        def step(carry, x_layers):
+            acc, total = carry
+            acc = jax.lax.scan(layer, acc, x_layers)[0]
+            return (acc, total + jnp.max(acc)), None
+        return jax.lax.scan(step, (jnp.zeros((8, 6)), 0.0), xs)[0]
+
+    rng = np.random.RandomState(5)
+    low = check(f, rand(rng, 8, 6), rand(rng, 3, 2, 6, 8), mesh=MESH)
+    assert any(c.executions == 3 for c in _all_reduces(low))

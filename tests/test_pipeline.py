@@ -206,6 +206,30 @@ def test_interleaved_1f1b_with_scanned_layers_reads_each_layer_in_place():
     assert read and all(shape[-2:] == (width, width) and math.prod(shape[:-2]) == 1 for shape in read), read
 
 
+@pytest.mark.parametrize("repeats", [1, 2])
+def test_scanned_layers_add_their_gradients_in_place_and_reduce_them_once(repeats):
+    """Data parallel over "d": each backward slot's scan adds its K layers' gradients to
+    the stage's accumulator in place, one layer at a time (not stacked as the scan's
+    outputs, moved into the stack's layout and added then), and their sum over "d" still
+    runs once, after the pipeline's last loop; the values those of one device."""
+    K, width = 3, 8
+    rng = np.random.RandomState(7)
+    ws, xs, ts = rand(rng, 4 * repeats, K, width, width) / 3, rand(rng, 8, 4, width), rand(rng, 8, 4, width)
+
+    def step(ws, xs, ts):
+        xs = gspmd.mesh_split(xs, MESH, [-1, "d", -1])
+        return jax.grad(lambda ws: gspmd.pipeline_loss(rms_stage, loss_fn, ws, xs, ts, mesh=MESH, stage_axis="p",
+                                                       repeats=repeats, stage_major=True, scan_layers=True))(ws)
+    low = check(step, ws, xs, ts, mesh=MESH, rtol=1e-4, atol=1e-4)
+    data_groups = {(0, 1), (2, 3), (4, 5), (6, 7)}
+    reductions = [c for c in low.report().collectives if c.kind == "all-reduce" and set(c.groups) == data_groups]
+    assert [c.executions for c in reductions] == [1], reductions
+    in_loops = set(low.spmd.all_instrs()) - set(low.spmd.instrs)
+    stacked = [i.opcode for i in in_loops for v in i.outputs
+               if v.shape[-2:] == (width, width) and K in v.shape[:-2] and i.opcode in ("transpose", "broadcast")]
+    assert not stacked, stacked
+
+
 def test_scanned_layers_need_one_inner_layer_count():
     ws = {"a": jnp.zeros((4, 3, 8, 8)), "b": jnp.zeros((4, 2, 8))}
     with pytest.raises(gspmd.ShardingError, match=r"scan_layers=True.*\[layers, K, \.\.\.\]"):

@@ -331,8 +331,8 @@ class _Pipeline:
         """With scan_layers, per stage, the k-th of its layers for repeat r[s]: a gather of
         that one layer, local to each stage, where selecting the repeat's K layers first
         would copy them all every slot (and their gradients back)."""
-        if self.R == 1:
-            return _tree_index(jax.tree_util.tree_map(lambda p: p[:, 0], per_stage), k, axis=1)
+        if self.R == 1:     # the layer's slice taken first: its gradient is then an update of the stack
+            return jax.tree_util.tree_map(lambda p: _index(p, k, axis=2)[:, 0], per_stage)
         return jax.tree_util.tree_map(lambda p: _pick_at(p, r, k), per_stage)
 
     # -- pieces of a step -------------------------------------------------------------
@@ -396,21 +396,35 @@ class _Pipeline:
         return jax.lax.scan(lambda x, k: (self.split(one(layer_at(k), x, _fold(keys, k))), x), x,
                             jnp.arange(self.inner[0]))
 
-    def scan_backward(self, layer_at, inputs, ct, keys=None):
-        """(d layers [L, K, ...], d x): the K layers last first, each recomputed from its
-        input [K, L, ...] as its gradient is taken, so one layer's intermediates live.
-        (Their gradients leave as the scan's outputs, whose sum over data-parallel devices
-        waits until after the pipeline's loop, as a carry's would not.)"""
+    def scan_backward(self, per_stage, r, inputs, ct, valid, grads, keys=None):
+        """(grads, d x): the K layers of repeat r last first, each recomputed from its input
+        [K, L, ...] as its gradient is taken, so one layer's intermediates live; each
+        layer's gradient (masked where the slot is not valid) added in place to its entry
+        of the stage's accumulator `grads`. (Its sum over data-parallel devices still waits
+        until after the pipeline's loop: loop motion defers it past both loops.)"""
         one = self.one_layer()
 
-        def back(ct, k_x):
+        def back(carry, k_x):
+            ct, grads = carry
             k, x = k_x
             layer = jax.checkpoint(lambda p, x: one(p, x, _fold(keys, k)))      # (its forward marked as recomputed)
-            _, vjp = jax.vjp(layer, layer_at(k), x)
+            _, vjp = jax.vjp(layer, self.layer_at(per_stage, r, k), x)
             d_p, d_x = vjp(ct)
-            return self.split(d_x), d_p
-        d_x, d_layer = jax.lax.scan(back, ct, (jnp.arange(self.inner[0]), inputs), reverse=True)
-        return jax.tree_util.tree_map(lambda g: jnp.moveaxis(g, 0, 1), d_layer), d_x
+            d_p = self.placed(grads, lambda g: self.layer_at(g, r, k), valid, d_p)
+            return (self.split(d_x), _add_tree(grads, d_p)), None
+        (d_x, grads), _ = jax.lax.scan(back, (ct, grads), (jnp.arange(self.inner[0]), inputs), reverse=True)
+        return grads, d_x
+
+    @staticmethod
+    def placed(grads, select, valid, d_part):
+        """d_part, the gradient of select(stack) (masked where the slot is not valid),
+        widened to the accumulator's dtype and shape `grads`: zeros but at its place, so
+        that its sum with the accumulator is an update made in place (passes.accumulate)
+        where the whole stack would be added every step."""
+        _, place = jax.vjp(select, grads)
+        (widened,) = place(jax.tree_util.tree_map(lambda g, a: _mask(valid, g).astype(a.dtype), d_part,
+                                                  select(grads)))
+        return widened
 
     def run_stages(self, per_stage, r, x, valid, keys=None):
         """All stages' forward slots at once, bubble slots masked in value and gradient."""
@@ -524,19 +538,13 @@ class _Pipeline:
             stashed = (t - 2 * (timing.layers - 1) + 2 * (self.stage + r * L)) % depth   # the step it was stashed
             ct_in = _mask(valid, self.split(ct))
             if self.scan_layers:
-                d_layer, d_x = self.scan_backward(lambda k: self.layer_at(per_stage, r, k),
-                                                  jnp.moveaxis(_pick(c["stash"], stashed), 1, 0), ct_in, keys)
+                c["grads"], d_x = self.scan_backward(per_stage, r, jnp.moveaxis(_pick(c["stash"], stashed), 1, 0),
+                                                     ct_in, valid, c["grads"], keys)
             else:
                 _, vjp = jax.vjp(jax.checkpoint(lambda p, x: run_stages(p, x, keys)), self.layer(per_stage, r),
                                  _pick(c["stash"], stashed))
                 d_layer, d_x = vjp(ct_in)
-            # Masked and widened before going to its place in the stage's stack: the sum with
-            # the accumulator is then an update of zeros, made in place (passes.accumulate)
-            # where the stack of all repeats would be added whole every step.
-            _, place = jax.vjp(lambda p: self.layer(p, r), c["grads"])
-            (d_params,) = place(jax.tree_util.tree_map(lambda g, a: _mask(valid, g).astype(a.dtype), d_layer,
-                                                       c["grads"]))
-            c["grads"] = jax.tree_util.tree_map(jnp.add, c["grads"], d_params)
+                c["grads"] = _add_tree(c["grads"], self.placed(c["grads"], lambda p: self.layer(p, r), valid, d_layer))
             c["ct"] = self.split(_mask(valid, d_x))
             # The first layer's input gradient, through first_fn (recomputed, as cheap as
             # an embedding lookup), to the ends' parameters and the microbatch.

@@ -45,7 +45,7 @@ def defer_reductions(ctx: DeviceContext, body: Program, cond: Program, init: lis
             continue
         for groups in _reduction_groups(body, out):
             expr = _partial_expression(body, param, out, groups, uniform)
-            if expr is not None and _only_feeds(body, i, expr):
+            if expr is not None and _only_feeds(body, i, expr, groups):
                 _rewrite(body, i, expr, groups)
                 uniform.exclude(param)
                 init = init[:i] + [_as_partial(ctx, init[i], groups)] + init[i + 1:]
@@ -149,18 +149,35 @@ def _reads(program: Program, v: Value) -> bool:
     return any(v in instr.operands for instr in program.instrs) or v in program.outputs
 
 
-def _only_feeds(body: Program, index: int, expr: _Expression) -> bool:
-    """The accumulator and what is computed from it reach nothing but the expression
-    and the body's result `index`."""
-    inside = set(expr.instrs)
+def _only_feeds(body: Program, index: int, expr: _Expression, groups: np.ndarray) -> bool:
+    """The accumulator and what is computed from it reach nothing but the expression,
+    the body's result `index` and inner loops that accumulate into it (_inner_inits)."""
+    inside = set(expr.instrs) | set(_inner_inits(body, body.params[index], groups))
     for instr in body.instrs:
         if instr not in inside and any(o in expr.from_accumulator for o in instr.operands):
             return False
     return all(v not in expr.from_accumulator for k, v in enumerate(body.outputs) if k != index)
 
 
+def _inner_inits(body: Program, param: Value, groups: np.ndarray) -> list[Instr]:
+    """The initial values that `param` gives inner loops whose carry defers the same sum:
+    param as partial sums (_as_partial). Once param holds partial sums itself, each is
+    param: the inner loop then adds its part in place, and the sum over the groups of
+    what it returns is the same either way."""
+    key = _groups_key(groups)
+    return [instr for instr in body.instrs
+            if "partial_sums_over" in instr.attrs and instr.operands[1] is param
+            and _groups_key(instr.attrs["partial_sums_over"]) == key]
+
+
 def _rewrite(body: Program, index: int, expr: _Expression, groups: np.ndarray) -> None:
-    """Append the expression again with each all-reduce replaced by what it reduced."""
+    """Append the expression again with each all-reduce replaced by what it reduced;
+    inner loops start from the accumulator's partial sums."""
+    param = body.params[index]
+    entered = {instr.output: param for instr in _inner_inits(body, param, groups)}
+    for instr in body.instrs:
+        if any(o in entered for o in instr.operands):
+            instr.operands = [entered.get(o, o) for o in instr.operands]
     b = Builder(body)
     clone: dict[Value, Value] = dict(expr.leaves)
     for instr in expr.instrs:
@@ -186,7 +203,8 @@ def _as_partial(ctx: DeviceContext, init: Value, groups: np.ndarray) -> Value:
                           direction="EQ")
     zero = ctx.b.add1("broadcast", [ctx.constant(0, init.dtype)], init.shape, init.dtype, dims=())
     pred = ctx.b.add1("broadcast", [is_first], init.shape, np.bool_, dims=())
-    return ctx.b.add1("select", [pred, init, zero], init.shape, init.dtype)
+    # (marked: a loop around this one that defers the same sum enters its own partial sums)
+    return ctx.b.add1("select", [pred, init, zero], init.shape, init.dtype, partial_sums_over=np.asarray(groups))
 
 
 # -- uniformity ------------------------------------------------------------------------------
