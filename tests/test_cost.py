@@ -310,3 +310,19 @@ def test_a_kernel_hashing_random_bits_takes_its_arithmetic_time_where_that_is_lo
     both = gspmd.jit(two_kernels).lower(jax.ShapeDtypeStruct((n,), np.float32), big, key,
                                         jax.ShapeDtypeStruct((), np.int32))
     assert both.report(hardware=hw).compute_seconds == pytest.approx(rounds + 4 * nbytes, rel=1e-2)
+
+
+def test_an_update_added_in_place_reads_and_writes_its_slice_once():
+    """acc.at[i].add(g): one fused kernel reads the accumulator's slice and g and writes
+    the slice back, in place (XLA's dynamic-update-slice fusion); the slice is not
+    written to HBM and read again in between. A slice a matmul reads is (a GPU's
+    library matmul reads its operands from HBM)."""
+    n, hw = 1024, cm.PROFILES["a100"]
+    pass_ = n * n * 4 / (hw.hbm_bytes_per_s * hw.memory_efficiency)    # one [n, n] float32 pass
+    args = [jax.ShapeDtypeStruct((8, n, n), np.float32), jax.ShapeDtypeStruct((n, n), np.float32),
+            jax.ShapeDtypeStruct((), np.int32)]
+    added = gspmd.jit(lambda acc, g, i: acc.at[i].add(g), donate_argnums=0).lower(*args)
+    assert added.report(hardware=hw).compute_seconds == pytest.approx(3 * pass_, rel=1e-3)
+    sliced = gspmd.jit(lambda acc, g, i: jax.lax.dynamic_index_in_dim(acc, i, keepdims=False) @ g).lower(*args)
+    dot = 2 * n ** 3 / (hw.flops_per_s * hw.matmul_efficiency)
+    assert sliced.report(hardware=hw).compute_seconds == pytest.approx(dot + 2 * pass_, rel=1e-3)

@@ -22,6 +22,7 @@ import heapq
 from dataclasses import dataclass
 
 from gspmd import ops
+from gspmd.ops.registry import Storage
 from gspmd.ir import Instr, Program
 from gspmd.spmd import cost as cm
 
@@ -179,7 +180,7 @@ def op_seconds(instr: Instr, hw: cm.Hardware, materialized: set) -> float:
     op = ops.lookup(instr.opcode).timing
     flops = ops.flops(instr)
     if op.bytes_accessed is not None:
-        nbytes = op.bytes_accessed(instr)
+        nbytes = op.bytes_accessed(instr, materialized)
     else:
         nbytes = sum(v.nbytes for v in set(instr.operands) | set(instr.outputs) if v in materialized)
     return cm.compute_seconds(op.compute, flops, nbytes, hw)
@@ -224,10 +225,14 @@ def _into_matmul(program: Program, producers: bool = True) -> set:
 
 def _materialized(program: Program) -> set:
     """Values that live in HBM: parameters, results, and whatever a matmul, collective
-    or loop makes or uses (a value only passed between fusible ops stays on chip)."""
+    or loop makes or uses (a value only passed between fusible ops stays on chip), and
+    what a reshape of such a value views (a bitcast: the kernel before it writes it)."""
     keep = set(program.params) | set(program.outputs)
     for instr in program.instrs:
         if not _fusible(instr):
             keep.update(instr.operands)
             keep.update(instr.outputs)
+    for instr in reversed(program.instrs):
+        if ops.lookup(instr.opcode).memory.storage is Storage.BITCAST and keep.issuperset(instr.outputs):
+            keep.update(instr.operands)
     return keep

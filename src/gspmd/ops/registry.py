@@ -13,7 +13,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable, Hashable, Optional, Sequence, Union
+from typing import Callable, Collection, Hashable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -116,7 +116,8 @@ class Timing:
     flops: Optional[Callable[[Instr], int]] = None   # arithmetic of one execution
     compute: ComputeKind = ComputeKind.MEMORY         # how reports time one execution (spmd/cost.py)
     # HBM bytes one execution reads and writes, where not its operands and results
-    bytes_accessed: Optional[Callable[[Instr], int]] = None
+    # (given the values that live in HBM: the others stay on chip within a fusion)
+    bytes_accessed: Optional[Callable[[Instr, Collection[Value]], int]] = None
     collective: Optional[Pattern] = None              # a collective's communication pattern
     # the sub-programs one execution runs, each with how often (a loop's trip count,
     # once for each branch of a conditional)
@@ -397,14 +398,22 @@ def operand_flops(instr: Instr) -> int:
     return math.prod(instr.operands[0].shape)
 
 
-def result_sized_bytes(instr: Instr) -> int:
-    """Slices read as much as they write."""
-    return 2 * sum(o.nbytes for o in instr.outputs)
+def result_sized_bytes(instr: Instr, in_hbm: Collection[Value]) -> int:
+    """Slices read as much as they write: their result's worth from the operand in HBM,
+    and again to write it there, where a fusion does not keep it on chip."""
+    return sum(o.nbytes * ((instr.operands[0] in in_hbm) + (o in in_hbm)) for o in instr.outputs)
 
 
-def update_sized_bytes(update: int) -> Callable[[Instr], int]:
-    """In-place updates read and write their update operand's worth (and the indices)."""
-    return lambda instr: 2 * instr.operands[update].nbytes + sum(o.nbytes for o in instr.operands[1:update])
+def update_sized_bytes(update: int) -> Callable[[Instr, Collection[Value]], int]:
+    """In-place updates write their update operand's worth into the array in HBM, first
+    reading what is there where they combine with it (a scatter-add), and the update
+    itself unless the fusion that made it kept it on chip (the sum of a slice of an
+    accumulator and a gradient, added in place); and read the indices."""
+    def nbytes(instr: Instr, in_hbm: Collection[Value]) -> int:
+        u = instr.operands[update]
+        combines = instr.attrs.get("reducer") is not None
+        return u.nbytes * (1 + combines + (u in in_hbm)) + sum(o.nbytes for o in instr.operands[1:update])
+    return nbytes
 
 
 def jointly_linear(instr: Instr) -> list[tuple[int, ...]]:
