@@ -113,3 +113,40 @@ def test_an_inner_loop_whose_outer_accumulator_is_read_keeps_a_correct_sum():
     rng = np.random.RandomState(5)
     low = check(f, rand(rng, 8, 6), rand(rng, 3, 2, 6, 8), mesh=MESH)
     assert any(c.executions == 3 for c in _all_reduces(low))
+
+
+def test_a_gradient_taken_on_some_steps_only_is_reduced_once_after_the_loop():
+    """A pipeline's loss gradient, taken under a condition the same on every device (the
+    steps that finish a microbatch), zeros otherwise: each branch returns its partial sums
+    (through the cast), the conditional's result is summed after it, and the loop around
+    it defers that sum too."""
+    def f(w, xs, acc):
+        def step(acc, t_x):
+            t, x = t_x
+            g = jax.lax.cond(t % 3 == 0, lambda x: _grad_of(w, x).astype(jnp.bfloat16),
+                             lambda x: jnp.zeros((8, 6), jnp.bfloat16), x)
+            return acc + g.astype(jnp.float32), None
+        return jax.lax.scan(step, acc, (jnp.arange(5), xs))[0]
+
+    rng = np.random.RandomState(6)
+    low = check(f, rand(rng, 8, 6), rand(rng, 5, 6, 8), rand(rng, 8, 6), mesh=MESH, rtol=1e-2, atol=1e-2)
+    (reduction,) = _all_reduces(low)
+    assert reduction.executions == 1 and "deferred past the loop" in reduction.origin
+
+
+def test_a_conditional_sums_its_branches_partial_results_once_after_it():
+    """Branches that both reduce over the same groups leave the sum to after the
+    conditional; one that returns a value of its own keeps its branch's reductions."""
+    def both(w, x, p):
+        return jax.lax.cond(p, lambda: _grad_of(w, x), lambda: 2.0 * _grad_of(w, x + 1.0))
+
+    def mixed(w, x, p):
+        return jax.lax.cond(p, lambda: _grad_of(w, x), lambda: w)
+
+    rng = np.random.RandomState(7)
+    w, x = rand(rng, 8, 6), rand(rng, 6, 8)
+    for p in (True, False):
+        (reduction,) = _all_reduces(check(both, w, x, p, mesh=MESH))
+        assert "deferred past the conditional" in reduction.origin
+        low = check(mixed, w, x, p, mesh=MESH)
+        assert all("deferred" not in c.origin for c in _all_reduces(low))

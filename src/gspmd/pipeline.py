@@ -517,13 +517,21 @@ class _Pipeline:
                 y, kept = run_stages(self.layer(per_stage, r), x, keys), x
             c["stash"] = jax.lax.dynamic_update_index_in_dim(c["stash"], kept, t % depth, axis=1)
             y = self.split(_mask(valid, y))
-            # The last layer's output meets its loss in this very step.
+            # The last layer's output meets its loss in this very step: taken in the steps
+            # where the last stage runs its last repeat (one in R with interleaving), a
+            # condition the same on every device.
             last = valid & last_stage & (r == R - 1)
-            done, _, m = timing.forward(t, L - 1)
+            done, r_last, m = timing.forward(t, L - 1)
             target = jnp.broadcast_to(_index(ys, m), (L,) + jnp.shape(ys)[1:])
-            loss, loss_vjp = (jax.vjp(run_loss, y, target, ends_by_stage) if want_d_ys else
-                              jax.vjp(lambda y, e: run_loss(y, target, e), y, ends_by_stage))
-            d_y, *d_rest = _mask_tree(last, loss_vjp(jnp.ones_like(loss)))
+
+            def take_loss(y, target, e):
+                loss, loss_vjp = (jax.vjp(run_loss, y, target, e) if want_d_ys else
+                                  jax.vjp(lambda y, e: run_loss(y, target, e), y, e))
+                return loss, loss_vjp(jnp.ones_like(loss))
+            loss, grads = jax.lax.cond(done & (r_last == R - 1), take_loss,
+                                       lambda *a: jax.tree_util.tree_map(jnp.zeros_like, jax.eval_shape(take_loss, *a)),
+                                       y, target, ends_by_stage)
+            d_y, *d_rest = _mask_tree(last, grads)
             c["loss"] = c["loss"] + _mask(last, loss)
             c["d_ends"] = _add_tree(c["d_ends"], d_rest[-1])
             if want_d_ys:

@@ -29,7 +29,7 @@ from gspmd.ir import Instr, Program, Value
 from gspmd.ir.dce import eliminate_dead_code
 from gspmd.ir.reducer import OR
 from gspmd.ops.convert import Conversion, physical_aval
-from gspmd.ops.loop_motion import defer_reductions, finish_reductions
+from gspmd.ops.loop_motion import defer_branch_reductions, defer_reductions, finish_reductions
 from gspmd.ops.registry import (ELEMENTWISE, Frontend, Memory, Rewrites, Rule, Semantics, Storage, Timing,
                                 prune, register)
 from gspmd.spmd import reshard as rs
@@ -282,8 +282,10 @@ def _partition_conditional(ctx, instr: Instr, operands: list[PartitionedValue], 
     index, args = operands[0], operands[1:]
     layouts = [a.sharding for a in args]
     branches = tuple(ctx.partition_subprogram(branch, layouts, targets) for branch in instr.attrs["branches"])
+    deferred = defer_branch_reductions(ctx, branches)
     outs = ctx.b.add("conditional", [index.local, *(a.local for a in args)],
                      [(t.shard_shape(o.shape), o.dtype) for t, o in zip(targets, instr.outputs)], branches=branches)
+    outs = finish_reductions(ctx, outs, deferred, past="the conditional")
     return [PartitionedValue(v, t, o.shape) for v, t, o in zip(outs, targets, instr.outputs)]
 
 

@@ -56,12 +56,38 @@ def defer_reductions(ctx: DeviceContext, body: Program, cond: Program, init: lis
     return init, deferred
 
 
-def finish_reductions(ctx: DeviceContext, results: list[Value], deferred: list[Deferred]) -> list[Value]:
+def finish_reductions(ctx: DeviceContext, results: list[Value], deferred: list[Deferred],
+                      past: str = "the loop") -> list[Value]:
     results = list(results)
     for d in deferred:
         results[d.index] = ctx.all_reduce(results[d.index], ctx.virtual_groups(d.groups), ADD, Why.PARTIAL_RESULTS,
-                                          "all-reduce deferred past the loop")
+                                          f"all-reduce deferred past {past}")
     return results
+
+
+def defer_branch_reductions(ctx: DeviceContext, branches: tuple[Program, ...]) -> list[Deferred]:
+    """Results that every branch of a conditional makes from add-all-reduces over the
+    same groups (through linear ops, as a gradient's cast), or as zeros: each branch
+    returns them as partial sums instead and the sum runs once, after the conditional
+    (finish_reductions), where a loop around it can defer it further (a pipeline takes
+    its loss and the loss's gradient only in the steps that finish a microbatch, and sums
+    that gradient over data-parallel devices once, after its loop)."""
+    deferred = []
+    uniform = [Uniformity(b, ctx.virtual) for b in branches]
+    for k in range(len(branches[0].outputs)):
+        made = [(b, u) for b, u in zip(branches, uniform) if not is_zero(b.outputs[k])]
+        groups = [_reduction_groups(b, b.outputs[k]) for b, _ in made]
+        if not made or any(len(g) != 1 for g in groups) or len({_groups_key(g[0]) for g in groups}) != 1:
+            continue
+        exprs = [_partial_expression(b, None, b.outputs[k], groups[0][0], u) for b, u in made]
+        if all(e is not None for e in exprs):
+            for (b, _), e in zip(made, exprs):
+                _emit_partial(b, k, e)
+            deferred.append(Deferred(k, groups[0][0]))
+    if deferred:
+        for b in branches:
+            eliminate_dead_code(b)
+    return deferred
 
 
 # -- finding the expression ------------------------------------------------------------------
@@ -171,13 +197,19 @@ def _inner_inits(body: Program, param: Value, groups: np.ndarray) -> list[Instr]
 
 
 def _rewrite(body: Program, index: int, expr: _Expression, groups: np.ndarray) -> None:
-    """Append the expression again with each all-reduce replaced by what it reduced;
-    inner loops start from the accumulator's partial sums."""
+    """The loop's result `index` as partial sums; inner loops start from the
+    accumulator's partial sums."""
     param = body.params[index]
     entered = {instr.output: param for instr in _inner_inits(body, param, groups)}
     for instr in body.instrs:
         if any(o in entered for o in instr.operands):
             instr.operands = [entered.get(o, o) for o in instr.operands]
+    _emit_partial(body, index, expr)
+
+
+def _emit_partial(body: Program, index: int, expr: _Expression) -> None:
+    """Append the expression again with each all-reduce replaced by what it reduced,
+    as the program's result `index`."""
     b = Builder(body)
     clone: dict[Value, Value] = dict(expr.leaves)
     for instr in expr.instrs:
