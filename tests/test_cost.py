@@ -326,3 +326,21 @@ def test_an_update_added_in_place_reads_and_writes_its_slice_once():
     sliced = gspmd.jit(lambda acc, g, i: jax.lax.dynamic_index_in_dim(acc, i, keepdims=False) @ g).lower(*args)
     dot = 2 * n ** 3 / (hw.flops_per_s * hw.matmul_efficiency)
     assert sliced.report(hardware=hw).compute_seconds == pytest.approx(dot + 2 * pass_, rel=1e-3)
+
+
+def test_a_conditional_in_a_loop_counts_the_branches_its_counter_takes():
+    """A branch that the loop's counter alone selects (a pipeline's loss, taken in the
+    steps that finish a microbatch) is timed for the trips that take it: 3 of 12 here,
+    not every trip."""
+    def f(x, w):
+        return jax.lax.fori_loop(2, 14, lambda t, c: jax.lax.cond(t % 4 == 0, lambda c: c @ w, lambda c: c, c), x)
+
+    n, hw = 1024, cm.PROFILES["a100"]
+    low = gspmd.jit(f).lower(*[jax.ShapeDtypeStruct((n, n), np.float32)] * 2)
+    dot = 2 * n ** 3 / (hw.flops_per_s * hw.matmul_efficiency)
+    assert low.report(hardware=hw).compute_seconds == pytest.approx(3 * dot, rel=1e-3)
+
+    def by_data(x, w, k):     # an index the counter does not decide: every branch counted
+        return jax.lax.fori_loop(0, 12, lambda t, c: jax.lax.cond(k > t, lambda c: c @ w, lambda c: c, c), x)
+    low = gspmd.jit(by_data).lower(*[jax.ShapeDtypeStruct((n, n), np.float32)] * 2, jax.ShapeDtypeStruct((), np.int32))
+    assert low.report(hardware=hw).compute_seconds == pytest.approx(12 * dot, rel=1e-3)

@@ -6,7 +6,9 @@ hiding scheduler (as XLA's) keeps both busy: whenever a stream is free it starts
 first instruction, in program order, whose operands are ready. So a collective overlaps
 with whatever compute does not depend on it, up to the hardware's `overlap` share of
 its time (the rest contends with compute for the core: DMA issue, reductions, HBM). A loop runs its body as often as its trip
-count, its body's own overlap included; it holds both streams while it runs.
+count, its body's own overlap included; it holds both streams while it runs. A
+conditional counts each branch once, or, in a loop whose counter alone picks the
+branch (the op's branch_shares), each for the share of the trips that takes it.
 
 Memory-bound ops are fused as XLA fuses element-wise chains: a value made by one
 memory-bound op and used only by others never goes through HBM, so only values that a
@@ -20,11 +22,15 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
 
 from gspmd import ops
 from gspmd.ops.registry import Storage
 from gspmd.ir import Instr, Program
 from gspmd.spmd import cost as cm
+
+# conditional -> the share of its executions that takes each branch
+Shares = Mapping[Instr, Sequence[float]]
 
 
 @dataclass(frozen=True)
@@ -34,15 +40,17 @@ class Timing:
     step_seconds: float             # both streams overlapped
 
 
-def time_program(program: Program, hw: cm.Hardware, num_devices: int) -> Timing:
-    durations, streams = _durations(program, hw, num_devices)
+def time_program(program: Program, hw: cm.Hardware, num_devices: int, shares: Optional[Shares] = None) -> Timing:
+    """shares: for conditionals of `program`, the share of its executions that runs each
+    branch, where known (the loop around it knows them); else every branch counts once."""
+    shares = shares or {}
+    durations, streams = _durations(program, hw, num_devices, shares)
     ends = _schedule(program, durations, streams, hw.overlap)
     compute = sum(d for d, s in zip(durations, streams) if s is not _NETWORK)
     network = sum(d for d, s in zip(durations, streams) if s is _NETWORK)
     for i, instr in enumerate(program.instrs):   # loops: what their bodies spent on each
-        op = ops.lookup(instr.opcode).timing
-        if op.runs is not None:
-            inner = [(time_program(p, hw, num_devices), n) for p, n in op.runs(instr)]
+        if ops.lookup(instr.opcode).timing.runs is not None:
+            inner = [(time_program(p, hw, num_devices, within), n) for p, n, within in _runs(instr, shares)]
             compute += sum(t.compute_seconds * n for t, n in inner) - durations[i]
             network += sum(t.communication_seconds * n for t, n in inner)
     return Timing(compute, network, max(ends, default=0.0))
@@ -51,7 +59,19 @@ def time_program(program: Program, hw: cm.Hardware, num_devices: int) -> Timing:
 _COMPUTE, _NETWORK, _BOTH = "compute", "network", "both"
 
 
-def _durations(program: Program, hw: cm.Hardware, num_devices: int) -> tuple[list[float], list[str]]:
+def _runs(instr: Instr, shares: Shares) -> list[tuple[Program, float, Shares]]:
+    """(sub-program, how often one execution runs it, its conditionals' branch shares)."""
+    op = ops.lookup(instr.opcode).timing
+    runs = op.runs(instr)
+    if instr in shares:
+        runs = [(p, share) for (p, _), share in zip(runs, shares[instr])]
+    within = op.branch_shares(instr) if op.branch_shares is not None else {}
+    return [(p, n, within) for p, n in runs]
+
+
+def _durations(program: Program, hw: cm.Hardware, num_devices: int,
+               shares: Optional[Shares] = None) -> tuple[list[float], list[str]]:
+    shares = shares or {}
     materialized, into_matmul = _materialized(program), _into_matmul(program, hw.fuses_into_matmul)
     durations, streams = [], []
     for instr in program.instrs:
@@ -61,7 +81,8 @@ def _durations(program: Program, hw: cm.Hardware, num_devices: int) -> tuple[lis
                                                    num_devices, hw))
             streams.append(_NETWORK)
         elif op.runs is not None:
-            durations.append(sum(time_program(p, hw, num_devices).step_seconds * n for p, n in op.runs(instr)))
+            durations.append(sum(time_program(p, hw, num_devices, within).step_seconds * n
+                                 for p, n, within in _runs(instr, shares)))
             streams.append(_BOTH)
         else:
             durations.append(0.0 if instr in into_matmul else op_seconds(instr, hw, materialized))

@@ -31,7 +31,7 @@ from gspmd.ir.reducer import OR
 from gspmd.ops.convert import Conversion, physical_aval
 from gspmd.ops.loop_motion import defer_branch_reductions, defer_reductions, finish_reductions
 from gspmd.ops.registry import (ELEMENTWISE, Frontend, Memory, Rewrites, Rule, Semantics, Storage, Timing,
-                                prune, register)
+                                lookup, prune, register)
 from gspmd.spmd import reshard as rs
 from gspmd.spmd.partitioned import PartitionedValue
 
@@ -190,6 +190,65 @@ def _while_runs(instr: Instr) -> list[tuple[Program, int]]:
     return [(instr.attrs["cond"], trips), (instr.attrs["body"], trips)]
 
 
+def _branch_shares(instr: Instr) -> dict[Instr, list[float]]:
+    """The body's conditionals whose branch only the loop's counters decide (a pipeline
+    takes its loss in the steps that finish a microbatch): the share of the trips that
+    runs each branch, from the index computed for every trip."""
+    body, trips = instr.attrs["body"], instr.attrs.get("trip_count")
+    counters = _counters(instr)
+    shares = {}
+    for c in body.instrs if trips and counters else ():
+        cone = _computed_from(c.operands[0], {p for p, _, _ in counters}) if c.opcode == "conditional" else None
+        if cone is None:
+            continue
+        n, taken = len(c.attrs["branches"]), []
+        for t in range(trips):
+            known = {param: np.asarray(start + step * t, param.dtype) for param, start, step in counters}
+            for i in cone:
+                known[i.output] = lookup(i.opcode).semantics.evaluate(i, [known[o] for o in i.operands], 0)[0]
+            index = int(known[c.operands[0]])
+            taken.append(index if 0 <= index < n else n - 1)     # as HLO: out of range, the last
+        shares[c] = [taken.count(k) / trips for k in range(n)]
+    return shares
+
+
+def _computed_from(v: Value, counters: set) -> Optional[list[Instr]]:
+    """The instructions, in order, that compute scalar `v` from the counters and
+    constants alone (None where anything else decides it, such as a device id)."""
+    cone: dict[Instr, None] = {}
+
+    def visit(v: Value) -> bool:
+        p = v.producer
+        if v in counters or p in cone:
+            return True
+        if (p is None or v.shape != () or len(p.outputs) != 1 or lookup(p.opcode).semantics.evaluate is None
+                or not (p.operands or lookup(p.opcode).memory.storage is Storage.LITERAL)
+                or not all(visit(o) for o in p.operands)):
+            return False
+        cone[p] = None
+        return True
+    return list(cone) if visit(v) else None
+
+
+def _counters(instr: Instr) -> list[tuple[Value, int, int]]:
+    """(body parameter, first value, step) of each integer carry that starts as a
+    constant and adds a constant each trip (a scan's index, a fori_loop's)."""
+    body, found = instr.attrs["body"], []
+    for param, out, init in zip(body.params, body.outputs, instr.operands):
+        p = out.producer
+        if (p is None or p.opcode != "add" or param not in p.operands or param.shape != ()
+                or not np.issubdtype(param.dtype, np.integer)):
+            continue
+        step = p.operands[1] if p.operands[0] is param else p.operands[0]
+        if _is_constant(step) and _is_constant(init):
+            found.append((param, int(init.producer.attrs["value"]), int(step.producer.attrs["value"])))
+    return found
+
+
+def _is_constant(v: Value) -> bool:
+    return v.producer is not None and v.producer.opcode == "constant" and v.shape == ()
+
+
 def _needed_carries(instr: Instr, used: list[bool]) -> list[int]:
     """Carried values a used result or the condition depends on, through the body."""
     body, cond = instr.attrs["body"], instr.attrs["cond"]
@@ -237,7 +296,7 @@ register("while",
          semantics=Semantics(evaluate_programs=_evaluate_while, lower=_lower_while),
          rule=Rule(propagate=_same_layout(_tied_places), tied=tied_values, informants=_tied_places,
                    partition=_partition_while, priority=ELEMENTWISE),
-         timing=Timing(runs=_while_runs),
+         timing=Timing(runs=_while_runs, branch_shares=_branch_shares),
          memory=Memory(storage=Storage.CARRIED),
          rewrites=Rewrites(prune=_prune_while))
 

@@ -122,6 +122,10 @@ class Timing:
     # the sub-programs one execution runs, each with how often (a loop's trip count,
     # once for each branch of a conditional)
     runs: Optional[Callable[[Instr], list[tuple[Program, int]]]] = None
+    # branch_shares(instr) -> for conditionals in what it runs, the share of their
+    # executions that takes each branch, where the op knows it (a loop whose counter alone
+    # decides the branch); timing counts every branch once where not
+    branch_shares: Optional[Callable[[Instr], dict[Instr, list[float]]]] = None
     # whether a memory-bound op fuses with its neighbours; XLA fuses nothing across an
     # optimization barrier, so what enters one is written to HBM and read back after it
     fuses: bool = True
