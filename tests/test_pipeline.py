@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import gspmd
+from gspmd import ops
 from util import BACKENDS, check, rand
 
 MESH = gspmd.Mesh(np.arange(8).reshape(4, 2), ("p", "d"))
@@ -228,6 +229,27 @@ def test_scanned_layers_add_their_gradients_in_place_and_reduce_them_once(repeat
     stacked = [i.opcode for i in in_loops for v in i.outputs
                if v.shape[-2:] == (width, width) and K in v.shape[:-2] and i.opcode in ("transpose", "broadcast")]
     assert not stacked, stacked
+
+
+@pytest.mark.parametrize("repeats", [1, 3])
+def test_1f1b_takes_the_loss_once_per_microbatch(repeats):
+    """The loss and its gradient (a model's logits) run in the steps where the last stage
+    finishes a microbatch, under a condition the same on every device: M times in all,
+    not in every step (R times a microbatch with interleaving, and in the bubble); the
+    values those of the layers in order."""
+    M = 6
+    rng = np.random.RandomState(8)
+    ws, xs, ts = rand(rng, 4 * repeats, 8, 8) / 3, rand(rng, M, 2, 8), rand(rng, M, 2, 8)
+
+    def step(ws, xs, ts):
+        return jax.value_and_grad(lambda ws: gspmd.pipeline_loss(
+            stage_fn, loss_fn, ws, xs, ts, mesh=MESH, stage_axis="p", repeats=repeats, stage_major=True))(ws)
+    low = check(step, ws, xs, ts, mesh=MESH, rtol=1e-4, atol=1e-5)
+    taken = 0.0
+    for loop in (i for i in low.spmd.all_instrs() if i.opcode == "while"):
+        for cond, shares in ops.lookup("while").timing.branch_shares(loop).items():
+            taken += loop.attrs["trip_count"] * shares[1]
+    assert taken == pytest.approx(M)
 
 
 def test_scanned_layers_need_one_inner_layer_count():
