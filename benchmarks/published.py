@@ -204,8 +204,7 @@ MEGATRON = Table(
      "rerun`, every row): each layer keeps only its input and the backward pass reruns its whole forward "
      "pass, its last matmul and that matmul's all-reduce included, where jax.checkpoint would recompute only "
      "what the gradient needs (that did 0.94 of the formula's FLOPs); the rows without a pipeline now do "
-     "1.00-1.01 of them, the pipelined 1.10-1.19 (bubble slots compute on zeros, and every stage computes the "
-     "logits). With a pipeline, 1F1B, which stashes each layer's input and whose backward slots rerun one "
+     "1.00-1.01 of them, the pipelined more (bubble slots compute on zeros). With a pipeline, 1F1B, which stashes each layer's input and whose backward slots rerun one "
      "layer at a time (Megatron-LM's activation memory; `pipeline_loss(scan_layers=True)`), interleaved as "
      "run_table_1.sh interleaves it (--num-layers-per-virtual-pipeline-stage "
      "5, 5, 3, 1 at 76.1B-529.6B: our --repeats 3, 2, 2, 3), over its microbatches (4, 2, 2, 1, 1, 1 "
@@ -218,7 +217,9 @@ MEGATRON = Table(
      "cast to bfloat16 once per step, as Megatron-LM's model holds them, the float32 copy the optimizer's; "
      "gradients summed over microbatches in float32, as its main_grad). Every row plans the embedding and "
      "the 51,200-way softmax over one tied table (--vocab); pipelined: tokens in, embedded on the first "
-     "stage, logits and loss on the last.",
+     "stage, logits and loss on the last, in the steps that finish a microbatch (every stage of the one "
+     "SPMD program computes them then, only the last stage's count; Megatron-LM's other stages wait for "
+     "the last one's, so both take the logits' time once a microbatch).",
      "Dropout 0.1 (`--dropout 0.1`: Megatron-LM's --attention-dropout and --hidden-dropout, which "
      "run_table_1.sh keeps), every row, on the attention probabilities and on each sublayer's output before "
      "its residual add: without a pipeline each layer's masks from the step's key, with one each "
@@ -230,49 +231,57 @@ MEGATRON = Table(
      "its kernel and draws it again in the backward pass; torch's stores it as bytes.",
      "Profile `a100`: GPU matmuls are library kernels (cuBLAS) that read their operands from HBM, so a "
      "layer norm, softmax or cast feeding one is a kernel of its own (`fuses_into_matmul=False`, every "
-     "GPU profile; TPU profiles fuse them into the matmul, as XLA:TPU does). Memory-bound kernels at 80% of "
+     "GPU profile; TPU profiles fuse them into the matmul, as XLA:TPU does). NVLink at 240 of its 300 GB/s "
+     "(NCCL's protocol takes about a fifth of the line rate: 8-GPU A100 all-reduces measure 200-235 GB/s "
+     "of bus bandwidth), InfiniBand at its 25 GB/s a GPU. Memory-bound kernels at 80% of "
      "the 2.0 TB/s (the shared default: a streaming copy reaches 85-90% on an A100). A fused kernel takes "
      "the longer of its bytes and its vector arithmetic, at 9.7e12 integer instructions a second (64 int32 "
      "lanes per SM x 108 SMs x 1.41 GHz): what decides a dropout kernel, whose threefry hash takes 80 a "
      "value (TPU profiles time kernels by their bytes).",
      "Model FLOPs for every row by the paper's formula (so TFLOP/s compare like for like); our plan's own "
      "FLOPs decide its step time."),
-    ("Every row is within 7% of the published, rows without a pipeline (1.7B-18.4B) at 1.02-1.05 (1.33-1.50 "
+    ("Every row is within 8% of the published, rows without a pipeline (1.7B-18.4B) at 1.01-1.02 (1.33-1.50 "
      "before dropout, Megatron-LM's attention kernels, memory-bound kernels at 80% of the HBM bandwidth, "
-     "18.4B's gradient accumulation, torch's whole-layer recomputation and the dropout hash's arithmetic): at "
-     "1.7B the bandwidth took the step from 2.36 to 2.54 s, dropout to 2.60 s, the softmax as a kernel of its "
-     "own to 2.89 s, rerunning each layer whole to 3.03 s and the hash's arithmetic to 3.45 s, against the "
-     "published 3.53 s. The last is our program's cost more than Megatron-LM's: jax's threefry takes 80 "
-     "integer instructions a random value (on an A100, 8 ps against 5 ps for a float32 value's read and "
-     "write: a dropout kernel is bound by its arithmetic, 1.61e9 values a layer at 1.7B, drawn three times), "
-     "torch's Philox about 20. What Megatron-LM's run still does and our plan does not: torch's dropout "
-     "stores its masks (~1 byte a probability written and read: +2% at 1.7B); the vocabulary-parallel "
-     "cross-entropy runs as separate float32 kernels over [b, s, V/t] (~100 GB a step at 1.7B where ours moves "
-     "~15: +2%). Tried before and not kept (not principled): every element-wise op its own kernel overshoots "
-     "(0.49x at 1.7B); a size-dependent matmul efficiency would need ~0.55 at h = 2304-6144, where A100 GEMMs "
-     "of 8k-32k rows reach 70-80%.",
-     "Pipelined rows (39.1B-1T), as run_table_1.sh runs them, are 0.93-1.05 of the published. The stage "
-     "boundaries' scatter/gather took 529.6B from 60.5 to 57.8 s and 1T from 113.3 to 110.5 s (a stage's "
-     "output, 84-105 MB, crossed InfiniBand whole from every tensor rank). Across the table ours / "
-     "published falls as h grows (1.02-1.05 at h = 2304-6144, 1.01-1.05 at 8192-12288, 0.93-0.96 at "
-     "16384-25600), the paper's own account of its weak scaling: larger matrix multiplications run closer "
-     "to peak, which our one matmul efficiency (80%) does not model, and the attention's memory-bound kernels "
-     "and its dropout's hash weigh s / 6h against the matmuls (15% of their FLOPs at 1.7B, 1% at 1T). "
-     "Interleaving halves the bubbles (310.1B: 9.4% -> 5.0%) and costs our vectorized schedule about what it "
-     "saves: each slot gathers its virtual stage's layers one at a time from the stage's stack (it copied "
-     "the repeat's layers out first, 8% of 310.1B's step) and their gradients go back in place once a slot. "
-     "A jax program also copies each layer's weights out of its stack for the matmul (a dynamic slice, 3% "
-     "of 1T's step) where Megatron-LM's layers are tensors of their own. Every stage also computes the "
-     "step's logits and softmax (one SPMD program; only the last stage's count).",
-     "Ranking: 4 ordered pairs swapped (8 before the stage boundaries' scatter/gather, 27 before the hash's "
-     "arithmetic, 31 before that): 1.7B / 18.4B and 18.4B / 39.1B (published 1.5% and 2% apart; ours "
-     "0.7% and 1.4% the other way), 145.6B / 310.1B and 145.6B / 1T (published 155 and 163 against 148; "
-     "ours 149 and 151 against 152). The published rises with model size (135-163 TF/s), ours less "
-     "(139-153): with one matmul efficiency the largest rows' bigger GEMMs gain nothing in our plans.",
-     "Memory: every row fits in the A100's 80 GiB (49-73 GB). 39.1B (microbatches of 4 sequences) took 112 GB while 1F1B's backward slot "
+     "18.4B's gradient accumulation, torch's whole-layer recomputation, the dropout hash's arithmetic and "
+     "NVLink at what NCCL gets of it): at 1.7B the bandwidth took the step from 2.36 to 2.54 s, dropout to "
+     "2.60 s, the softmax as a kernel of its own to 2.89 s, rerunning each layer whole to 3.03 s and the "
+     "hash's arithmetic to 3.45 s, against the published 3.53 s; NVLink at 240 GB/s took 18.4B, whose "
+     "tensor-parallel all-reduces weigh most (t / h), from 8.97 to 9.19 s. The hash is our program's cost "
+     "more than Megatron-LM's: jax's threefry takes 80 integer instructions a random value (on an A100, "
+     "8 ps against 5 ps for a float32 value's read and write: a dropout kernel is bound by its arithmetic, "
+     "1.61e9 values a layer at 1.7B, drawn three times), torch's Philox about 20. What Megatron-LM's run "
+     "still does and our plan does not: torch's dropout stores its masks (~1 byte a probability written and "
+     "read: +2% at 1.7B); the vocabulary-parallel cross-entropy runs as separate float32 kernels over "
+     "[b, s, V/t] (~100 GB a step at 1.7B where ours moves ~15: +2%); its collectives run synchronously "
+     "(ours may overlap independent compute: with none hidden every row would be 0.95-1.04 and the ranking "
+     "the same). Tried before and not kept (not principled): every element-wise op its own kernel "
+     "overshoots (0.49x at 1.7B); a size-dependent matmul efficiency would need ~0.55 at h = 2304-6144, "
+     "where A100 GEMMs of 8k-32k rows reach 70-80%.",
+     "Pipelined rows (39.1B-1T), as run_table_1.sh runs them, are 0.97-1.08 of the published (0.93-1.05 "
+     "before this run's four changes). (1) Each 1F1B backward slot's scan adds its layers' gradients to the "
+     "stage's float32 accumulator in place; they were the scan's outputs, written to a buffer of zeros, "
+     "moved into the stack's layout and added then (310.1B: 39.5 -> 37.7 s), which the data-parallel sum "
+     "had held back: it now waits past both loops. (2) Slices and in-place updates are priced by the bytes "
+     "that reach HBM: adding a gradient to its slice of the accumulator is one kernel of 2.5 passes over "
+     "the slice, not 4. (3) The loss and its logits run only in the steps that finish a microbatch: with "
+     "interleaving every slot took them, R times a microbatch (529.6B, one layer a virtual stage and the "
+     "logits 16% of a layer's matmuls: 57.8 -> 54.6 s). (4) NVLink at 240 GB/s. A jax program still copies "
+     "each layer's weights out of its stack for the matmul (a dynamic slice: XLA:GPU fuses none into a "
+     "GEMM by default; 5% of 1T's step) where Megatron-LM's layers are tensors of their own, and bubble "
+     "slots compute on zeros where Megatron-LM's GPUs idle (the same time).",
+     "Ranking: 1 ordered pair swapped (4 before this run, 8 before the stage boundaries' scatter/gather, 27 "
+     "before the hash's arithmetic, 31 before that): 7.5B / 76.1B, 142 against 140 published (1.4% "
+     "apart), ours 144 against 151. 76.1B is our row furthest from the published (1.08) and the one most "
+     "interleaved (3 virtual stages of 5 layers); with nothing hidden behind compute (Megatron-LM 2021's "
+     "synchronous collectives) it is still 1.04 and the pair still swapped. Steps: NVLink at 240 GB/s "
+     "fixed 1.7B / 18.4B and 145.6B / 1T and swapped 7.5B / 76.1B (3 pairs); the in-place gradients and "
+     "the bytes of slices and updates fixed 145.6B / 310.1B and 18.4B / 39.1B and swapped 310.1B against "
+     "529.6B and 1T (3 pairs); with a reshape's operand written to HBM (what the kernel before a bitcast "
+     "writes) 529.6B fell to 0.93 (3 pairs); taking the loss once a microbatch put it at 0.99 (1 pair).",
+     "Memory: every row fits in the A100's 80 GiB (49-70 GB). 39.1B (microbatches of 4 sequences) took 112 GB while 1F1B's backward slot "
      "recomputed the whole stage (24 layers) at once, 12.9 GB of it the float32 attention probabilities "
      "[24, 4, 8, 2048, 2048]; with each layer's input stashed (3 in-flight microbatches x 24 layers x 134 "
-     "MB) and one layer recomputed at a time, as Megatron-LM does, it takes 65 GB, and every pipelined row "
+     "MB) and one layer recomputed at a time, as Megatron-LM does, it takes 61 GB, and every pipelined row "
      "does 7-8% fewer FLOPs (recomputation 25% -> 17-18% of them)."))
 
 TABLES = {t.key: t for t in (MAXTEXT, MEGATRON)}
@@ -357,7 +366,8 @@ per profile, none tuned per row: `tpu-v5p` and `a100` keep the shared defaults (
 at 80% of peak, memory-bound kernels at 80% of the HBM bandwidth, 40% of a collective
 hideable behind independent compute, 5 us per collective), none calibrated against these
 tables; like every GPU profile, `a100` fuses no
-element-wise producers into matmuls (cuBLAS reads its operands from HBM).
+element-wise producers into matmuls (cuBLAS reads its operands from HBM) and moves data
+over NVLink at 80% of its line rate (what NCCL gets of it).
 """
 
 
