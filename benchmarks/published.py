@@ -105,11 +105,11 @@ MAXTEXT = Table(
     "table quotes the same runs (some rows differ by 1-3%: 128B v5p-512 315, 256B 316, 1024B v5p-2048 249).",
     "6 x tokens x (L x (3 E F + 4 E N D) + E V) + 12 x B x S^2 x N x D x L (maxtext_flops)",
     tuple(maxtext_row(*r) for r in [
-        ("32B", 128, 32, 7, 4, "minimal", 328, 71.47), ("64B", 128, 64, 3, 4, "minimal", 323, 70.31),
+        ("32B", 128, 32, 6, 4, "minimal", 328, 71.47), ("64B", 128, 64, 3, 4, "minimal", 323, 70.31),
         ("128B", 256, 128, 1, 8, "minimal", 315, 68.68), ("128B", 512, 128, 1, 8, "minimal", 316, 68.83, 315),
         ("256B", 1024, 256, 1, 8, "minimal", 308, 67.09, 316), ("512B", 1024, 512, 2, 8, "full", 294, 63.99),
-        ("1024B", 2048, 1024, 2, 8, "full", 254, 55.35, 249), ("1024B", 4096, 1024, 2, 8, "full", 297, 64.80)]),
-    ("Sharding: MaxText's ici_fsdp_parallelism=-1 with ici_tensor_parallelism 4 or 8 is our 2D sharding "
+        ("1024B", 2048, 1024, 2, 16, "full", 254, 55.35, 249), ("1024B", 4096, 1024, 2, 16, "full", 297, 64.80)]),
+    ("Sharding: MaxText's ici_fsdp_parallelism=-1 with ici_tensor_parallelism 4, 8 or 16 is our 2D sharding "
      "(`--strategy 2d`) on a mesh (chips / tensor, tensor): weights split over both axes and gathered per "
      "layer (FSDP), heads and the MLP over the tensor axis, the batch over the FSDP axis.",
      "Feed-forward: MaxText's is gated (SwiGLU: three E x F matrices); ours has two, so F is taken 1.5x "
@@ -130,18 +130,21 @@ MAXTEXT = Table(
      "and 249. 256B is below both 128B rows in one table and level or above in the other, so the source "
      "does not order them; we have 256B 5% above (its twice wider embedding: attention and the per-token "
      "element-wise work weigh less against the matmuls).",
-     "The two 1024B rows do the same work per chip (2 sequences, tensor 8, FSDP over 128 or 256 chips): "
-     "our steps are equal, the published runs differ by 17% (254 and 297) with nothing in the stated "
-     "configuration to tell them apart (1024b.sh passes `ici_tensor_parallelism=8\\ "
-     "ici_data_parallelism=16` as one argument). Both swapped pairs involve 1024B on v5p-2048: no "
-     "configuration-driven model ranks it below its own twin, nor (at 254 against 294) below 512B on "
-     "v5p-1024, the same configuration with half the heads and MLP width.",
+     "The two 1024B rows do the same work per chip (2 sequences, tensor 16, FSDP over 64 or 128 chips): "
+     "our steps are equal, the published runs differ by 17% (254 and 297; the README's MFU column has "
+     "64.05% for the first, its TF/s 249) with nothing in the stated configuration to tell them apart, and "
+     "the slices' tori (8x8x16 and 8x16x16, both twisted) give each axis the same rings. Both swapped pairs "
+     "involve the twins: no configuration-driven model ranks 1024B on v5p-2048 below its own twin, and "
+     "ours has both just below 512B on v5p-1024 (244 against 246), which the source has 1% below the "
+     "v5p-4096 run (294 against 297).",
      "The table was committed with the v5p scripts of 2023-12-15 (maxtext 76bd53b0f), which the "
-     "repository changed later without changing the table: 32B per-device batch 8 -> 7, 64B 4 -> 3, 128B "
-     "and 256B 2 -> 1, 512B and 1024B tensor 16 -> 8. We plan the scripts as they stand (what the README "
-     "points to); planned as of 2023-12-15, our rows are 0.72-0.97 of the published, 32B and 64B overflow "
-     "the chip, and 512B at tensor 16 is outside 20% (0.72: the 2D layout gathers activations over 16 chips, "
-     "1.8 TB a chip a step against 1.1 at tensor 8, 17 s of communication exposed against 8).",
+     "repository changed on 2026-07-01 (a9df44401) without changing the table: 32B per-device batch 7 -> 6 "
+     "(8 -> 7 in 2024-02), 64B 4 -> 3, 128B and 256B 2 -> 1, 512B tensor 16 -> 8; 1024B keeps tensor 16. "
+     "We plan the scripts as they stand (what the README points to; the newest snapshot, 2026-08-22; until "
+     "this run our 1024B rows took tensor 8 from a commit off the main line, 04be03d7d, and 32B batch 7). "
+     "Planned as of 2023-12-15, our rows are 0.72-0.97 of the published, 32B and 64B overflow the chip, "
+     "and 512B at tensor 16 is outside 20% (0.72: the 2D layout gathers activations over 16 chips, 1.8 TB "
+     "a chip a step against 1.1 at tensor 8, 17 s of communication exposed against 8).",
      "512B and 1024B (remat full) spend 18% of their FLOPs recomputing, as MaxText's do: the source's "
      "formula does not count them, so their MFU is lower than the minimal-remat rows', in both."))
 
