@@ -17,7 +17,7 @@ The index is a scalar and so always whole on every device; one computed from spl
 """
 from __future__ import annotations
 
-from functools import partial
+from functools import lru_cache, partial
 from typing import Callable, Optional
 
 import numpy as np
@@ -190,6 +190,12 @@ def _while_runs(instr: Instr) -> list[tuple[Program, int]]:
     return [(instr.attrs["cond"], trips), (instr.attrs["body"], trips)]
 
 
+# Trips whose branch indices timing computes one by one (NumPy on scalars): beyond, every
+# branch counts once, as for any conditional.
+_MAX_COUNTED_TRIPS = 1 << 14
+
+
+@lru_cache(maxsize=64)     # timing asks again for each estimate of the loop
 def _branch_shares(instr: Instr) -> dict[Instr, list[float]]:
     """The body's conditionals whose branch only the loop's counters decide (a pipeline
     takes its loss in the steps that finish a microbatch): the share of the trips that
@@ -197,7 +203,7 @@ def _branch_shares(instr: Instr) -> dict[Instr, list[float]]:
     body, trips = instr.attrs["body"], instr.attrs.get("trip_count")
     counters = _counters(instr)
     shares = {}
-    for c in body.instrs if trips and counters else ():
+    for c in body.instrs if trips and trips <= _MAX_COUNTED_TRIPS and counters else ():
         cone = _computed_from(c.operands[0], {p for p, _, _ in counters}) if c.opcode == "conditional" else None
         if cone is None:
             continue
