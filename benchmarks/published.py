@@ -100,8 +100,9 @@ def maxtext_row(size: str, cores: int, scale: int, per_device_batch: int, tensor
 
 MAXTEXT = Table(
     "maxtext", "MaxText on TPU v5p (FSDP + tensor parallelism)", "tpu-v5p",
-    "AI-Hypercomputer/maxtext, MaxText/configs/v5p/README.md (\"1x\" rows: one slice) and the configurations "
-    "MaxText/configs/v5p/{32b,64b,128b,256b,512b,1024b}.sh; the README's \"Runtime Performance Results\" "
+    "AI-Hypercomputer/maxtext, src/maxtext/configs/tpu/v5p/README.md (MaxText/configs/v5p/ until 2025; "
+    "\"1x\" rows: one slice) and the configurations {32b,64b,128b,256b,512b,1024b}.sh beside it (as of "
+    "2026-08-22); the README's \"Runtime Performance Results\" "
     "table quotes the same runs (some rows differ by 1-3%: 128B v5p-512 315, 256B 316, 1024B v5p-2048 249).",
     "6 x tokens x (L x (3 E F + 4 E N D) + E V) + 12 x B x S^2 x N x D x L (maxtext_flops)",
     tuple(maxtext_row(*r) for r in [
