@@ -528,9 +528,10 @@ class _Pipeline:
                 loss, loss_vjp = (jax.vjp(run_loss, y, target, e) if want_d_ys else
                                   jax.vjp(lambda y, e: run_loss(y, target, e), y, e))
                 return loss, loss_vjp(jnp.ones_like(loss))
-            loss, grads = jax.lax.cond(done & (r_last == R - 1), take_loss,
-                                       lambda *a: jax.tree_util.tree_map(jnp.zeros_like, jax.eval_shape(take_loss, *a)),
-                                       y, target, ends_by_stage)
+
+            def no_loss(*args):
+                return jax.tree_util.tree_map(jnp.zeros_like, jax.eval_shape(take_loss, *args))
+            loss, grads = jax.lax.cond(done & (r_last == R - 1), take_loss, no_loss, y, target, ends_by_stage)
             d_y, *d_rest = _mask_tree(last, grads)
             c["loss"] = c["loss"] + _mask(last, loss)
             c["d_ends"] = _add_tree(c["d_ends"], d_rest[-1])
