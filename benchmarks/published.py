@@ -208,8 +208,8 @@ MEGATRON = Table(
      "rerun`, every row): each layer keeps only its input and the backward pass reruns its whole forward "
      "pass, its last matmul and that matmul's all-reduce included, where jax.checkpoint would recompute only "
      "what the gradient needs (that did 0.94 of the formula's FLOPs); the rows without a pipeline now do "
-     "1.00-1.01 of them, the pipelined more (bubble slots compute on zeros). With a pipeline, 1F1B, which stashes each layer's input and whose backward slots rerun one "
-     "layer at a time (Megatron-LM's activation memory; `pipeline_loss(scan_layers=True)`), interleaved as "
+     "1.00-1.01 of them, the pipelined more (bubble slots compute on zeros). With a pipeline, 1F1B, which "
+     "stashes each layer's input and whose backward slots rerun one layer at a time (Megatron-LM's activation memory; `pipeline_loss(scan_layers=True)`), interleaved as "
      "run_table_1.sh interleaves it (--num-layers-per-virtual-pipeline-stage "
      "5, 5, 3, 1 at 76.1B-529.6B: our --repeats 3, 2, 2, 3), over its microbatches (4, 2, 2, 1, 1, 1 "
      "sequences). Without a pipeline the replica's batch is one microbatch (16 sequences) but at 18.4B, "
@@ -282,8 +282,8 @@ MEGATRON = Table(
      "the bytes of slices and updates fixed 145.6B / 310.1B and 18.4B / 39.1B and swapped 310.1B against "
      "529.6B and 1T (3 pairs); with a reshape's operand written to HBM (what the kernel before a bitcast "
      "writes) 529.6B fell to 0.93 (3 pairs); taking the loss once a microbatch put it at 0.99 (1 pair).",
-     "Memory: every row fits in the A100's 80 GiB (49-70 GB). 39.1B (microbatches of 4 sequences) took 112 GB while 1F1B's backward slot "
-     "recomputed the whole stage (24 layers) at once, 12.9 GB of it the float32 attention probabilities "
+     "Memory: every row fits in the A100's 80 GiB (49-70 GB). 39.1B (microbatches of 4 sequences) took "
+     "112 GB while 1F1B's backward slot recomputed the whole stage (24 layers) at once, 12.9 GB of it the float32 attention probabilities "
      "[24, 4, 8, 2048, 2048]; with each layer's input stashed (3 in-flight microbatches x 24 layers x 134 "
      "MB) and one layer recomputed at a time, as Megatron-LM does, it takes 61 GB, and every pipelined row "
      "does 7-8% fewer FLOPs (recomputation 25% -> 17-18% of them)."))
