@@ -125,8 +125,9 @@ MAXTEXT = Table(
      "Untied embedding and logits in MaxText, one tied table in ours (the same FLOPs, E x V fewer "
      "parameters). Rows are one slice (ICI only); v5p-N has N/2 chips, one jax device each."),
     ("32B, the published fastest, is ours too since the attention is flash's and the chip has the 95 GiB "
-     "jax reports: with whole-sequence attention its [B, N, S, S] scores took the plan to 105 GB, over the "
-     "93.7 GB it then had, and jit's memory fitting recomputed 13% of its FLOPs (fifth, 273 TF/s).",
+     "jax reports: with whole-sequence attention its [B, N, S, S] scores took the plan (then at 7 sequences "
+     "a chip) to 105 GB, over the 93.7 GB it then had, and jit's memory fitting recomputed 13% of its FLOPs "
+     "(fifth, 273 TF/s).",
      "The README quotes three runs twice: 128B v5p-512 316 and 315, 256B 308 and 316, 1024B v5p-2048 254 "
      "and 249. 256B is below both 128B rows in one table and level or above in the other, so the source "
      "does not order them; we have 256B 5% above (its twice wider embedding: attention and the per-token "
