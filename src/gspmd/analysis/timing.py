@@ -69,9 +69,7 @@ def _runs(instr: Instr, shares: Shares) -> list[tuple[Program, float, Shares]]:
     return [(p, n, within) for p, n in runs]
 
 
-def _durations(program: Program, hw: cm.Hardware, num_devices: int,
-               shares: Optional[Shares] = None) -> tuple[list[float], list[str]]:
-    shares = shares or {}
+def _durations(program: Program, hw: cm.Hardware, num_devices: int, shares: Shares) -> tuple[list[float], list[str]]:
     materialized, into_matmul = _materialized(program), _into_matmul(program, hw.fuses_into_matmul)
     durations, streams = [], []
     for instr in program.instrs:
