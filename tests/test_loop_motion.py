@@ -3,6 +3,7 @@ a loop reads are carried unreduced and all-reduced once after the loop."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import gspmd
 from util import check, rand
@@ -75,11 +76,13 @@ def test_loops_accumulating_one_gradient_in_turn_reduce_it_once():
     assert reduction.executions == 1 and "deferred past the loop" in reduction.origin
 
 
-def test_a_loop_in_a_loop_adding_into_the_outer_accumulator_reduces_it_once():
+@pytest.mark.parametrize("rows", [6, 7])
+def test_a_loop_in_a_loop_adding_into_the_outer_accumulator_reduces_it_once(rows):
     """A 1F1B pipeline's backward slots: each outer step's inner scan adds one gradient
     per layer into the outer loop's accumulator, in place. The inner loop's partial sums
     start from the outer accumulator's own (not from a copy whole on one device of each
-    group and zero on the others), so the sum waits until after the outer loop."""
+    group and zero on the others), so the sum waits until after the outer loop; also
+    with a batch (7) that "x" does not divide."""
     def f(w, xs, acc):
         def layer(acc, k_x):
             k, x = k_x
@@ -90,7 +93,7 @@ def test_a_loop_in_a_loop_adding_into_the_outer_accumulator_reduces_it_once():
         return jax.lax.scan(step, acc, xs)[0]
 
     rng = np.random.RandomState(4)
-    w, xs = rand(rng, 8, 6), rand(rng, 4, 3, 6, 8)
+    w, xs = rand(rng, 8, 6), rand(rng, 4, 3, rows, 8)
     for acc in (np.zeros((3, 8, 6), np.float32), rand(rng, 3, 8, 6)):
         low = check(f, w, xs, acc, mesh=MESH)
         (reduction,) = _all_reduces(low)
@@ -144,7 +147,7 @@ def test_a_conditional_sums_its_branches_partial_results_once_after_it():
         return jax.lax.cond(p, lambda: _grad_of(w, x), lambda: w)
 
     rng = np.random.RandomState(7)
-    w, x = rand(rng, 8, 6), rand(rng, 6, 8)
+    w, x = rand(rng, 8, 6), rand(rng, 7, 8)     # a batch of 7 over "x"'s 2: uneven
     for p in (True, False):
         (reduction,) = _all_reduces(check(both, w, x, p, mesh=MESH))
         assert "deferred past the conditional" in reduction.origin

@@ -212,10 +212,11 @@ def test_scanned_layers_add_their_gradients_in_place_and_reduce_them_once(repeat
     """Data parallel over "d": each backward slot's scan adds its K layers' gradients to
     the stage's accumulator in place, one layer at a time (not stacked as the scan's
     outputs, moved into the stack's layout and added then), and their sum over "d" still
-    runs once, after the pipeline's last loop; the values those of one device."""
+    runs once, after the pipeline's last loop; the values those of one device, on
+    microbatches of 3 rows that "d" does not divide."""
     K, width = 3, 8
     rng = np.random.RandomState(7)
-    ws, xs, ts = rand(rng, 4 * repeats, K, width, width) / 3, rand(rng, 8, 4, width), rand(rng, 8, 4, width)
+    ws, xs, ts = rand(rng, 4 * repeats, K, width, width) / 3, rand(rng, 8, 3, width), rand(rng, 8, 3, width)
 
     def step(ws, xs, ts):
         xs = gspmd.mesh_split(xs, MESH, [-1, "d", -1])
