@@ -137,6 +137,45 @@ def test_a_gradient_taken_on_some_steps_only_is_reduced_once_after_the_loop():
     assert reduction.executions == 1 and "deferred past the loop" in reduction.origin
 
 
+@pytest.mark.parametrize("rows", [6, 7])    # 7 rows over "x"'s 2: uneven
+def test_a_conditional_adding_to_its_accumulator_argument_in_a_loop_reduces_once(rows):
+    """A pipeline's loss gradient added in the branch that takes it, the other branch
+    returning the accumulator as it is (no table-sized add of zeros every step): the
+    accumulator enters the conditional as partial sums and the loop reduces once."""
+    def f(w, xs, acc):
+        def step(acc, t_x):
+            t, x = t_x
+            return jax.lax.cond(t % 3 == 0, lambda acc, x: acc + _grad_of(w, x), lambda acc, x: acc, acc, x), None
+        return jax.lax.scan(step, acc, (jnp.arange(5), xs))[0]
+
+    rng = np.random.RandomState(8)
+    w, xs = rand(rng, 8, 6), rand(rng, 5, rows, 8)
+    for acc in (np.zeros((8, 6), np.float32), rand(rng, 8, 6)):
+        (reduction,) = _all_reduces(check(f, w, xs, acc, mesh=MESH))
+        assert reduction.executions == 1 and "deferred past the loop" in reduction.origin
+
+
+def test_a_conditional_adding_to_its_accumulator_argument_sums_once_after_it():
+    """Alone, the conditional sums after itself; a branch that reads the accumulator
+    other than linearly, or for another result too, keeps its own reduction."""
+    def adds(w, x, acc, p):
+        return jax.lax.cond(p, lambda acc: 0.5 * _grad_of(w, x) + acc, lambda acc: acc, acc)
+
+    def reads(w, x, acc, p):
+        return jax.lax.cond(p, lambda acc: _grad_of(w, x) + jnp.tanh(acc), lambda acc: acc, acc)
+
+    def twice(w, x, acc, p):
+        return jax.lax.cond(p, lambda acc: (acc + _grad_of(w, x), 2.0 * acc), lambda acc: (acc, 2.0 * acc), acc)
+
+    rng = np.random.RandomState(9)
+    w, x, acc = rand(rng, 8, 6), rand(rng, 7, 8), rand(rng, 8, 6)
+    for p in (True, False):
+        (reduction,) = _all_reduces(check(adds, w, x, acc, p, mesh=MESH))
+        assert "deferred past the conditional" in reduction.origin
+        for kept in (reads, twice):
+            assert all("deferred" not in c.origin for c in _all_reduces(check(kept, w, x, acc, p, mesh=MESH)))
+
+
 def test_a_conditional_sums_its_branches_partial_results_once_after_it():
     """Branches that both reduce over the same groups leave the sum to after the
     conditional; one that returns a value of its own keeps its branch's reductions."""

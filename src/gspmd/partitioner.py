@@ -3,6 +3,7 @@ partition rule for per-device code; the result is one program for all devices, w
 the passes after partitioning (passes.AFTER_PARTITION) then rewrite."""
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
@@ -43,7 +44,7 @@ def _partition(program: Program, num_devices: int, hw: cm.Hardware, in_layouts: 
         return _partition(sub, region_subgroups.shape[1], hw, ins, outs, region_subgroups)
 
     ctx = DeviceContext(b, num_devices, partition_subprogram=partition_subprogram, partitioned=env.__getitem__,
-                        subgroups=subgroups, hardware=hw)
+                        subgroups=subgroups, hardware=hw, tidy=partial(passes.run, pipeline=passes.AFTER_PARTITION))
     for p, layout in zip(program.params, in_layouts):
         local = b.param(layout.shard_shape(p.shape), p.dtype, hint=p.name)
         local.sharding = layout

@@ -29,7 +29,8 @@ from gspmd.ir import Instr, Program, Value
 from gspmd.ir.dce import eliminate_dead_code
 from gspmd.ir.reducer import OR
 from gspmd.ops.convert import Conversion, physical_aval
-from gspmd.ops.loop_motion import defer_branch_reductions, defer_reductions, finish_reductions
+from gspmd.ops.loop_motion import (as_partial, defer_branch_reductions, defer_reductions, finish_reductions,
+                                  params_read)
 from gspmd.ops.registry import (ELEMENTWISE, Frontend, Memory, Rewrites, Rule, Semantics, Storage, Timing,
                                 lookup, prune, register)
 from gspmd.spmd import reshard as rs
@@ -80,6 +81,8 @@ def _partition_while(ctx, instr: Instr, operands: list[PartitionedValue], target
     local_body = ctx.partition_subprogram(body, targets, targets)
     local_cond = ctx.partition_subprogram(cond, targets, [cond.outputs[0].sharding])
     init, deferred = defer_reductions(ctx, local_body, local_cond, [c.local for c in carry])
+    if deferred:    # an update of zeros whose all-reduce went can fold into its accumulator now
+        ctx.tidy(local_body)
     outs = ctx.b.add("while", init, [(p.shape, p.dtype) for p in local_body.params],
                      body=local_body, cond=local_cond, trip_count=instr.attrs.get("trip_count"))
     outs = finish_reductions(ctx, outs, deferred)
@@ -258,29 +261,12 @@ def _is_constant(v: Value) -> bool:
 def _needed_carries(instr: Instr, used: list[bool]) -> list[int]:
     """Carried values a used result or the condition depends on, through the body."""
     body, cond = instr.attrs["body"], instr.attrs["cond"]
-    needed = {i for i, u in enumerate(used) if u} | _params_read(cond, cond.outputs)
+    needed = {i for i, u in enumerate(used) if u} | params_read(cond, cond.outputs)
     while True:
-        more = _params_read(body, [body.outputs[i] for i in needed]) - needed
+        more = params_read(body, [body.outputs[i] for i in needed]) - needed
         if not more:
             return sorted(needed)
         needed |= more
-
-
-def _params_read(program, values) -> set[int]:
-    """Indices of `program`'s parameters that `values` are computed from."""
-    producer = {o: i for i in program.instrs for o in i.outputs}
-    index = {p: i for i, p in enumerate(program.params)}
-    found, stack, seen = set(), list(values), set()
-    while stack:
-        v = stack.pop()
-        if v in seen:
-            continue
-        seen.add(v)
-        if v in index:
-            found.add(index[v])
-        elif v in producer:
-            stack.extend(producer[v].operands)
-    return found
 
 
 def _prune_while(instr: Instr, used: list[bool]) -> None:
@@ -347,8 +333,11 @@ def _partition_conditional(ctx, instr: Instr, operands: list[PartitionedValue], 
     index, args = operands[0], operands[1:]
     layouts = [a.sharding for a in args]
     branches = tuple(ctx.partition_subprogram(branch, layouts, targets) for branch in instr.attrs["branches"])
-    deferred = defer_branch_reductions(ctx, branches)
-    outs = ctx.b.add("conditional", [index.local, *(a.local for a in args)],
+    deferred, accumulators = defer_branch_reductions(ctx, branches)
+    for branch in branches if deferred else ():   # updates of zeros that may fold now, as in a loop
+        ctx.tidy(branch)
+    locals_ = [as_partial(ctx, a.local, accumulators[j]) if j in accumulators else a.local for j, a in enumerate(args)]
+    outs = ctx.b.add("conditional", [index.local, *locals_],
                      [(t.shard_shape(o.shape), o.dtype) for t, o in zip(targets, instr.outputs)], branches=branches)
     outs = finish_reductions(ctx, outs, deferred, past="the conditional")
     return [PartitionedValue(v, t, o.shape) for v, t, o in zip(outs, targets, instr.outputs)]

@@ -45,10 +45,10 @@ def defer_reductions(ctx: DeviceContext, body: Program, cond: Program, init: lis
             continue
         for groups in _reduction_groups(body, out):
             expr = _partial_expression(body, param, out, groups, uniform)
-            if expr is not None and _only_feeds(body, i, expr, groups):
+            if expr is not None and _only_feeds(body, param, i, expr, groups):
                 _rewrite(body, i, expr, groups)
                 uniform.exclude(param)
-                init = init[:i] + [_as_partial(ctx, init[i], groups)] + init[i + 1:]
+                init = init[:i] + [as_partial(ctx, init[i], groups)] + init[i + 1:]
                 deferred.append(Deferred(i, groups))
                 break
     if deferred:
@@ -65,29 +65,85 @@ def finish_reductions(ctx: DeviceContext, results: list[Value], deferred: list[D
     return results
 
 
-def defer_branch_reductions(ctx: DeviceContext, branches: tuple[Program, ...]) -> list[Deferred]:
+def defer_branch_reductions(ctx: DeviceContext, branches: tuple[Program, ...]) -> tuple[list[Deferred], dict[int, np.ndarray]]:
     """Results that every branch of a conditional makes from add-all-reduces over the
     same groups (through linear ops, as a gradient's cast), or as zeros: each branch
     returns them as partial sums instead and the sum runs once, after the conditional
     (finish_reductions), where a loop around it can defer it further (a pipeline takes
     its loss and the loss's gradient only in the steps that finish a microbatch, and sums
-    that gradient over data-parallel devices once, after its loop)."""
-    deferred = []
+    that gradient over data-parallel devices once, after its loop).
+
+    A result may also add its partial sums to one of the conditional's arguments, which
+    a branch returns as it is where it adds nothing (an accumulator, as a loop's carry):
+    that argument must then enter as partial sums, and the second value returned maps
+    its index among the branches' parameters to the groups (for `as_partial`; a loop
+    around the conditional that defers the same sum enters its own partial sums there)."""
+    deferred, accumulators = [], {}
     uniform = [Uniformity(b, ctx.virtual) for b in branches]
     for k in range(len(branches[0].outputs)):
         made = [(b, u) for b, u in zip(branches, uniform) if not is_zero(b.outputs[k])]
-        groups = [_reduction_groups(b, b.outputs[k]) for b, _ in made]
-        if not made or any(len(g) != 1 for g in groups) or len({_groups_key(g[0]) for g in groups}) != 1:
+        summing = [(b, u) for b, u in made if b.outputs[k] not in b.params]
+        groups = [_reduction_groups(b, b.outputs[k]) for b, _ in summing]
+        if not summing or any(len(g) != 1 for g in groups) or len({_groups_key(g[0]) for g in groups}) != 1:
             continue
-        exprs = [_partial_expression(b, None, b.outputs[k], groups[0][0], u) for b, u in made]
-        if all(e is not None for e in exprs):
-            for (b, _), e in zip(made, exprs):
-                _emit_partial(b, k, e)
-            deferred.append(Deferred(k, groups[0][0]))
+        for j in _accumulator_candidates(made, k, accumulators):
+            found = _branch_expressions(made, k, j, groups[0][0])
+            if found is not None:
+                for (b, _), e in zip(made, found):
+                    if e is not None:
+                        _emit_partial(b, k, e)
+                deferred.append(Deferred(k, groups[0][0]))
+                if j is not None:
+                    accumulators[j] = groups[0][0]
+                break
     if deferred:
         for b in branches:
             eliminate_dead_code(b)
-    return deferred
+    return deferred, accumulators
+
+
+def _accumulator_candidates(made: list, k: int, taken: dict) -> list[Optional[int]]:
+    """None (no accumulator), then the parameters result k of a branch is, or that feed it."""
+    b = made[0][0]
+    reached = params_read(b, [b.outputs[k]])
+    return [None] + [j for j in sorted(reached) if j not in taken]
+
+
+def params_read(program: Program, values: list[Value]) -> set[int]:
+    """Indices of `program`'s parameters that `values` are computed from."""
+    producer = {o: i for i in program.instrs for o in i.outputs}
+    index = {p: i for i, p in enumerate(program.params)}
+    found, stack, seen = set(), list(values), set()
+    while stack:
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        if v in index:
+            found.add(index[v])
+        elif v in producer:
+            stack.extend(producer[v].operands)
+    return found
+
+
+def _branch_expressions(made: list, k: int, j: Optional[int], groups: np.ndarray) -> Optional[list]:
+    """Per branch that makes result k, its expression as partial sums (None where the
+    branch returns parameter j as it is), or None when one does not qualify."""
+    found = []
+    for b, u in made:
+        param = None if j is None else b.params[j]
+        if param is not None and b.outputs[k] is param:
+            found.append(None)
+            continue
+        if param is not None:
+            u.exclude(param)
+        e = _partial_expression(b, param, b.outputs[k], groups, u)
+        if e is None or (param is not None and not _only_feeds(b, param, k, e, groups)):
+            return None
+        found.append(e)
+    if j is not None and any(b.outputs[i] is b.params[j] for b, _ in made for i in range(len(b.outputs)) if i != k):
+        return None
+    return found
 
 
 # -- finding the expression ------------------------------------------------------------------
@@ -175,10 +231,11 @@ def _reads(program: Program, v: Value) -> bool:
     return any(v in instr.operands for instr in program.instrs) or v in program.outputs
 
 
-def _only_feeds(body: Program, index: int, expr: _Expression, groups: np.ndarray) -> bool:
-    """The accumulator and what is computed from it reach nothing but the expression,
-    the body's result `index` and inner loops that accumulate into it (_inner_inits)."""
-    inside = set(expr.instrs) | set(_inner_inits(body, body.params[index], groups))
+def _only_feeds(body: Program, param: Value, index: int, expr: _Expression, groups: np.ndarray) -> bool:
+    """The accumulator `param` and what is computed from it reach nothing but the
+    expression, the body's result `index` and inner loops or conditionals that accumulate
+    into it (_inner_inits)."""
+    inside = set(expr.instrs) | set(_inner_inits(body, param, groups))
     for instr in body.instrs:
         if instr not in inside and any(o in expr.from_accumulator for o in instr.operands):
             return False
@@ -187,7 +244,7 @@ def _only_feeds(body: Program, index: int, expr: _Expression, groups: np.ndarray
 
 def _inner_inits(body: Program, param: Value, groups: np.ndarray) -> list[Instr]:
     """The initial values that `param` gives inner loops whose carry defers the same sum:
-    param as partial sums (_as_partial). Once param holds partial sums itself, each is
+    param as partial sums (as_partial). Once param holds partial sums itself, each is
     param: the inner loop then adds its part in place, and the sum over the groups of
     what it returns is the same either way."""
     key = _groups_key(groups)
@@ -220,7 +277,7 @@ def _emit_partial(body: Program, index: int, expr: _Expression) -> None:
     body.outputs[index] = clone.get(out, out)
 
 
-def _as_partial(ctx: DeviceContext, init: Value, groups: np.ndarray) -> Value:
+def as_partial(ctx: DeviceContext, init: Value, groups: np.ndarray) -> Value:
     """init as partial sums over groups: whole on each group's first device, else zero.
     An init that an add-all-reduce over the same groups made (the previous loop's
     deferred sum, as when a pipeline's phases accumulate one gradient) is entered as

@@ -37,11 +37,13 @@ class DeviceContext:
     def __init__(self, builder: Builder, num_devices: int,
                  partition_subprogram: Optional[PartitionSubprogram] = None,
                  partitioned: Optional[Callable[[Value], object]] = None,
-                 subgroups: Optional[np.ndarray] = None, hardware: Hardware = DEFAULT):
+                 subgroups: Optional[np.ndarray] = None, hardware: Hardware = DEFAULT,
+                 tidy: Callable[[Program], Program] = lambda program: program):
         """The driver's hooks: partition_subprogram partitions loop bodies and conditions;
         partitioned(value) is the PartitionedValue of any value already partitioned (for
-        rules that look through their operands' producers). `hardware` is what the
-        rules' choices (reshard plans, layouts) are priced on."""
+        rules that look through their operands' producers); tidy runs the passes every
+        per-device program gets again, on one a rule rewrote after it was made. `hardware`
+        is what the rules' choices (reshard plans, layouts) are priced on."""
         self.b = builder
         self.hardware = hardware
         self.num_devices = num_devices
@@ -52,6 +54,7 @@ class DeviceContext:
         self._tables: dict[bytes, Value] = {}
         self.partition_subprogram = partition_subprogram
         self.partitioned = partitioned
+        self.tidy = tidy
 
     def real_groups(self, groups) -> np.ndarray:
         """Groups of virtual devices as groups of real devices, in every subgroup."""
