@@ -429,21 +429,29 @@ def _language_model(schedule):
     return step, sequential_step
 
 
-@pytest.mark.parametrize("schedule,microbatches,backends", [("1f1b", 5, BACKENDS), ("gpipe", 3, ("sim",))])
-def test_a_language_model_embeds_on_the_first_stage_and_takes_its_loss_on_the_last(schedule, microbatches,
+@pytest.mark.parametrize("schedule,microbatches,rows,backends", [   # 3 rows over "d"'s 2: uneven
+    ("1f1b", 5, 2, BACKENDS), ("1f1b", 5, 3, ("sim",)), ("gpipe", 3, 2, ("sim",))])
+def test_a_language_model_embeds_on_the_first_stage_and_takes_its_loss_on_the_last(schedule, microbatches, rows,
                                                                                   backends):
     rng = np.random.RandomState(5)
     vocab, width = 11, 8
     ws, table = rand(rng, 4, width, width) / 3, rand(rng, vocab, width)
-    tokens, labels = (rng.randint(0, vocab, (microbatches, 2, 3)).astype(np.int32) for _ in range(2))
+    tokens, labels = (rng.randint(0, vocab, (microbatches, rows, 3)).astype(np.int32) for _ in range(2))
     step, sequential_step = _language_model(schedule)
     expected = sequential_step(ws, table, tokens, labels)
     for got, want in zip(jax.jit(step)(ws, table, tokens, labels), expected):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     low = check(step, ws, table, tokens, labels, mesh=MESH, backends=backends)
     if schedule == "1f1b":   # no [M, ...] buffer of embedded microbatches: one microbatch at a time
-        embedded = microbatches * 2 * 3 * width * 4
+        embedded = microbatches * rows * 3 * width * 4
         assert all(t.nbytes < embedded for t in low.report().memory.live_at_peak if t.kind != "argument")
+        # The table's gradient grows only in the steps that take a loss or embed a
+        # microbatch (inside conditionals), and is summed over "d" once, after the loops.
+        for loop in (i for i in low.spmd.instrs if i.opcode == "while"):
+            assert not [i for i in loop.attrs["body"].instrs if i.opcode in ("add", "select", "scatter")
+                        and tuple(i.outputs[0].shape) == (1, vocab, width)]
+        table_sums = [c for c in low.report().collectives if c.kind == "all-reduce" and c.bytes == vocab * width * 4]
+        assert len(table_sums) == 2 and all(c.executions == 1 for c in table_sums)   # over "d", then stages
 
 
 def test_1f1b_sums_low_precision_gradients_in_float32():

@@ -524,19 +524,22 @@ class _Pipeline:
             done, r_last, m = timing.forward(t, L - 1)
             target = jnp.broadcast_to(_index(ys, m), (L,) + jnp.shape(ys)[1:])
 
-            def take_loss(y, target, e):
+            # The ends' gradient is added in the branch: a table-sized add every step
+            # would otherwise add the other branch's zeros.
+            def take_loss(y, target, e, d_ends):
                 loss, loss_vjp = (jax.vjp(run_loss, y, target, e) if want_d_ys else
                                   jax.vjp(lambda y, e: run_loss(y, target, e), y, e))
-                return loss, loss_vjp(jnp.ones_like(loss))
+                loss, (d_y, *d_rest) = _mask_tree(last, (loss, loss_vjp(jnp.ones_like(loss))))
+                return loss, d_y, d_rest[:-1], _add_tree(d_ends, d_rest[-1])
 
-            def no_loss(*args):
-                return jax.tree_util.tree_map(jnp.zeros_like, jax.eval_shape(take_loss, *args))
-            loss, grads = jax.lax.cond(done & (r_last == R - 1), take_loss, no_loss, y, target, ends_by_stage)
-            d_y, *d_rest = _mask_tree(last, grads)
-            c["loss"] = c["loss"] + _mask(last, loss)
-            c["d_ends"] = _add_tree(c["d_ends"], d_rest[-1])
+            def no_loss(y, target, e, d_ends):
+                zeros = jax.tree_util.tree_map(jnp.zeros_like, jax.eval_shape(take_loss, y, target, e, d_ends))
+                return (*zeros[:-1], d_ends)
+            loss, d_y, d_ys, c["d_ends"] = jax.lax.cond(done & (r_last == R - 1), take_loss, no_loss, y, target,
+                                                        ends_by_stage, c["d_ends"])
+            c["loss"] = c["loss"] + loss
             if want_d_ys:
-                c["d_ys"] = self.store(c["d_ys"], m, last & done, d_rest[0])
+                c["d_ys"] = self.store(c["d_ys"], m, last & done, d_ys[0])
             c["act"], c["d_last"] = y, d_y
             return c
 
@@ -556,18 +559,29 @@ class _Pipeline:
                 c["grads"] = _add_tree(c["grads"], self.placed(c["grads"], lambda p: self.layer(p, r), valid, d_layer))
             c["ct"] = self.split(_mask(valid, d_x))
             # The first layer's input gradient, through first_fn (recomputed, as cheap as
-            # an embedding lookup), to the ends' parameters and the microbatch.
-            _, _, m0 = timing.backward(t, 0)
+            # an embedding lookup), to the ends' parameters and the microbatch, in the
+            # steps where the first stage's slot takes a microbatch's first layer (the same
+            # on every device): zero off that stage, whose cotangent alone is not masked
+            # (first_fn reads a real microbatch, so no 0 * inf there), and added to the
+            # ends' gradient as it is (an embedding's scatter updates its rows in place).
+            valid0, r0, m0 = timing.backward(t, 0)
             entered = valid & (self.stage == 0) & (r == 0)
+
+            def enter(ct, d_ends):
+                if want_d_xs:
+                    x0 = jnp.broadcast_to(_index(xs, m0), (L,) + jnp.shape(xs)[1:])
+                    _, embed_vjp = jax.vjp(jax.vmap(first_fn), ends_by_stage, x0)
+                    d_e, d_x0 = embed_vjp(ct)
+                else:
+                    _, embed_vjp = jax.vjp(lambda e: embed(e, m0), ends_by_stage)
+                    (d_e,), d_x0 = embed_vjp(ct), None
+                return _add_tree(d_ends, d_e), d_x0
+
+            def no_entry(ct, d_ends):
+                return d_ends, jax.tree_util.tree_map(jnp.zeros_like, jax.eval_shape(enter, ct, d_ends)[1])
+            c["d_ends"], d_x0 = jax.lax.cond(valid0 & (r0 == 0), enter, no_entry, _mask(entered, c["ct"]), c["d_ends"])
             if want_d_xs:
-                x0 = jnp.broadcast_to(_index(xs, m0), (L,) + jnp.shape(xs)[1:])
-                _, embed_vjp = jax.vjp(jax.vmap(first_fn), ends_by_stage, x0)
-                d_ends, d_x0 = embed_vjp(_mask(entered, c["ct"]))
                 c["d_xs"] = self.store(c["d_xs"], m0, entered, d_x0)
-            else:
-                _, embed_vjp = jax.vjp(lambda e: embed(e, m0), ends_by_stage)
-                (d_ends,) = embed_vjp(_mask(entered, c["ct"]))
-            c["d_ends"] = _add_tree(c["d_ends"], _mask_tree(entered, d_ends))
             return c
 
         def phase(forward: bool, backward: bool):
@@ -583,7 +597,8 @@ class _Pipeline:
                  "loss": self.split(jnp.zeros((L,), loss_type.dtype)),
                  "grads": jax.tree_util.tree_map(lambda p: self.split(jnp.zeros(jnp.shape(p), _accumulated(p))),
                                                  per_stage),
-                 "d_ends": jax.tree_util.tree_map(lambda p: self.split(jnp.zeros_like(p)), ends_by_stage)}
+                 "d_ends": jax.tree_util.tree_map(lambda p: self.split(jnp.zeros(jnp.shape(p), _accumulated(p))),
+                                                  ends_by_stage)}
         if want_d_xs:
             carry["d_xs"] = self.split(jnp.zeros((L,) + jnp.shape(xs), xs.dtype))
         if want_d_ys:
@@ -594,7 +609,8 @@ class _Pipeline:
             carry = jax.lax.fori_loop(start, stop, phase(f, b), carry)
         grads = (jax.tree_util.tree_map(lambda g, p: self.from_stages(g).astype(p.dtype), carry["grads"],
                                         stacked_params),
-                 jax.tree_util.tree_map(lambda g: jnp.sum(g, axis=0), carry["d_ends"]),
+                 jax.tree_util.tree_map(lambda g, p: jnp.sum(g, axis=0).astype(jnp.result_type(p)), carry["d_ends"],
+                                        ends),
                  self.from_stage(carry["d_xs"], 0) if want_d_xs else None,
                  self.from_stage(carry["d_ys"], L - 1) if want_d_ys else None)
         return jnp.sum(carry["loss"]), grads
