@@ -469,6 +469,17 @@ def test_1f1b_sums_low_precision_gradients_in_float32():
     assert low.spmd.outputs[0].dtype == jnp.bfloat16
 
 
+def test_1f1b_sums_low_precision_ends_gradients_in_float32():
+    """bfloat16 layers and table: the table's gradient too is summed in a float32 accumulator."""
+    step, _ = _language_model("1f1b")
+    ws, table = jax.ShapeDtypeStruct((4, 8, 8), jnp.bfloat16), jax.ShapeDtypeStruct((11, 8), jnp.bfloat16)
+    tokens = jax.ShapeDtypeStruct((5, 2, 3), jnp.int32)
+    low = gspmd.jit(step, mesh=MESH).lower(ws, table, tokens, tokens)
+    carried = [(v.shape, v.dtype) for i in low.spmd.instrs if i.opcode == "while" for v in i.outputs]
+    assert ((1, 11, 8), np.float32) in carried and ((1, 11, 8), jnp.bfloat16) in carried   # and the table
+    assert low.spmd.outputs[1].dtype == jnp.bfloat16
+
+
 def test_pipeline_ends_need_their_parameters():
     with pytest.raises(gspmd.ShardingError, match="ends="):
         gspmd.pipeline_loss(stage_fn, loss_fn, jnp.zeros((4, 8, 8)), jnp.zeros((4, 2, 8)), jnp.zeros((4, 2, 8)),

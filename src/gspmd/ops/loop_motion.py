@@ -65,7 +65,8 @@ def finish_reductions(ctx: DeviceContext, results: list[Value], deferred: list[D
     return results
 
 
-def defer_branch_reductions(ctx: DeviceContext, branches: tuple[Program, ...]) -> tuple[list[Deferred], dict[int, np.ndarray]]:
+def defer_branch_reductions(ctx: DeviceContext,
+                            branches: tuple[Program, ...]) -> tuple[list[Deferred], dict[int, np.ndarray]]:
     """Results that every branch of a conditional makes from add-all-reduces over the
     same groups (through linear ops, as a gradient's cast), or as zeros: each branch
     returns them as partial sums instead and the sum runs once, after the conditional
