@@ -1,7 +1,7 @@
 """Per-op knowledge, one module per op family, all registered in ops.registry.OPS."""
 # Importing each op family registers its opcodes.
-from gspmd.ops import (callbacks, collectives, control, conv, dot, elementwise, gather_scatter, linalg,  # noqa: F401
-                       manual, random, reduce, shape, slicing, sort, window)
+from gspmd.ops import (callbacks, collectives, control, conv, dot, elementwise, gather_scatter, kernels,  # noqa: F401
+                       linalg, manual, random, reduce, shape, slicing, sort, window)
 from gspmd.ops.elementwise import annotated
 from gspmd.ops.registry import (KEY_PRIMITIVES, OPS, PRIMITIVES, OpDef, flops, informants, is_annotation, is_zero,
                                 layouts_named, lookup, partition, propagate, proposer, prune, runs, seeds, splats,

@@ -1,0 +1,95 @@
+"""Pallas kernels (pallas_call): a JAX primitive run as it is, as XLA runs a custom call.
+
+A kernel works on whatever arrays it is given, so it is partitioned as XLA partitions a
+custom call without sharding rules: its operands gathered, the whole kernel run on
+every device (replicate_fallback). Inside a manual region (jax.shard_map, where library
+kernels such as MaxText's splash attention run) the code is per-device and so is the
+kernel: each device runs it on its own blocks, with no communication.
+
+It runs where jax can run it: the sim backend on each device's NumPy arrays
+(interpret=True kernels; others are refused clearly); the jax backend binds the
+primitive in its per-device program (on the hardware the kernel targets, or anywhere
+with interpret=True) for kernels inside a shard_map. One outside is refused there: it
+was traced under the mesh's automatic axes, and jax evaluates its body in that context,
+which per-device values do not match.
+Reports price it as one kernel: the FLOPs of its body's matmuls on each step of its grid
+(or its own cost_estimate where it gives one) at the matmul efficiency, its operands
+and results read and written once through HBM, nothing held beyond its results.
+"""
+from __future__ import annotations
+
+import math
+
+from gspmd.errors import ShardingError
+from gspmd.ops.convert import BoundPrimitive, call_eagerly
+from gspmd.ops.registry import ComputeKind, Frontend, Rule, Semantics, Timing, register, replicate_fallback
+
+
+def _convert(b, eqn, args):
+    out_types = [b.out_aval(eqn, i) for i in range(len(eqn.outvars))]
+    return b.add("pallas-call", args, out_types, call=BoundPrimitive(eqn.primitive, dict(eqn.params)),
+                 kernel=eqn.params.get("name") or "kernel", flops=_kernel_flops(eqn.params),
+                 per_device=bool(b.manual_regions))
+
+
+def _kernel_flops(params: dict) -> int:
+    """The kernel's own cost_estimate where it gives one, else its body's matmul FLOPs on
+    every step of its grid (each branch of a conditional at its dearest: a causal mask's
+    skipped blocks count)."""
+    estimate = params.get("cost_estimate")
+    if estimate is not None:
+        return int(estimate.flops)
+    return _body_flops(params["jaxpr"]) * math.prod(int(g) for g in params["grid_mapping"].grid)
+
+
+def _body_flops(jaxpr) -> int:
+    total = 0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            (contracting, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            total += 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in contracting)
+        elif name == "cond":
+            total += max(_body_flops(branch.jaxpr) for branch in eqn.params["branches"])
+        elif name == "scan":
+            total += _body_flops(eqn.params["jaxpr"].jaxpr) * int(eqn.params["length"])
+        else:   # while loops (trips unknown: once), pjit and other calls
+            total += sum(_body_flops(_open(p)) for p in eqn.params.values() if _open(p) is not None)
+    return total
+
+
+def _open(param):
+    """A jaxpr inside an eqn's parameter (closed or not), or None."""
+    inner = getattr(param, "jaxpr", None)
+    if inner is not None and hasattr(inner, "eqns"):
+        return inner
+    return param if hasattr(param, "eqns") else None
+
+
+def _evaluate(instr, args, device):
+    try:
+        return call_eagerly(instr, args)
+    except Exception as e:   # a kernel for hardware this machine has not, compiled for it
+        raise ShardingError(
+            f"The Pallas kernel {instr.attrs['kernel']!r} cannot run on this machine ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}). The sim backend runs kernels written with "
+            "interpret=True; plan this program (lower() and report() need no run) or run it with backend='jax' "
+            "on the hardware the kernel is written for.") from e
+
+
+def _lower(instr, args, lc):
+    if not instr.attrs["per_device"]:
+        raise ShardingError(
+            f"The Pallas kernel {instr.attrs['kernel']!r} is called outside jax.shard_map: gspmd's jax backend runs "
+            "kernels per device, inside a shard_map only. Wrap the call in jax.shard_map over the mesh (each device "
+            "runs the kernel on its own blocks, as multi-device Pallas code does), or run with backend='sim' "
+            "(interpret=True kernels), which gathers its operands and runs it whole, as jax.jit does.")
+    return instr.attrs["call"](*args)
+
+
+register("pallas-call",
+         frontend=Frontend(converts={"pallas_call": _convert}),
+         semantics=Semantics(evaluate=_evaluate, lower=_lower),
+         rule=Rule(partition=replicate_fallback),
+         timing=Timing(flops=lambda instr: instr.attrs["flops"], compute=ComputeKind.MATMUL, fuses=False))

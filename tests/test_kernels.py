@@ -1,0 +1,93 @@
+"""Pallas kernels (pallas_call) run as they are: gathered and run whole under automatic
+sharding (as XLA runs a custom call), per device inside a shard_map; priced by their
+grid's matmuls."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+
+import gspmd
+from util import check, rand
+
+MESH = gspmd.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
+P = jax.sharding.PartitionSpec
+
+
+def _matmul_kernel(x_ref, w_ref, o_ref):
+    o_ref[...] = jnp.dot(x_ref[...], w_ref[...], preferred_element_type=jnp.float32)
+
+
+def _tanh_matmul_kernel(x_ref, w_ref, o_ref):
+    o_ref[...] = jnp.tanh(jnp.dot(x_ref[...], w_ref[...], preferred_element_type=jnp.float32))
+
+
+def tanh_matmul(x, w, block: int = 2, interpret: bool = True, kernel=_tanh_matmul_kernel):
+    """tanh(x @ w), a block of `block` rows of x per step of the kernel's grid."""
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32),
+        grid=(x.shape[0] // block,), in_specs=[pl.BlockSpec((block, x.shape[1]), lambda i: (i, 0)),
+                                               pl.BlockSpec(w.shape, lambda i: (0, 0))],
+        out_specs=pl.BlockSpec((block, w.shape[1]), lambda i: (i, 0)), interpret=interpret)(x, w)
+
+
+def _jax_mesh():
+    return jax.sharding.Mesh(np.asarray(jax.devices()[:8]).reshape(2, 4), ("x", "y"))
+
+
+def test_a_kernel_under_automatic_sharding_runs_whole_on_gathered_operands():
+    """As XLA runs a custom call it has no rule for; the jax backend asks for a shard_map."""
+    def f(x, w):
+        x = gspmd.mesh_split(x, MESH, ["x", -1])
+        return tanh_matmul(x, w) * 2
+
+    rng = np.random.RandomState(0)
+    x, w = rand(rng, 8, 6), rand(rng, 6, 5)
+    low = check(f, x, w, mesh=MESH, backends=("sim",))
+    assert [c.kind for c in low.report().collectives] == ["all-gather"]     # x's rows, before the kernel
+    with pytest.raises(gspmd.ShardingError, match="outside jax.shard_map"):
+        gspmd.jit(f, mesh=MESH, backend="jax")(x, w)
+
+
+@pytest.mark.parametrize("rows", [8, 12])    # 12 rows: a kernel grid of 3 per "x" shard
+def test_a_kernel_in_a_shard_map_runs_on_each_devices_block(rows):
+    """As MaxText's splash attention: the kernel inside jax.shard_map, each device on its
+    own rows, no collective; its gradient by a custom_vjp whose backward is a kernel too."""
+    @jax.custom_vjp
+    def layer(x, w):
+        return tanh_matmul(x, w)
+
+    def forward(x, w):
+        y = tanh_matmul(x, w)
+        return y, (x, w, y)
+
+    def backward(res, g):
+        x, w, y = res
+        d = g * (1 - y ** 2)
+        return tanh_matmul(d, w.T, kernel=_matmul_kernel), x.T @ d
+    layer.defvjp(forward, backward)
+
+    def f(x, w):
+        return jax.shard_map(layer, mesh=_jax_mesh(), in_specs=(P("x"), P()), out_specs=P("x"), check_vma=False)(x, w)
+
+    rng = np.random.RandomState(1)
+    x, w = rand(rng, rows, 6), rand(rng, 6, 5)
+    low = check(f, x, w, mesh=MESH)
+    assert not low.report().collectives
+    # one kernel a device: 2 * (rows / 2) * 6 * 5 FLOPs in (rows / 2) / 2 grid steps
+    (kernel,) = [i for i in low.spmd.all_instrs() if i.opcode == "pallas-call"]
+    assert kernel.attrs["flops"] == 2 * (rows // 2) * 6 * 5 and low.report(hardware="tpu-v5p").flops > 0
+    grad = jax.grad(lambda x, w: jnp.sum(f(x, w) ** 2), argnums=(0, 1))
+    check(grad, x, w, mesh=MESH)
+
+
+def test_a_kernel_the_sim_backend_cannot_run_is_refused_clearly():
+    """A kernel compiled for other hardware (not interpret=True) still plans; running it
+    on the simulator says why it cannot."""
+    def f(x, w):
+        return tanh_matmul(x, w, interpret=False)
+
+    x, w = np.ones((8, 6), np.float32), np.ones((6, 5), np.float32)
+    assert gspmd.jit(f, mesh=MESH).lower(x, w).report(hardware="tpu-v5p").step_seconds > 0
+    with pytest.raises(gspmd.ShardingError, match="Pallas kernel .* cannot run on this machine"):
+        gspmd.jit(f, mesh=MESH, backend="sim")(x, w)
