@@ -34,12 +34,12 @@ REMAT = {policy: name for name, policy in published.MAXTEXT_REMAT.items()}   # j
 
 def overrides(row: published.Row) -> dict:
     """The row's MaxText configuration (its v5p/*.sh flags), read back from the row:
-    scale (the label's size), per-device batch, tensor parallelism, remat policy.
-    Flash attention is dot_product here (examples/maxtext_plan.py)."""
+    scale (the label's size), per-device batch, tensor parallelism, remat policy, flash
+    attention (MaxText's splash kernel, planned as a kernel: examples/maxtext_plan.py)."""
     tensor = row.sizes.mesh[1]
     return dict(global_parameter_scale=int(row.label.split("B")[0]), per_device_batch_size=row.sizes.batch // row.chips,
                 ici_fsdp_parallelism=-1, ici_tensor_parallelism=tensor, remat_policy=REMAT[row.sizes.remat],
-                max_target_length=row.sizes.seq, use_iota_embed=True, quantization="")
+                max_target_length=row.sizes.seq, use_iota_embed=True, quantization="", attention=row.sizes.attention)
 
 
 def plan_row(index: int) -> dict:

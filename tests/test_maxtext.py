@@ -127,6 +127,23 @@ def test_other_decoders_and_backends(decoder, scan_layers, backend, tmp_path):
     check(decoder, scan_layers, backend, tmp_path)
 
 
+def test_plans_flash_attention_as_maxtext_runs_it_on_tpu(monkeypatch):
+    """attention=flash on a TPU profile (every published v5p script): MaxText runs its
+    splash attention kernel (Pallas, in a shard_map), which the plan holds as kernels of
+    their own, with no [B, N, S, S] scores (the dot_product plan of the step holds them)."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "maxtext_plan.py"
+    sizes = dict(TINY, base_emb_dim=512, head_dim=128, base_num_query_heads=4, base_num_kv_heads=4,
+                 base_mlp_dim=256, max_target_length=1024)
+    peaks = {}
+    for attention in ("dot_product", "flash"):
+        monkeypatch.setenv("MAXTEXT_OVERRIDES", " ".join(f"{k}={v}" for k, v in dict(sizes, attention=attention).items()))
+        result = planning.plan(f"{example}:make", planning.Sizes(devices=32), "tpu-v5p")
+        kernels = [i for i in result.lowered.spmd.all_instrs() if i.opcode == "pallas-call"]
+        assert bool(kernels) == (attention == "flash") and result.report.step_seconds > 0
+        peaks[attention] = result.report.peak_memory_bytes
+    assert peaks["flash"] < peaks["dot_product"], peaks
+
+
 def test_plans_the_step_for_devices_this_process_has_not(monkeypatch):
     """`gspmd plan examples/maxtext_plan.py:make --devices 32 --hardware tpu-v5p` with the
     tiny config as MAXTEXT_OVERRIDES: MaxText's own step and abstract train state over

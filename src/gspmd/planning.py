@@ -158,7 +158,8 @@ class StandInDevice:
     jax.experimental.topologies' devices are for ahead-of-time compilation): what library
     code reads of a device (id, platform, kind, process), nothing to run on. gspmd.jit
     lowers and reports over a mesh of them; calling it there is an error. Its platform
-    is "cpu" so that libraries that pick kernels by platform take their portable path."""
+    is "cpu" so that libraries that pick kernels by platform take their portable path,
+    unless a plan asks for the hardware's own ("tpu": its Pallas kernels, which plan)."""
     id: int
     platform: str = "cpu"
     device_kind: str = "stand-in"
@@ -170,10 +171,12 @@ def stand_in_devices(n: int) -> list[StandInDevice]:
 
 
 def stand_in_mesh(shape: Sequence[int], axis_names: Sequence[str],
-                  hardware: Union[str, Hardware] = "tpu-v3") -> jax.sharding.Mesh:
+                  hardware: Union[str, Hardware] = "tpu-v3", platform: str = "cpu") -> jax.sharding.Mesh:
     """A jax mesh of stand-in devices of this shape, laid out on `hardware`'s network
-    (device_mesh: each axis along whole dims of it, as jax's mesh_utils for TPU slices)."""
-    devices = np.array(stand_in_devices(int(np.prod(shape))), dtype=object)
+    (device_mesh: each axis along whole dims of it, as jax's mesh_utils for TPU slices).
+    platform="tpu": libraries that pick kernels by the mesh's platform take their TPU
+    path (Pallas kernels in shard_maps, which plan; the sim backend runs none of them)."""
+    devices = np.array([StandInDevice(i, platform=platform) for i in range(int(np.prod(shape)))], dtype=object)
     return jax.sharding.Mesh(devices[device_mesh(shape, hardware)], tuple(axis_names))
 
 
