@@ -148,7 +148,11 @@ MAXTEXT = Table(
      "and 512B at tensor 16 is outside 20% (0.72: the 2D layout gathers activations over 16 chips, 1.8 TB "
      "a chip a step against 1.1 at tensor 8, 17 s of communication exposed against 8).",
      "512B and 1024B (remat full) spend 18% of their FLOPs recomputing, as MaxText's do: the source's "
-     "formula does not count them, so their MFU is lower than the minimal-remat rows', in both."))
+     "formula does not count them, so their MFU is lower than the minimal-remat rows', in both.",
+     "MaxText's own train step at each row (`benchmarks/maxtext_plans.py`: its config, 12-axis mesh and "
+     "program, its splash attention planned as the Pallas kernel it is): 0.80-0.94 of the published, "
+     "every row fitting as the published runs did (with dot_product attention in its place the 32B step "
+     "took 103 GB and 20% recomputation), the same two swapped pairs (benchmarks/RESULTS.md)."))
 
 
 # -- Megatron-LM on A100 --------------------------------------------------------------------
