@@ -19,11 +19,11 @@ axes; nothing of the model's size is allocated. MaxText runs unchanged (needs Py
   stand-in devices (gspmd.planning.StandInDevice, as jax.experimental.topologies' are
   for ahead-of-time compilation), laid out on the hardware's network as jax's
   mesh_utils lays out TPU slices (gspmd.planning.device_mesh);
-- attention: `attention=dot_product` unless overridden; with `attention=flash` on a TPU
-  profile the stand-in devices say they are TPUs, so that MaxText runs its splash
-  attention kernel (Pallas, in a shard_map), which gspmd plans as a kernel of its own
-  (the plan cannot run on this machine); no checkpoints, synthetic data, no distributed
-  system.
+- attention: `attention=dot_product` unless overridden; with `attention=flash`, or a
+  mixture of experts with megablox, on a TPU profile the stand-in devices say they are
+  TPUs, so that MaxText runs its Pallas kernels (splash attention, grouped matmuls, in
+  shard_maps), which gspmd plans as kernels of their own (such a plan cannot run on this
+  machine); no checkpoints, synthetic data, no distributed system.
 """
 from __future__ import annotations
 
@@ -62,11 +62,16 @@ def config_of(devices: int, overrides: dict):
 def mesh_of(config, devices: int, hardware: str) -> jax.sharding.Mesh:
     """MaxText's mesh (its axes, the shape its create_device_mesh picks) over stand-in
     devices laid out on `hardware`'s network; TPU devices where MaxText is to run its
-    flash attention (the splash Pallas kernel in a shard_map, which it picks by the
-    mesh's platform)."""
+    TPU kernels (Pallas kernels in shard_maps, which it picks by the mesh's platform)."""
     shape = maxtext_utils.create_device_mesh(config, planning.stand_in_devices(devices)).shape
-    platform = "tpu" if hardware.startswith("tpu") and config.attention == "flash" else "cpu"
+    platform = "tpu" if hardware.startswith("tpu") and _runs_tpu_kernels(config) else "cpu"
     return planning.stand_in_mesh(shape, tuple(config.mesh_axes), hardware, platform=platform)
+
+
+def _runs_tpu_kernels(config) -> bool:
+    """Whether MaxText runs Pallas kernels on a TPU for this config: flash attention
+    (splash), or a mixture of experts' grouped matmuls (megablox; base.yml's default)."""
+    return config.attention == "flash" or (config.num_experts > 1 and config.sparse_matmul and config.megablox)
 
 
 def make(devices: int = 256, hardware: str = "tpu-v5p", **overrides):

@@ -144,6 +144,18 @@ def test_plans_flash_attention_as_maxtext_runs_it_on_tpu(monkeypatch):
     assert peaks["flash"] < peaks["dot_product"], peaks
 
 
+def test_plans_a_mixture_of_experts_with_its_grouped_matmul_kernels_on_tpu(monkeypatch):
+    """MaxText's default MoE path (sparse_matmul with megablox) runs grouped matmuls as
+    Pallas kernels on a TPU: a tpu-v5p plan holds them as kernels."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "maxtext_plan.py"
+    sizes = {**TINY, **MOE, "base_emb_dim": 512, "head_dim": 128, "base_num_query_heads": 4, "base_num_kv_heads": 4,
+             "base_moe_mlp_dim": 512, "base_mlp_dim": 512, "max_target_length": 1024}
+    monkeypatch.setenv("MAXTEXT_OVERRIDES", " ".join(f"{k}={v}" for k, v in dict(sizes, megablox=True).items()))
+    result = planning.plan(f"{example}:make", planning.Sizes(devices=32), "tpu-v5p")
+    assert [i for i in result.lowered.spmd.all_instrs() if i.opcode == "pallas-call"]
+    assert result.report.fits_in_memory and result.report.step_seconds > 0
+
+
 def test_plans_the_step_for_devices_this_process_has_not(monkeypatch):
     """`gspmd plan examples/maxtext_plan.py:make --devices 32 --hardware tpu-v5p` with the
     tiny config as MAXTEXT_OVERRIDES: MaxText's own step and abstract train state over
