@@ -4,8 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import gspmd
+from strategies import meshes
 from util import check, rand
 
 MESH = gspmd.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
@@ -174,6 +177,50 @@ def test_a_conditional_adding_to_its_accumulator_argument_sums_once_after_it():
         assert "deferred past the conditional" in reduction.origin
         for kept in (reads, twice):
             assert all("deferred" not in c.origin for c in _all_reduces(check(kept, w, x, acc, p, mesh=MESH)))
+
+
+@st.composite
+def accumulating_loops(draw):
+    """A loop adding a data-parallel gradient to its carry in some steps only, through a
+    conditional: mesh, the axis the batch is split over, rows (the mesh may not divide
+    them), the period of the steps that add, a scale on the way, a start of zeros or not."""
+    mesh = draw(meshes(shapes=[(2,), (4,), (2, 2), (2, 4), (4, 2)]))
+    return (mesh, draw(st.sampled_from(mesh.axis_names)), draw(st.sampled_from([2, 3, 5, 6, 8])),
+            draw(st.integers(1, 3)), draw(st.sampled_from([1.0, 0.5])), draw(st.booleans()), draw(st.integers(0, 2 ** 16)))
+
+
+def _check_accumulating_loop(case):
+    """Equal to one device, and every all-reduce runs once (after the loop)."""
+    mesh, axis, rows, period, scale, start, seed = case
+
+    def grad_of(w, x):
+        x = gspmd.mesh_split(x, mesh, [axis, -1])
+        return jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+
+    def f(w, xs, acc):
+        def step(acc, t_x):
+            t, x = t_x
+            return jax.lax.cond(t % period == 0, lambda acc, x: acc + scale * grad_of(w, x), lambda acc, x: acc,
+                                acc, x), None
+        return jax.lax.scan(step, acc, (jnp.arange(4), xs))[0]
+
+    rng = np.random.RandomState(seed)
+    acc = rand(rng, 8, 6) if start else np.zeros((8, 6), np.float32)
+    low = check(f, rand(rng, 8, 6), rand(rng, 4, rows, 8), acc, mesh=mesh)
+    assert all(c.executions == 1 for c in _all_reduces(low)), [(c.origin, c.executions) for c in _all_reduces(low)]
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(accumulating_loops())
+def test_random_conditional_accumulations(case):
+    _check_accumulating_loop(case)
+
+
+@pytest.mark.slow
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+@given(accumulating_loops())
+def test_random_conditional_accumulations_slow(case):
+    _check_accumulating_loop(case)
 
 
 def test_a_conditional_sums_its_branches_partial_results_once_after_it():
