@@ -170,12 +170,16 @@ def test_a_conditional_adding_to_its_accumulator_argument_sums_once_after_it():
     def twice(w, x, acc, p):
         return jax.lax.cond(p, lambda acc: (acc + _grad_of(w, x), 2.0 * acc), lambda acc: (acc, 2.0 * acc), acc)
 
+    def passed_and_read(w, x, acc, p):     # the branch that adds nothing reads it too
+        return jax.lax.cond(p, lambda acc: (acc + _grad_of(w, x), jnp.zeros_like(acc)),
+                            lambda acc: (acc, jnp.tanh(acc)), acc)
+
     rng = np.random.RandomState(9)
     w, x, acc = rand(rng, 8, 6), rand(rng, 7, 8), rand(rng, 8, 6)
     for p in (True, False):
         (reduction,) = _all_reduces(check(adds, w, x, acc, p, mesh=MESH))
         assert "deferred past the conditional" in reduction.origin
-        for kept in (reads, twice):
+        for kept in (reads, twice, passed_and_read):
             assert all("deferred" not in c.origin for c in _all_reduces(check(kept, w, x, acc, p, mesh=MESH)))
 
 

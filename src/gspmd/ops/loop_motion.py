@@ -134,6 +134,8 @@ def _branch_expressions(made: list, k: int, j: Optional[int], groups: np.ndarray
     for b, u in made:
         param = None if j is None else b.params[j]
         if param is not None and b.outputs[k] is param:
+            if any(param in instr.operands for instr in b.instrs):   # it would read partial sums
+                return None
             found.append(None)
             continue
         if param is not None:
