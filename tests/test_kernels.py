@@ -91,3 +91,24 @@ def test_a_kernel_the_sim_backend_cannot_run_is_refused_clearly():
     assert gspmd.jit(f, mesh=MESH).lower(x, w).report(hardware="tpu-v5p").step_seconds > 0
     with pytest.raises(gspmd.ShardingError, match="Pallas kernel .* cannot run on this machine"):
         gspmd.jit(f, mesh=MESH, backend="sim")(x, w)
+
+
+def test_a_kernel_takes_in_none_of_its_producers():
+    """XLA:TPU fuses an element-wise producer into the dot that reads it, never into a
+    custom kernel: a softmax before a kernel is timed as a kernel of its own on a TPU as
+    on a GPU."""
+    import dataclasses
+
+    from gspmd.spmd import cost as cm
+
+    def f(scores, v):
+        probabilities = jax.nn.softmax(scores, axis=-1)
+        return jax.shard_map(lambda p, v: tanh_matmul(p, v, block=256, kernel=_matmul_kernel), mesh=_jax_mesh(),
+                             in_specs=(P("x"), P()), out_specs=P("x"), check_vma=False)(probabilities, v)
+
+    n = 1024
+    low = gspmd.jit(f, mesh=MESH).lower(jax.ShapeDtypeStruct((n, n), np.float32),
+                                        jax.ShapeDtypeStruct((n, 128), np.float32))
+    tpu = cm.PROFILES["tpu-v5p"]
+    fusing, not_fusing = low.report(hardware=tpu), low.report(hardware=dataclasses.replace(tpu, fuses_into_matmul=False))
+    assert tpu.fuses_into_matmul and fusing.compute_seconds == not_fusing.compute_seconds

@@ -226,8 +226,9 @@ def _into_matmul(program: Program, producers: bool = True) -> set:
             readers.setdefault(v, []).append(instr)
     outputs, folded = set(program.outputs), set()
 
-    def matmul(instr) -> bool:
-        return ops.lookup(instr.opcode).timing.compute is cm.ComputeKind.MATMUL
+    def matmul(instr) -> bool:      # (a custom kernel, which fuses nothing, is not one)
+        timing = ops.lookup(instr.opcode).timing
+        return timing.compute is cm.ComputeKind.MATMUL and timing.fuses
 
     for instr in reversed(program.instrs):      # readers before the values they read
         if not _fusible(instr) or not (producers or ops.lookup(instr.opcode).kernel.transposes):

@@ -126,8 +126,9 @@ class Timing:
     # executions that takes each branch, where the op knows it (a loop whose counter alone
     # decides the branch); timing counts every branch once where not
     branch_shares: Optional[Callable[[Instr], dict[Instr, list[float]]]] = None
-    # whether a memory-bound op fuses with its neighbours; XLA fuses nothing across an
-    # optimization barrier, so what enters one is written to HBM and read back after it
+    # whether a memory-bound op fuses with its neighbours (a matmul: takes in the
+    # producers it reads); XLA fuses nothing across an optimization barrier, so what
+    # enters one is written to HBM and read back after it, nor into a Pallas kernel
     fuses: bool = True
     # vector instructions of one execution, where they may outweigh its bytes (a hash's
     # rounds): its fused kernel takes the longer of its bytes and its arithmetic
