@@ -12,9 +12,11 @@ primitive in its per-device program (on the hardware the kernel targets, or anyw
 with interpret=True) for kernels inside a shard_map. One outside is refused there: it
 was traced under the mesh's automatic axes, and jax evaluates its body in that context,
 which per-device values do not match.
+
 Reports price it as one kernel: the FLOPs of its body's matmuls on each step of its grid
 (or its own cost_estimate where it gives one) at the matmul efficiency, its operands
-and results read and written once through HBM, nothing held beyond its results.
+and results read and written once through HBM, nothing held beyond its results, no
+producer fused into it (XLA fuses nothing into a custom call).
 """
 from __future__ import annotations
 
