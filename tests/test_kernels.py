@@ -5,6 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from jax.experimental import pallas as pl
 
 import gspmd
@@ -112,3 +114,48 @@ def test_a_kernel_takes_in_none_of_its_producers():
     tpu = cm.PROFILES["tpu-v5p"]
     fusing, not_fusing = low.report(hardware=tpu), low.report(hardware=dataclasses.replace(tpu, fuses_into_matmul=False))
     assert tpu.fuses_into_matmul and fusing.compute_seconds == not_fusing.compute_seconds
+
+
+@st.composite
+def kernels_in_shard_maps(draw):
+    """A mesh, the axes a kernel's rows are split over in the shard_map (none, one or two),
+    how many blocks each device gets, the block, and whether x arrives split otherwise."""
+    shape = draw(st.sampled_from([(2,), (4,), (2, 2), (2, 4), (4, 2)]))
+    names = ("x", "y")[:len(shape)]
+    axes = tuple(draw(st.permutations(names)))[:draw(st.integers(0, len(names)))]
+    return shape, names, axes, draw(st.integers(1, 3)), draw(st.sampled_from([1, 2])), draw(st.booleans()), \
+        draw(st.integers(0, 2 ** 16))
+
+
+def _check_kernel_in_shard_map(case):
+    """Equal to one device on both backends; no collective where x arrives whole."""
+    shape, names, axes, blocks, block, presplit, seed = case
+    devices = int(np.prod(shape))
+    jmesh = jax.sharding.Mesh(np.asarray(jax.devices()[:devices]).reshape(shape), names)
+    mesh = gspmd.Mesh(np.arange(devices).reshape(shape), names)
+    parts = int(np.prod([jmesh.shape[a] for a in axes]))
+    spec = P(axes if axes else None)
+
+    def f(x, w):
+        if presplit:
+            x = gspmd.mesh_split(x, mesh, [names[-1], -1])
+        return jax.shard_map(lambda x, w: tanh_matmul(x, w, block=block), mesh=jmesh, in_specs=(spec, P()),
+                             out_specs=spec, check_vma=False)(x, w) + 1
+
+    rng = np.random.RandomState(seed)
+    low = check(f, rand(rng, parts * blocks * block, 4), rand(rng, 4, 3), mesh=mesh)
+    if not presplit:
+        assert not low.report().collectives
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(kernels_in_shard_maps())
+def test_random_kernels_in_shard_maps(case):
+    _check_kernel_in_shard_map(case)
+
+
+@pytest.mark.slow
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(kernels_in_shard_maps())
+def test_random_kernels_in_shard_maps_slow(case):
+    _check_kernel_in_shard_map(case)
