@@ -47,7 +47,21 @@ def test_a_kernel_under_automatic_sharding_runs_whole_on_gathered_operands():
     x, w = rand(rng, 8, 6), rand(rng, 6, 5)
     low = check(f, x, w, mesh=MESH, backends=("sim",))
     assert [c.kind for c in low.report().collectives] == ["all-gather"]     # x's rows, before the kernel
-    with pytest.raises(gspmd.ShardingError, match="outside jax.shard_map"):
+    with pytest.raises(gspmd.ShardingError, match="some mesh axes are automatic"):
+        gspmd.jit(f, mesh=MESH, backend="jax")(x, w)
+
+
+def test_a_kernel_in_a_shard_map_over_some_axes_gathers_over_the_others():
+    """Manual over "x", automatic over "y": each "x" half runs the kernel on its rows,
+    replicated over "y" (the sim backend); the jax backend asks for a whole-mesh shard_map."""
+    def f(x, w):
+        return jax.shard_map(lambda x, w: tanh_matmul(x, w), mesh=_jax_mesh(), in_specs=(P("x"), P()),
+                             out_specs=P("x"), axis_names={"x"}, check_vma=False)(x, w)
+
+    rng = np.random.RandomState(2)
+    x, w = rand(rng, 8, 6), rand(rng, 6, 5)
+    check(f, x, w, mesh=MESH, backends=("sim",))
+    with pytest.raises(gspmd.ShardingError, match="some mesh axes are automatic"):
         gspmd.jit(f, mesh=MESH, backend="jax")(x, w)
 
 
