@@ -76,6 +76,8 @@ def _open(param):
 
 
 def _evaluate(instr, args, device):
+    if instr.attrs["call"].params.get("interpret"):
+        return call_eagerly(instr, args)    # its own errors are the kernel's, as under jax.jit
     try:
         return call_eagerly(instr, args)
     except Exception as e:   # a kernel for hardware this machine has not, compiled for it
