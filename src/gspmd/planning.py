@@ -166,8 +166,8 @@ class StandInDevice:
     process_index: int = 0
 
 
-def stand_in_devices(n: int) -> list[StandInDevice]:
-    return [StandInDevice(i) for i in range(n)]
+def stand_in_devices(n: int, platform: str = "cpu") -> list[StandInDevice]:
+    return [StandInDevice(i, platform=platform) for i in range(n)]
 
 
 def stand_in_mesh(shape: Sequence[int], axis_names: Sequence[str],
@@ -176,7 +176,7 @@ def stand_in_mesh(shape: Sequence[int], axis_names: Sequence[str],
     (device_mesh: each axis along whole dims of it, as jax's mesh_utils for TPU slices).
     platform="tpu": libraries that pick kernels by the mesh's platform take their TPU
     path (Pallas kernels in shard_maps, which plan; the sim backend runs none of them)."""
-    devices = np.array([StandInDevice(i, platform=platform) for i in range(int(np.prod(shape)))], dtype=object)
+    devices = np.array(stand_in_devices(int(np.prod(shape)), platform), dtype=object)
     return jax.sharding.Mesh(devices[device_mesh(shape, hardware)], tuple(axis_names))
 
 
