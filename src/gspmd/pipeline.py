@@ -532,11 +532,8 @@ class _Pipeline:
                 loss, (d_y, *d_rest) = _mask_tree(last, (loss, loss_vjp(jnp.ones_like(loss))))
                 return loss, d_y, d_rest[:-1], _add_tree(d_ends, d_rest[-1])
 
-            def no_loss(y, target, e, d_ends):
-                zeros = jax.tree_util.tree_map(jnp.zeros_like, jax.eval_shape(take_loss, y, target, e, d_ends))
-                return (*zeros[:-1], d_ends)
-            loss, d_y, d_ys, c["d_ends"] = jax.lax.cond(done & (r_last == R - 1), take_loss, no_loss, y, target,
-                                                        ends_by_stage, c["d_ends"])
+            loss, d_y, d_ys, c["d_ends"] = jax.lax.cond(done & (r_last == R - 1), take_loss, _passing(take_loss),
+                                                        y, target, ends_by_stage, c["d_ends"])
             c["loss"] = c["loss"] + loss
             if want_d_ys:
                 c["d_ys"] = self.store(c["d_ys"], m, last & done, d_ys[0])
@@ -575,11 +572,9 @@ class _Pipeline:
                 else:
                     _, embed_vjp = jax.vjp(lambda e: embed(e, m0), ends_by_stage)
                     (d_e,), d_x0 = embed_vjp(ct), None
-                return _add_tree(d_ends, d_e), d_x0
-
-            def no_entry(ct, d_ends):
-                return d_ends, jax.tree_util.tree_map(jnp.zeros_like, jax.eval_shape(enter, ct, d_ends)[1])
-            c["d_ends"], d_x0 = jax.lax.cond(valid0 & (r0 == 0), enter, no_entry, _mask(entered, c["ct"]), c["d_ends"])
+                return d_x0, _add_tree(d_ends, d_e)
+            d_x0, c["d_ends"] = jax.lax.cond(valid0 & (r0 == 0), enter, _passing(enter), _mask(entered, c["ct"]),
+                                             c["d_ends"])
             if want_d_xs:
                 c["d_xs"] = self.store(c["d_xs"], m0, entered, d_x0)
             return c
@@ -591,14 +586,13 @@ class _Pipeline:
             return step
 
         loss_type = jax.eval_shape(loss_fn, stage_input, ys[0], ends)
+        accumulator = lambda p: self.split(jnp.zeros(jnp.shape(p), _accumulated(p)))   # noqa: E731
         carry = {"act": state, "ct": state, "d_last": state,
                  "stash": self.split(jnp.zeros((L, depth) + self.inner + stage_input.shape,
                                                stage_input.dtype)),
                  "loss": self.split(jnp.zeros((L,), loss_type.dtype)),
-                 "grads": jax.tree_util.tree_map(lambda p: self.split(jnp.zeros(jnp.shape(p), _accumulated(p))),
-                                                 per_stage),
-                 "d_ends": jax.tree_util.tree_map(lambda p: self.split(jnp.zeros(jnp.shape(p), _accumulated(p))),
-                                                  ends_by_stage)}
+                 "grads": jax.tree_util.tree_map(accumulator, per_stage),
+                 "d_ends": jax.tree_util.tree_map(accumulator, ends_by_stage)}
         if want_d_xs:
             carry["d_xs"] = self.split(jnp.zeros((L,) + jnp.shape(xs), xs.dtype))
         if want_d_ys:
@@ -672,6 +666,16 @@ def _accumulated(p):
 
 def _add_tree(a, b):
     return jax.tree_util.tree_map(jnp.add, a, b)
+
+
+def _passing(branch):
+    """The other branch of a conditional whose `branch(*args, acc)` adds to an
+    accumulator: zeros for its results but the last, and `acc` as it is (so the add runs
+    only in the steps that take `branch`)."""
+    def passing(*args):
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, jax.eval_shape(branch, *args))
+        return (*zeros[:-1], args[-1])
+    return passing
 
 
 def _is_primal(x) -> bool:
