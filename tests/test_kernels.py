@@ -97,6 +97,26 @@ def test_a_kernel_in_a_shard_map_runs_on_each_devices_block(rows):
     check(grad, x, w, mesh=MESH)
 
 
+def test_a_kernels_flops_count_its_loops_branches_and_calls():
+    """A body that loops 3 times over a block matmul, and on the grid's first step only
+    (a branch, counted at its dearest: every step) calls a jitted one: 4 matmuls a step."""
+    def kernel(x_ref, w_ref, o_ref):
+        o_ref[...] = jax.lax.fori_loop(0, 3, lambda i, acc: acc + jnp.dot(x_ref[...], w_ref[...]),
+                                       jnp.zeros(o_ref.shape, jnp.float32))
+
+        @pl.when(pl.program_id(0) == 0)
+        def _():
+            o_ref[...] += jax.jit(jnp.matmul)(x_ref[...], w_ref[...])
+
+    def f(x, w):
+        return jax.shard_map(lambda x, w: tanh_matmul(x, w, kernel=kernel), mesh=_jax_mesh(), in_specs=(P("x"), P()),
+                             out_specs=P("x"), check_vma=False)(x, w)
+
+    low = gspmd.jit(f, mesh=MESH).lower(np.ones((16, 6), np.float32), np.ones((6, 5), np.float32))
+    (call,) = [i for i in low.spmd.all_instrs() if i.opcode == "pallas-call"]
+    assert call.attrs["flops"] == 4 * (2 * 2 * 6 * 5) * 4     # 4 matmuls of [2, 6] x [6, 5], 4 grid steps
+
+
 def test_a_kernel_the_sim_backend_cannot_run_is_refused_clearly():
     """A kernel compiled for other hardware (not interpret=True) still plans; running it
     on the simulator says why it cannot."""

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import math
 
+from jax.extend import core as jcore
+
 from gspmd.errors import ShardingError
 from gspmd.ops.convert import BoundPrimitive, call_eagerly
 from gspmd.ops.registry import ComputeKind, Frontend, Rule, Semantics, Timing, register, replicate_fallback
@@ -63,16 +65,8 @@ def _body_flops(jaxpr) -> int:
         elif name == "scan":
             total += _body_flops(eqn.params["jaxpr"].jaxpr) * int(eqn.params["length"])
         else:   # while loops (trips unknown: once), pjit and other calls
-            total += sum(_body_flops(_open(p)) for p in eqn.params.values() if _open(p) is not None)
+            total += sum(_body_flops(inner) for inner in jcore.jaxprs_in_params(eqn.params))
     return total
-
-
-def _open(param):
-    """A jaxpr inside an eqn's parameter (closed or not), or None."""
-    inner = getattr(param, "jaxpr", None)
-    if inner is not None and hasattr(inner, "eqns"):
-        return inner
-    return param if hasattr(param, "eqns") else None
 
 
 def _evaluate(instr, args, device):
