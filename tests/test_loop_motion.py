@@ -158,6 +158,24 @@ def test_a_conditional_adding_to_its_accumulator_argument_in_a_loop_reduces_once
         assert reduction.executions == 1 and "deferred past the loop" in reduction.origin
 
 
+def test_a_loop_in_a_conditional_in_a_loop_adding_to_one_accumulator_reduces_once():
+    """The branch adds through a loop of its own: that inner loop starts from the
+    accumulator's partial sums as the outer loop carries them, not from them masked to
+    one device a group (which dropped the others' sums). 7 rows over "x"'s 2."""
+    def f(w, xss, acc):
+        def adds(acc, xs):
+            return jax.lax.scan(lambda a, x: (a + _grad_of(w, x), None), acc, xs)[0]
+
+        def step(acc, t_xs):
+            t, xs = t_xs
+            return jax.lax.cond(t % 2 == 0, adds, lambda acc, xs: acc, acc, xs), None
+        return jax.lax.scan(step, acc, (jnp.arange(4), xss))[0]
+
+    rng = np.random.RandomState(3)
+    (reduction,) = _all_reduces(check(f, rand(rng, 8, 6), rand(rng, 4, 3, 7, 8), rand(rng, 8, 6), mesh=MESH))
+    assert reduction.executions == 1 and "deferred past the loop" in reduction.origin
+
+
 def test_a_conditional_adding_to_its_accumulator_argument_sums_once_after_it():
     """Alone, the conditional sums after itself; a branch that reads the accumulator
     other than linearly, or for another result too, keeps its own reduction."""
@@ -187,30 +205,36 @@ def test_a_conditional_adding_to_its_accumulator_argument_sums_once_after_it():
 def accumulating_loops(draw):
     """A loop adding a data-parallel gradient to its carry in some steps only, through a
     conditional: mesh, the axis the batch is split over, rows (the mesh may not divide
-    them), the period of the steps that add, a scale on the way, a start of zeros or not."""
+    them), the period of the steps that add, a scale on the way, a start of zeros or not,
+    and whether the branch adds through a loop of its own (over 2 sub-batches)."""
     mesh = draw(meshes(shapes=[(2,), (4,), (2, 2), (2, 4), (4, 2)]))
     return (mesh, draw(st.sampled_from(mesh.axis_names)), draw(st.sampled_from([2, 3, 5, 6, 8])),
-            draw(st.integers(1, 3)), draw(st.sampled_from([1.0, 0.5])), draw(st.booleans()), draw(st.integers(0, 2 ** 16)))
+            draw(st.integers(1, 3)), draw(st.sampled_from([1.0, 0.5])), draw(st.booleans()), draw(st.booleans()),
+            draw(st.integers(0, 2 ** 16)))
 
 
 def _check_accumulating_loop(case):
     """Equal to one device, and every all-reduce runs once (after the loop)."""
-    mesh, axis, rows, period, scale, start, seed = case
+    mesh, axis, rows, period, scale, start, inner, seed = case
 
     def grad_of(w, x):
         x = gspmd.mesh_split(x, mesh, [axis, -1])
         return jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
 
     def f(w, xs, acc):
+        def adds(acc, x):
+            if inner:
+                return jax.lax.scan(lambda a, xi: (a + scale * grad_of(w, xi), None), acc, x)[0]
+            return acc + scale * grad_of(w, x)
+
         def step(acc, t_x):
             t, x = t_x
-            return jax.lax.cond(t % period == 0, lambda acc, x: acc + scale * grad_of(w, x), lambda acc, x: acc,
-                                acc, x), None
+            return jax.lax.cond(t % period == 0, adds, lambda acc, x: acc, acc, x), None
         return jax.lax.scan(step, acc, (jnp.arange(4), xs))[0]
 
     rng = np.random.RandomState(seed)
     acc = rand(rng, 8, 6) if start else np.zeros((8, 6), np.float32)
-    low = check(f, rand(rng, 8, 6), rand(rng, 4, rows, 8), acc, mesh=mesh)
+    low = check(f, rand(rng, 8, 6), rand(rng, 4, *((2,) if inner else ()), rows, 8), acc, mesh=mesh)
     assert all(c.executions == 1 for c in _all_reduces(low)), [(c.origin, c.executions) for c in _all_reduces(low)]
 
 

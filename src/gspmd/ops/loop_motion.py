@@ -46,7 +46,7 @@ def defer_reductions(ctx: DeviceContext, body: Program, cond: Program, init: lis
         for groups in _reduction_groups(body, out):
             expr = _partial_expression(body, param, out, groups, uniform)
             if expr is not None and _only_feeds(body, param, i, expr, groups):
-                _rewrite(body, i, expr, groups)
+                _rewrite(body, param, i, expr, groups)
                 uniform.exclude(param)
                 init = init[:i] + [as_partial(ctx, init[i], groups)] + init[i + 1:]
                 deferred.append(Deferred(i, groups))
@@ -92,7 +92,7 @@ def defer_branch_reductions(ctx: DeviceContext,
             if found is not None:
                 for (b, _), e in zip(made, found):
                     if e is not None:
-                        _emit_partial(b, k, e)
+                        _rewrite(b, None if j is None else b.params[j], k, e, groups[0][0])
                 deferred.append(Deferred(k, groups[0][0]))
                 if j is not None:
                     accumulators[j] = groups[0][0]
@@ -256,11 +256,10 @@ def _inner_inits(body: Program, param: Value, groups: np.ndarray) -> list[Instr]
             and _groups_key(instr.attrs["partial_sums_over"]) == key]
 
 
-def _rewrite(body: Program, index: int, expr: _Expression, groups: np.ndarray) -> None:
-    """The loop's result `index` as partial sums; inner loops start from the
-    accumulator's partial sums."""
-    param = body.params[index]
-    entered = {instr.output: param for instr in _inner_inits(body, param, groups)}
+def _rewrite(body: Program, param: Optional[Value], index: int, expr: _Expression, groups: np.ndarray) -> None:
+    """The loop's (or branch's) result `index` as partial sums; inner loops and
+    conditionals start from the accumulator `param`'s partial sums."""
+    entered = {instr.output: param for instr in _inner_inits(body, param, groups)} if param is not None else {}
     for instr in body.instrs:
         if any(o in entered for o in instr.operands):
             instr.operands = [entered.get(o, o) for o in instr.operands]
