@@ -37,14 +37,15 @@ def _jax_mesh():
     return jax.sharding.Mesh(np.asarray(jax.devices()[:8]).reshape(2, 4), ("x", "y"))
 
 
-def test_a_kernel_under_automatic_sharding_runs_whole_on_gathered_operands():
+@pytest.mark.parametrize("rows,block", [(8, 2), (7, 1)])     # 7 rows over "x"'s 2: uneven
+def test_a_kernel_under_automatic_sharding_runs_whole_on_gathered_operands(rows, block):
     """As XLA runs a custom call it has no rule for; the jax backend asks for a shard_map."""
     def f(x, w):
         x = gspmd.mesh_split(x, MESH, ["x", -1])
-        return tanh_matmul(x, w) * 2
+        return tanh_matmul(x, w, block=block) * 2
 
     rng = np.random.RandomState(0)
-    x, w = rand(rng, 8, 6), rand(rng, 6, 5)
+    x, w = rand(rng, rows, 6), rand(rng, 6, 5)
     low = check(f, x, w, mesh=MESH, backends=("sim",))
     assert [c.kind for c in low.report().collectives] == ["all-gather"]     # x's rows, before the kernel
     with pytest.raises(gspmd.ShardingError, match="some mesh axes are automatic"):
