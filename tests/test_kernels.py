@@ -1,6 +1,8 @@
 """Pallas kernels (pallas_call) run as they are: gathered and run whole under automatic
 sharding (as XLA runs a custom call), per device inside a shard_map; priced by their
 grid's matmuls."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,65 +35,73 @@ def tanh_matmul(x, w, block: int = 2, interpret: bool = True, kernel=_tanh_matmu
         out_specs=pl.BlockSpec((block, w.shape[1]), lambda i: (i, 0)), interpret=interpret)(x, w)
 
 
+@jax.custom_vjp
+def kernel_layer(x, w):
+    """tanh_matmul (a row a step, for any rows) with a gradient: a custom_vjp whose
+    backward is a kernel too."""
+    return tanh_matmul(x, w, block=1)
+
+
+def _kernel_layer_forward(x, w):
+    y = tanh_matmul(x, w, block=1)
+    return y, (x, w, y)
+
+
+def _kernel_layer_backward(res, g):
+    x, w, y = res
+    d = g * (1 - y ** 2)
+    return tanh_matmul(d, w.T, block=1, kernel=_matmul_kernel), x.T @ d
+
+
+kernel_layer.defvjp(_kernel_layer_forward, _kernel_layer_backward)
+
+
 def _jax_mesh():
     return jax.sharding.Mesh(np.asarray(jax.devices()[:8]).reshape(2, 4), ("x", "y"))
 
 
 @pytest.mark.parametrize("rows,block", [(8, 2), (7, 1)])     # 7 rows over "x"'s 2: uneven
 def test_a_kernel_under_automatic_sharding_runs_whole_on_gathered_operands(rows, block):
-    """As XLA runs a custom call it has no rule for; the jax backend asks for a shard_map."""
+    """As XLA runs a custom call it has no rule for, on both backends (the jax backend
+    binds a kernel traced with automatic axes in its per-device program)."""
     def f(x, w):
         x = gspmd.mesh_split(x, MESH, ["x", -1])
         return tanh_matmul(x, w, block=block) * 2
 
     rng = np.random.RandomState(0)
     x, w = rand(rng, rows, 6), rand(rng, 6, 5)
-    low = check(f, x, w, mesh=MESH, backends=("sim",))
+    low = check(f, x, w, mesh=MESH)
     assert [c.kind for c in low.report().collectives] == ["all-gather"]     # x's rows, before the kernel
-    with pytest.raises(gspmd.ShardingError, match="some mesh axes are automatic"):
-        gspmd.jit(f, mesh=MESH, backend="jax")(x, w)
+
+    def layer(x, w):
+        return kernel_layer(gspmd.mesh_split(x, MESH, ["x", -1]), w)
+    check(jax.grad(lambda x, w: jnp.sum(layer(x, w) ** 2), argnums=(0, 1)), x, w, mesh=MESH)
 
 
 def test_a_kernel_in_a_shard_map_over_some_axes_gathers_over_the_others():
     """Manual over "x", automatic over "y": each "x" half runs the kernel on its rows,
-    replicated over "y" (the sim backend); the jax backend asks for a whole-mesh shard_map."""
+    replicated over "y"."""
     def f(x, w):
         return jax.shard_map(lambda x, w: tanh_matmul(x, w), mesh=_jax_mesh(), in_specs=(P("x"), P()),
                              out_specs=P("x"), axis_names={"x"}, check_vma=False)(x, w)
 
     rng = np.random.RandomState(2)
     x, w = rand(rng, 8, 6), rand(rng, 6, 5)
-    check(f, x, w, mesh=MESH, backends=("sim",))
-    with pytest.raises(gspmd.ShardingError, match="some mesh axes are automatic"):
-        gspmd.jit(f, mesh=MESH, backend="jax")(x, w)
+    check(f, x, w, mesh=MESH)
 
 
 @pytest.mark.parametrize("rows", [8, 12])    # 12 rows: a kernel grid of 3 per "x" shard
 def test_a_kernel_in_a_shard_map_runs_on_each_devices_block(rows):
     """As MaxText's splash attention: the kernel inside jax.shard_map, each device on its
     own rows, no collective; its gradient by a custom_vjp whose backward is a kernel too."""
-    @jax.custom_vjp
-    def layer(x, w):
-        return tanh_matmul(x, w)
-
-    def forward(x, w):
-        y = tanh_matmul(x, w)
-        return y, (x, w, y)
-
-    def backward(res, g):
-        x, w, y = res
-        d = g * (1 - y ** 2)
-        return tanh_matmul(d, w.T, kernel=_matmul_kernel), x.T @ d
-    layer.defvjp(forward, backward)
-
     def f(x, w):
-        return jax.shard_map(layer, mesh=_jax_mesh(), in_specs=(P("x"), P()), out_specs=P("x"), check_vma=False)(x, w)
+        return jax.shard_map(kernel_layer, mesh=_jax_mesh(), in_specs=(P("x"), P()), out_specs=P("x"), check_vma=False)(x, w)
 
     rng = np.random.RandomState(1)
     x, w = rand(rng, rows, 6), rand(rng, 6, 5)
     low = check(f, x, w, mesh=MESH)
     assert not low.report().collectives
-    # one kernel a device: 2 * (rows / 2) * 6 * 5 FLOPs in (rows / 2) / 2 grid steps
+    # one kernel a device: 2 * (rows / 2) * 6 * 5 FLOPs in rows / 2 grid steps
     (kernel,) = [i for i in low.spmd.all_instrs() if i.opcode == "pallas-call"]
     assert kernel.attrs["flops"] == 2 * (rows // 2) * 6 * 5 and low.report(hardware="tpu-v5p").flops > 0
     grad = jax.grad(lambda x, w: jnp.sum(f(x, w) ** 2), argnums=(0, 1))
@@ -153,18 +163,20 @@ def test_a_kernel_takes_in_none_of_its_producers():
 
 @st.composite
 def kernels_in_shard_maps(draw):
-    """A mesh, the axes a kernel's rows are split over in the shard_map (none, one or two),
-    how many blocks each device gets, the block, and whether x arrives split otherwise."""
+    """A mesh; the axes a shard_map around the kernel is manual over (None: no shard_map,
+    automatic sharding) and those of them its rows are split over; how many blocks each
+    device gets, the block, and whether x arrives split otherwise."""
     shape = draw(st.sampled_from([(2,), (4,), (2, 2), (2, 4), (4, 2)]))
     names = ("x", "y")[:len(shape)]
-    axes = tuple(draw(st.permutations(names)))[:draw(st.integers(0, len(names)))]
-    return shape, names, axes, draw(st.integers(1, 3)), draw(st.sampled_from([1, 2])), draw(st.booleans()), \
+    manual = draw(st.sampled_from([None, names] + ([names[:1], names[1:]] if len(names) > 1 else [])))
+    axes = () if manual is None else tuple(draw(st.permutations(manual)))[:draw(st.integers(0, len(manual)))]
+    return shape, names, manual, axes, draw(st.integers(1, 3)), draw(st.sampled_from([1, 2])), draw(st.booleans()), \
         draw(st.integers(0, 2 ** 16))
 
 
 def _check_kernel_in_shard_map(case):
     """Equal to one device on both backends; no collective where x arrives whole."""
-    shape, names, axes, blocks, block, presplit, seed = case
+    shape, names, manual, axes, blocks, block, presplit, seed = case
     devices = int(np.prod(shape))
     jmesh = jax.sharding.Mesh(np.asarray(jax.devices()[:devices]).reshape(shape), names)
     mesh = gspmd.Mesh(np.arange(devices).reshape(shape), names)
@@ -174,8 +186,11 @@ def _check_kernel_in_shard_map(case):
     def f(x, w):
         if presplit:
             x = gspmd.mesh_split(x, mesh, [names[-1], -1])
-        return jax.shard_map(lambda x, w: tanh_matmul(x, w, block=block), mesh=jmesh, in_specs=(spec, P()),
-                             out_specs=spec, check_vma=False)(x, w) + 1
+        kernel = functools.partial(tanh_matmul, block=block)
+        if manual is not None:
+            kernel = jax.shard_map(kernel, mesh=jmesh, in_specs=(spec, P()), out_specs=spec, axis_names=set(manual),
+                                   check_vma=False)
+        return kernel(x, w) + 1
 
     rng = np.random.RandomState(seed)
     low = check(f, rand(rng, parts * blocks * block, 4), rand(rng, 4, 3), mesh=mesh)

@@ -9,9 +9,9 @@ kernel: each device runs it on its own blocks, with no communication.
 It runs where jax can run it: the sim backend on each device's NumPy arrays
 (interpret=True kernels; others are refused clearly); the jax backend binds the
 primitive in its per-device program (on the hardware the kernel targets, or anywhere
-with interpret=True) for kernels inside a shard_map over all of the mesh's axes. Others
-are refused there: such a kernel was traced where some axes are automatic, and jax
-evaluates its body in that context, which per-device values do not match.
+with interpret=True), its body's equations moved into that program's context (jax
+checks each equation's recorded context mesh against its operands', and a kernel
+traced where some axes were automatic recorded those).
 
 Reports price it as one kernel: the FLOPs of its body's matmuls on each step of its grid
 (or its own cost_estimate where it gives one) at the matmul efficiency, its operands
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 from jax.extend import core as jcore
 
 from gspmd.errors import ShardingError
@@ -32,14 +33,7 @@ from gspmd.ops.registry import ComputeKind, Frontend, Rule, Semantics, Timing, r
 def _convert(b, eqn, args):
     out_types = [b.out_aval(eqn, i) for i in range(len(eqn.outvars))]
     return b.add("pallas-call", args, out_types, call=BoundPrimitive(eqn.primitive, dict(eqn.params)),
-                 kernel=eqn.params.get("name") or "kernel", flops=_kernel_flops(eqn.params),
-                 per_device=_fully_manual(b.manual_regions))
-
-
-def _fully_manual(regions: list) -> bool:
-    """Whether the kernel was traced where every mesh axis is manual (a shard_map over all
-    of them), the one context gspmd's per-device program matches."""
-    return any(set(r.axes) == set(r.mesh.axis_names) for r in regions)
+                 kernel=eqn.params.get("name") or "kernel", flops=_kernel_flops(eqn.params))
 
 
 def _kernel_flops(params: dict) -> int:
@@ -83,15 +77,28 @@ def _evaluate(instr, args, device):
 
 
 def _lower(instr, args, lc):
-    if not instr.attrs["per_device"]:
-        raise ShardingError(
-            f"The Pallas kernel {instr.attrs['kernel']!r} is called where some mesh axes are automatic (outside "
-            "jax.shard_map, or in one over some of the axes): gspmd's jax backend runs kernels per device, inside a "
-            "shard_map over all of the mesh's axes only. Wrap the call in jax.shard_map over the whole mesh (each "
-            "device runs the kernel on its own blocks, as multi-device Pallas code does), or run with backend='sim' "
-            "(interpret=True kernels), which gathers its operands over the automatic axes and runs it whole, as "
-            "jax.jit does.")
-    return instr.attrs["call"](*args)
+    call = instr.attrs["call"]
+    body = _in_context(call.params["jaxpr"], jax.sharding.get_abstract_mesh())
+    return BoundPrimitive(call.primitive, {**call.params, "jaxpr": body})(*args)
+
+
+def _in_context(jaxpr, mesh):
+    """`jaxpr` with every equation's recorded context (sub-jaxprs' too) that of `mesh`:
+    where the kernel is bound (the per-device program, every axis manual), not where it
+    was traced."""
+    def moved(ctx):
+        with ctx.manager, jax.sharding.use_abstract_mesh(mesh):
+            return type(ctx)()     # the recorded context but for its mesh
+
+    def param(value):
+        if isinstance(value, tuple):
+            return tuple(map(param, value))
+        if isinstance(value, jcore.ClosedJaxpr):
+            return value.replace(jaxpr=_in_context(value.jaxpr, mesh))
+        return _in_context(value, mesh) if isinstance(value, jcore.Jaxpr) else value
+
+    return jaxpr.replace(eqns=[eqn.replace(ctx=moved(eqn.ctx), params={k: param(v) for k, v in eqn.params.items()})
+                               for eqn in jaxpr.eqns])
 
 
 register("pallas-call",
