@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from jax.experimental import pallas as pl
 
 import gspmd
-from util import check, rand
+from util import BACKENDS, assert_close, check, rand
 
 MESH = gspmd.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
 P = jax.sharding.PartitionSpec
@@ -88,6 +88,24 @@ def test_a_kernel_in_a_shard_map_over_some_axes_gathers_over_the_others():
     rng = np.random.RandomState(2)
     x, w = rand(rng, 8, 6), rand(rng, 6, 5)
     check(f, x, w, mesh=MESH)
+
+
+@pytest.mark.parametrize("manual", [None, {"x"}, {"x", "y"}])
+def test_a_kernel_runs_under_the_users_context_mesh(manual):
+    """Under jax.set_mesh (as MaxText's train loop calls its step): the sim backend ran the
+    kernel under the user's automatic axes, which a body traced in a shard_map refused."""
+    def f(x, w):
+        if manual is None:
+            return tanh_matmul(jax.lax.with_sharding_constraint(x, P("x")), w)
+        return jax.shard_map(tanh_matmul, in_specs=(P("x"), P()), out_specs=P("x"), axis_names=manual,
+                             check_vma=False)(x, w)
+
+    rng = np.random.RandomState(3)
+    x, w = rand(rng, 8, 6), rand(rng, 6, 5)
+    with jax.set_mesh(_jax_mesh()):
+        expected = jax.jit(f)(x, w)
+        for backend in BACKENDS:
+            assert_close(gspmd.jit(f, backend=backend)(x, w), expected)
 
 
 @pytest.mark.parametrize("rows", [8, 12])    # 12 rows: a kernel grid of 3 per "x" shard

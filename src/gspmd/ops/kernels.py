@@ -7,11 +7,11 @@ kernels such as MaxText's splash attention run) the code is per-device and so is
 kernel: each device runs it on its own blocks, with no communication.
 
 It runs where jax can run it: the sim backend on each device's NumPy arrays
-(interpret=True kernels; others are refused clearly); the jax backend binds the
-primitive in its per-device program (on the hardware the kernel targets, or anywhere
-with interpret=True), its body's equations moved into that program's context (jax
-checks each equation's recorded context mesh against its operands', and a kernel
-traced where some axes were automatic recorded those).
+(interpret=True kernels; others are refused clearly), under no context mesh; the jax
+backend binds the primitive in its per-device program (on the hardware the kernel
+targets, or anywhere with interpret=True), under that program's. Its body's and index
+maps' equations are moved into that context from where they were traced (jax checks each
+equation's recorded context mesh against its operands').
 
 Reports price it as one kernel: the FLOPs of its body's matmuls on each step of its grid
 (or its own cost_estimate where it gives one) at the matmul efficiency, its operands
@@ -20,13 +20,16 @@ producer fused into it (XLA fuses nothing into a custom call).
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import jax
+import numpy as np
 from jax.extend import core as jcore
 
 from gspmd.errors import ShardingError
-from gspmd.ops.convert import BoundPrimitive, call_eagerly
+from gspmd.ops.convert import BoundPrimitive
 from gspmd.ops.registry import ComputeKind, Frontend, Rule, Semantics, Timing, register, replicate_fallback
 
 
@@ -64,10 +67,14 @@ def _body_flops(jaxpr) -> int:
 
 
 def _evaluate(instr, args, device):
+    def run():
+        with jax.sharding.use_abstract_mesh(_NO_MESH):   # NumPy arrays: no mesh for jax to check them against
+            results = _bound_here(instr.attrs["call"])(*args)
+        return [np.asarray(r).astype(o.dtype, copy=False) for r, o in zip(results, instr.outputs)]
     if instr.attrs["call"].params.get("interpret"):
-        return call_eagerly(instr, args)    # its own errors are the kernel's, as under jax.jit
+        return run()    # its own errors are the kernel's, as under jax.jit
     try:
-        return call_eagerly(instr, args)
+        return run()
     except Exception as e:   # a kernel for hardware this machine has not, compiled for it
         raise ShardingError(
             f"The Pallas kernel {instr.attrs['kernel']!r} cannot run on this machine ({type(e).__name__}: "
@@ -77,24 +84,44 @@ def _evaluate(instr, args, device):
 
 
 def _lower(instr, args, lc):
-    call = instr.attrs["call"]
-    body = _in_context(call.params["jaxpr"], jax.sharding.get_abstract_mesh())
-    return BoundPrimitive(call.primitive, {**call.params, "jaxpr": body})(*args)
+    return _bound_here(instr.attrs["call"])(*args)
+
+
+_NO_MESH = jax.sharding.AbstractMesh((), ())
+
+
+def _bound_here(call: BoundPrimitive) -> BoundPrimitive:
+    """The kernel as it binds under the context mesh in force (the jax backend's per-device
+    program: every axis manual; the sim backend: none). jax runs each equation of its body
+    and index maps under the context recorded where they were traced (in a shard_map, or
+    with automatic axes) and refuses values typed for another."""
+    return _bound_in(call, jax.sharding.get_abstract_mesh())
+
+
+@functools.lru_cache(maxsize=256)   # the same parameters each time: jax's own caches hit
+def _bound_in(call: BoundPrimitive, mesh) -> BoundPrimitive:
+    grid = call.params["grid_mapping"]
+    maps = tuple(dataclasses.replace(b, index_map_jaxpr=_closed_in(b.index_map_jaxpr, mesh))
+                 for b in grid.block_mappings)
+    return BoundPrimitive(call.primitive, {**call.params, "jaxpr": _in_context(call.params["jaxpr"], mesh),
+                                           "grid_mapping": dataclasses.replace(grid, block_mappings=maps)})
+
+
+def _closed_in(closed, mesh):
+    return closed.replace(jaxpr=_in_context(closed.jaxpr, mesh))
 
 
 def _in_context(jaxpr, mesh):
-    """`jaxpr` with every equation's recorded context (sub-jaxprs' too) that of `mesh`:
-    where the kernel is bound (the per-device program, every axis manual), not where it
-    was traced."""
+    """`jaxpr` with every equation's recorded context (sub-jaxprs' too) but its mesh `mesh`."""
     def moved(ctx):
         with ctx.manager, jax.sharding.use_abstract_mesh(mesh):
-            return type(ctx)()     # the recorded context but for its mesh
+            return type(ctx)()
 
     def param(value):
         if isinstance(value, tuple):
             return tuple(map(param, value))
         if isinstance(value, jcore.ClosedJaxpr):
-            return value.replace(jaxpr=_in_context(value.jaxpr, mesh))
+            return _closed_in(value, mesh)
         return _in_context(value, mesh) if isinstance(value, jcore.Jaxpr) else value
 
     return jaxpr.replace(eqns=[eqn.replace(ctx=moved(eqn.ctx), params={k: param(v) for k, v in eqn.params.items()})
