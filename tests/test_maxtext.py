@@ -4,7 +4,8 @@ base.yml), its 12-axis mesh with data=2 x tensor=4, its model, AdamW and train s
 Llama-2 decoder and a Mixtral-style MoE decoder (megablox off on CPU: the dense matmul
 path, and sparse_matmul's dropless ragged_dot path), unrolled and scanned; the step
 equals jax.jit of the same function with the same shardings, and explain() names
-MaxText's logical axes (embed, mlp, ...) of its parameters.
+MaxText's logical axes (embed, mlp, ...) of its parameters. Slow: MaxText's other decoders
+(Gemma, Qwen3, GPT-3, OLMo 3, DeepSeek, ...) and its megablox kernels.
 
 And `gspmd plan examples/maxtext_plan.py:make` plans the same step on abstract inputs
 for more devices than this process has (test_plans_the_step_for_devices_this_process_has_not).
@@ -44,9 +45,20 @@ TINY = dict(base_emb_dim=32, base_num_query_heads=4, base_num_kv_heads=4, base_m
             enable_dropout=False, ici_data_parallelism=2, ici_tensor_parallelism=4, hardware="cpu", steps=1,
             skip_jax_distributed_system=True, enable_goodput_recording=False, run_name="gspmd")
 MOE = dict(decoder_block="mixtral", num_experts=4, num_experts_per_tok=2, base_moe_mlp_dim=64, megablox=False)
+MLA = dict(attention_type="mla", q_lora_rank=0, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+           v_head_dim=8)
 DECODERS = {"llama2": dict(decoder_block="llama2"),
             "mixtral": dict(MOE, sparse_matmul=False),
-            "mixtral-dropless": dict(MOE, sparse_matmul=True)}
+            "mixtral-dropless": dict(MOE, sparse_matmul=True),
+            # MaxText's other decoders, as a user would switch to them
+            **{name: dict(decoder_block=name) for name in ("mistral", "gemma", "gemma2", "qwen3", "gpt3", "olmo3")},
+            "gemma3": dict(decoder_block="gemma3", model_name="gemma3-4b", override_model_config=True),
+            "qwen3-moe": dict(MOE, decoder_block="qwen3_moe", sparse_matmul=True),
+            "deepseek": dict(MOE, **MLA, decoder_block="deepseek", sparse_matmul=True, first_num_dense_layers=1,
+                             shared_experts=1),
+            # the grouped matmuls as Pallas kernels (interpret mode off TPU), inside MaxText's shard_map
+            "mixtral-megablox": dict(MOE, sparse_matmul=True, megablox=True),
+            "gpt-oss": dict(MOE, decoder_block="gpt_oss", sparse_matmul=True, megablox=True)}
 slow = pytest.mark.slow
 
 
@@ -125,6 +137,18 @@ def test_llama2_scanned_jax_backend(tmp_path):
     ("llama2", False, "jax"), ("mixtral", False, "jax"), ("mixtral-dropless", True, "jax"), ("llama2", False, "sim")])
 def test_other_decoders_and_backends(decoder, scan_layers, backend, tmp_path):
     check(decoder, scan_layers, backend, tmp_path)
+
+
+@slow
+@pytest.mark.parametrize("decoder, backend", [
+    *[(name, "jax") for name in ("mistral", "gemma", "gemma2", "gemma3", "qwen3", "gpt3", "olmo3", "qwen3-moe",
+                                 "deepseek", "mixtral-megablox", "gpt-oss")],
+    ("gemma3", "sim"), ("deepseek", "sim")])
+def test_maxtexts_other_decoders(decoder, backend, tmp_path):
+    """Gemma 1-3 (soft-capping, local/global attention), Qwen3 and Qwen3-MoE, GPT-3,
+    OLMo 3, DeepSeek (MLA attention, shared experts, a dense first layer) and MoEs on
+    megablox kernels (GPT-OSS, Mixtral): each scanned, as MaxText runs them."""
+    check(decoder, True, backend, tmp_path)
 
 
 def test_plans_flash_attention_as_maxtext_runs_it_on_tpu(monkeypatch):
