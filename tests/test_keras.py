@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 os.environ.setdefault("KERAS_BACKEND", "jax")   # before keras is imported
 keras = pytest.importorskip("keras")
@@ -51,9 +52,11 @@ def sgd_train_step(model):
 
 def check_backbone(backbone_class, batch: int, **config) -> gspmd.Lowered:
     """The backbone built under its own layout map (variables committed to their
-    layouts on the keras mesh), stepped by gspmd.jit on the same mesh on both backends."""
+    layouts on the keras mesh; replicated where it has none, inputs then committed over
+    "batch"), stepped by gspmd.jit on the same mesh on both backends."""
     mesh = device_mesh()
-    distribution = keras.distribution.ModelParallel(layout_map=backbone_class.get_layout_map(mesh),
+    layout_map = backbone_class.get_layout_map(mesh) if hasattr(backbone_class, "get_layout_map") else None
+    distribution = keras.distribution.ModelParallel(layout_map=layout_map or keras.distribution.LayoutMap(mesh),
                                                     batch_dim_name="batch")
     with distribution.scope():
         model = backbone_class(**config)
@@ -62,6 +65,8 @@ def check_backbone(backbone_class, batch: int, **config) -> gspmd.Lowered:
     rng = np.random.default_rng(0)
     inputs = {"token_ids": rng.integers(0, config["vocabulary_size"], (batch, 16)).astype(np.int32),
               "padding_mask": np.ones((batch, 16), np.int32)}
+    if layout_map is None:      # data parallel, as keras's distribution splits a dataset's batches
+        inputs = jax.device_put(inputs, NamedSharding(mesh.backend_mesh, P("batch")))
     step = sgd_train_step(model)
     expected = jax.jit(step)(trainable, non_trainable, inputs)
     for backend in ("jax", "sim"):
@@ -89,6 +94,27 @@ def test_gemma_backbone_uneven_batch():
     lowered = check_backbone(keras_hub_models().GemmaBackbone, batch=3, vocabulary_size=128, num_layers=1,
                              num_query_heads=4, num_key_value_heads=4, hidden_dim=32, intermediate_dim=64,
                              head_dim=8)
+    assert BATCH_GROUPS in collective_groups(lowered, "all-reduce")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backbone, config", [
+    ("MistralBackbone", dict(num_query_heads=4, num_key_value_heads=2)),
+    ("Gemma3Backbone", dict(num_query_heads=4, num_key_value_heads=2, head_dim=8, image_size=16,
+                            vision_encoder=None)),
+    ("Qwen3Backbone", dict(num_query_heads=4, num_key_value_heads=2, head_dim=8)),
+    ("QwenMoeBackbone", dict(num_query_heads=4, num_key_value_heads=2, moe_intermediate_dim=32,
+                             shared_expert_intermediate_dim=32, num_experts=4, top_k=2)),
+    ("MixtralBackbone", dict(num_query_heads=4, num_key_value_heads=2, num_experts=4, top_k=2)),
+    ("Phi3Backbone", dict(num_query_heads=4, num_key_value_heads=2)),
+    ("GPT2Backbone", dict(num_heads=4, max_sequence_length=32)),
+    ("FalconBackbone", dict(num_attention_heads=4)),
+    ("OPTBackbone", dict(num_heads=4, max_sequence_length=32))])
+def test_other_keras_hub_backbones(backbone, config):
+    """Decoders a keras-hub user switches to: those with a layout map under it, the others
+    data parallel (their variables replicated, the batch split)."""
+    lowered = check_backbone(getattr(keras_hub_models(), backbone), batch=4, vocabulary_size=128, num_layers=2,
+                             hidden_dim=32, intermediate_dim=64, **config)
     assert BATCH_GROUPS in collective_groups(lowered, "all-reduce")
 
 
