@@ -138,7 +138,9 @@ MAXTEXT = Table(
      "the slices' tori (8x8x16 and 8x16x16, both twisted) give each axis the same rings. Both swapped pairs "
      "involve the twins: no configuration-driven model ranks 1024B on v5p-2048 below its own twin, and "
      "ours has both just below 512B on v5p-1024 (244 against 246), which the source has 1% below the "
-     "v5p-4096 run (294 against 297).",
+     "v5p-4096 run (294 against 297). The source has that 512B row between the twins (254, 294, 297): "
+     "with the twins level, one of its two pairs with them is swapped wherever they stand, and so is "
+     "theirs, so 2 swapped pairs is the least any model that gives equal work equal time can have.",
      "The table was committed with the v5p scripts of 2023-12-15 (maxtext 76bd53b0f), which the "
      "repository changed on 2026-07-01 (a9df44401) without changing the table: 32B per-device batch 7 -> 6 "
      "(8 -> 7 in 2024-02), 64B 4 -> 3, 128B and 256B 2 -> 1, 512B tensor 16 -> 8; 1024B keeps tensor 16. "
