@@ -25,11 +25,10 @@ import functools
 import math
 
 import jax
-import numpy as np
 from jax.extend import core as jcore
 
 from gspmd.errors import ShardingError
-from gspmd.ops.convert import BoundPrimitive
+from gspmd.ops.convert import BoundPrimitive, call_eagerly
 from gspmd.ops.registry import ComputeKind, Frontend, Rule, Semantics, Timing, register, replicate_fallback
 
 
@@ -69,8 +68,7 @@ def _body_flops(jaxpr) -> int:
 def _evaluate(instr, args, device):
     def run():
         with jax.sharding.use_abstract_mesh(_NO_MESH):   # NumPy arrays: no mesh for jax to check them against
-            results = _bound_here(instr.attrs["call"])(*args)
-        return [np.asarray(r).astype(o.dtype, copy=False) for r, o in zip(results, instr.outputs)]
+            return call_eagerly(instr, args, _bound_in(instr.attrs["call"], _NO_MESH))
     if instr.attrs["call"].params.get("interpret"):
         return run()    # its own errors are the kernel's, as under jax.jit
     try:
@@ -84,22 +82,18 @@ def _evaluate(instr, args, device):
 
 
 def _lower(instr, args, lc):
-    return _bound_here(instr.attrs["call"])(*args)
+    return _bound_in(instr.attrs["call"], jax.sharding.get_abstract_mesh())(*args)   # every axis manual
 
 
 _NO_MESH = jax.sharding.AbstractMesh((), ())
 
 
-def _bound_here(call: BoundPrimitive) -> BoundPrimitive:
-    """The kernel as it binds under the context mesh in force (the jax backend's per-device
-    program: every axis manual; the sim backend: none). jax runs each equation of its body
-    and index maps under the context recorded where they were traced (in a shard_map, or
-    with automatic axes) and refuses values typed for another."""
-    return _bound_in(call, jax.sharding.get_abstract_mesh())
-
-
 @functools.lru_cache(maxsize=256)   # the same parameters each time: jax's own caches hit
 def _bound_in(call: BoundPrimitive, mesh) -> BoundPrimitive:
+    """The kernel as it binds under context mesh `mesh` (the jax backend's per-device
+    program's; none on the sim backend). jax runs each equation of its body and index
+    maps under the context recorded where they were traced (in a shard_map, or with
+    automatic axes) and refuses values typed for another."""
     grid = call.params["grid_mapping"]
     maps = tuple(dataclasses.replace(b, index_map_jaxpr=_closed_in(b.index_map_jaxpr, mesh))
                  for b in grid.block_mappings)
