@@ -201,6 +201,24 @@ def test_a_conditional_adding_to_its_accumulator_argument_sums_once_after_it():
             assert all("deferred" not in c.origin for c in _all_reduces(check(kept, w, x, acc, p, mesh=MESH)))
 
 
+def test_an_accumulator_that_does_not_qualify_still_scales_a_deferred_sum():
+    """acc is read for a second result, so the first cannot add to it as partial sums;
+    it still holds the same values on every device, so the second (a gradient it
+    scales) is summed once after the conditional."""
+    def f(w, x, acc, p):
+        def adds(acc):
+            g = _grad_of(w, x)
+            return acc + g, g * acc
+        # (adds is the false branch: the one looked at first)
+        return jax.lax.cond(p, lambda acc: (acc, _grad_of(w, x + 1.0) * acc), adds, acc)
+
+    rng = np.random.RandomState(11)
+    w, x, acc = rand(rng, 8, 6), rand(rng, 7, 8), rand(rng, 8, 6)
+    for p in (True, False):
+        origins = [c.origin for c in _all_reduces(check(f, w, x, acc, p, mesh=MESH))]
+        assert sum("deferred past the conditional" in o for o in origins) == 1, origins
+
+
 @st.composite
 def accumulating_loops(draw):
     """A loop adding a data-parallel gradient to its carry in some steps only, through a

@@ -96,6 +96,8 @@ def defer_branch_reductions(ctx: DeviceContext,
                 deferred.append(Deferred(k, groups[0][0]))
                 if j is not None:
                     accumulators[j] = groups[0][0]
+                    for b, u in zip(branches, uniform):
+                        u.exclude(b.params[j])
                 break
     if deferred:
         for b in branches:
@@ -138,9 +140,7 @@ def _branch_expressions(made: list, k: int, j: Optional[int], groups: np.ndarray
                 return None
             found.append(None)
             continue
-        if param is not None:
-            u.exclude(param)
-        e = _partial_expression(b, param, b.outputs[k], groups, u)
+        e = _partial_expression(b, param, b.outputs[k], groups, u if param is None else u.excluding(param))
         if e is None or (param is not None and not _only_feeds(b, param, k, e, groups)):
             return None
         found.append(e)
@@ -318,6 +318,12 @@ class Uniformity:
         """A carry now holding partial sums."""
         self.excluded.add(param)
         self.memo.clear()
+
+    def excluding(self, param: Value) -> "Uniformity":
+        """This analysis as if `param` held partial sums (a candidate accumulator, tried)."""
+        trial = Uniformity(self.body, self.virtual, self.follows)
+        trial.excluded = self.excluded | {param}
+        return trial
 
     def __call__(self, v: Value, groups: np.ndarray) -> bool:
         key = (v, _groups_key(groups))
