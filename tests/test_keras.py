@@ -41,8 +41,8 @@ MODEL_GROUPS = ((0, 1, 2, 3), (4, 5, 6, 7))       # ... along "model" only
 def sgd_train_step(model):
     """One SGD step on a backbone's mean squared output: loss and new trainable values."""
     def loss(trainable, non_trainable, inputs):
-        outputs, _ = model.stateless_call(trainable, non_trainable, inputs)
-        return jnp.mean(jnp.square(outputs.astype(jnp.float32)))
+        outputs, _ = model.stateless_call(trainable, non_trainable, inputs)   # an encoder's: a dict
+        return sum(jnp.mean(jnp.square(o.astype(jnp.float32))) for o in jax.tree.leaves(outputs))
 
     def step(trainable, non_trainable, inputs):
         value, grads = jax.value_and_grad(loss)(trainable, non_trainable, inputs)
@@ -53,7 +53,8 @@ def sgd_train_step(model):
 def check_backbone(backbone_class, batch: int, **config) -> gspmd.Lowered:
     """The backbone built under its own layout map (variables committed to their
     layouts on the keras mesh; replicated where it has none, inputs then committed over
-    "batch"), stepped by gspmd.jit on the same mesh on both backends."""
+    "batch"), stepped by gspmd.jit on the same mesh on both backends, on the inputs it
+    names: token ids, segment ids, padding masks of 8-16 of 16 tokens."""
     mesh = device_mesh()
     layout_map = backbone_class.get_layout_map(mesh) if hasattr(backbone_class, "get_layout_map") else None
     distribution = keras.distribution.ModelParallel(layout_map=layout_map or keras.distribution.LayoutMap(mesh),
@@ -63,8 +64,10 @@ def check_backbone(backbone_class, batch: int, **config) -> gspmd.Lowered:
     trainable = [v.value for v in model.trainable_variables]
     non_trainable = [v.value for v in model.non_trainable_variables]
     rng = np.random.default_rng(0)
-    inputs = {"token_ids": rng.integers(0, config["vocabulary_size"], (batch, 16)).astype(np.int32),
-              "padding_mask": np.ones((batch, 16), np.int32)}
+    bounds = {"token_ids": config["vocabulary_size"], "segment_ids": 2, "padding_mask": 1}
+    lengths = rng.integers(8, 17, (batch, 1))     # padded sequences of 8-16 tokens
+    inputs = {name: (rng.integers(0, bounds[name], (batch, 16)) if name != "padding_mask"
+                     else np.arange(16) < lengths).astype(np.int32) for name in model.input}
     if layout_map is None:      # data parallel, as keras's distribution splits a dataset's batches
         inputs = jax.device_put(inputs, NamedSharding(mesh.backend_mesh, P("batch")))
     step = sgd_train_step(model)
@@ -109,10 +112,18 @@ def test_gemma_backbone_uneven_batch():
     ("Phi3Backbone", dict(num_query_heads=4, num_key_value_heads=2)),
     ("GPT2Backbone", dict(num_heads=4, max_sequence_length=32)),
     ("FalconBackbone", dict(num_attention_heads=4)),
-    ("OPTBackbone", dict(num_heads=4, max_sequence_length=32))])
+    ("OPTBackbone", dict(num_heads=4, max_sequence_length=32)),
+    # encoders (bidirectional attention; BERT and ALBERT take segment ids, and return a
+    # pooled output besides the sequence's)
+    ("BertBackbone", dict(num_heads=4, max_sequence_length=32)),
+    ("RobertaBackbone", dict(num_heads=4, max_sequence_length=32)),
+    ("XLMRobertaBackbone", dict(num_heads=4, max_sequence_length=32)),
+    ("DistilBertBackbone", dict(num_heads=4, max_sequence_length=32)),
+    ("AlbertBackbone", dict(num_heads=4, embedding_dim=16, max_sequence_length=32)),
+    ("DebertaV3Backbone", dict(num_heads=4, max_sequence_length=32))])
 def test_other_keras_hub_backbones(backbone, config):
-    """Decoders a keras-hub user switches to: those with a layout map under it, the others
-    data parallel (their variables replicated, the batch split)."""
+    """Decoders and encoders a keras-hub user switches to: those with a layout map under
+    it, the others data parallel (their variables replicated, the batch split)."""
     lowered = check_backbone(getattr(keras_hub_models(), backbone), batch=4, vocabulary_size=128, num_layers=2,
                              hidden_dim=32, intermediate_dim=64, **config)
     assert BATCH_GROUPS in collective_groups(lowered, "all-reduce")
