@@ -193,3 +193,61 @@ def test_pipeline_stage_as_a_manual_region_with_automatic_sharding_inside():
     reductions = [c for c in low.report().collectives if c.kind == "all-reduce" and set(c.groups) == data]
     assert reductions and all(c.executions == 1 for c in reductions), low.report()
     assert "all-gather" not in low.report().counts()
+
+
+@pytest.mark.parametrize("per_member", [1, 2])
+def test_ragged_all_to_all_and_its_gradient(per_member):
+    """lax.ragged_all_to_all over "y" (MaxText's expert parallelism sends each expert's
+    tokens so), `per_member` slices to each of a group's 4 members, in a shard_map over
+    both axes: results and gradients as NumPy says (jax.jit cannot run it on CPU)."""
+    rng = np.random.default_rng(per_member)
+    k, rows, out_rows, width = 4, 17, 18, 3
+    # [x, sender, slice]: rows sent, none empty (jax's transpose masks the output's
+    # gradient by a cumulative sum that an empty slice starting where another does upsets:
+    # there we equal jax's rule, not the gradient below)
+    sizes = rng.integers(1, 3, (2, k, k * per_member))
+    to = np.arange(k * per_member) // per_member               # slice -> receiving member
+    input_offsets = np.cumsum(sizes, -1) - sizes
+    # each receiver takes its senders' slices in order, packed from row 0
+    output_offsets = np.zeros_like(sizes)
+    recv_sizes = np.zeros_like(sizes)
+    for x in range(2):
+        filled = np.zeros(k, np.int64)
+        for s in range(k):
+            for i in range(k * per_member):
+                output_offsets[x, s, i] = filled[to[i]]
+                filled[to[i]] += sizes[x, s, i]
+                recv_sizes[x, to[i], s * per_member + i % per_member] = sizes[x, s, i]
+    operand = rng.standard_normal((2, k, rows, width)).astype(np.float32)
+    output = np.full((2, k, out_rows, width), -1.0, np.float32)
+    cotangent = rng.standard_normal(output.shape).astype(np.float32)
+    expected, operand_grad, output_grad = output.copy(), np.zeros_like(operand), cotangent.copy()
+    for x in range(2):
+        for s in range(k):
+            for i in range(k * per_member):
+                at, start, n = output_offsets[x, s, i], input_offsets[x, s, i], sizes[x, s, i]
+                expected[x, to[i], at:at + n] = operand[x, s, start:start + n]
+                operand_grad[x, s, start:start + n] = cotangent[x, to[i], at:at + n]
+                output_grad[x, to[i], at:at + n] = 0
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("x", "y"))
+
+    def exchange(operand, output, *vectors):
+        def body(operand, output, *vectors):
+            squeeze = lambda v: v[0, 0]
+            moved = jax.lax.ragged_all_to_all(squeeze(operand), squeeze(output),
+                                              *[squeeze(v).astype(np.int32) for v in vectors], axis_name="y")
+            return moved[None, None]
+        spec = jax.sharding.PartitionSpec("x", "y")
+        return jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 6, out_specs=spec)(operand, output, *vectors)
+
+    def loss(operand, output, *vectors):
+        return jnp.sum(exchange(operand, output, *vectors) * cotangent)
+
+    vectors = (input_offsets, sizes, output_offsets, recv_sizes)
+    for backend in ("sim", "jax"):
+        np.testing.assert_array_equal(gspmd.jit(exchange, backend=backend)(operand, output, *vectors), expected)
+        grads = gspmd.jit(jax.grad(loss, (0, 1)), backend=backend)(operand, output, *vectors)
+        np.testing.assert_allclose(grads[0], operand_grad, rtol=1e-6)
+        np.testing.assert_allclose(grads[1], output_grad, rtol=1e-6)
+    (moved,) = [c for c in gspmd.jit(exchange).lower(operand, output, *vectors).report().collectives]
+    assert moved.kind == "ragged-all-to-all" and moved.groups == ((0, 1, 2, 3), (4, 5, 6, 7))

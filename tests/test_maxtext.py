@@ -5,7 +5,9 @@ Llama-2 decoder and a Mixtral-style MoE decoder (megablox off on CPU: the dense 
 path, and sparse_matmul's dropless ragged_dot path), unrolled and scanned; the step
 equals jax.jit of the same function with the same shardings, and explain() names
 MaxText's logical axes (embed, mlp, ...) of its parameters. Slow: MaxText's other decoders
-(Gemma, Qwen3, GPT-3, OLMo 3, DeepSeek, ...) and its megablox kernels.
+(Gemma, Qwen3, GPT-3, OLMo 3, DeepSeek, ...), its megablox kernels, and its expert
+parallelism (ragged_all_to_all, which jax.jit cannot run on CPU: against the same step
+with the experts over fsdp).
 
 And `gspmd plan examples/maxtext_plan.py:make` plans the same step on abstract inputs
 for more devices than this process has (test_plans_the_step_for_devices_this_process_has_not).
@@ -58,6 +60,10 @@ DECODERS = {"llama2": dict(decoder_block="llama2"),
                              shared_experts=1),
             # the grouped matmuls as Pallas kernels (interpret mode off TPU), inside MaxText's shard_map
             "mixtral-megablox": dict(MOE, sparse_matmul=True, megablox=True),
+            # expert parallelism (tokens sent to their experts' devices by ragged_all_to_all),
+            # and the same model's experts split over fsdp instead
+            "mixtral-ep": dict(MOE, sparse_matmul=True, ici_expert_parallelism=4, ici_tensor_parallelism=1),
+            "mixtral-fsdp": dict(MOE, sparse_matmul=True, ici_fsdp_parallelism=4, ici_tensor_parallelism=1),
             "gpt-oss": dict(MOE, decoder_block="gpt_oss", sparse_matmul=True, megablox=True)}
 slow = pytest.mark.slow
 
@@ -108,17 +114,23 @@ def assert_same_step(got, want) -> None:
         np.testing.assert_allclose(_numbers(g), _numbers(w), rtol=1e-4, atol=1e-6, err_msg=path)
 
 
-def check(decoder: str, scan_layers: bool, backend: str, tmp_path) -> gspmd.Lowered:
-    step = Step(decoder, scan_layers, str(tmp_path))
-    want = step.run(jax.jit)
+def through_gspmd(step: Step, backend: str) -> tuple:
+    """The step's results through gspmd.jit, and its Lowered."""
     partitioned = []
 
     def gspmd_jit(fn, **kw):
         partitioned.append(gspmd.jit(fn, mesh=step.mesh, backend=backend, **kw))
         return partitioned[-1]
-    assert_same_step(step.run(gspmd_jit), want)
+    got = step.run(gspmd_jit)
     with step.context():
-        lowered = partitioned[0].lower(step.state, step.batch)   # cached: no second trace
+        return got, partitioned[0].lower(step.state, step.batch)   # cached: no second trace
+
+
+def check(decoder: str, scan_layers: bool, backend: str, tmp_path) -> gspmd.Lowered:
+    step = Step(decoder, scan_layers, str(tmp_path))
+    want = step.run(jax.jit)
+    got, lowered = through_gspmd(step, backend)
+    assert_same_step(got, want)
     counts = Counter(c.kind for c in lowered.report().collectives)
     # data parallelism sums gradients, tensor parallelism the contractions over split features
     assert counts["all-reduce"] + counts["reduce-scatter"] > 0, counts
@@ -196,3 +208,17 @@ def test_plans_the_step_for_devices_this_process_has_not(monkeypatch):
     assert result.report.fits_in_memory and result.report.memory.aliased_bytes > 0
     kernel = result.lowered.explain("state['model']['decoder']['layers']['mlp']['wi_0']['kernel'].value")
     assert "logical axes ('embed', 'layers', 'mlp')" in kernel, kernel
+
+
+@slow
+@pytest.mark.parametrize("backend", ["jax", "sim"])
+def test_expert_parallel_moe_equals_the_step_without(backend, tmp_path):
+    """MaxText's expert parallelism (ici_expert_parallelism=4): its dropless MoE sends each
+    token to its experts' devices with ragged_all_to_all, which XLA:CPU lacks (jax.jit
+    cannot run the step here); it equals the same model's step with the experts over
+    fsdp, under jax.jit."""
+    want = Step("mixtral-fsdp", True, str(tmp_path / "fsdp")).run(jax.jit)
+    got, lowered = through_gspmd(Step("mixtral-ep", True, str(tmp_path / "ep")), backend)
+    assert_same_step(got, want)
+    kinds = Counter(c.kind for c in lowered.report().collectives)
+    assert kinds["ragged-all-to-all"] >= 2, kinds     # tokens out to their experts and back

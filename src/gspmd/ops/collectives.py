@@ -8,6 +8,7 @@ On the jax backend they lower to jax's grouped collectives over the shard_map ax
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -64,6 +65,20 @@ def _evaluate_all_to_all(instr, per_device):
         return [np.concatenate([chunks[src][dst] for src in range(len(xs))], axis=concat)
                 for dst in range(len(xs))]
     return _per_group(instr, per_device, exchange)
+
+
+def _evaluate_ragged_all_to_all(instr, per_device):
+    """Each device's output with the rows sent to it written in: slice i of a sender
+    (input_offsets[i], send_sizes[i] rows of its operand) goes to the group's member
+    i // slices-per-member, at the sender's output_offsets[i] there."""
+    out = [[np.array(args[1], copy=True)] for args in per_device]
+    for group in instr.attrs["groups"]:
+        for sender in group:
+            operand, _, input_offsets, send_sizes, output_offsets, _ = per_device[sender]
+            per_member = len(send_sizes) // len(group)
+            for i, (start, size, at) in enumerate(zip(input_offsets, send_sizes, output_offsets)):
+                out[group[i // per_member]][0][at:at + size] = operand[start:start + size]
+    return out
 
 
 def _evaluate_collective_permute(instr, per_device):
@@ -129,6 +144,15 @@ def _convert_all_to_all(b, eqn, args):
     return [b.add1("all-to-all", [x], shape, x.dtype, split_dim=split, concat_dim=concat, groups=groups)]
 
 
+def _convert_ragged_all_to_all(b, eqn, args):
+    if eqn.params.get("axis_index_groups") is not None:
+        raise ShardingError("ragged_all_to_all with axis_index_groups is not supported; name mesh axes instead "
+                            "(a shard_map over the axes the exchange runs along).")
+    output = args[1]
+    return [b.add1("ragged-all-to-all", list(args), output.shape, output.dtype,
+                   groups=_named_groups(b, eqn, eqn.params["axis_name"]))]
+
+
 def _convert_ppermute(b, eqn, args):
     p, (x,) = eqn.params, args
     groups = _named_groups(b, eqn, p["axis_name"])
@@ -152,6 +176,16 @@ def _whole_along(*dims_attrs: str):
         out = instr.outputs[0]
         return [Factor(size, (d, d), REPLICATE if d in whole else PASS) for d, size in enumerate(out.shape)]
     return factors
+
+
+def _ragged_factors(instr: Instr) -> list[Factor]:
+    """Tensors: operand, output, the four offset and size vectors, result. The ragged
+    rows and the vectors stay whole; the dims after the rows split freely."""
+    operand, output = instr.operands[:2]
+    alone = lambda t, size: Factor(size, tuple(0 if k == t else None for k in range(7)), REPLICATE)
+    return ([alone(0, operand.shape[0]), Factor(output.shape[0], (None, 0, None, None, None, None, 0), REPLICATE)]
+            + [alone(t, instr.operands[t].shape[0]) for t in range(2, 6)]
+            + [Factor(size, (d, d, None, None, None, None, d), PASS) for d, size in enumerate(output.shape) if d])
 
 
 # -- jax lowering: grouped collectives over the shard_map axis ----------------------------
@@ -259,6 +293,45 @@ def _lower_all_to_all(instr, args, lc):
                            tiled=True)]
 
 
+def _lower_ragged_all_to_all(instr, args, lc):
+    """jax's ragged_all_to_all over the whole shard_map axis, each device's slices
+    addressed to its group's members (the others get none). XLA:CPU has no such
+    collective: there every slice travels padded to the operand's rows in one
+    all_to_all and is written where its sizes say."""
+    operand, output, *ragged = args
+    if 0 in operand.shape:
+        return [output]
+    over_axis = [_to_every_position(instr, v, lc) for v in ragged]
+    return [lax.platform_dependent(operand, output, *over_axis, cpu=functools.partial(_ragged_by_all_to_all, lc.axis),
+                                   default=functools.partial(lax.ragged_all_to_all, axis_name=lc.axis))]
+
+
+def _to_every_position(instr: Instr, vector, lc):
+    """A vector of slices per group member as one per position of the axis."""
+    groups = lc.positions(instr.attrs["groups"])
+    n, (count, k) = lc.axis_size(), groups.shape
+    if count == 1 and np.array_equal(groups[0], np.arange(n)):
+        return vector
+    per_member = vector.shape[0] // k
+    row = np.empty((n, k), np.int64)
+    row[lc.positions(np.asarray(instr.attrs["groups"]).ravel())] = np.repeat(groups, k, axis=0)
+    members = jnp.asarray(row)[lc.axis_index()]
+    at = (members[:, None] * per_member + jnp.arange(per_member)).ravel()
+    return jnp.zeros(n * per_member, vector.dtype).at[at].set(vector)
+
+
+def _ragged_by_all_to_all(axis, operand, output, input_offsets, send_sizes, output_offsets, recv_sizes):
+    rows = operand.shape[0]
+    within = jnp.arange(rows)
+    picked = jnp.take(operand, input_offsets[:, None] + within, axis=0, mode="clip")
+    sent = jnp.where((within < send_sizes[:, None]).reshape(picked.shape[:2] + (1,) * (operand.ndim - 1)),
+                     picked, jnp.zeros((), operand.dtype))
+    received = lax.all_to_all(sent, axis, 0, 0, tiled=True)
+    at = lax.all_to_all(output_offsets, axis, 0, 0, tiled=True)[:, None] + within
+    at = jnp.where(within < recv_sizes[:, None], at, output.shape[0])     # past the end: dropped
+    return output.at[at.ravel()].set(received.reshape((-1,) + operand.shape[1:]), mode="drop")
+
+
 def _lower_collective_permute(instr, args, lc):
     """ppermute needs unique sources: a source sending to several devices goes in rounds.
     Devices nobody sends to get zeros (HLO semantics, as ppermute does)."""
@@ -354,6 +427,13 @@ register("all-to-all",
          frontend=Frontend(converts={"all_to_all": _convert_all_to_all}),
          semantics=Semantics(evaluate_all=_evaluate_all_to_all, lower=_empty_safe(_lower_all_to_all)),
          rule=Rule(factors=_whole_along("split_dim", "concat_dim")),
+         timing=Timing(collective=Pattern.ALL_TO_ALL),
+         memory=Memory(scratch=_all_to_all_pieces),
+         facets=Facets(uniform=_varying))
+register("ragged-all-to-all",
+         frontend=Frontend(converts={"ragged_all_to_all": _convert_ragged_all_to_all}),
+         semantics=Semantics(evaluate_all=_evaluate_ragged_all_to_all, lower=_lower_ragged_all_to_all),
+         rule=Rule(factors=_ragged_factors),
          timing=Timing(collective=Pattern.ALL_TO_ALL),
          memory=Memory(scratch=_all_to_all_pieces),
          facets=Facets(uniform=_varying))
