@@ -60,6 +60,12 @@ DECODERS = {"llama2": dict(decoder_block="llama2"),
                              shared_experts=1),
             # the grouped matmuls as Pallas kernels (interpret mode off TPU), inside MaxText's shard_map
             "mixtral-megablox": dict(MOE, sparse_matmul=True, megablox=True),
+            # MaxText's circular pipeline (its stages vmapped, a shifting buffer between them:
+            # the paper's 3.3), 2 stages x 2 repeats of one layer, 4 microbatches
+            "llama2-pipeline": dict(decoder_block="llama2", ici_data_parallelism=1, ici_pipeline_parallelism=2,
+                                    num_pipeline_microbatches=4, num_pipeline_repeats=2, base_num_decoder_layers=4,
+                                    per_device_batch_size=4),
+            "llama2-explicit": dict(decoder_block="llama2", shard_mode="explicit"),   # jax's Explicit axes
             # expert parallelism (tokens sent to their experts' devices by ragged_all_to_all),
             # and the same model's experts split over fsdp instead
             "mixtral-ep": dict(MOE, sparse_matmul=True, ici_expert_parallelism=4, ici_tensor_parallelism=1),
@@ -146,9 +152,12 @@ def test_llama2_scanned_jax_backend(tmp_path):
 
 @slow
 @pytest.mark.parametrize("decoder, scan_layers, backend", [
-    ("llama2", False, "jax"), ("mixtral", False, "jax"), ("mixtral-dropless", True, "jax"), ("llama2", False, "sim")])
+    ("llama2", False, "jax"), ("mixtral", False, "jax"), ("mixtral-dropless", True, "jax"), ("llama2", False, "sim"),
+    ("llama2-pipeline", True, "jax"), ("llama2-pipeline", True, "sim"), ("llama2-explicit", True, "jax")])
 def test_other_decoders_and_backends(decoder, scan_layers, backend, tmp_path):
-    check(decoder, scan_layers, backend, tmp_path)
+    lowered = check(decoder, scan_layers, backend, tmp_path)
+    if decoder == "llama2-pipeline":     # the shifting buffer: each stage's output to the next stage
+        assert "collective-permute" in {c.kind for c in lowered.report().collectives}
 
 
 @slow
