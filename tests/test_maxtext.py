@@ -189,16 +189,20 @@ def test_plans_flash_attention_as_maxtext_runs_it_on_tpu(monkeypatch):
     assert peaks["flash"] < peaks["dot_product"], peaks
 
 
-def test_plans_a_mixture_of_experts_with_its_grouped_matmul_kernels_on_tpu(monkeypatch):
+@pytest.mark.parametrize("experts_over", [{}, dict(ici_expert_parallelism=4, ici_tensor_parallelism=1)])
+def test_plans_a_mixture_of_experts_with_its_grouped_matmul_kernels_on_tpu(monkeypatch, experts_over):
     """MaxText's default MoE path (sparse_matmul with megablox) runs grouped matmuls as
-    Pallas kernels on a TPU: a tpu-v5p plan holds them as kernels."""
+    Pallas kernels on a TPU: a tpu-v5p plan holds them as kernels; with expert
+    parallelism, tokens travel to their experts by ragged all-to-alls."""
     example = Path(__file__).resolve().parents[1] / "examples" / "maxtext_plan.py"
     sizes = {**TINY, **MOE, "base_emb_dim": 512, "head_dim": 128, "base_num_query_heads": 4, "base_num_kv_heads": 4,
-             "base_moe_mlp_dim": 512, "base_mlp_dim": 512, "max_target_length": 1024}
+             "base_moe_mlp_dim": 512, "base_mlp_dim": 512, "max_target_length": 1024, **experts_over}
     monkeypatch.setenv("MAXTEXT_OVERRIDES", " ".join(f"{k}={v}" for k, v in dict(sizes, megablox=True).items()))
     result = planning.plan(f"{example}:make", planning.Sizes(devices=32), "tpu-v5p")
     assert [i for i in result.lowered.spmd.all_instrs() if i.opcode == "pallas-call"]
     assert result.report.fits_in_memory and result.report.step_seconds > 0
+    ragged = [c for c in result.report.collectives if c.kind == "ragged-all-to-all"]
+    assert bool(ragged) == bool(experts_over) and all(len(c.groups[0]) == 4 for c in ragged)
 
 
 def test_plans_the_step_for_devices_this_process_has_not(monkeypatch):
