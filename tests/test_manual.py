@@ -251,3 +251,15 @@ def test_ragged_all_to_all_and_its_gradient(per_member):
         np.testing.assert_allclose(grads[1], output_grad, rtol=1e-6)
     (moved,) = [c for c in gspmd.jit(exchange).lower(operand, output, *vectors).report().collectives]
     assert moved.kind == "ragged-all-to-all" and moved.groups == ((0, 1, 2, 3), (4, 5, 6, 7))
+
+
+def test_pbroadcast():
+    """lax.pbroadcast over "y" from member 2 (jax lowers it for GPUs only): every member of
+    a row gets member 2's value. (jax's transpose rule for it takes only scalars.)"""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 4, 5)).astype(np.float32)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("x", "y"))
+    spec = jax.sharding.PartitionSpec("x", "y")
+    broadcast = jax.shard_map(lambda v: jax.lax.pbroadcast(v, "y", 2), mesh=mesh, in_specs=spec, out_specs=spec)
+    for backend in ("sim", "jax"):
+        np.testing.assert_array_equal(gspmd.jit(broadcast, backend=backend)(x), np.repeat(x[:, 2:3], 4, 1))

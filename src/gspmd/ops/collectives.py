@@ -160,6 +160,15 @@ def _convert_ppermute(b, eqn, args):
     return [b.add1("collective-permute", [x], x.shape, x.dtype, pairs=np.asarray(pairs, np.int64))]
 
 
+def _convert_pbroadcast(b, eqn, args):
+    """The source member's value to every member of its group (a permute from one to
+    all: exact, where jax's own lowering exists only for GPUs)."""
+    p, (x,) = eqn.params, args
+    groups = _named_groups(b, eqn, p["axis_name"])
+    pairs = [(line[p["source"]], d) for line in groups for d in line]
+    return [b.add1("collective-permute", [x], x.shape, x.dtype, pairs=np.asarray(pairs, np.int64))]
+
+
 def _convert_axis_index(b, eqn, args):
     mesh = _manual_mesh(b, eqn)
     coords = np.empty(mesh.size, np.int32)
@@ -438,7 +447,7 @@ register("ragged-all-to-all",
          memory=Memory(scratch=_all_to_all_pieces),
          facets=Facets(uniform=_varying))
 register("collective-permute",
-         frontend=Frontend(converts={"ppermute": _convert_ppermute}),
+         frontend=Frontend(converts={"ppermute": _convert_ppermute, "pbroadcast": _convert_pbroadcast}),
          semantics=Semantics(evaluate_all=_evaluate_collective_permute, lower=_empty_safe(_lower_collective_permute)),
          rule=Rule(factors=elementwise_factors),
          timing=Timing(collective=Pattern.PERMUTE),
