@@ -35,7 +35,7 @@ from flax import nnx                                              # noqa: E402
 from flax.linen import partitioning as nn_partitioning            # noqa: E402
 from maxtext.configs import pyconfig                              # noqa: E402
 from maxtext.trainers.pre_train import train                      # noqa: E402
-from maxtext.utils import maxtext_utils, sharding, train_utils    # noqa: E402
+from maxtext.utils import max_utils, maxtext_utils, sharding, train_utils    # noqa: E402
 from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR             # noqa: E402
 
 import gspmd                                                      # noqa: E402
@@ -148,6 +148,10 @@ def test_llama2_scanned_jax_backend(tmp_path):
     lowered = check("llama2", True, "jax", tmp_path)
     kernel = lowered.explain("state['model']['decoder']['layers']['mlp']['wi_0']['kernel'].value")
     assert "logical axes ('embed', 'layers', 'mlp')" in kernel, kernel
+    # MaxText's train loop compiles its step ahead of time and logs its memory analysis
+    stats = lowered.compile(compiler_options=max_utils.parse_libtpu_flags_to_dict("")).memory_analysis()
+    max_utils.print_compiled_memory_stats(stats)
+    assert stats.argument_size_in_bytes > 0 and stats.temp_size_in_bytes > 0
 
 
 @slow

@@ -168,6 +168,16 @@ class Partitioned:
                                            logical_axes((args, kwargs)))
         return self._cache[key]
 
+    def eval_shape(self, *args, **kwargs):
+        """The results' shapes and dtypes for these arguments (jax.ShapeDtypeStruct, or
+        arrays), as jax.jit's eval_shape; executes nothing."""
+        return self.lower(*args, **kwargs).out_info
+
+    def clear_cache(self) -> None:
+        """Forget every lowered signature (as jax.jit's clear_cache): the next call lowers anew."""
+        self._cache.clear()
+        self._fast.clear()
+
     def __repr__(self):
         return f"gspmd.jit({self.signature.name}, mesh={self.mesh}, backend={self.backend!r})"
 

@@ -7,6 +7,8 @@ compiled shard_map, see runtime/jax_backend.py). Its derivatives and batched for
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import gc
 from typing import Callable, Iterator, Optional
 
@@ -52,12 +54,27 @@ class Execution:
 
     def __call__(self, *args, **kwargs):
         """Run on arguments of the signature this was lowered for."""
+        return self._run(self._checked(args, kwargs))
+
+    def compile(self, compiler_options: Optional[dict] = None) -> "Compiled":
+        """As jax.jit's `.lower(...).compile(...)`: the program compiled now (the jax
+        backend; `compiler_options` are XLA's), to call and to analyse."""
+        return Compiled(self, compiler_options)
+
+    @property
+    def out_info(self):
+        """The results' shapes and dtypes (jax.ShapeDtypeStruct), as jax.jit's eval_shape gives them."""
+        flat = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in self.program.outputs]
+        return jax.tree_util.tree_unflatten(self.out_tree, jax.eval_shape(lambda *xs: self.keys.results(xs), *flat))
+
+    def _checked(self, args: tuple, kwargs: dict) -> list:
+        """The call's leaves, checked against the signature this was lowered for."""
         dynamic, dynamic_kwargs, static = self._signature.split_static(args, kwargs)
         leaves, treedef = _flatten((dynamic, dynamic_kwargs))
         if treedef != self._template.treedef or static != self._template.static:
             self._other_structure(leaves, args, kwargs)
         self._check_leaves(leaves)
-        return self._run(leaves)
+        return leaves
 
     def _other_structure(self, leaves: list, args: tuple, kwargs: dict) -> None:
         """Why a call of another pytree structure (or other static arguments) than the
@@ -87,9 +104,9 @@ class Execution:
                 raise ShardingError(f"Argument {name} {given} but the program was lowered for shape {key[0]} and "
                                     f"dtype {_dtype(key[1])}; {_LOWER_AGAIN}")
 
-    def _run(self, leaves: list):
+    def _run(self, leaves: list, execute: Optional[Callable[[list], list]] = None):
         arrays = self.keys.args(self._template.dynamic_leaves(leaves))
-        return jax.tree_util.tree_unflatten(self.out_tree, self.keys.results(self._execute(arrays)))
+        return jax.tree_util.tree_unflatten(self.out_tree, self.keys.results((execute or self._execute)(arrays)))
 
     def _first_execute(self, arrays: list) -> list:
         with gc_paused():   # the jax backend builds its executable, traces and compiles here
@@ -131,6 +148,60 @@ class Execution:
         results = sim.run(self.spmd, per_device, self.num_devices)
         return [sim.unshard([results[d][i] for d in range(self.num_devices)], v.sharding, v.shape)
                 for i, v in enumerate(self.program.outputs)]
+
+
+class Compiled:
+    """What `Lowered.compile()` gives, as jax.stages.Compiled: call it with arguments of
+    the lowered signature; `memory_analysis()`, `cost_analysis()` and `as_text()` are
+    XLA's of the compiled program on the jax backend. The sim backend compiles nothing:
+    there they are gspmd's own estimates for one device (a MemoryStats with the fields
+    of XLA's, FLOPs) and the per-device program's text."""
+
+    def __init__(self, lowered: Execution, compiler_options: Optional[dict] = None):
+        self.lowered = lowered
+        self._xla, self._execute = None, None
+        if lowered.backend == "jax":
+            executable = lowered.jax_executable()
+            self._xla = executable.compile(compiler_options)
+            self._execute = functools.partial(executable.run_compiled, self._xla)
+        elif compiler_options:
+            raise ShardingError(f"compiler_options {sorted(compiler_options)} are XLA's, and the sim backend "
+                                "compiles nothing; give them with backend='jax'.")
+
+    def __call__(self, *args, **kwargs):
+        return self.lowered._run(self.lowered._checked(args, kwargs), self._execute)
+
+    def memory_analysis(self):
+        if self._xla is not None:
+            return self._xla.memory_analysis()
+        profile = self.lowered.report().memory
+        outputs = sum(v.nbytes for v in self.lowered.spmd.outputs)    # aliased ones included, as XLA's
+        held = profile.arguments_bytes + outputs - profile.aliased_bytes
+        return MemoryStats(argument_size_in_bytes=profile.arguments_bytes, output_size_in_bytes=outputs,
+                           alias_size_in_bytes=profile.aliased_bytes,
+                           temp_size_in_bytes=max(profile.peak_bytes - held, 0))
+
+    def cost_analysis(self):
+        if self._xla is not None:
+            return self._xla.cost_analysis()
+        return {"flops": float(self.lowered.report().flops)}
+
+    def as_text(self) -> str:
+        return self._xla.as_text() if self._xla is not None else self.lowered.as_text()
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryStats:
+    """A device's bytes, named as XLA's CompiledMemoryStats names them."""
+    argument_size_in_bytes: int
+    output_size_in_bytes: int
+    alias_size_in_bytes: int
+    temp_size_in_bytes: int
+    generated_code_size_in_bytes: int = 0
+    host_argument_size_in_bytes: int = 0
+    host_output_size_in_bytes: int = 0
+    host_alias_size_in_bytes: int = 0
+    host_temp_size_in_bytes: int = 0
 
 
 @contextlib.contextmanager

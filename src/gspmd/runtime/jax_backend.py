@@ -15,7 +15,7 @@ else: jax.jit feeds each process's devices.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import numpy as np
@@ -188,9 +188,17 @@ class Executable:
     def compiled(self) -> jax.stages.Compiled:
         """The compiled program (for its HLO text and memory analysis)."""
         if self._compiled is None:
-            in_types = [jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s) for p, s in zip(self.params, self.in_shardings)]
-            self._compiled = self.jitted.lower(*in_types).compile()
+            self._compiled = self.compile()
         return self._compiled
+
+    def compile(self, compiler_options: Optional[dict] = None) -> jax.stages.Compiled:
+        in_types = [jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s) for p, s in zip(self.params, self.in_shardings)]
+        return self.jitted.lower(*in_types).compile(compiler_options)
+
+    def run_compiled(self, compiled: jax.stages.Compiled, flat_args: Sequence) -> list[jax.Array]:
+        """Run `compiled` (this program, compiled ahead of time) on the flat arguments,
+        moved to its input layouts where they are elsewhere."""
+        return list(compiled(*(self.place(flat_args) or flat_args)))
 
     def _run_global(self, *args):
         if any(tuple(x.shape) != p.shape or np.dtype(x.dtype) != p.dtype for x, p in zip(args, self.params)):
