@@ -4,7 +4,8 @@ base.yml), its 12-axis mesh with data=2 x tensor=4, its model, AdamW and train s
 Llama-2 decoder and a Mixtral-style MoE decoder (megablox off on CPU: the dense matmul
 path, and sparse_matmul's dropless ragged_dot path), unrolled and scanned; the step
 equals jax.jit of the same function with the same shardings, and explain() names
-MaxText's logical axes (embed, mlp, ...) of its parameters. Slow: MaxText's other decoders
+MaxText's logical axes (embed, mlp, ...) of its parameters. Its train loop itself runs
+with gspmd.jit in place of the jax.jit it calls. Slow: MaxText's other decoders
 (Gemma, Qwen3, GPT-3, OLMo 3, DeepSeek, ...), its megablox kernels, and its expert
 parallelism (ragged_all_to_all, which jax.jit cannot run on CPU: against the same step
 with the experts over fsdp).
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import types
 from collections import Counter
 from pathlib import Path
 
@@ -114,9 +116,13 @@ def assert_same_step(got, want) -> None:
     (got_state, got_metrics), (want_state, want_metrics) = got, want
     np.testing.assert_allclose(_numbers(got_metrics["scalar"]["learning/loss"]),
                                _numbers(want_metrics["scalar"]["learning/loss"]), rtol=1e-5)
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(want_state)[0]]
-    assert len(jax.tree.leaves(got_state)) == len(paths)
-    for path, g, w in zip(paths, jax.tree.leaves(got_state), jax.tree.leaves(want_state)):
+    assert_same_state(got_state, want_state)
+
+
+def assert_same_state(got, want) -> None:
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(want)[0]]
+    assert len(jax.tree.leaves(got)) == len(paths)
+    for path, g, w in zip(paths, jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(_numbers(g), _numbers(w), rtol=1e-4, atol=1e-6, err_msg=path)
 
 
@@ -152,6 +158,33 @@ def test_llama2_scanned_jax_backend(tmp_path):
     stats = lowered.compile(compiler_options=max_utils.parse_libtpu_flags_to_dict("")).memory_analysis()
     max_utils.print_compiled_memory_stats(stats)
     assert stats.argument_size_in_bytes > 0 and stats.temp_size_in_bytes > 0
+
+
+@pytest.mark.parametrize("decoder, backend", [
+    ("llama2", "jax"), pytest.param("llama2", "sim", marks=slow), pytest.param("mixtral-dropless", "jax", marks=slow)])
+def test_maxtexts_own_train_loop_with_gspmd_jit(decoder, backend, tmp_path, monkeypatch):
+    """MaxText's train loop itself (train.train_loop: setup, its step compiled ahead of
+    time and its memory analysis logged, 3 steps with metrics), run once as it is and
+    once with gspmd.jit where it calls jax.jit for its train and eval steps: the same
+    final state."""
+    def config(out: str):
+        overrides = {**TINY, **DECODERS[decoder], "scan_layers": True, "base_output_directory": out, "steps": 3}
+        return pyconfig.initialize(["", os.path.join(MAXTEXT_CONFIGS_DIR, "base.yml")]
+                                   + [f"{k}={v}" for k, v in overrides.items()])
+    want = train.train_loop(config(str(tmp_path / "jax")), None)
+    made = []
+
+    class JaxWithGspmdJit(types.ModuleType):
+        def __getattr__(self, name):
+            return getattr(jax, name)
+
+        @staticmethod
+        def jit(fn, **kw):
+            made.append(gspmd.jit(fn, backend=backend, **kw))
+            return made[-1]
+    monkeypatch.setattr(train_utils, "jax", JaxWithGspmdJit("jax"))
+    assert_same_state(train.train_loop(config(str(tmp_path / "gspmd")), None), want)
+    assert made and made[0]._cache      # its train step lowered through gspmd
 
 
 @slow
