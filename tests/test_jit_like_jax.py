@@ -265,3 +265,20 @@ def test_eval_shape_and_clear_cache():
     lowered = jitted.lower(X, key)
     jitted.clear_cache()
     assert jitted.lower(X, key) is not lowered
+
+
+def test_decorator_form_and_jax_jits_other_options():
+    """gspmd.jit(**options) decorates, as jax.jit(**options) does; keep_unused and inline
+    are taken (no result changes), compiler_options go to XLA; one `device` is refused."""
+    @gspmd.jit(mesh=MESH, backend="jax", static_argnums=2, keep_unused=True, inline=True,
+               compiler_options={"xla_cpu_enable_fast_math": False})
+    def scaled(x, w, scale):
+        return scale * loss(x, w)
+    assert_close(scaled(X, W, 3.0), reference(lambda: 3.0 * loss(X, W)))
+    assert_close(jax.grad(scaled)(X, W, 3.0), reference(jax.grad(lambda x: 3.0 * loss(x, W)), X))
+    with pytest.raises(gspmd.ShardingError, match="sim backend compiles nothing"):
+        gspmd.jit(loss, compiler_options={"xla_cpu_enable_fast_math": False})
+    with pytest.raises(gspmd.ShardingError, match="not one `device`"):
+        gspmd.jit(loss, device=jax.devices()[0])
+    with pytest.raises(gspmd.ShardingError, match="jax.jit's named a platform"):
+        gspmd.jit(loss, backend="cpu")

@@ -33,13 +33,15 @@ from gspmd.spmd.cost import profile
 
 BACKENDS = ("sim", "jax")
 _JIT_OPTIONS = ("mesh", "backend", "static_argnums", "static_argnames", "donate_argnums", "donate_argnames",
-                "in_shardings", "out_shardings", "memory_limit", "hardware")
+                "in_shardings", "out_shardings", "memory_limit", "hardware", "compiler_options", "keep_unused", "inline")
 
 
-def jit(fn: Callable, mesh=None, backend: str = "sim", *, static_argnums: Union[int, Sequence[int]] = (),
-        static_argnames: Union[str, Sequence[str]] = (), donate_argnums: Union[int, Sequence[int]] = (),
-        donate_argnames: Union[str, Sequence[str]] = (), in_shardings=None, out_shardings=None,
-        memory_limit: Optional[int] = None, hardware: Union[None, str, Hardware] = None, **unknown) -> "Partitioned":
+def jit(fn: Optional[Callable] = None, mesh=None, backend: str = "sim", *,
+        static_argnums: Union[int, Sequence[int]] = (), static_argnames: Union[str, Sequence[str]] = (),
+        donate_argnums: Union[int, Sequence[int]] = (), donate_argnames: Union[str, Sequence[str]] = (),
+        in_shardings=None, out_shardings=None, memory_limit: Optional[int] = None,
+        hardware: Union[None, str, Hardware] = None, compiler_options: Optional[dict] = None,
+        keep_unused: bool = False, inline: bool = False, **unknown) -> "Partitioned":
     """Partition `fn` into one SPMD program for the devices of `mesh`; calling the result
     returns what `fn` returns on one device.
 
@@ -80,14 +82,38 @@ def jit(fn: Callable, mesh=None, backend: str = "sim", *, static_argnums: Union[
     serves users far apart and holding it would exceed the limit, it is done again near
     the later users (more collective bytes, less memory); report() says what was chosen.
     hardware: a profile name or a gspmd.Hardware: what the partitioner prices its choices
-    on (the default profile, tpu-v3, when None) and the default profile of report()."""
+    on (the default profile, tpu-v3, when None) and the default profile of report().
+
+    As jax.jit's: without `fn`, a decorator taking it; `compiler_options` go to XLA
+    (jax backend); `keep_unused` and `inline` are taken and change no result (a
+    gspmd.jit inside another is always inlined)."""
+    if fn is None:
+        options = dict(static_argnums=static_argnums, static_argnames=static_argnames, donate_argnums=donate_argnums,
+                       donate_argnames=donate_argnames, in_shardings=in_shardings, out_shardings=out_shardings,
+                       memory_limit=memory_limit, hardware=hardware, compiler_options=compiler_options,
+                       keep_unused=keep_unused, inline=inline, **unknown)
+        return lambda f: jit(f, mesh, backend, **options)
+    if "device" in unknown:
+        raise ShardingError("gspmd.jit runs over the devices of its mesh, not one `device`: give mesh=... (for one "
+                            "device, a mesh of one), or use jax.jit(device=...).")
     if unknown:
         name = next(iter(unknown))
         close = difflib.get_close_matches(name, _JIT_OPTIONS, n=1)
         raise ShardingError(f"gspmd.jit got an unknown keyword argument {name!r}; "
                             + (f"did you mean {close[0]!r}?" if close else f"it takes {', '.join(_JIT_OPTIONS)}."))
     if backend not in BACKENDS:
-        raise ShardingError(f"Unknown backend {backend!r}; choose one of {BACKENDS}.")
+        raise ShardingError(f"Unknown backend {backend!r}; choose one of {BACKENDS} (gspmd.jit's backend says how "
+                            "the program runs; jax.jit's named a platform: the jax backend runs on the mesh's devices).")
+    if compiler_options is not None and not isinstance(compiler_options, dict):
+        raise ShardingError(f"jit(compiler_options=...) takes a dict of XLA option names to values (as jax.jit's), "
+                            f"got {type(compiler_options).__name__} {compiler_options!r:.60}.")
+    for name, flag in (("keep_unused", keep_unused), ("inline", inline)):
+        if not isinstance(flag, bool):
+            raise ShardingError(f"jit({name}=...) takes True or False (as jax.jit's), got "
+                                f"{type(flag).__name__} {flag!r:.60}.")
+    if compiler_options and backend != "jax":
+        raise ShardingError(f"compiler_options {sorted(compiler_options)} are XLA's, and the sim backend compiles "
+                            "nothing; give them with backend='jax'.")
     if not callable(fn):
         raise ShardingError(f"gspmd.jit needs a function, got {type(fn).__name__} {fn!r:.60}.")
     mesh = None if mesh is None else as_mesh(mesh, "for gspmd.jit(mesh=...)")
@@ -99,7 +125,7 @@ def jit(fn: Callable, mesh=None, backend: str = "sim", *, static_argnums: Union[
     limit = memory_limit if memory_limit is not None else (hardware.usable_bytes if hardware else None)
     return Partitioned(fn, mesh, backend, Signature(fn, static_argnums, static_argnames, donate_argnums,
                                                            donate_argnames),
-                       in_shardings, out_shardings, limit, hardware)
+                       in_shardings, out_shardings, limit, hardware, compiler_options)
 
 
 class Partitioned:
@@ -108,9 +134,10 @@ class Partitioned:
 
     def __init__(self, fn: Callable, mesh: Optional[Mesh], backend: str, signature: Optional[Signature] = None,
                  in_shardings=None, out_shardings=None, memory_limit: Optional[int] = None,
-                 hardware: Optional[Hardware] = None):
+                 hardware: Optional[Hardware] = None, compiler_options: Optional[dict] = None):
         self.fn, self.mesh, self.backend = fn, mesh, backend
         self.memory_limit, self.hardware = memory_limit, hardware
+        self.compiler_options = compiler_options or {}
         self.signature = signature or Signature(fn, (), (), ())
         self.__wrapped__ = fn
         self.__name__ = self.signature.name
@@ -310,11 +337,13 @@ class Lowered(Execution, Inspection):
             hardware=partitioned.hardware)
         verify(self.spmd)
         self.hardware = partitioned.hardware
+        self.compiler_options = partitioned.compiler_options
         self._ready_to_run()
         # its derivatives and batched forms, partitioned when jax asks for them
+        def partitioned_alike(fn: Callable) -> Partitioned:
+            return Partitioned(fn, partitioned.mesh, self.backend, compiler_options=self.compiler_options)
         self.transforms = Transforms(self.flat_fn, _avals(self.program.params), _avals(self.program.outputs),
-                                     signature.name, lambda fn: Partitioned(fn, partitioned.mesh, self.backend),
-                                     mesh)
+                                     signature.name, partitioned_alike, mesh)
 
 
 def _trace(flat_fn: Callable, avals: list, name: str, mesh: Optional[Mesh], leaves: list, names: list[str]):

@@ -41,6 +41,7 @@ class Execution:
     donated: tuple[int, ...]
     keys: KeyData
     out_tree: object
+    compiler_options: dict
     transforms: Transforms
     _signature: Signature
     _template: Template
@@ -128,7 +129,8 @@ class Execution:
         composes with jax.grad, jax.jit and jax.vmap like the function)."""
         if self._jax is None:
             self._jax = jax_backend.Executable(self.spmd, self.program.params, self.program.outputs, self.mesh,
-                                               self.donated, wrap=self.transforms.wrap)
+                                               self.donated, wrap=self.transforms.wrap,
+                                               compiler_options=self.compiler_options)
         return self._jax
 
     def _run_on_host(self, arrays: list) -> list:

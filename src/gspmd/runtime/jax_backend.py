@@ -132,9 +132,10 @@ class Executable:
     by one device_put; arguments in `donate` give their buffers to the outputs."""
 
     def __init__(self, spmd: Program, params: Sequence[Value], outputs: Sequence[Value], mesh: Mesh,
-                 donate: Sequence[int] = (), wrap: Callable[[Callable], Callable] = _identity):
+                 donate: Sequence[int] = (), wrap: Callable[[Callable], Callable] = _identity,
+                 compiler_options: Optional[dict] = None):
         """`wrap` turns the traced program into what is jitted (the caller's custom
-        differentiation and batching rules around it)."""
+        differentiation and batching rules around it); `compiler_options` are XLA's."""
         self.spmd, self.params, self.outputs, self.mesh = spmd, list(params), list(outputs), mesh
         # The program runs over Auto axes; its results are laid out over the user's jax mesh
         # (whose axes may be Explicit), so that jax code can combine them with its own arrays.
@@ -158,8 +159,12 @@ class Executable:
         # rule's call by evaluating its jaxpr again, which is then one call, not the
         # whole shard_map body traced a second time.
         self._program = jax.jit(self._run_global)
-        self.jitted = jax.jit(wrap(self._program), in_shardings=tuple(self.in_shardings),
-                              out_shardings=tuple(self.out_shardings), donate_argnums=tuple(donate))
+        self.compiler_options = compiler_options or {}
+        jit = functools.partial(jax.jit, wrap(self._program), in_shardings=tuple(self.in_shardings),
+                                out_shardings=tuple(self.out_shardings), donate_argnums=tuple(donate))
+        self.jitted = jit(compiler_options=self.compiler_options or None)
+        # inside a caller's trace (grad, jit, vmap) XLA's options are the outermost jit's to give
+        self._nested = jit() if self.compiler_options else self.jitted
         self._compiled = None
         self.multiprocess = jax.process_count() > 1
 
@@ -193,7 +198,7 @@ class Executable:
 
     def compile(self, compiler_options: Optional[dict] = None) -> jax.stages.Compiled:
         in_types = [jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s) for p, s in zip(self.params, self.in_shardings)]
-        return self.jitted.lower(*in_types).compile(compiler_options)
+        return self.jitted.lower(*in_types).compile({**self.compiler_options, **(compiler_options or {})} or None)
 
     def run_compiled(self, compiled: jax.stages.Compiled, flat_args: Sequence) -> list[jax.Array]:
         """Run `compiled` (this program, compiled ahead of time) on the flat arguments,
@@ -231,10 +236,11 @@ class Executable:
     def __call__(self, flat_args: Sequence) -> list[jax.Array]:
         if self.multiprocess:    # jax.jit takes no NumPy inputs for shardings spanning processes
             flat_args = self.place(flat_args) or flat_args
+        traced = any(isinstance(x, jax.core.Tracer) for x in flat_args)
         try:
-            return list(self.jitted(*flat_args))
+            return list((self._nested if traced else self.jitted)(*flat_args))
         except ValueError:
-            if any(isinstance(x, jax.core.Tracer) for x in flat_args):
+            if traced:
                 return list(self._unplaced(*flat_args))
             placed = self.place(flat_args)
             if placed is None:     # not a layout mismatch
