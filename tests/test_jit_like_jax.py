@@ -255,6 +255,14 @@ def test_compile_takes_xla_options_on_the_jax_backend():
         gspmd.jit(step, mesh=MESH).lower(W, X).compile(compiler_options=options)
 
 
+def test_trace_gives_the_jaxpr_and_lowers():
+    jitted = gspmd.jit(loss, mesh=MESH)
+    traced = jitted.trace(X, W)
+    assert "tanh" in str(traced.jaxpr) and traced.fun_name == "loss"
+    assert traced.out_info == jax.jit(loss).eval_shape(X, W)
+    assert traced.lower() is jitted.lower(X, W)
+
+
 def test_eval_shape_and_clear_cache():
     def f(x, key):
         return {"y": jnp.sin(x), "keys": jax.random.split(key), "total": x.sum()}

@@ -19,6 +19,7 @@ from gspmd.compose import Transforms
 from gspmd.errors import ShardingError
 from gspmd.execution import Execution, gc_paused
 from gspmd.frontend import mesh_split, trace
+from gspmd.frontend.trace import jaxpr_of
 from gspmd.frontend.annotation import is_tracing, tracing
 from gspmd.inspection import Inspection
 from gspmd.ir import Program, Value, verify
@@ -195,6 +196,12 @@ class Partitioned:
                                            logical_axes((args, kwargs)))
         return self._cache[key]
 
+    def trace(self, *args, **kwargs) -> "Traced":
+        """As jax.jit's trace: the function traced for these arguments, with `.jaxpr`,
+        `.out_info` and `.lower()` (gspmd completes and partitions as it traces: this is
+        lower()'s work, cached with it)."""
+        return Traced(self.lower(*args, **kwargs))
+
     def eval_shape(self, *args, **kwargs):
         """The results' shapes and dtypes for these arguments (jax.ShapeDtypeStruct, or
         arrays), as jax.jit's eval_shape; executes nothing."""
@@ -210,6 +217,28 @@ class Partitioned:
 
 
 _flatten, _unflatten = jax.tree_util.tree_flatten, jax.tree_util.tree_unflatten
+
+
+class Traced:
+    """What `gspmd.jit(f).trace(*args)` gives, as jax.jit's: `jaxpr` (the function on its
+    flat array arguments as gspmd traces it: typed PRNG keys enter as key data),
+    `out_info`, `fun_name`, and `lower()`."""
+
+    def __init__(self, lowered: "Lowered"):
+        self._lowered = lowered
+        self.fun_name = lowered._signature.name
+
+    @property
+    def jaxpr(self):
+        lowered = self._lowered
+        return jaxpr_of(lowered.flat_fn, lowered.keys.avals, lowered.meshes[0] if lowered.meshes else None)
+
+    @property
+    def out_info(self):
+        return self._lowered.out_info
+
+    def lower(self) -> "Lowered":
+        return self._lowered
 
 
 def _context_mesh():
