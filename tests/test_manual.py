@@ -263,3 +263,32 @@ def test_pbroadcast():
     broadcast = jax.shard_map(lambda v: jax.lax.pbroadcast(v, "y", 2), mesh=mesh, in_specs=spec, out_specs=spec)
     for backend in ("sim", "jax"):
         np.testing.assert_array_equal(gspmd.jit(broadcast, backend=backend)(x), np.repeat(x[:, 2:3], 4, 1))
+
+
+def test_ragged_all_to_all_in_a_shard_map_over_some_axes():
+    """Manual over "y" only: the exchange's rows are whole, its other dims follow the
+    automatic layout (a width split over "x" by an annotation outside)."""
+    rng = np.random.default_rng(4)
+    k, rows, width = 4, 8, 6
+    sizes = rng.integers(1, 3, (k, k))                      # [sender, receiver]
+    input_offsets, output_offsets = np.cumsum(sizes, 1) - sizes, np.cumsum(sizes, 0) - sizes
+    operand = rng.standard_normal((k * rows, width)).astype(np.float32)
+    output = np.full((k * rows, width), -1.0, np.float32)
+    expected = output.copy()
+    for s in range(k):
+        for r in range(k):
+            at, start = r * rows + output_offsets[s, r], s * rows + input_offsets[s, r]
+            expected[at:at + sizes[s, r]] = operand[start:start + sizes[s, r]]
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("x", "y"))
+    spec = jax.sharding.PartitionSpec("y")
+
+    def f(operand, output, *vectors):
+        operand = gspmd.mesh_split(operand, mesh, [None, "x"])
+        body = lambda o, u, *v: jax.lax.ragged_all_to_all(o, u, *[x[0] for x in v], axis_name="y")
+        return jnp.tanh(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 6, out_specs=spec,
+                                      axis_names={"y"})(operand, output, *vectors))
+
+    vectors = [v.astype(np.int32) for v in (input_offsets, sizes, output_offsets, sizes.T)]
+    for backend in ("sim", "jax"):
+        np.testing.assert_allclose(gspmd.jit(f, backend=backend)(operand, output, *vectors), np.tanh(expected),
+                                   rtol=1e-6)
