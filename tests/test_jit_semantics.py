@@ -331,6 +331,11 @@ def _explicit_programs(mesh):
         "grad_through_reshard": (jax.grad(lambda a: jnp.sum(reshard(a, P(None, a1)) ** 2)), P(a0)),
         "grad": (jax.grad(lambda a: jnp.sum(jnp.sin(a))), P(a0, a1)),
         "fsdp_dot": (lambda a: jnp.dot(a, reshard(a, P()), out_sharding=P(a0, None)), P(a0)),
+        # partial sums over a0 kept as such (unreduced), then summed by the reshard
+        "unreduced_dot": (lambda a: reshard(jnp.dot(a, a.T, out_sharding=P(None, None, unreduced={a0})), P()) + 1,
+                          P(None, a0)),
+        "grad_unreduced_dot": (jax.grad(lambda a: jnp.sum(reshard(jnp.dot(a, a.T, out_sharding=P(
+            None, None, unreduced={a0})), P()) ** 2)), P(None, a0)),
         "scan": (lambda a: jax.lax.scan(lambda c, r: (c + r, c * r), jnp.zeros(8, out_sharding=P(a1)), a),
                  P(None, a1)),
         "cond": (lambda a: jax.lax.cond(a.sum() > 0, lambda b: b * 2, lambda b: b - 1, a), P(a0, a1)),

@@ -372,13 +372,16 @@ def _mesh_dims(mesh: Mesh, entry, what: str) -> tuple[int, ...]:
 def dims_mapping_from_spec(spec: PartitionSpec, shape: Optional[Sequence[int]]) -> list:
     """A jax PartitionSpec as a dims_mapping for a value of `shape`: a short spec leaves
     the trailing dims unsplit (as in JAX) and P.UNCONSTRAINED leaves a dim to propagation.
-    Without a shape, one entry per entry of the spec."""
-    if shape is not None and len(spec) > len(shape):
-        raise ShardingError(f"{spec} has {len(spec)} entries but the value of shape {tuple(shape)} has rank "
+    Without a shape, one entry per entry of the spec. Axes a spec names `unreduced` (the
+    value held as partial sums over them) or `reduced` split no dim: the value is their
+    sum either way, and where its partial sums are added is the partitioner's choice."""
+    entries = spec.partitions if isinstance(spec, PartitionSpec) else spec
+    if shape is not None and len(entries) > len(shape):
+        raise ShardingError(f"{spec} has {len(entries)} entries but the value of shape {tuple(shape)} has rank "
                             f"{len(shape)}: give at most one entry per dim.")
 
     def entry(e):
         if e is PartitionSpec.UNCONSTRAINED:
             return UNSPECIFIED
         return (tuple(e) or None) if isinstance(e, (tuple, list)) else e
-    return [entry(e) for e in spec] + [None] * (0 if shape is None else len(shape) - len(spec))
+    return [entry(e) for e in entries] + [None] * (0 if shape is None else len(shape) - len(entries))
