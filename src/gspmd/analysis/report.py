@@ -187,7 +187,7 @@ def _walk(program: Program, executions: int, report: Report, seen_groups: Option
             key = (groups.shape, groups.tobytes())
             if key not in seen_groups:
                 seen_groups[key] = tuple(map(tuple, groups.tolist()))
-            report.collectives.append(Collective(instr.opcode, instr.output.nbytes, seen_groups[key],
+            report.collectives.append(Collective(instr.opcode, ops.collective_bytes(instr), seen_groups[key],
                                                  instr.origin, executions, instr.why, instr.source))
         if op.flops is not None:
             flops = op.flops(instr) * executions

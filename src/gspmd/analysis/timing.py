@@ -75,7 +75,7 @@ def _durations(program: Program, hw: cm.Hardware, num_devices: int, shares: Shar
     for instr in program.instrs:
         op = ops.lookup(instr.opcode).timing
         if op.collective is not None:
-            durations.append(cm.collective_seconds(op.collective, instr.output.nbytes, _groups(instr),
+            durations.append(cm.collective_seconds(op.collective, ops.collective_bytes(instr), _groups(instr),
                                                    num_devices, hw))
             streams.append(_NETWORK)
         elif op.runs is not None:

@@ -389,6 +389,14 @@ def _gather_apart(ctx, instr) -> Value:
     return ctx.b.add1("reshape", [moved], instr.output.shape, x.dtype)
 
 
+def _ragged_payload(instr) -> int:
+    """The rows a device sends or receives, at most: what it holds to send, or the buffer
+    it receives into, the smaller (MaxText sizes its receive buffer for the worst routing,
+    up to the group's size times its tokens; the rows sent back are the tokens it holds)."""
+    operand, output = instr.operands[:2]
+    return min(operand.nbytes, output.nbytes)
+
+
 def _all_to_all_pieces(instr) -> int:
     """XLA sends an all-to-all's input as one sliced copy per destination."""
     return instr.operands[0].nbytes
@@ -443,7 +451,7 @@ register("ragged-all-to-all",
          frontend=Frontend(converts={"ragged_all_to_all": _convert_ragged_all_to_all}),
          semantics=Semantics(evaluate_all=_evaluate_ragged_all_to_all, lower=_lower_ragged_all_to_all),
          rule=Rule(factors=_ragged_factors),
-         timing=Timing(collective=Pattern.ALL_TO_ALL),
+         timing=Timing(collective=Pattern.ALL_TO_ALL, payload=_ragged_payload),
          memory=Memory(scratch=_all_to_all_pieces),
          facets=Facets(uniform=_varying))
 register("collective-permute",

@@ -119,6 +119,8 @@ class Timing:
     # (given the values that live in HBM: the others stay on chip within a fusion)
     bytes_accessed: Optional[Callable[[Instr, Collection[Value]], int]] = None
     collective: Optional[Pattern] = None              # a collective's communication pattern
+    # a collective's bytes per device, where not its result's (collective_bytes)
+    payload: Optional[Callable[[Instr], int]] = None
     # the sub-programs one execution runs, each with how often (a loop's trip count,
     # once for each branch of a conditional)
     runs: Optional[Callable[[Instr], list[tuple[Program, int]]]] = None
@@ -295,6 +297,13 @@ def flops(instr: Instr) -> int:
     """The arithmetic of one execution of `instr` (0 where its record counts none)."""
     fn = lookup(instr.opcode).timing.flops
     return 0 if fn is None else fn(instr)
+
+
+def collective_bytes(instr: Instr) -> int:
+    """What a collective moves per device, as reports count and time it: its result's
+    bytes, or its op's payload."""
+    payload = lookup(instr.opcode).timing.payload
+    return instr.output.nbytes if payload is None else payload(instr)
 
 
 def runs(instr: Instr) -> list[tuple[Program, int]]:

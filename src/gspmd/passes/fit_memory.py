@@ -109,7 +109,7 @@ class _Fitting:
         for c in kept:
             if ops.lookup(c.instr.opcode).timing.collective is not None:
                 self.regathered.append(c.instr.output.name)
-                self.extra_bytes += c.instr.output.nbytes * times
+                self.extra_bytes += ops.collective_bytes(c.instr) * times
             else:
                 self.recomputed.append(c.instr.output.name)
                 self.extra_flops += ops.flops(c.instr) * times
@@ -226,7 +226,8 @@ def _seconds(instr: Instr, num_devices: int, hw: cm.Hardware) -> float:
     """What computing `instr` again costs on `hw`."""
     timing = ops.lookup(instr.opcode).timing
     if timing.collective is not None:
-        return cm.collective_seconds(timing.collective, instr.output.nbytes, instr.attrs["groups"], num_devices, hw)
+        return cm.collective_seconds(timing.collective, ops.collective_bytes(instr), instr.attrs["groups"], num_devices,
+                                     hw)
     return cm.compute_seconds(timing.compute, ops.flops(instr), instr.output.nbytes, hw)
 
 
