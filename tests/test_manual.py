@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import gspmd
 from util import check, rand
@@ -195,63 +197,91 @@ def test_pipeline_stage_as_a_manual_region_with_automatic_sharding_inside():
     assert "all-gather" not in low.report().counts()
 
 
-@pytest.mark.parametrize("per_member", [1, 2])
-def test_ragged_all_to_all_and_its_gradient(per_member):
-    """lax.ragged_all_to_all over "y" (MaxText's expert parallelism sends each expert's
-    tokens so), `per_member` slices to each of a group's 4 members, in a shard_map over
-    both axes: results and gradients as NumPy says (jax.jit cannot run it on CPU)."""
-    rng = np.random.default_rng(per_member)
-    k, rows, out_rows, width = 4, 17, 18, 3
-    # [x, sender, slice]: rows sent, none empty (jax's transpose masks the output's
+def _check_ragged_all_to_all(shape, axis: int, per_member: int, gaps: bool, seed: int) -> gspmd.Lowered:
+    """lax.ragged_all_to_all along mesh axis `axis` of a `shape` mesh ("x", "y"), in a
+    shard_map over both axes, `per_member` slices to each member of a group, received
+    packed or with a gap after each slice: results and gradients as NumPy says, on both
+    backends (jax.jit cannot run it on CPU)."""
+    rng = np.random.default_rng(seed)
+    others, k = shape[1 - axis], shape[axis]
+    n, width = k * per_member, 3
+    rows, out_rows = 2 * n + 1, 3 * n + 2        # room for slices of up to 2 rows, gaps of 1
+    # [other, sender, slice]: rows sent, none empty (jax's transpose masks the output's
     # gradient by a cumulative sum that an empty slice starting where another does upsets:
     # there we equal jax's rule, not the gradient below)
-    sizes = rng.integers(1, 3, (2, k, k * per_member))
-    to = np.arange(k * per_member) // per_member               # slice -> receiving member
+    sizes = rng.integers(1, 3, (others, k, n))
+    to = np.arange(n) // per_member                             # slice -> receiving member
     input_offsets = np.cumsum(sizes, -1) - sizes
-    # each receiver takes its senders' slices in order, packed from row 0
-    output_offsets = np.zeros_like(sizes)
-    recv_sizes = np.zeros_like(sizes)
-    for x in range(2):
-        filled = np.zeros(k, np.int64)
+    output_offsets, recv_sizes = np.zeros_like(sizes), np.zeros_like(sizes)
+    for o in range(others):
+        filled = np.zeros(k, np.int64)          # each receiver takes its senders' slices in order
         for s in range(k):
-            for i in range(k * per_member):
-                output_offsets[x, s, i] = filled[to[i]]
-                filled[to[i]] += sizes[x, s, i]
-                recv_sizes[x, to[i], s * per_member + i % per_member] = sizes[x, s, i]
-    operand = rng.standard_normal((2, k, rows, width)).astype(np.float32)
-    output = np.full((2, k, out_rows, width), -1.0, np.float32)
+            for i in range(n):
+                output_offsets[o, s, i] = filled[to[i]]
+                filled[to[i]] += sizes[o, s, i] + gaps
+                recv_sizes[o, to[i], s * per_member + i % per_member] = sizes[o, s, i]
+    operand = rng.standard_normal((others, k, rows, width)).astype(np.float32)
+    output = np.full((others, k, out_rows, width), -1.0, np.float32)
     cotangent = rng.standard_normal(output.shape).astype(np.float32)
     expected, operand_grad, output_grad = output.copy(), np.zeros_like(operand), cotangent.copy()
-    for x in range(2):
+    for o in range(others):
         for s in range(k):
-            for i in range(k * per_member):
-                at, start, n = output_offsets[x, s, i], input_offsets[x, s, i], sizes[x, s, i]
-                expected[x, to[i], at:at + n] = operand[x, s, start:start + n]
-                operand_grad[x, s, start:start + n] = cotangent[x, to[i], at:at + n]
-                output_grad[x, to[i], at:at + n] = 0
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("x", "y"))
+            for i in range(n):
+                at, start, size = output_offsets[o, s, i], input_offsets[o, s, i], sizes[o, s, i]
+                expected[o, to[i], at:at + size] = operand[o, s, start:start + size]
+                operand_grad[o, s, start:start + size] = cotangent[o, to[i], at:at + size]
+                output_grad[o, to[i], at:at + size] = 0
+    # arrays over the mesh: [x, y, ...], the exchange along `axis`
+    on_mesh = (lambda a: a) if axis == 1 else (lambda a: np.swapaxes(a, 0, 1))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:others * k]).reshape(shape), ("x", "y"))
+    spec = jax.sharding.PartitionSpec("x", "y")
 
     def exchange(operand, output, *vectors):
         def body(operand, output, *vectors):
             squeeze = lambda v: v[0, 0]
-            moved = jax.lax.ragged_all_to_all(squeeze(operand), squeeze(output),
-                                              *[squeeze(v).astype(np.int32) for v in vectors], axis_name="y")
+            moved = jax.lax.ragged_all_to_all(squeeze(operand), squeeze(output), *map(squeeze, vectors),
+                                              axis_name=("x", "y")[axis])
             return moved[None, None]
-        spec = jax.sharding.PartitionSpec("x", "y")
         return jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 6, out_specs=spec)(operand, output, *vectors)
 
     def loss(operand, output, *vectors):
-        return jnp.sum(exchange(operand, output, *vectors) * cotangent)
+        return jnp.sum(exchange(operand, output, *vectors) * on_mesh(cotangent))
 
-    vectors = (input_offsets, sizes, output_offsets, recv_sizes)
+    args = [on_mesh(a) for a in (operand, output)] + [on_mesh(v.astype(np.int32))
+                                                      for v in (input_offsets, sizes, output_offsets, recv_sizes)]
     for backend in ("sim", "jax"):
-        np.testing.assert_array_equal(gspmd.jit(exchange, backend=backend)(operand, output, *vectors), expected)
-        grads = gspmd.jit(jax.grad(loss, (0, 1)), backend=backend)(operand, output, *vectors)
-        np.testing.assert_allclose(grads[0], operand_grad, rtol=1e-6)
-        np.testing.assert_allclose(grads[1], output_grad, rtol=1e-6)
-    (moved,) = [c for c in gspmd.jit(exchange).lower(operand, output, *vectors).report().collectives]
+        np.testing.assert_array_equal(gspmd.jit(exchange, backend=backend)(*args), on_mesh(expected))
+        grads = gspmd.jit(jax.grad(loss, (0, 1)), backend=backend)(*args)
+        np.testing.assert_allclose(grads[0], on_mesh(operand_grad), rtol=1e-6)
+        np.testing.assert_allclose(grads[1], on_mesh(output_grad), rtol=1e-6)
+    return gspmd.jit(exchange).lower(*args)
+
+
+@pytest.mark.parametrize("per_member", [1, 2])
+def test_ragged_all_to_all_and_its_gradient(per_member):
+    """Over "y" of a 2x4 mesh (MaxText's expert parallelism sends each expert's tokens so)."""
+    lowered = _check_ragged_all_to_all((2, 4), 1, per_member, gaps=False, seed=per_member)
+    (moved,) = lowered.report().collectives
     assert moved.kind == "ragged-all-to-all" and moved.groups == ((0, 1, 2, 3), (4, 5, 6, 7))
-    assert moved.bytes == rows * width * 4     # what a device holds to send: less than its receive buffer
+    rows = 2 * 4 * per_member + 1
+    assert moved.bytes == rows * 3 * 4     # what a device holds to send: less than its receive buffer
+
+
+RAGGED_CASES = (st.sampled_from([(2, 4), (4, 2), (2, 2)]), st.sampled_from([0, 1]), st.sampled_from([1, 2, 3]),
+                st.booleans(), st.integers(0, 2 ** 16))
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(*RAGGED_CASES)
+def test_random_ragged_all_to_all(shape, axis, per_member, gaps, seed):
+    _check_ragged_all_to_all(shape, axis, per_member, gaps, seed)
+
+
+@pytest.mark.slow
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(*RAGGED_CASES)
+def test_random_ragged_all_to_all_slow(shape, axis, per_member, gaps, seed):
+    _check_ragged_all_to_all(shape, axis, per_member, gaps, seed)
 
 
 def test_pbroadcast():
