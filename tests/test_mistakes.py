@@ -443,6 +443,10 @@ VALUE_NAMES = [   # naming a value of a Lowered
      ["Unknown hardware 3", "choose one of", "gspmd.Hardware"]),
     ("Lowered.report.hardware", "estimates without one", lambda: lowered().report().step_seconds,
      ["Estimates", "need a hardware profile", "report\\(hardware='tpu-v3'\\)"]),
+    ("Lowered.compile.compiler_options", "on the sim backend", lambda: lowered().compile({"xla_foo": 1}),
+     [r"\['xla_foo'\]", "sim backend compiles nothing", "backend='jax'"]),
+    ("Lowered.compile.compiler_options", "a list", lambda: gspmd.jit(mlp, mesh=MESH, backend="jax").lower(
+        X, W).compile(["xla_foo"]), ["list \\['xla_foo'\\]", r"compile\(compiler_options=...\) takes a dict"]),
 ]
 
 MANUAL = [
@@ -643,6 +647,7 @@ PUBLIC = {
     "Sharding.dims_mapping": gspmd.Sharding.dims_mapping, "Sharding.describe": gspmd.Sharding.describe,
     "Partitioned.__call__": gspmd.Partitioned.__call__, "Partitioned.lower": gspmd.Partitioned.lower,
     "Lowered.__call__": gspmd.Lowered.__call__, "Lowered.report": gspmd.Lowered.report,
+    "Lowered.compile": gspmd.Lowered.compile,
     "Lowered.value": gspmd.Lowered.value, "Lowered.sharding_of": gspmd.Lowered.sharding_of,
     "Lowered.explain": gspmd.Lowered.explain, "Lowered.describe": gspmd.Lowered.describe,
     "Lowered.label": gspmd.Lowered.label, "Plan.jit": gspmd.Plan.jit, "Hardware": gspmd.Hardware,

@@ -17,7 +17,7 @@ from gspmd.arguments import (Signature, Template, abstract_argument, is_array, i
 from gspmd.checks import count, describe
 from gspmd.compose import Transforms
 from gspmd.errors import ShardingError
-from gspmd.execution import Execution, gc_paused
+from gspmd.execution import Execution, check_compiler_options, gc_paused
 from gspmd.frontend import mesh_split, trace
 from gspmd.frontend.trace import jaxpr_of
 from gspmd.frontend.annotation import is_tracing, tracing
@@ -105,16 +105,11 @@ def jit(fn: Optional[Callable] = None, mesh=None, backend: str = "sim", *,
     if backend not in BACKENDS:
         raise ShardingError(f"Unknown backend {backend!r}; choose one of {BACKENDS} (gspmd.jit's backend says how "
                             "the program runs; jax.jit's named a platform: the jax backend runs on the mesh's devices).")
-    if compiler_options is not None and not isinstance(compiler_options, dict):
-        raise ShardingError(f"jit(compiler_options=...) takes a dict of XLA option names to values (as jax.jit's), "
-                            f"got {type(compiler_options).__name__} {compiler_options!r:.60}.")
+    check_compiler_options(compiler_options, backend, "jit")
     for name, flag in (("keep_unused", keep_unused), ("inline", inline)):
         if not isinstance(flag, bool):
             raise ShardingError(f"jit({name}=...) takes True or False (as jax.jit's), got "
                                 f"{type(flag).__name__} {flag!r:.60}.")
-    if compiler_options and backend != "jax":
-        raise ShardingError(f"compiler_options {sorted(compiler_options)} are XLA's, and the sim backend compiles "
-                            "nothing; give them with backend='jax'.")
     if not callable(fn):
         raise ShardingError(f"gspmd.jit needs a function, got {type(fn).__name__} {fn!r:.60}.")
     mesh = None if mesh is None else as_mesh(mesh, "for gspmd.jit(mesh=...)")

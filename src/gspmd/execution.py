@@ -162,13 +162,11 @@ class Compiled:
     def __init__(self, lowered: Execution, compiler_options: Optional[dict] = None):
         self.lowered = lowered
         self._xla, self._execute = None, None
+        check_compiler_options(compiler_options, lowered.backend, "compile")
         if lowered.backend == "jax":
             executable = lowered.jax_executable()
             self._xla = executable.compile(compiler_options)
             self._execute = functools.partial(executable.run_compiled, self._xla)
-        elif compiler_options:
-            raise ShardingError(f"compiler_options {sorted(compiler_options)} are XLA's, and the sim backend "
-                                "compiles nothing; give them with backend='jax'.")
 
     def __call__(self, *args, **kwargs):
         return self.lowered._run(self.lowered._checked(args, kwargs), self._execute)
@@ -190,6 +188,16 @@ class Compiled:
 
     def as_text(self) -> str:
         return self._xla.as_text() if self._xla is not None else self.lowered.as_text()
+
+
+def check_compiler_options(options, backend: str, where: str) -> None:
+    """XLA's options (jax.jit's and Compiled's `compiler_options`): a dict, for the jax backend."""
+    if options is not None and not isinstance(options, dict):
+        raise ShardingError(f"{where}(compiler_options=...) takes a dict of XLA option names to values (as "
+                            f"jax.jit's), got {type(options).__name__} {options!r:.60}.")
+    if options and backend != "jax":
+        raise ShardingError(f"compiler_options {sorted(options)} are XLA's, and the sim backend compiles nothing; "
+                            "give them with backend='jax'.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -323,7 +323,7 @@ def _to_every_position(instr: Instr, vector, lc):
         return vector
     per_member = vector.shape[0] // k
     row = np.empty((n, k), np.int64)
-    row[lc.positions(np.asarray(instr.attrs["groups"]).ravel())] = np.repeat(groups, k, axis=0)
+    row[groups.ravel()] = np.repeat(groups, k, axis=0)
     members = jnp.asarray(row)[lc.axis_index()]
     at = (members[:, None] * per_member + jnp.arange(per_member)).ravel()
     return jnp.zeros(n * per_member, vector.dtype).at[at].set(vector)

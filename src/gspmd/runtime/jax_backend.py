@@ -193,12 +193,18 @@ class Executable:
     def compiled(self) -> jax.stages.Compiled:
         """The compiled program (for its HLO text and memory analysis)."""
         if self._compiled is None:
-            self._compiled = self.compile()
+            self._compiled = self._compile(self.compiler_options)
         return self._compiled
 
     def compile(self, compiler_options: Optional[dict] = None) -> jax.stages.Compiled:
+        """The compiled program; with more of XLA's options, compiled anew with them."""
+        if not compiler_options:
+            return self.compiled
+        return self._compile({**self.compiler_options, **compiler_options})
+
+    def _compile(self, options: dict) -> jax.stages.Compiled:
         in_types = [jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s) for p, s in zip(self.params, self.in_shardings)]
-        return self.jitted.lower(*in_types).compile({**self.compiler_options, **(compiler_options or {})} or None)
+        return self.jitted.lower(*in_types).compile(options or None)
 
     def run_compiled(self, compiled: jax.stages.Compiled, flat_args: Sequence) -> list[jax.Array]:
         """Run `compiled` (this program, compiled ahead of time) on the flat arguments,
