@@ -245,6 +245,8 @@ def test_lower_then_compile_runs_and_analyses_as_jax_jit(backend):
     assert compiled.cost_analysis()["flops"] > 0 and compiled.as_text()
     with pytest.raises(gspmd.ShardingError, match="lowered for shape"):
         compiled(W, X[:4])
+    uneven = X[:7]    # 7 rows over "x"'s 2
+    assert_close(f.lower(W, uneven).compile()(W.copy(), uneven), reference(step, W, uneven))
 
 
 def test_compile_takes_xla_options_on_the_jax_backend():
