@@ -1,5 +1,6 @@
 """`gspmd plan`: the case studies at chosen sizes, a user's module:function, JSON output,
 and clear errors for sizes a model does not vary."""
+import dataclasses
 import json
 import math
 import textwrap
@@ -352,3 +353,36 @@ def test_microbatches_without_a_pipeline_accumulate_gradients(capsys):
         return [i for i in program.instrs if i.opcode == "all-reduce" and i.output.shape == wq]
     assert len(reduced(spmd)) == 3                     # wq, wk, wv: once, after the loop
     assert not any(reduced(p) for p in spmd.subprograms() if p is not spmd)
+
+
+def test_plan_rematerializes_as_little_as_fits_by_default(capsys):
+    """Without --remat, gspmd plan takes the least recompute that fits (the README's
+    2048-device Transformer does not fit without any) and says what it tried."""
+    chosen = plan_json(capsys, "transformer", "--devices", "2048")
+    assert chosen["fits_in_memory"] and chosen["sizes"]["remat"] == "dots_saveable"
+    assert [t["remat"] for t in chosen["remat_tried"]] == [None, "dots_saveable"]
+    assert chosen["remat_tried"][0]["peak_memory_bytes"] > chosen["peak_memory_bytes"]
+    plain = plan_json(capsys, "transformer", "--devices", "2048", "--remat", "none")
+    assert not plain["fits_in_memory"] and plain["remat_tried"] == [] and "remat" not in plain["sizes"]
+    assert plain["peak_memory_bytes"] == chosen["remat_tried"][0]["peak_memory_bytes"]
+    assert cli.main(["plan", "--devices", "2048", "--top", "0"]) == 0
+    assert "remat: dots_saveable, the least recompute that fits" in capsys.readouterr().out
+
+
+def test_plan_says_which_flags_fix_a_plan_that_cannot_fit(capsys):
+    assert cli.main(["plan", "transformer", *SMALL, "--mesh", "2x4", "--batch", "8", "--hardware", "cpu",
+                     "--top", "0"]) == 0
+    assert "remat: none needed" in capsys.readouterr().out
+    assert cli.main(["plan", "transformer", "--devices", "64", "--batch", "4096", "--top", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "does NOT fit" in out and "even nothing_saveable does not fit" in out
+    assert "--devices" in out and "--stages" in out and "--microbatches" in out
+
+
+def test_remat_auto_passes_over_policies_the_schedule_refuses():
+    tiny = dataclasses.replace(planning.profile("tpu-v3"), name="tiny", memory_bytes=1, reserved_bytes=0)
+    sizes = planning.Sizes(layers=2, model_dim=64, ffn_dim=128, heads=4, head_dim=16, seq=32, mesh=(2, 2, 2),
+                           schedule="1f1b", remat="auto")
+    chosen = planning.plan("transformer", sizes, tiny)
+    assert [policy for policy, _ in chosen.remat_tried] == [None, "nothing_saveable"]
+    assert not chosen.report.fits_in_memory and chosen.case.sizes["remat"] == "nothing_saveable"

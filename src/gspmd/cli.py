@@ -123,6 +123,8 @@ def plan(model: str = "transformer", sizes=None, hardware: str = "tpu-v3", as_js
           f"{report.communication_seconds * 1e3:.1f}) = {report.step_seconds * 1e3:.1f} ms; "
           f"flops utilization {report.flops_utilization:.1%}; memory "
           f"{'fits' if report.fits_in_memory else 'does NOT fit'} in {report.hardware.usable_bytes / 2 ** 30:.2f} GiB")
+    if result.remat_tried:
+        print(_remat_choice(result))
     shares = [f"{name}: {value:.1%} of compute" for name, value in
               (("pipeline bubbles", report.bubble_fraction), ("recompute", report.recompute_fraction))
               if value is not None]
@@ -132,6 +134,21 @@ def plan(model: str = "transformer", sizes=None, hardware: str = "tpu-v3", as_js
         print("largest buffers held at the peak (per device):\n" + "\n".join(f"  {t}" for t in report.memory.top(top)))
     if memory_plot:
         print(f"memory over the run: {memory_plot}")
+
+
+def _remat_choice(result) -> str:
+    """What --remat auto (the default) tried and chose, or which flags fix a plan that
+    does not fit even with the most recompute."""
+    tried = ", ".join(f"{policy or 'none'} {peak / 2 ** 30:.2f} GiB" for policy, peak in result.remat_tried)
+    chosen = result.case.sizes["remat"] or "none"
+    if result.report.fits_in_memory and chosen == "none":
+        return "remat: none needed, the plan fits without recompute (--remat names a policy)"
+    if result.report.fits_in_memory:
+        return (f"remat: {chosen}, the least recompute that fits (tried {tried}; --remat names another "
+                "policy, --remat none turns it off)")
+    return (f"remat: even {chosen} does not fit (tried {tried}): plan over more devices (--devices or --mesh), "
+            "pipeline the layers (--stages with a 3-D --mesh and --microbatches), accumulate gradients "
+            "(--microbatches), or shrink --batch")
 
 
 def _mesh_arg(text: str) -> tuple[int, ...]:
@@ -162,6 +179,10 @@ def _plan_command(parser: argparse.ArgumentParser, args) -> int:
                                             "experts", "batch", "stages", "microbatches", "schedule", "repeats",
                                             "image_size", "remat", "activation_dtype", "optimizer", "strategy",
                                             "attention", "dropout")}
+    if fields["remat"] is None and ":" not in args.model:
+        fields["remat"] = "auto"     # the least recompute that fits, said in the plan
+    elif fields["remat"] == "none":
+        fields["remat"] = None
     try:
         plan(args.model, planning.Sizes(mesh=mesh, devices=devices, **fields), args.hardware, args.json, args.top, args.memory_plot)
     except gspmd.ShardingError as e:
@@ -277,7 +298,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--remat", help="rematerialize each layer with a jax.checkpoint policy: nothing_saveable, "
                    "dots_saveable, dots_with_no_batch_dims_saveable, everything_saveable; rerun: its whole "
                    "forward pass again, as torch.utils.checkpoint (Megatron-LM's --checkpoint-activations); "
-                   "or auto: the least recompute that fits what a program may use of the hardware's memory")
+                   "auto (the default for the case studies): the least recompute that fits what a program may use of the "
+                   "hardware's memory; none: no rematerialization")
     p.add_argument("--strategy", help="transformer: 2d (default: the paper's 2D finalized sharding, weights over "
                    "X and Y, as FSDP + tensor parallelism) or megatron (weights over Y only, data parallel over X)")
     p.add_argument("--attention", help="transformer, conformer: dot_product (default: all queries at once), "

@@ -22,7 +22,7 @@ import numpy as np
 from gspmd.api import Lowered, jit
 from gspmd.analysis import Report
 from gspmd.errors import ShardingError
-from gspmd.recipes import MODELS, Case
+from gspmd.recipes import MODELS, Case, remat_refused
 from gspmd.spmd.cost import Hardware, device_mesh, profile
 
 __all__ = ["Sizes", "CasePlan", "plan", "plan_to_fit", "build", "FIT_ORDER", "device_mesh", "profile",
@@ -67,6 +67,8 @@ class CasePlan:
     lowered: Lowered
     report: Report
     planning_seconds: float
+    # --remat auto: each policy tried, least recompute first, with its peak per device
+    remat_tried: list[tuple[Optional[str], int]] = dataclasses.field(default_factory=list)
 
     def as_json(self, top: int = 10) -> dict:
         """The plan's figures; `top`: how many of the largest buffers at the peak to list."""
@@ -78,6 +80,7 @@ class CasePlan:
                 "devices": int(self.lowered.num_devices), "hardware": r.hardware.name,
                 "planning_seconds": self.planning_seconds,
                 "peak_memory_bytes": int(r.peak_memory_bytes), "fits_in_memory": r.fits_in_memory,
+                "remat_tried": [{"remat": policy, "peak_memory_bytes": peak} for policy, peak in self.remat_tried],
                 "flops_per_device": int(r.flops), "memory_bound_flops_per_device": int(r.memory_bound_flops),
                 "step_seconds": r.step_seconds, "compute_seconds": r.compute_seconds,
                 "communication_seconds": r.communication_seconds,
@@ -120,14 +123,18 @@ FIT_ORDER = (None, "dots_saveable", "dots_with_no_batch_dims_saveable", "nothing
 def plan_to_fit(model: str, sizes: Sizes = Sizes(), hardware: Union[str, Hardware] = "tpu-v3",
                 policies: Sequence[Optional[str]] = FIT_ORDER) -> CasePlan:
     """The plan with the first of `policies` (--remat values, None: no rematerialization)
-    whose peak fits the hardware's memory; the last one's if none does. Its sizes say
-    which was chosen; its planning time counts every plan tried."""
+    whose peak fits the hardware's memory; the last one's if none does. Policies the
+    schedule refuses (a saving policy under 1F1B) are passed over. Its sizes say which
+    was chosen, remat_tried what each tried one held; its planning time counts them all."""
     start = time.perf_counter()
-    for policy in policies:
+    tried = []
+    for policy in [p for p in policies if remat_refused(p, sizes.schedule, sizes.repeats) is None]:
         chosen = plan(model, dataclasses.replace(sizes, remat=policy), hardware)
+        tried.append((policy, int(chosen.report.peak_memory_bytes)))
         if chosen.report.fits_in_memory:
             break
     chosen.planning_seconds = time.perf_counter() - start
+    chosen.remat_tried = tried
     return chosen
 
 

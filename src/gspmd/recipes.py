@@ -69,7 +69,7 @@ def _policy(name: Optional[str]) -> Optional[Callable]:
     if name is None:
         return None
     if name not in REMAT_POLICIES:
-        raise ShardingError(f"--remat {name!r}: choose one of {', '.join(REMAT_POLICIES + (RERUN, 'auto'))} "
+        raise ShardingError(f"--remat {name!r}: choose one of {', '.join(REMAT_POLICIES + (RERUN, 'auto', 'none'))} "
                             "(offload policies move values to host memory, which gspmd does not model).")
     return getattr(jax.checkpoint_policies, name)
 
@@ -312,14 +312,17 @@ def _transformer(s: dict, hw: Hardware) -> Case:
     return _layer_stack(stack, {**s, "stages": s["stages"] or (s["mesh"][0] if len(s["mesh"]) == 3 else None)}, hw)
 
 
-def _check_pipeline_remat(name: Optional[str], one_f_one_b: bool, circular: bool) -> None:
+def remat_refused(name: Optional[str], schedule: Optional[str], repeats: Optional[int]) -> Optional[str]:
+    """Why a pipeline with this schedule cannot take --remat `name` (None: it can)."""
+    one_f_one_b = schedule == "1f1b"
     if one_f_one_b and name not in (None, "nothing_saveable", RERUN):
-        raise ShardingError(f"--remat {name} with --schedule 1f1b: 1F1B's backward slots recompute each layer "
-                            "from its stashed input (nothing_saveable), or with --remat rerun its whole forward "
-                            "pass; for a saving policy use --schedule gpipe or circular.")
-    if circular and name == RERUN:
-        raise ShardingError("--remat rerun with a circular schedule (--repeats > 1): the pipeline rematerializes "
-                            "each step's stage as a whole; rerun each layer with --schedule 1f1b or gpipe.")
+        return (f"--remat {name} with --schedule 1f1b: 1F1B's backward slots recompute each layer "
+                "from its stashed input (nothing_saveable), or with --remat rerun its whole forward "
+                "pass; for a saving policy use --schedule gpipe or circular.")
+    if (repeats or 1) > 1 and not one_f_one_b and name == RERUN:
+        return ("--remat rerun with a circular schedule (--repeats > 1): the pipeline rematerializes "
+                "each step's stage as a whole; rerun each layer with --schedule 1f1b or gpipe.")
+    return None
 
 
 def _pipelined(stack: LayerStack, s: dict, hw: Hardware) -> Case:
@@ -353,7 +356,9 @@ def _pipelined(stack: LayerStack, s: dict, hw: Hardware) -> Case:
     # with --remat rerun, its whole forward pass.
     one_f_one_b = s["schedule"] == "1f1b"
     circular = repeats > 1 and not one_f_one_b
-    _check_pipeline_remat(s["remat"], one_f_one_b, circular)
+    refused = remat_refused(s["remat"], s["schedule"], repeats)
+    if refused:
+        raise ShardingError(refused)
     per_layer = None if circular or (one_f_one_b and s["remat"] != RERUN) else s["remat"]
     remat = True if one_f_one_b else (_policy(s["remat"]) or False) if circular else False
 
