@@ -107,6 +107,15 @@ def plan(model: str = "transformer", sizes=None, hardware: str = "tpu-v3", as_js
     if as_json:
         print(json.dumps(result.as_json(top), indent=2))
         return
+    _print_plan(result, top)
+    if memory_plot:
+        print(f"memory over the run: {memory_plot}")
+
+
+def _print_plan(result, top: int) -> None:
+    """A plan's summary: mesh, collectives, memory, the estimated step, the largest buffers."""
+    from gspmd import planning
+
     report, case = result.report, result.case
     where = "" if case.mesh is None else f" on a {'x'.join(map(str, case.mesh.shape))} mesh " \
         f"({', '.join(case.mesh.axis_names)})"
@@ -132,8 +141,23 @@ def plan(model: str = "transformer", sizes=None, hardware: str = "tpu-v3", as_js
         print(f"{'; '.join(shares)}; effective utilization {report.effective_utilization:.1%}")
     if top:
         print("largest buffers held at the peak (per device):\n" + "\n".join(f"  {t}" for t in report.memory.top(top)))
-    if memory_plot:
-        print(f"memory over the run: {memory_plot}")
+
+
+def auto_plan(model: str, sizes, devices: int, hardware: str, budget: float, as_json: bool, top: int) -> int:
+    """`gspmd plan MODEL --auto`: search the training configuration (mesh, strategy,
+    pipeline, schedule, microbatches, remat), print the best plan and why it won."""
+    import json
+
+    from gspmd import plan_search
+
+    with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
+        found = plan_search.search(model, sizes, devices, hardware, budget)
+    if as_json:
+        print(json.dumps({**found.chosen.plan.as_json(top), **found.as_json()}, indent=2))
+        return 0
+    _print_plan(found.chosen.plan, top)
+    print("\n" + found.explain())
+    return 0
 
 
 def _remat_choice(result) -> str:
@@ -168,6 +192,9 @@ def _plan_command(parser: argparse.ArgumentParser, args) -> int:
     mesh, devices = args.mesh, None
     if ":" in args.model:        # a user function's factory makes its own mesh for --devices
         devices = args.devices
+    elif args.auto:
+        if args.devices is None:
+            parser.error("--auto needs --devices N: how many devices to plan the run for")
     elif args.devices is not None:
         if args.mesh is not None:
             parser.error("give --devices or --mesh, not both")
@@ -184,6 +211,9 @@ def _plan_command(parser: argparse.ArgumentParser, args) -> int:
     elif fields["remat"] == "none":
         fields["remat"] = None
     try:
+        if args.auto:
+            return auto_plan(args.model, planning.Sizes(mesh=mesh, **fields), args.devices, args.hardware,
+                             args.budget, args.json, args.top)
         plan(args.model, planning.Sizes(mesh=mesh, devices=devices, **fields), args.hardware, args.json, args.top, args.memory_plot)
     except gspmd.ShardingError as e:
         parser.exit(2, f"gspmd plan: error: {e}\n")
@@ -310,6 +340,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--activation-dtype", help="bfloat16 (default, as the paper) or float32")
     p.add_argument("--optimizer", help="adafactor (default, as the paper), adamw or sgd")
     p.add_argument("--hardware", default="tpu-v3", help="tpu-v3 (default), tpu-v4, a100, h100, h200 or cpu")
+    p.add_argument("--auto", action="store_true", help="search the training configuration for --devices N: mesh, "
+                   "strategy, pipeline stages, schedule, repeats, microbatches and remat (those given are kept); "
+                   "prints the best plan, the flags that reproduce it and why the runners-up lost")
+    p.add_argument("--budget", type=float, default=60.0, help="--auto: seconds to search (default 60; at least "
+                   "3 configurations are partitioned)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--top", type=int, default=5, help="how many of the largest buffers at the peak to list (default 5)")
     p.add_argument("--memory-plot", metavar="PNG", help="plot memory per device over the run (needs matplotlib)")

@@ -1,0 +1,380 @@
+"""`gspmd plan MODEL --auto`: the whole training configuration searched, not typed.
+
+Given a recipe's model (its semantics fixed: dims, attention kind, dropout, optimizer,
+dtypes, global batch) and a device count, choose the mesh, the strategy, pipeline stages,
+schedule, repeats, microbatches and the rematerialization policy:
+
+1. Enumerate every configuration the recipe takes (meshes over the devices, a pipeline
+   axis among them, schedules and their repeats, microbatches, strategies).
+2. Bound each in closed form from two single-device plans of the model (one with each
+   layer recomputed): compute at least its FLOPs spread over every device, stretched by
+   the schedule's bubble and, under 1F1B, its recompute; memory at least the parameters
+   and optimizer state over the devices that split them. Estimate its communication
+   with the one cost model (spmd/cost.py) over the mesh's device groups.
+3. Prune what cannot fit; partition the rest for real in the order of their estimates
+   (each with the least recompute that fits, planning.plan_to_fit), until the next
+   one's lower bound cannot beat the best found or the time budget is spent.
+
+The answer says what it chose, and for each runner-up what it costs more and why.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import jax
+import numpy as np
+
+from gspmd import planning
+from gspmd.errors import ShardingError
+from gspmd.recipes import MODELS, SCHEDULES, STRATEGIES
+from gspmd.spmd import cost as cm
+from gspmd.spmd.cost import Hardware
+
+# What the search varies; the model's other sizes are its semantics.
+SEARCHED = ("mesh", "strategy", "stages", "schedule", "repeats", "microbatches", "remat")
+MAX_REPEATS = 4          # virtual stages per stage tried (interleaved 1F1B, circular)
+MAX_MICROBATCHES = 64    # microbatches tried at most (per pipeline or accumulation)
+VERIFY_AT_LEAST = 3      # configurations partitioned for real even where bounds would stop sooner
+
+
+@dataclass(frozen=True)
+class Config:
+    """One training configuration: the plan flags the search chooses."""
+    mesh: tuple[int, ...]
+    strategy: Optional[str] = None
+    stages: Optional[int] = None
+    schedule: Optional[str] = None
+    repeats: Optional[int] = None
+    microbatches: Optional[int] = None
+
+    def sizes(self, base: planning.Sizes) -> planning.Sizes:
+        chosen = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+        return dataclasses.replace(base, **chosen)
+
+    @property
+    def pipelined(self) -> bool:
+        return self.stages is not None
+
+    def describe(self) -> str:
+        parts = ["mesh " + "x".join(map(str, self.mesh))]
+        if self.strategy:
+            parts.append(f"strategy {self.strategy}")
+        if self.pipelined:
+            parts.append(f"{self.stages} stages, {self.schedule}" + (f" x{self.repeats}" if self.repeats > 1 else ""))
+        if self.microbatches and self.microbatches > 1:
+            parts.append(f"{self.microbatches} microbatches")
+        return ", ".join(parts)
+
+
+@dataclass
+class Candidate:
+    config: Config
+    lower_bound_s: float        # no plan of it can take less
+    estimate_s: float           # the order plans are tried in
+    memory_floor: float         # bytes per device no plan of it can hold less than
+    plan: Optional[planning.CasePlan] = None
+
+    @property
+    def step_s(self) -> float:
+        return self.plan.report.step_seconds
+
+
+@dataclass
+class Search:
+    """The outcome: the chosen plan, the candidates partitioned for real (best first) and
+    what the bounds set aside."""
+    model: str
+    chosen: Candidate
+    verified: list[Candidate]
+    considered: int
+    pruned_by_memory: int
+    pruned_by_bound: int
+    unexplored: int             # left when the budget (time or plans) ran out
+    refused: int                # configurations the recipe refuses (a split it needs even, say)
+    seconds: float
+
+    def configuration(self) -> dict:
+        """The plan flags that reproduce the chosen plan with `gspmd plan MODEL`."""
+        sizes, config = self.chosen.plan.case.sizes, self.chosen.config
+        out = {"mesh": "x".join(map(str, sizes["mesh"]))}
+        out.update((f.name, getattr(config, f.name)) for f in dataclasses.fields(config)
+                   if f.name != "mesh" and getattr(config, f.name) is not None)
+        out["remat"] = sizes.get("remat") or "none"
+        return out
+
+    def flags(self) -> str:
+        return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in self.configuration().items())
+
+    def runners_up(self) -> list[dict]:
+        best = self.chosen.plan.report
+        return [{"configuration": c.config.describe(), "remat": c.plan.case.sizes.get("remat") or "none",
+                 "step_seconds": c.step_s, "slower": c.step_s / best.step_seconds - 1,
+                 "fits_in_memory": c.plan.report.fits_in_memory, "why": why_slower(c.plan.report, best)}
+                for c in self.verified if c is not self.chosen]
+
+    def as_json(self) -> dict:
+        return {"configuration": self.configuration(), "search_seconds": self.seconds,
+                "candidates": self.considered, "pruned_by_memory": self.pruned_by_memory,
+                "pruned_by_bound": self.pruned_by_bound, "unexplored": self.unexplored,
+                "partitioned": len(self.verified),
+                "runners_up": self.runners_up()}
+
+    def explain(self) -> str:
+        lines = [f"searched {self.considered} configurations in {self.seconds:.1f} s: {self.pruned_by_memory} cannot "
+                 f"fit (parameters and optimizer state alone), {self.pruned_by_bound} cannot beat the best (compute "
+                 f"and bubbles alone), {len(self.verified)} partitioned"
+                 + (f", {self.unexplored} left when the budget (time or plans) ran out" if self.unexplored else ""),
+                 f"chose {self.chosen.config.describe()}, remat "
+                 f"{self.chosen.plan.case.sizes.get('remat') or 'none'}: gspmd plan {self.model} {self.flags()}"]
+        for r in self.runners_up():
+            fits = "" if r["fits_in_memory"] else ", does NOT fit"
+            lines.append(f"  runner-up {r['configuration']}, remat {r['remat']}: {r['step_seconds'] * 1e3:.1f} ms, "
+                         f"{r['slower']:+.1%}{fits} ({r['why']})")
+        return "\n".join(lines)
+
+
+def why_slower(report, best) -> str:
+    """The largest of the ways `report`'s step exceeds `best`'s."""
+    causes = {"compute (FLOPs per device)": report.compute_seconds * (1 - (report.bubble_fraction or 0))
+              * (1 - (report.recompute_fraction or 0)) - best.compute_seconds * (1 - (best.bubble_fraction or 0))
+              * (1 - (best.recompute_fraction or 0)),
+              "pipeline bubbles": report.compute_seconds * (report.bubble_fraction or 0)
+              - best.compute_seconds * (best.bubble_fraction or 0),
+              "recompute": report.compute_seconds * (report.recompute_fraction or 0)
+              - best.compute_seconds * (best.recompute_fraction or 0),
+              "exposed communication": report.exposed_communication_seconds - best.exposed_communication_seconds}
+    worst = max(causes, key=causes.get)
+    return f"{worst} +{causes[worst] * 1e3:.1f} ms"
+
+
+def search(model: str, base: planning.Sizes, devices: int, hardware: Union[str, Hardware] = "tpu-v3",
+           budget_s: float = 60.0, max_plans: Optional[int] = None) -> Search:
+    """The best configuration of `model` over `devices` found within `budget_s` seconds
+    and `max_plans` configurations partitioned for real (at least VERIFY_AT_LEAST). Sizes
+    given in `base` (a mesh, stages, a strategy, ...) are kept; the others in SEARCHED
+    are chosen."""
+    start = time.perf_counter()
+    if model not in MODELS:
+        raise ShardingError(f"--auto searches the recipes ({', '.join(sorted(MODELS))}); for your own function "
+                            "use `gspmd auto module:function` (annotations) or gspmd.auto.")
+    hw = planning.profile(hardware)
+    spec = MODELS[model]
+    if "batch" in spec.defaults and base.batch is None and spec.defaults["batch"] is None:
+        base = dataclasses.replace(base, batch=max(devices // 2, 1))   # the recipe's default, fixed up front
+    policies = planning.FIT_ORDER if base.remat in (None, "auto") else (base.remat,)
+    floor = _Floor(model, base, hw)
+    candidates = []
+    for config in configurations(spec.defaults, base, devices):
+        bound, memory = floor.bounds(config)
+        candidates.append(Candidate(config, bound, bound + floor.communication(config), memory))
+    if not candidates:
+        raise ShardingError(f"No configuration of {model} over {devices} devices: check --devices (its "
+                            "factorizations) against --layers, --heads and --batch.")
+    fitting = [c for c in candidates if c.memory_floor <= hw.usable_bytes] or candidates   # (none: the least bad)
+    verified: list[Candidate] = []
+    pruned = unexplored = refused = 0
+    # The best estimate of each family (strategy, pipelined or not) first, so that each
+    # family's estimates are calibrated against a real plan before the rest are ranked.
+    queue = sorted(fitting, key=lambda c: (c.estimate_s, c.lower_bound_s))
+    seeds = list({_family(c): c for c in reversed(queue)}.values())[::-1]
+    while queue:
+        best = min(verified, key=_rank, default=None)
+        if best is not None and best.plan.report.fits_in_memory:
+            kept = [c for c in queue if c.lower_bound_s < best.step_s]
+            pruned += len(queue) - len(kept)
+            queue = kept
+        if not queue:
+            break
+        if len(verified) >= VERIFY_AT_LEAST and (time.perf_counter() - start > budget_s
+                                                 or len(verified) == (max_plans or math.inf)):
+            unexplored = len(queue)
+            break
+        c = next((s for s in seeds if s in queue), None) or min(queue, key=_calibrated(verified))
+        queue.remove(c)
+        try:
+            c.plan = planning.plan_to_fit(model, c.config.sizes(base), hw, policies)
+        except ShardingError:        # a configuration the recipe refuses (a split it needs even, say)
+            refused += 1
+            continue
+        verified.append(c)
+    if not verified:
+        raise ShardingError(f"No configuration of {model} over {devices} devices could be planned.")
+    verified.sort(key=_rank)
+    return Search(model, verified[0], verified, len(candidates), len(candidates) - len(fitting), pruned, unexplored,
+                  refused, time.perf_counter() - start)
+
+
+def _family(c: Candidate) -> tuple:
+    return c.config.strategy, c.config.pipelined
+
+
+def _calibrated(verified: list[Candidate]):
+    """A candidate's estimate scaled by how far its family's estimates fell from the
+    plans partitioned so far (the geometric mean of their ratios; all plans' where its
+    family has none yet)."""
+    def ratio(plans: list[Candidate]) -> float:
+        return math.exp(sum(math.log(c.step_s / c.estimate_s) for c in plans) / len(plans)) if plans else 1.0
+    overall = ratio(verified)
+    by_family = {f: ratio([c for c in verified if _family(c) == f]) for f in {_family(c) for c in verified}}
+    return lambda c: c.estimate_s * by_family.get(_family(c), overall)
+
+
+def _rank(c: Candidate) -> tuple:
+    """Plans that fit first, then the fastest."""
+    return (not c.plan.report.fits_in_memory, c.plan.report.step_seconds)
+
+
+# -- the space ------------------------------------------------------------------------------
+def configurations(defaults: dict, base: planning.Sizes, devices: int):
+    """Every configuration of the recipe over `devices`, keeping what `base` gives."""
+    given = {**base.given()}
+    sizes = {**defaults, **given}
+    layers, heads, batch = sizes.get("layers"), sizes.get("heads"), sizes.get("batch")
+    strategies = [given["strategy"]] if "strategy" in given else \
+        (sorted(STRATEGIES) if "strategy" in defaults else [None])
+    for shape in _meshes(given.get("mesh"), devices, "stages" in defaults, defaults):
+        stages = shape[0] if len(shape) == 3 else None
+        if "stages" in given and given["stages"] != stages:
+            continue
+        x, y = shape[-2], shape[-1]
+        if (heads and heads % y) or (layers and stages and layers % stages) or (batch and batch % x):
+            continue
+        for strategy in strategies:
+            for schedule, repeats in _schedules(stages, layers, given):
+                for m in _microbatches(stages, batch, x, given, "microbatches" in defaults):
+                    yield Config(shape, strategy, stages, schedule, repeats, m)
+
+
+def _meshes(given: Optional[tuple], devices: int, pipelines: bool, defaults: dict):
+    """2-D meshes (data x model) over the devices; with a pipeline, 3-D ones whose first
+    axis is the stages. A model that splits nothing over a second axis (no strategy, a
+    1-D or data-parallel default mesh) gets none."""
+    if given is not None:
+        yield tuple(given)
+        return
+    model_axis = "strategy" in defaults or (defaults.get("mesh") or (1, 1))[-1] > 1
+    for y in _divisors(devices) if model_axis else [1]:
+        yield (devices // y, y)
+    if pipelines:
+        for stages in _divisors(devices)[1:]:
+            for y in _divisors(devices // stages) if model_axis else [1]:
+                yield (stages, devices // stages // y, y)
+
+
+def _schedules(stages: Optional[int], layers: Optional[int], given: dict):
+    if stages is None:
+        yield None, None
+        return
+    per_stage = layers // stages
+    for schedule in ([given["schedule"]] if "schedule" in given else SCHEDULES):
+        repeats = [1] if schedule == "gpipe" else [r for r in range(1, MAX_REPEATS + 1) if per_stage % r == 0]
+        if schedule == "circular":
+            repeats = [r for r in repeats if r > 1]
+        for r in ([given["repeats"]] if "repeats" in given else repeats):
+            yield schedule, r
+
+
+def _microbatches(stages: Optional[int], batch: Optional[int], x: int, given: dict, accumulates: bool):
+    """Microbatch counts: a pipeline's, multiples of its stages; without one, gradient
+    accumulation (None: none) where the recipe takes it. Each microbatch splits over x."""
+    if "microbatches" in given:
+        yield given["microbatches"]
+        return
+    if not stages:
+        yield None
+        if not accumulates or batch is None:
+            return
+    m = stages or 2
+    while batch is not None and m <= MAX_MICROBATCHES and batch % m == 0 and (batch // m) % x == 0:
+        yield m
+        m *= 2
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# -- the bounds -----------------------------------------------------------------------------
+class _Floor:
+    """Closed-form bounds of a configuration, from the model planned on one device (its
+    total compute, with and without each layer recomputed) and its state's bytes."""
+
+    def __init__(self, model: str, base: planning.Sizes, hw: Hardware):
+        self.hw = hw
+        spec = MODELS[model].defaults
+        one = dataclasses.replace(base, stages=None, schedule=None, repeats=None, microbatches=None,
+                                  mesh=(1, 1) if "strategy" in spec or len(spec.get("mesh") or ()) == 2 else (1,))
+        plain = planning.plan(model, dataclasses.replace(one, remat=None), hw)
+        recomputed = planning.plan(model, dataclasses.replace(one, remat="nothing_saveable"), hw)
+        # (a plan that recomputes may still take less: fewer activations written to HBM)
+        self.compute_s = min(plain.report.compute_seconds, recomputed.report.compute_seconds)
+        self.recomputed_s = recomputed.report.compute_seconds
+        case = plain.case
+        self.state_bytes = sum(_nbytes(case.args[i]) for i in case.donate)
+        self.layers = case.sizes.get("layers") or 1
+        weights = jax.tree_util.tree_leaves(case.args[0])
+        self.weights = len(weights)          # weight tensors per layer (a stack's leaves hold every layer's)
+        self.weight_bytes = _nbytes(weights) / self.layers / self.weights
+        width = 2 if case.sizes.get("activation_dtype", "bfloat16") == "bfloat16" else 4
+        self.activation_bytes = width * math.prod(case.sizes.get(k) or 1 for k in ("batch", "seq", "model_dim"))
+
+    def bounds(self, c: Config) -> tuple[float, float]:
+        """(seconds, bytes per device) no plan of `c` can go below: its compute spread over
+        every device (recomputed under 1F1B) and stretched by the bubble; its parameters and
+        optimizer state over the devices that split them (megatron: not the data axis)."""
+        n = math.prod(c.mesh)
+        compute = (self.recomputed_s if c.schedule == "1f1b" else self.compute_s) / n
+        if c.pipelined:
+            slots = (c.microbatches or c.stages) * (c.repeats or 1)
+            compute *= (slots + c.stages - 1) / slots
+        weight_split = n // c.mesh[-2] if c.strategy == "megatron" else n
+        return compute, self.state_bytes / weight_split
+
+    def communication(self, c: Config) -> float:
+        """What the strategy's collectives take, estimated with the cost model over the
+        mesh's device groups: per layer and microbatch, the activations over the model
+        axis (two all-reduces forward, two backward, as Megatron-LM counts them) and, with
+        the 2d strategy (weights split over the whole mesh), each weight gathered twice and
+        its gradient reduce-scattered; with the megatron strategy, each stacked weight's
+        gradient all-reduced over the data axis once a step; with a pipeline, each step's
+        activations passed on, forward and backward."""
+        devices = cm.device_mesh(c.mesh, self.hw)
+        n, x, y = devices.size, c.mesh[-2], c.mesh[-1]
+        m, layers = c.microbatches or 1, self.layers / (c.stages or 1)     # a stage's
+        act = self.activation_bytes / (x * m)
+
+        def seconds(pattern: cm.Pattern, nbytes: float, axis: int) -> float:
+            groups = _groups(devices, axis)
+            if pattern is cm.Pattern.PERMUTE:
+                groups = np.stack([groups.ravel(), np.roll(groups, 1, axis=1).ravel()], axis=1)
+            return cm.collective_seconds(pattern, nbytes, groups, n, self.hw)
+
+        per_layer = 4 * seconds(cm.Pattern.ALL_REDUCE, act, -1) if y > 1 else 0.0
+        gradients = 0.0
+        if x > 1 and c.strategy == "megatron":      # each stacked weight's, once a step, after the loops
+            gradients = self.weights * seconds(cm.Pattern.ALL_REDUCE, self.weight_bytes * layers / y, -2)
+        elif x * y > 1 and c.strategy is not None:  # 2d: each weight split over the whole mesh
+            shard = self.weight_bytes / (x * y)
+            per_layer += self.weights * (2 * seconds(cm.Pattern.ALL_GATHER, shard * x * y, None)
+                                         + seconds(cm.Pattern.REDUCE_SCATTER, shard, None))
+        if not c.pipelined:
+            return per_layer * layers * m + gradients
+        # Each stage runs its layer every step, bubbles included.
+        steps = m * c.repeats + c.stages - 1
+        return (per_layer * layers / c.repeats * steps + gradients
+                + 2 * steps * seconds(cm.Pattern.PERMUTE, act / y, 0))
+
+
+def _groups(devices: np.ndarray, axis: Optional[int]) -> np.ndarray:
+    """[G, k]: the devices along one mesh axis (None: along the data and model axes)."""
+    if axis is None:
+        return devices.reshape(-1, devices.shape[-2] * devices.shape[-1])
+    return np.moveaxis(devices, axis, -1).reshape(-1, devices.shape[axis])
+
+
+def _nbytes(tree) -> int:
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree))
