@@ -13,7 +13,7 @@ FLAGS = [f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()]
 
 @pytest.fixture(scope="module")
 def found():
-    return plan_search.search("transformer", planning.Sizes(**SMALL), 4, "a100", budget_s=600.0, max_plans=6)
+    return plan_search.search("transformer", planning.Sizes(**SMALL), 4, "a100", budget_s=600.0, max_plans=4)
 
 
 def test_the_search_partitions_the_best_candidates_and_explains_its_choice(found):
@@ -71,3 +71,18 @@ def test_the_command_line(capsys):
     with pytest.raises(SystemExit):
         cli.main(["plan", "examples/llama.py:make", "--auto", "--devices", "8"])
     assert "gspmd auto" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model, sizes, shapes", [
+    ("moe", dict(experts=8, layers=2, model_dim=64, ffn_dim=128, heads=4, head_dim=16, seq=32, batch=16), {(8,)}),
+    ("conformer", dict(layers=4, model_dim=64, ffn_dim=128, heads=4, head_dim=16, seq=32, batch=16),
+     {(1, 8), (2, 4), (4, 2)})])   # (8 stages would not divide 4 layers)
+def test_each_recipe_searches_the_meshes_it_takes(model, sizes, shapes):
+    """A 1-D expert mesh for the MoE; stages over the first axis always for the Conformer,
+    whose recipe is a pipeline (one stage included)."""
+    configs = list(plan_search.configurations(planning.MODELS[model].defaults, planning.Sizes(**sizes), 8))
+    assert {c.mesh for c in configs} == shapes
+    if model == "conformer":
+        assert all(c.stages == c.mesh[0] and c.x == c.mesh[1] and c.y == 1 for c in configs)
+    found = plan_search.search(model, planning.Sizes(**sizes), 8, "tpu-v3", budget_s=600.0, max_plans=3)
+    assert found.chosen.plan.report.fits_in_memory and found.chosen.plan.case.mesh.size == 8

@@ -50,10 +50,20 @@ class Config:
     schedule: Optional[str] = None
     repeats: Optional[int] = None
     microbatches: Optional[int] = None
+    data_axis: int = dataclasses.field(default=0, compare=False)           # the mesh axis the batch splits over
+    model_axis: Optional[int] = dataclasses.field(default=None, compare=False)   # the strategy's other axis
 
     def sizes(self, base: planning.Sizes) -> planning.Sizes:
-        chosen = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+        chosen = {name: getattr(self, name) for name in SEARCHED[:-1] if getattr(self, name) is not None}
         return dataclasses.replace(base, **chosen)
+
+    @property
+    def x(self) -> int:
+        return self.mesh[self.data_axis]
+
+    @property
+    def y(self) -> int:
+        return 1 if self.model_axis is None else self.mesh[self.model_axis]
 
     @property
     def pipelined(self) -> bool:
@@ -101,8 +111,7 @@ class Search:
         """The plan flags that reproduce the chosen plan with `gspmd plan MODEL`."""
         sizes, config = self.chosen.plan.case.sizes, self.chosen.config
         out = {"mesh": "x".join(map(str, sizes["mesh"]))}
-        out.update((f.name, getattr(config, f.name)) for f in dataclasses.fields(config)
-                   if f.name != "mesh" and getattr(config, f.name) is not None)
+        out.update((name, getattr(config, name)) for name in SEARCHED[1:-1] if getattr(config, name) is not None)
         out["remat"] = sizes.get("remat") or "none"
         return out
 
@@ -231,38 +240,45 @@ def _rank(c: Candidate) -> tuple:
 # -- the space ------------------------------------------------------------------------------
 def configurations(defaults: dict, base: planning.Sizes, devices: int):
     """Every configuration of the recipe over `devices`, keeping what `base` gives."""
-    given = {**base.given()}
+    given = base.given()
     sizes = {**defaults, **given}
     layers, heads, batch = sizes.get("layers"), sizes.get("heads"), sizes.get("batch")
     strategies = [given["strategy"]] if "strategy" in given else \
         (sorted(STRATEGIES) if "strategy" in defaults else [None])
-    for shape in _meshes(given.get("mesh"), devices, "stages" in defaults, defaults):
-        stages = shape[0] if len(shape) == 3 else None
+    for shape, stages, data, model in _meshes(given.get("mesh"), devices, defaults):
         if "stages" in given and given["stages"] != stages:
             continue
-        x, y = shape[-2], shape[-1]
+        x, y = shape[data], 1 if model is None else shape[model]
         if (heads and heads % y) or (layers and stages and layers % stages) or (batch and batch % x):
             continue
         for strategy in strategies:
             for schedule, repeats in _schedules(stages, layers, given):
                 for m in _microbatches(stages, batch, x, given, "microbatches" in defaults):
-                    yield Config(shape, strategy, stages, schedule, repeats, m)
+                    yield Config(shape, strategy, stages, schedule, repeats, m, data, model)
 
 
-def _meshes(given: Optional[tuple], devices: int, pipelines: bool, defaults: dict):
-    """2-D meshes (data x model) over the devices; with a pipeline, 3-D ones whose first
-    axis is the stages. A model that splits nothing over a second axis (no strategy, a
-    1-D or data-parallel default mesh) gets none."""
-    if given is not None:
-        yield tuple(given)
-        return
-    model_axis = "strategy" in defaults or (defaults.get("mesh") or (1, 1))[-1] > 1
-    for y in _divisors(devices) if model_axis else [1]:
-        yield (devices // y, y)
+def _meshes(given: Optional[tuple], devices: int, defaults: dict):
+    """(shape, stages, data axis, model axis) of each mesh over the devices, in the form
+    the recipe takes: its default mesh's rank (a 1-D expert axis, data x model); with a
+    pipeline a stage axis first (3-D, or 2-D where the model splits nothing over a second
+    axis). A model always pipelined (a default stage count) is pipelined over 1 to all
+    of the devices."""
+    arity = len(defaults.get("mesh") or (0,))
+    pipelines, always = "stages" in defaults, defaults.get("stages") is not None
+    model_axis = "strategy" in defaults or (arity == 2 and not always)
+    shapes = []
+    if not always:
+        for y in _divisors(devices) if model_axis else [1]:
+            shapes.append(((devices // y, y)[:arity], None, 0, 1 if model_axis else None))
     if pipelines:
-        for stages in _divisors(devices)[1:]:
-            for y in _divisors(devices // stages) if model_axis else [1]:
-                yield (stages, devices // stages // y, y)
+        for stages in _divisors(devices)[0 if always else 1:]:
+            rest = devices // stages
+            for y in _divisors(rest) if model_axis else [1]:
+                shape = (stages, rest // y, y) if model_axis else (stages, rest)
+                shapes.append((shape, stages, 1, 2 if model_axis else None))
+    for shape, stages, data, model in shapes:
+        if given is None or tuple(given) == shape:
+            yield shape, stages, data, model
 
 
 def _schedules(stages: Optional[int], layers: Optional[int], given: dict):
@@ -305,9 +321,8 @@ class _Floor:
 
     def __init__(self, model: str, base: planning.Sizes, hw: Hardware):
         self.hw = hw
-        spec = MODELS[model].defaults
-        one = dataclasses.replace(base, stages=None, schedule=None, repeats=None, microbatches=None,
-                                  mesh=(1, 1) if "strategy" in spec or len(spec.get("mesh") or ()) == 2 else (1,))
+        model_only = dataclasses.replace(base, **{k: None for k in SEARCHED})
+        one = next(configurations(MODELS[model].defaults, model_only, 1)).sizes(model_only)
         plain = planning.plan(model, dataclasses.replace(one, remat=None), hw)
         recomputed = planning.plan(model, dataclasses.replace(one, remat="nothing_saveable"), hw)
         # (a plan that recomputes may still take less: fewer activations written to HBM)
@@ -331,7 +346,7 @@ class _Floor:
         if c.pipelined:
             slots = (c.microbatches or c.stages) * (c.repeats or 1)
             compute *= (slots + c.stages - 1) / slots
-        weight_split = n // c.mesh[-2] if c.strategy == "megatron" else n
+        weight_split = n // c.x if c.strategy == "megatron" else n
         return compute, self.state_bytes / weight_split
 
     def communication(self, c: Config) -> float:
@@ -343,7 +358,7 @@ class _Floor:
         gradient all-reduced over the data axis once a step; with a pipeline, each step's
         activations passed on, forward and backward."""
         devices = cm.device_mesh(c.mesh, self.hw)
-        n, x, y = devices.size, c.mesh[-2], c.mesh[-1]
+        n, x, y = devices.size, c.x, c.y
         m, layers = c.microbatches or 1, self.layers / (c.stages or 1)     # a stage's
         act = self.activation_bytes / (x * m)
 
@@ -353,27 +368,28 @@ class _Floor:
                 groups = np.stack([groups.ravel(), np.roll(groups, 1, axis=1).ravel()], axis=1)
             return cm.collective_seconds(pattern, nbytes, groups, n, self.hw)
 
-        per_layer = 4 * seconds(cm.Pattern.ALL_REDUCE, act, -1) if y > 1 else 0.0
+        model, data = (c.model_axis,), (c.data_axis,)
+        per_layer = 4 * seconds(cm.Pattern.ALL_REDUCE, act, model) if y > 1 else 0.0
         gradients = 0.0
         if x > 1 and c.strategy == "megatron":      # each stacked weight's, once a step, after the loops
-            gradients = self.weights * seconds(cm.Pattern.ALL_REDUCE, self.weight_bytes * layers / y, -2)
+            gradients = self.weights * seconds(cm.Pattern.ALL_REDUCE, self.weight_bytes * layers / y, data)
         elif x * y > 1 and c.strategy is not None:  # 2d: each weight split over the whole mesh
             shard = self.weight_bytes / (x * y)
-            per_layer += self.weights * (2 * seconds(cm.Pattern.ALL_GATHER, shard * x * y, None)
-                                         + seconds(cm.Pattern.REDUCE_SCATTER, shard, None))
+            both = data + model if y > 1 else data
+            per_layer += self.weights * (2 * seconds(cm.Pattern.ALL_GATHER, shard * x * y, both)
+                                         + seconds(cm.Pattern.REDUCE_SCATTER, shard, both))
         if not c.pipelined:
             return per_layer * layers * m + gradients
         # Each stage runs its layer every step, bubbles included.
         steps = m * c.repeats + c.stages - 1
         return (per_layer * layers / c.repeats * steps + gradients
-                + 2 * steps * seconds(cm.Pattern.PERMUTE, act / y, 0))
+                + 2 * steps * seconds(cm.Pattern.PERMUTE, act / y, (0,)))
 
 
-def _groups(devices: np.ndarray, axis: Optional[int]) -> np.ndarray:
-    """[G, k]: the devices along one mesh axis (None: along the data and model axes)."""
-    if axis is None:
-        return devices.reshape(-1, devices.shape[-2] * devices.shape[-1])
-    return np.moveaxis(devices, axis, -1).reshape(-1, devices.shape[axis])
+def _groups(devices: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
+    """[G, k]: the groups of devices that differ only along `axes` of the mesh."""
+    rest = [a for a in range(devices.ndim) if a not in axes]
+    return devices.transpose(rest + list(axes)).reshape(-1, math.prod(devices.shape[a] for a in axes))
 
 
 def _nbytes(tree) -> int:
