@@ -6,11 +6,13 @@ schedule, repeats, microbatches and the rematerialization policy:
 
 1. Enumerate every configuration the recipe takes (meshes over the devices, a pipeline
    axis among them, schedules and their repeats, microbatches, strategies).
-2. Bound each in closed form from two single-device plans of the model (one with each
-   layer recomputed): compute at least its FLOPs spread over every device, stretched by
-   the schedule's bubble and, under 1F1B, its recompute; memory at least the parameters
-   and optimizer state over the devices that split them. Estimate its communication
-   with the one cost model (spmd/cost.py) over the mesh's device groups.
+2. Bound each in closed form from single-device plans of the model, one per remat
+   policy: memory at least the parameters and optimizer state over the devices that
+   split them, plus a policy's activations over every device (which rules out the
+   policies that cannot fit); compute at least that of the least recompute that may fit
+   spread over every device, stretched by the schedule's bubble (1F1B: each layer
+   recomputed). Estimate its communication with the one cost model (spmd/cost.py) over
+   the mesh's device groups.
 3. Prune what cannot fit; partition the rest for real in the order of their estimates
    (each with the least recompute that fits, planning.plan_to_fit), until the next
    one's lower bound cannot beat the best found or the time budget is spent.
@@ -23,7 +25,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import jax
 import numpy as np
@@ -37,7 +39,7 @@ from gspmd.spmd.cost import Hardware
 # What the search varies; the model's other sizes are its semantics.
 SEARCHED = ("mesh", "strategy", "stages", "schedule", "repeats", "microbatches", "remat")
 MAX_REPEATS = 4          # virtual stages per stage tried (interleaved 1F1B, circular)
-MAX_MICROBATCHES = 64    # microbatches tried at most (per pipeline or accumulation)
+MAX_MICROBATCHES = 256   # microbatches tried at most (per pipeline or accumulation)
 VERIFY_AT_LEAST = 3      # configurations partitioned for real even where bounds would stop sooner
 
 
@@ -86,6 +88,7 @@ class Candidate:
     lower_bound_s: float        # no plan of it can take less
     estimate_s: float           # the order plans are tried in
     memory_floor: float         # bytes per device no plan of it can hold less than
+    policies: list              # the remat policies that may fit, least recompute first
     plan: Optional[planning.CasePlan] = None
 
     @property
@@ -175,11 +178,11 @@ def search(model: str, base: planning.Sizes, devices: int, hardware: Union[str, 
     if "batch" in spec.defaults and base.batch is None and spec.defaults["batch"] is None:
         base = dataclasses.replace(base, batch=max(devices // 2, 1))   # the recipe's default, fixed up front
     policies = planning.FIT_ORDER if base.remat in (None, "auto") else (base.remat,)
-    floor = _Floor(model, base, hw)
+    floor = _Floor(model, base, hw, policies)
     candidates = []
     for config in configurations(spec.defaults, base, devices):
-        bound, memory = floor.bounds(config)
-        candidates.append(Candidate(config, bound, bound + floor.communication(config), memory))
+        bound, memory, may = floor.bounds(config)
+        candidates.append(Candidate(config, bound, bound + floor.communication(config), memory, may))
     if not candidates:
         raise ShardingError(f"No configuration of {model} over {devices} devices: check --devices (its "
                             "factorizations) against --layers, --heads and --batch.")
@@ -205,7 +208,7 @@ def search(model: str, base: planning.Sizes, devices: int, hardware: Union[str, 
         c = next((s for s in seeds if s in queue), None) or min(queue, key=_calibrated(verified))
         queue.remove(c)
         try:
-            c.plan = planning.plan_to_fit(model, c.config.sizes(base), hw, policies)
+            c.plan = planning.plan_to_fit(model, c.config.sizes(base), hw, c.policies)
         except ShardingError:        # a configuration the recipe refuses (a split it needs even, say)
             refused += 1
             continue
@@ -296,18 +299,20 @@ def _schedules(stages: Optional[int], layers: Optional[int], given: dict):
 
 def _microbatches(stages: Optional[int], batch: Optional[int], x: int, given: dict, accumulates: bool):
     """Microbatch counts: a pipeline's, multiples of its stages; without one, gradient
-    accumulation (None: none) where the recipe takes it. Each microbatch splits over x."""
+    accumulation (None: none) where the recipe takes it. Each microbatch splits evenly
+    over x: the counts divide the batch a data-parallel replica takes."""
     if "microbatches" in given:
         yield given["microbatches"]
         return
     if not stages:
         yield None
-        if not accumulates or batch is None:
+        if not accumulates:
             return
-    m = stages or 2
-    while batch is not None and m <= MAX_MICROBATCHES and batch % m == 0 and (batch // m) % x == 0:
-        yield m
-        m *= 2
+    if batch is None or batch % x:
+        return
+    for m in _divisors(batch // x):
+        if m <= MAX_MICROBATCHES and (m % stages == 0 if stages else m > 1):
+            yield m
 
 
 def _divisors(n: int) -> list[int]:
@@ -316,19 +321,21 @@ def _divisors(n: int) -> list[int]:
 
 # -- the bounds -----------------------------------------------------------------------------
 class _Floor:
-    """Closed-form bounds of a configuration, from the model planned on one device (its
-    total compute, with and without each layer recomputed) and its state's bytes."""
+    """Closed-form bounds of a configuration, from the model planned on one device with
+    each rematerialization policy (its total compute, and what it holds beyond its
+    arguments: activations and temporaries, the whole batch's) and its state's bytes."""
 
-    def __init__(self, model: str, base: planning.Sizes, hw: Hardware):
+    def __init__(self, model: str, base: planning.Sizes, hw: Hardware, policies: Sequence[Optional[str]]):
         self.hw = hw
         model_only = dataclasses.replace(base, **{k: None for k in SEARCHED})
         one = next(configurations(MODELS[model].defaults, model_only, 1)).sizes(model_only)
-        plain = planning.plan(model, dataclasses.replace(one, remat=None), hw)
-        recomputed = planning.plan(model, dataclasses.replace(one, remat="nothing_saveable"), hw)
-        # (a plan that recomputes may still take less: fewer activations written to HBM)
-        self.compute_s = min(plain.report.compute_seconds, recomputed.report.compute_seconds)
-        self.recomputed_s = recomputed.report.compute_seconds
-        case = plain.case
+        plans = {p: planning.plan(model, dataclasses.replace(one, remat=p), hw)
+                 for p in dict.fromkeys([*policies, "nothing_saveable"])}
+        self.compute_s = {p: plan.report.compute_seconds for p, plan in plans.items()}
+        self.transient = {p: plan.report.peak_memory_bytes - plan.report.memory.arguments_bytes
+                          for p, plan in plans.items()}
+        self.policies = list(policies)
+        case = plans[self.policies[0]].case
         self.state_bytes = sum(_nbytes(case.args[i]) for i in case.donate)
         self.layers = case.sizes.get("layers") or 1
         weights = jax.tree_util.tree_leaves(case.args[0])
@@ -337,17 +344,29 @@ class _Floor:
         width = 2 if case.sizes.get("activation_dtype", "bfloat16") == "bfloat16" else 4
         self.activation_bytes = width * math.prod(case.sizes.get(k) or 1 for k in ("batch", "seq", "model_dim"))
 
-    def bounds(self, c: Config) -> tuple[float, float]:
-        """(seconds, bytes per device) no plan of `c` can go below: its compute spread over
-        every device (recomputed under 1F1B) and stretched by the bubble; its parameters and
-        optimizer state over the devices that split them (megatron: not the data axis)."""
+    def bounds(self, c: Config) -> tuple[float, float, list]:
+        """(seconds, bytes per device, policies) for `c`: the remat policies that may fit
+        (the state over the devices that split it, megatron's not over the data axis, and
+        the policy's activations over every device, a microbatch's at a time under gradient
+        accumulation, every microbatch's in a GPipe or circular pipeline; 1F1B bounds its
+        activations itself); no plan can hold less than the bytes, nor take less than
+        the seconds: the compute of the least recompute that may fit spread over every
+        device (1F1B's recomputes each layer) and stretched by the bubble."""
         n = math.prod(c.mesh)
-        compute = (self.recomputed_s if c.schedule == "1f1b" else self.compute_s) / n
+        state = self.state_bytes / (n // c.x if c.strategy == "megatron" else n)
+        if c.schedule == "1f1b":
+            may = self.policies
+            compute = self.compute_s["nothing_saveable"]
+        else:
+            share = n * (1 if c.pipelined else c.microbatches or 1)   # GPipe holds every microbatch's
+            may = [p for p in self.policies if state + self.transient[p] / share <= self.hw.usable_bytes] \
+                or self.policies[-1:]
+            compute = min(self.compute_s[p] for p in may)
+        compute /= n
         if c.pipelined:
             slots = (c.microbatches or c.stages) * (c.repeats or 1)
             compute *= (slots + c.stages - 1) / slots
-        weight_split = n // c.x if c.strategy == "megatron" else n
-        return compute, self.state_bytes / weight_split
+        return compute, state, may
 
     def communication(self, c: Config) -> float:
         """What the strategy's collectives take, estimated with the cost model over the
