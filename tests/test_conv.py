@@ -10,6 +10,7 @@ from jax import lax
 from util import assert_close, check, rand
 
 import gspmd
+from gspmd.frontend.annotation import unpartitioned
 from gspmd.runtime import sim
 from gspmd.spmd.halo import Window, plan_dim
 
@@ -211,3 +212,28 @@ def test_depthwise_weight_gradient_keeps_channels_split():
 
     report = check(grads, x, w, mesh=mesh, rtol=1e-4, atol=1e-5).report()
     assert "all-gather" not in report.counts(), str(report)
+
+
+def test_bfloat16_conv_forward_jvp_and_grad():
+    """bfloat16 convolutions sum in float32 and round, as XLA:CPU does (NumPy's einsum has
+    no bfloat16): forward, and gspmd.jit under jax.jvp and jax.grad, on a split space
+    the mesh does not divide."""
+    mesh = gspmd.Mesh(np.arange(8).reshape(2, 4), ("b", "h"))
+    rng = np.random.RandomState(3)
+    x, w = (rand(rng, 2, 3, 13).astype(jnp.bfloat16), rand(rng, 4, 3, 3).astype(jnp.bfloat16))
+
+    def conv(x, w):
+        x = gspmd.mesh_split(x, mesh, ["b", -1, "h"])
+        return lax.conv_general_dilated(x, w, (1,), ((1, 1),))
+    tol = dict(rtol=2e-2, atol=5e-2)
+    report = check(conv, x, w, mesh=mesh, **tol).report()
+    assert report.counts() == {"collective-permute": 2}, str(report)
+    loss = lambda f: lambda x, w: (f(x, w).astype(jnp.float32) ** 2).sum()
+    tangents = (w[:2, :, :1].repeat(13, -1), w)
+    with unpartitioned():
+        expected_jvp = jax.jvp(jax.jit(conv), (x, w), tangents)
+        expected_grad = jax.grad(loss(jax.jit(conv)), (0, 1))(x, w)
+    for backend in ("sim", "jax"):
+        partitioned = gspmd.jit(conv, mesh=mesh, backend=backend)
+        assert_close(jax.jvp(partitioned, (x, w), tangents), expected_jvp, **tol)
+        assert_close(jax.grad(loss(partitioned), (0, 1))(x, w), expected_grad, rtol=5e-2, atol=0.25)

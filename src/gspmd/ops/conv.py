@@ -23,6 +23,7 @@ from typing import Optional
 import numpy as np
 from jax import lax
 
+from gspmd.dtypes import accumulator
 from gspmd.ops.registry import CONTRACTION, Frontend, Kernel, KernelOrders, Rule, Semantics, Timing, register
 from gspmd.ops.window import pad_array, window_attrs, windows_of
 from gspmd.sharding import Sharding
@@ -45,7 +46,8 @@ OUT, WINDOW = SpatialSplit.OUT, SpatialSplit.WINDOW
 
 def _evaluate_conv(instr, args, device):
     a, out = instr.attrs, instr.outputs[0]
-    acc = np.float64 if out.dtype.kind == "f" else out.dtype
+    # float32 and float64 sum in float64, the closest to any order XLA sums in.
+    acc = np.float64 if out.dtype in (np.float32, np.float64) else accumulator(out.dtype)
     x = np.transpose(args[0], a["lhs_spec"]).astype(acc)        # (B, F, *spatial)
     k = np.transpose(args[1], a["rhs_spec"]).astype(acc)        # (O, I, *window)
     nsp = x.ndim - 2

@@ -10,7 +10,7 @@ import numpy as np
 from jax import lax
 from jax import numpy as jnp
 
-from gspmd.dtypes import is_floating
+from gspmd.dtypes import accumulator
 from gspmd.ops.registry import (CONTRACTION, Frontend, Kernel, KernelOrders, Memory, Rewrites, Rule, Semantics,
                                 Timing, linear_in, register, same_order)
 from gspmd.spmd import factors as fx
@@ -58,8 +58,7 @@ def einsum_dot(lhs: np.ndarray, rhs: np.ndarray, lhs_batch, rhs_batch, lhs_contr
                 sub[d] = next(letters)
                 out_sub.append(sub[d])
     spec = f"{''.join(lhs_sub)},{''.join(rhs_sub)}->{''.join(out_sub)}"
-    # Narrow floats (bfloat16) accumulate in float32, as XLA does; numpy's einsum has no bf16.
-    acc = np.float32 if is_floating(dtype) and dtype.itemsize < 4 else dtype
+    acc = accumulator(dtype)
     return np.einsum(spec, lhs.astype(acc), rhs.astype(acc)).astype(dtype, copy=False)
 
 
