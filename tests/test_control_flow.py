@@ -132,3 +132,28 @@ def test_a_scan_of_one_step_is_inlined_as_xla_inlines_it():
 
     low = check(step, ws, x, mesh=MESH)
     assert all(i.opcode != "while" for p in [low.spmd, *low.spmd.subprograms()] for i in p.instrs)
+
+
+def test_a_scan_of_no_steps_returns_its_carries_and_empty_stacks():
+    """A scan over nothing (xs of length 0, split or not) runs no step: its carries come
+    back as they went in, its stacked outputs are [0, ...] (XLA's while-loop simplifier
+    removes a loop that never runs); its gradients likewise, with no loop and nothing moved."""
+    rng = np.random.RandomState(5)
+    c, xs, w = rand(rng, 8), rand(rng, 0, 8), rand(rng, 0, 8, 8)
+
+    def scans(c, xs, w):
+        c = gspmd.mesh_split(c, MESH, ["y"])
+        def body(c, x):
+            return jnp.tanh(c * 2 + x), (c * x).sum()
+        forward = jax.lax.scan(body, c, gspmd.mesh_split(xs, MESH, [None, "y"]))
+        backward = jax.lax.scan(lambda c, w: (c @ w, c), c, gspmd.mesh_split(w, MESH, ["x", None, "y"]), reverse=True)
+        counted = jax.lax.scan(lambda c, _: (c + 1, c), c, None, length=0)
+        return forward, backward, counted, jax.lax.fori_loop(3, 3, lambda i, c: c * i, c)
+
+    def grads(c, xs, w):
+        loss = lambda c, xs, w: sum(jnp.sum(v ** 2) for v in jax.tree.leaves(scans(c, xs, w)))
+        return jax.grad(loss, (0, 1, 2))(c, xs, w)
+    for fn in (scans, grads):
+        low = check(fn, c, xs, w, mesh=MESH)
+        assert all(i.opcode != "while" for p in [low.spmd, *low.spmd.subprograms()] for i in p.instrs)
+        assert not low.report().collectives, str(low.report())

@@ -217,3 +217,42 @@ def test_tile_and_its_gradient(reps):
         return jnp.tile(split(a, "x", "y"), reps) * 1.5
     check(f, a, mesh=MESH)
     check(jax.grad(lambda a: jnp.sum(jnp.sin(f(a)))), a, mesh=MESH)
+
+
+# Values with no elements wherever jax.jit takes them, split on their empty dim or on
+# another: nothing to move, so no collectives.
+EMPTY = {
+    "element-wise": (lambda a: jnp.sin(split(a, "x", "y")) * 2, [(0, 7)]),
+    "broadcast": (lambda a, b: split(a, None, "y") + b, [(0, 7), (7,)]),
+    "dot, empty contraction": (lambda a, b: split(a, "x", None) @ b, [(6, 0), (0, 5)]),
+    "dot, empty result": (lambda a, b: split(a, "x", "y") @ b, [(0, 3), (3, 5)]),
+    "dot, empty batch": (lambda a, b: jnp.einsum("bij,bjk->bik", split(a, "x", "y", None), b), [(0, 3, 4), (0, 4, 2)]),
+    "reductions": (lambda a: (split(a, "x", "y").sum(0), a.max(1), a.prod(), jnp.argmax(a, 1)), [(0, 7)]),
+    "concatenate": (lambda a, b: jnp.concatenate([split(a, "x", "y"), b], 0), [(0, 5), (6, 5)]),
+    "reshape, pad": (lambda a: (split(a, "x", "y").reshape(7, 0, 1).T, jnp.pad(a, ((1, 2), (0, 1)))), [(0, 7)]),
+    "slice to nothing": (lambda a: split(a, "x", "y")[2:2, 1:5], [(6, 7)]),
+    "cumsum, sort": (lambda a: (jnp.cumsum(split(a, "x", "y"), 0), jnp.sort(a, 0)), [(0, 7)]),
+    "convolution": (lambda x, w: jax.lax.conv_general_dilated(split(x, "x", None, "y"), w, (1,), "SAME"),
+                    [(0, 3, 9), (2, 3, 3)]),
+}
+
+
+@pytest.mark.parametrize("case", EMPTY)
+def test_values_with_no_elements(case):
+    fn, shapes = EMPTY[case]
+    rng = np.random.RandomState(0)
+    report = check(fn, *[rand(rng, *s) for s in shapes], mesh=MESH).report()
+    assert not report.collectives, str(report)
+
+
+def test_gradients_through_values_with_no_elements():
+    """A dot over an empty contraction is zeros; its gradients are empty; an empty operand
+    of a concatenate gets an empty gradient."""
+    rng = np.random.RandomState(1)
+
+    def grads(a, b, c):
+        def loss(a, b, c):
+            return (split(a, "x", None) @ b).sum() + (jnp.concatenate([split(c, "x", "y"), b.T], 0) ** 2).sum()
+        return jax.grad(loss, (0, 1, 2))(a, b, c)
+    report = check(grads, rand(rng, 6, 0), rand(rng, 0, 5), rand(rng, 3, 0), mesh=MESH).report()
+    assert not report.collectives, str(report)

@@ -153,6 +153,8 @@ def _convert_scan(b: Conversion, eqn, args: list[Value]) -> list[Value]:
         return outs[:ncarry] + [b.add1("reshape", [y], (1, *y.shape), y.dtype) for y in outs[ncarry:]]
     y_types = [physical_aval(v.aval) for v in jaxpr.jaxpr.outvars[ncarry:]]
     ys = [b.broadcast_to(b.constant(0, dtype), (length, *shape)) for shape, dtype in y_types]
+    if length == 0:   # and one that never runs it removes (its body's slices could not fit)
+        return args[nconst:nconst + ncarry] + ys
     carry = [b.constant(0, INDEX)] + args + ys
 
     def cond(sb, params):

@@ -27,6 +27,7 @@ from gspmd.spmd import reshard as rs
 from gspmd.spmd.cost import ComputeKind, Pattern
 from gspmd.spmd.context import DeviceContext
 from gspmd.spmd.partitioned import PartitionedValue
+from gspmd.spmd.reshard_steps import empty
 
 # evaluate(instr, operand arrays, device id) -> output arrays (one device)
 Evaluate = Callable[[Instr, list[np.ndarray], int], list[np.ndarray]]
@@ -385,12 +386,21 @@ def splats(instr: Instr) -> bool:
 
 def partition(ctx: DeviceContext, instr: Instr, operands: list[PartitionedValue],
               targets: list[Sharding]) -> list[PartitionedValue]:
+    if _computes_nothing(instr):
+        return [empty(ctx, o.shape, o.dtype, t) for o, t in zip(instr.outputs, targets)]
     rule = lookup(instr.opcode).rule
     if rule.partition is not None:
         return rule.partition(ctx, instr, operands, targets)
     if rule.factors is None:
         return replicate_fallback(ctx, instr, operands, targets)
     return fx.partition(ctx, instr, rule.factors(instr), operands, targets)
+
+
+def _computes_nothing(instr: Instr) -> bool:
+    """Whether every result has no elements and making them is all the op does (no side
+    effect, no sub-program that could have one): its operands need not move."""
+    return (bool(instr.outputs) and all(0 in o.shape for o in instr.outputs) and not instr.has_side_effect
+            and not any(isinstance(a, Program) for a in instr.attrs.values()))
 
 
 def replicate_fallback(ctx: DeviceContext, instr: Instr, operands: list[PartitionedValue],

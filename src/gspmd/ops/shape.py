@@ -58,7 +58,10 @@ def _transpose_storage(instr) -> Storage:
 # -- reshape ----------------------------------------------------------------------------
 def reshape_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
     """The runs of src dims and dst dims with equal element counts, in order (size-1 dims
-    left out): the reshape maps each run's elements onto its counterpart's, row-major."""
+    left out): the reshape maps each run's elements onto its counterpart's, row-major.
+    A value with no elements has none."""
+    if 0 in src:
+        return []
     a = [i for i, d in enumerate(src) if d != 1]
     b = [j for j, d in enumerate(dst) if d != 1]
     groups, i, j = [], 0, 0
@@ -94,7 +97,10 @@ def reshape_factors(src: tuple[int, ...], dst: tuple[int, ...]) -> list[Factor]:
     """A reshape's factors: per run of dims with equal element counts, the common
     refinement of its src and dst dims, major to minor (16 -> [2, 8]: factors 2 and 8,
     both on src's dim, one on each dst dim); where a run has none ([2, 3] -> [3, 2]),
-    the rest of its dims is kept whole."""
+    the rest of its dims is kept whole, as are all dims of a value with no elements."""
+    if 0 in src:
+        return ([Factor(n, (d, None), REPLICATE) for d, n in enumerate(src)]
+                + [Factor(n, (None, d), REPLICATE) for d, n in enumerate(dst)])
     factors = []
     for ga, gb in reshape_groups(src, dst):
         run, i, j, left_a, left_b = [], 0, 0, src[ga[0]], dst[gb[0]]

@@ -175,6 +175,8 @@ class Executable:
     def named_sharding(self, sharding: Sharding, shape: Sequence[int]) -> NamedSharding:
         """The finest NamedSharding over the mesh that `sharding` refines and that splits
         `shape` evenly: exactly `sharding` where it can be."""
+        if 0 in shape:   # XLA lays out values with no elements whole, whatever it is told
+            return NamedSharding(self.jax_mesh, P())
         mapping = sharding.dims_mapping(self.mesh) or [None] * sharding.rank
         even = [axes if axes and n % t == 0 else None for axes, n, t in zip(mapping, shape, sharding.tiles)]
         return NamedSharding(self.jax_mesh, spec_of(even))
@@ -215,13 +217,13 @@ class Executable:
         if any(tuple(x.shape) != p.shape or np.dtype(x.dtype) != p.dtype for x, p in zip(args, self.params)):
             raise OtherSignature()      # jax retraces for another signature: not this program's
         epilogue = self.epilogue
-        in_specs = tuple(self.in_shardings[k].spec for k in epilogue.arguments)
+        in_specs = tuple(self.in_shardings[k].spec for k in self._fed)
         out_specs = tuple(P() if coarse is not None else self._named(g).spec for g, coarse in self._core_out)
 
         def run(*args):
             with jax.sharding.use_abstract_mesh(self.jax_mesh.abstract_mesh):   # whatever jax.set_mesh says outside
                 results = jax.shard_map(self._body, mesh=self.jax_mesh, in_specs=in_specs, out_specs=out_specs,
-                                        check_vma=False)(*[args[k] for k in epilogue.arguments])
+                                        check_vma=False)(*[args[k] for k in self._fed])
                 # element-wise lowerings read nothing of a device: no LowerContext
                 return tuple(epilogue.run(args, results, lambda instr, xs: lower_instr(instr, xs, None)))
         context = jax.sharding.get_abstract_mesh()
@@ -230,10 +232,19 @@ class Executable:
             return jax.sharding.auto_axes(run, out_sharding=tuple(self.out_shardings))(*args)
         return run(*args)
 
-    def _body(self, *blocks):
+    @functools.cached_property
+    def _fed(self) -> list[int]:
+        """The arguments the shard_map takes: the core's, but for zero-size ones (XLA folds
+        such an operand into a constant, and then rejects the shard_map that reads it)."""
+        return [k for k in self.epilogue.arguments if self.params[k].nbytes]
+
+    def _body(self, *fed):
         lc = LowerContext(self.jax_mesh.axis_names, lambda program, args: _run_body(program, args, lc), self._ids)
-        local = [b if self._coarse_in[k] is None else _tile_of_block(b, self.params[k], self._coarse_in[k], lc)
-                 for b, k in zip(blocks, self.epilogue.arguments)]
+        blocks = dict(zip(self._fed, fed))
+        local = [jnp.zeros(p.shape, p.dtype) if k not in blocks     # zero-size: nothing to feed
+                 else blocks[k] if self._coarse_in[k] is None
+                 else _tile_of_block(blocks[k], self.params[k], self._coarse_in[k], lc)
+                 for k, p in zip(self.epilogue.arguments, self.epilogue.core.params)]
         outs = _run_body(self.epilogue.core, local, lc)
         return tuple(o if coarse is None else _assemble(o, g.sharding, g.shape, lc)
                      for o, (g, coarse) in zip(outs, self._core_out))

@@ -160,6 +160,10 @@ def _greedy_merge(views: Sequence[Sharding]) -> Sharding:
 
 
 def _reduce_factors(factors, space: Sharding) -> list[int]:
+    """The split factors whose partial results combine (none where the reduced elements
+    are none: every part is the reducer's identity already)."""
+    if any(fac.kind == REDUCE and not fac.size for fac in factors):
+        return []
     return [f for f, fac in enumerate(factors) if fac.kind == REDUCE and space.tiles[f] > 1]
 
 

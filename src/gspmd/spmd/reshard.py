@@ -22,8 +22,8 @@ from gspmd.spmd.context import DeviceContext, Why
 from gspmd.spmd.cost import FREE, Cost, add_costs, lacking, rounded
 from gspmd.spmd.layout import moved_layout, moves_nest, nests, subdivides
 from gspmd.spmd.partitioned import PartitionedValue
-from gspmd.spmd.reshard_steps import (MAX_ROUNDS, AllToAllStep, ExchangeStep, GatherStep, SliceStep, SumGatherStep,
-                                      transfers)
+from gspmd.spmd.reshard_steps import (MAX_ROUNDS, AllToAllStep, ExchangeStep, GatherStep, MakeEmptyStep, SliceStep,
+                                      SumGatherStep, transfers)
 
 MAX_STEPS = 4     # steps one plan may take
 MAX_EXPANSIONS = 100   # layouts one search expands before it settles for what it has found
@@ -159,8 +159,8 @@ def _plan(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int, h
         return ()
     if subdivides(dst, src, shape):
         return (SliceStep(dst),)
-    if 0 in shape:   # nothing to move: gather whatever is split, then cut
-        return _gather_all_and_cut(src, dst)
+    if 0 in shape:   # nothing to move
+        return (MakeEmptyStep(dst),)
     # The direct gathers are usually the plan; the search, bounded by them, looks for a
     # cheaper one (an all-to-all that turns a slow ring into faster sub-rings, say).
     direct = _direct(src, dst, shape, itemsize, hw)

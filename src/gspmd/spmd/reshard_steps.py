@@ -3,6 +3,7 @@ costs on the hardware being planned for (spmd/cost.py), and the per-device code 
 emits.
 
   - cut: each device's target tile lies inside what it holds (dynamic-slice, free);
+  - make: a value with no elements has nothing to move: each device makes its empty tile;
   - all-gather of the minor factor k of one dim's split (or, where most of the pieces
     are padding, an all-reduce of the pieces placed in zeros);
   - all-to-all moving the minor factors of some dims' splits to become minor factors of
@@ -61,6 +62,20 @@ class SliceStep:
             x = emit.pad_dim(ctx.b, x, dim, 0, size * k - x.shape[dim], 0)
             starts.append(ctx.table_lookup(tgt.coords()[:, dim] % k * size))
         return PartitionedValue(emit.dynamic_slice(ctx.b, x, starts, sizes), tgt, pv.shape)
+
+
+@dataclass(frozen=True)
+class MakeEmptyStep(SliceStep):
+    """A value with no elements: each device makes its (empty) tile of the target."""
+
+    def apply(self, ctx: DeviceContext, pv: PartitionedValue) -> PartitionedValue:
+        return empty(ctx, pv.shape, pv.dtype, self.target)
+
+
+def empty(ctx: DeviceContext, shape: Sequence[int], dtype, sharding: Sharding) -> PartitionedValue:
+    """Each device's tile, laid out as `sharding`, of a value of `shape` with no elements."""
+    tile = [shard_len(shape, sharding, dim) for dim in range(len(shape))]
+    return PartitionedValue(emit.broadcast(ctx.b, emit.scalar(ctx.b, 0, dtype), tile), sharding, tuple(shape))
 
 
 @dataclass(frozen=True)
