@@ -267,6 +267,12 @@ def _equinox_cases() -> Iterator[tuple[str, Callable, tuple]]:
         return jax.vmap(model)(tokens, jax.random.split(key, B))
     yield "equinox inference", inference, (params, KEY, tokens)
 
+    def checked_loop(x):     # what every diffrax.diffeqsolve binds
+        x = eqx.error_if(x, jnp.isnan(x).any(), "NaN")
+        return eqx.internal.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, jnp.sin(c[1])), (0, x), max_steps=4,
+                                       kind="checkpointed")[1].sum()
+    yield "equinox error_if, internal.while_loop", jax.grad(checked_loop), (f32(B, D),)
+
 
 def cases() -> Iterator[tuple[str, Callable, tuple]]:
     for family in (_numpy_cases, _sharding_cases, _random_cases, _optax_cases, _linen_cases, _nnx_cases, _equinox_cases):

@@ -6,8 +6,11 @@ A callback sees the global values it sees under jax.jit: its operands are gather
 The host function runs once per execution of the instruction — the sim backend calls it
 from the interpreter with device 0's copy; the jax backend binds JAX's own primitive
 inside the shard_map on device 0 only (an ordered io_callback keeps its order) and
-hands device 0's results to every device. Results are replicated values, split
-afterwards without communication where their users want them split.
+hands device 0's results to every device; but a pure_callback, which JAX may call any
+number of times, on every device, so that one that raises (equinox's error_if) fails
+everywhere instead of leaving the other devices waiting for device 0's results. Results
+are replicated values, split afterwards without communication where their users want
+them split.
 
 Inside a manual region (gspmd.manual, shard_map) the code is per-device, and so is the
 callback, as in jax.shard_map: each device calls it with its own values.
@@ -67,8 +70,8 @@ def _lower(instr, args, lc):
             "or run with backend='sim', which keeps the order.")
     def call():
         return [jnp.asarray(r, o.dtype) for r, o in zip(instr.attrs["call"](*args), instr.outputs)]
-    if instr.attrs["per_device"]:
-        return call()
+    if instr.attrs["per_device"] or instr.attrs["call"].primitive.name == "pure_callback":
+        return call()   # a pure function may run any number of times: on each device, not waited for
 
     def elsewhere():
         return [jnp.zeros(o.shape, o.dtype) for o in instr.outputs]

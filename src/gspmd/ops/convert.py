@@ -8,6 +8,7 @@ jax backend's shard_map: `lower(instr, args, lc)` with `lc` a LowerContext.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -22,6 +23,13 @@ from gspmd.mesh import Mesh, concrete_mesh
 Converter = Callable[["Conversion", object, list[Value]], list[Value]]
 # inline(conversion, closed or open jaxpr, argument values) -> result values
 Inline = Callable[["Conversion", object, list[Value]], list[Value]]
+
+
+def convert_by_impl(b: "Conversion", eqn, args: list[Value]) -> list[Value]:
+    """A library's primitive whose implementation is JAX code (equinox's maybe_set):
+    that code, traced on the equation's operand types, converted in the equation's place."""
+    impl = functools.partial(eqn.primitive.impl, **eqn.params)
+    return b.inline(jax.make_jaxpr(impl)(*(v.aval for v in eqn.invars)), args)
 
 
 class Conversion(Builder):

@@ -471,9 +471,21 @@ elementwise("sharding", lambda x: x, lambda x: x, partition=_reshard_to_target, 
             converts={"jit": _nested_jit},
             converts_keys={"mesh_split": _annotation, "sharding_constraint": _sharding_constraint, "reshard": _reshard},
             facets=Facets(annotation=True, identity=True, layouts_named=lambda instr: [instr.attrs["sharding"]]))
-# "pvary" marks a value in a shard_map body as varying over axes (check_vma).
+
+
+def _select_if_vmap(b, eqn, args):
+    """Equinox's select_if_vmap(pred, x, y) unbatched is x (its loops' steps: a predicate
+    not under vmap holds); vmap rewrites it before gspmd sees the program."""
+    return [args[1]]
+
+
+# "pvary" marks a value in a shard_map body as varying over axes (check_vma); equinox's
+# nonbatchable, nontraceable and nondifferentiable_backward are identities that refuse a
+# transformation, which JAX applies before gspmd sees the program.
+_IDENTITIES = ("copy", "copy_p", "stop_gradient", "pvary", "nonbatchable", "nontraceable",
+               "nondifferentiable_backward")
 elementwise("copy", lambda x: x, lambda x: x, flops=None,
-            converts={p: _identity for p in ("copy", "copy_p", "stop_gradient", "pvary")},
+            converts={**{p: _identity for p in _IDENTITIES}, "select_if_vmap": _select_if_vmap},
             partition=_reshard_to_target, linear=jointly_linear, facets=Facets(identity=True))
 
 

@@ -26,6 +26,7 @@ from jax import lax
 from gspmd.dtypes import is_floating
 from gspmd.ir import Instr, Value
 from gspmd.ir.reducer import ADD, AND, MAX, MIN, MUL, OR, Reducer
+from gspmd.ops.convert import convert_by_impl
 from gspmd.ops.registry import (Facets, Frontend, LAYOUT, Memory, Rewrites, Rule, Semantics, Storage, Timing, register,
                                 result_sized_bytes, update_sized_bytes)
 from gspmd.sharding import Sharding
@@ -404,7 +405,9 @@ def _scatter_added_to(instr: Instr, acc: Value, add: Instr, program) -> Optional
 register("scatter",
          frontend=Frontend(converts={"scatter": _convert_scatter(None), "scatter-add": _convert_scatter(ADD),
                    "scatter-sub": _convert_scatter(ADD, "subtract"), "scatter-mul": _convert_scatter(MUL),
-                   "scatter-min": _convert_scatter(MIN), "scatter-max": _convert_scatter(MAX)}),
+                   "scatter-min": _convert_scatter(MIN), "scatter-max": _convert_scatter(MAX),
+                   # equinox's buffers (its loops' saved steps): xs.at[i].set(x), a scatter
+                   "maybe_set": convert_by_impl}),
          semantics=Semantics(evaluate=_evaluate_scatter, lower=_lower_scatter),
          rule=Rule(factors=_scatter_factors, partition=_partition_with(_scatter_factors, _emit_scatter),
                    priority=LAYOUT),

@@ -42,10 +42,12 @@ from gspmd.spmd.partitioned import PartitionedValue
 
 
 def _convert_reduce(reducer: Reducer) -> Converter:
+    """A reduction over its `axes`; without (equinox's unvmap_any/all/max, which differ
+    from jnp.any/all/max only under vmap, applied before gspmd sees the program) over all."""
     def convert(b, eqn, args):
         shape, dtype = b.out_aval(eqn)
-        return [b.add1("reduce", args, shape, dtype, dims=tuple(int(a) for a in eqn.params["axes"]),
-                       reducer=reducer)]
+        axes = eqn.params.get("axes", range(args[0].rank))
+        return [b.add1("reduce", args, shape, dtype, dims=tuple(int(a) for a in axes), reducer=reducer)]
     return convert
 
 
@@ -92,7 +94,9 @@ register("reduce",
                    "reduce_min": _convert_reduce(MIN), "reduce_prod": _convert_reduce(MUL),
                    "reduce_and": _convert_reduce(AND), "reduce_or": _convert_reduce(OR),
                    "reduce_xor": _convert_reduce(XOR),
-                   "argmax": _convert_arg_reduce(MAX), "argmin": _convert_arg_reduce(MIN)}),
+                   "argmax": _convert_arg_reduce(MAX), "argmin": _convert_arg_reduce(MIN),
+                   "unvmap_any": _convert_reduce(OR), "unvmap_all": _convert_reduce(AND),
+                   "unvmap_max": _convert_reduce(MAX)}),
          semantics=Semantics(evaluate=_evaluate_reduce, lower=_lower_reduce),
          rule=Rule(factors=_reduce_factors, priority=LAYOUT, backward_priority=EXPAND),
          timing=Timing(flops=operand_flops),
