@@ -63,6 +63,23 @@ def test_equinox_while_loop_and_its_gradient(kind):
         assert not report.collectives, str(report)
 
 
+def test_noinline_and_guarded_identities():
+    """eqx.internal.noinline (its function, looked up by index, partitioned in place),
+    forward and under grad; nontraceable and nondifferentiable are identities."""
+    x = rand(np.random.RandomState(3), 6, 7)
+    scaled_sine = eqx.internal.noinline(lambda a, b: jnp.sin(a) * b)
+
+    def fn(x):
+        x = gspmd.mesh_split(x, MESH, ["x", "y"])
+        return scaled_sine(x, 2.0) + eqx.internal.nondifferentiable(x) + eqx.internal.nontraceable(x)
+
+    def grad(x):
+        return jax.grad(lambda x: (scaled_sine(gspmd.mesh_split(x, MESH, ["x", "y"]), 2.0) ** 2).sum())(x)
+    for f in (fn, grad):
+        report = check(f, x, mesh=MESH).report()
+        assert not report.collectives, str(report)
+
+
 # A 1-D heat equation u_t = kappa u_xx (method of lines, reflecting ends) on a grid of 30
 # points split 8 ways (uneven), solved by diffrax.
 GRID = 30

@@ -8,13 +8,13 @@ jax backend's shard_map: `lower(instr, args, lc)` with `lc` a LowerContext.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import jax
 import numpy as np
 from jax import lax
+from jax.extend import core as jcore
 
 from gspmd.ir import Builder, Program, Value
 from gspmd.mesh import Mesh, concrete_mesh
@@ -26,10 +26,17 @@ Inline = Callable[["Conversion", object, list[Value]], list[Value]]
 
 
 def convert_by_impl(b: "Conversion", eqn, args: list[Value]) -> list[Value]:
-    """A library's primitive whose implementation is JAX code (equinox's maybe_set):
-    that code, traced on the equation's operand types, converted in the equation's place."""
-    impl = functools.partial(eqn.primitive.impl, **eqn.params)
-    return b.inline(jax.make_jaxpr(impl)(*(v.aval for v in eqn.invars)), args)
+    """A library's primitive whose implementation is JAX code (equinox's maybe_set,
+    noinline): that code, traced on the equation's operand types, converted in the
+    equation's place. Literal operands stay concrete (noinline's index of its function)."""
+    literal = [isinstance(v, jcore.Literal) for v in eqn.invars]
+
+    def impl(*traced):
+        rest = iter(traced)
+        operands = [np.asarray(v.val, v.aval.dtype) if known else next(rest) for v, known in zip(eqn.invars, literal)]
+        return eqn.primitive.impl(*operands, **eqn.params)
+    closed = jax.make_jaxpr(impl)(*(v.aval for v, known in zip(eqn.invars, literal) if not known))
+    return b.inline(closed, [a for a, known in zip(args, literal) if not known])
 
 
 class Conversion(Builder):

@@ -22,7 +22,7 @@ from gspmd.dtypes import is_floating
 from gspmd.errors import ShardingError
 from gspmd.ir import Builder, Instr, Value
 from gspmd.ir.reducer import ADD
-from gspmd.ops.convert import Conversion, Converter, is_key
+from gspmd.ops.convert import Conversion, Converter, convert_by_impl, is_key
 from gspmd.ops.registry import (ELEMENTWISE, Facets, Frontend, Memory, Rewrites, Rule, Semantics, Storage, Timing,
                                 elementwise_factors, elementwise_flops, jointly_linear, linear_in, register)
 from gspmd.sharding import UNSPECIFIED, Sharding, dims_mapping_from_spec
@@ -542,7 +542,9 @@ def _identity_each(b, eqn, args):
 
 elementwise("optimization-barrier", lambda x: x, lax.optimization_barrier, storage=Storage.VIEW, flops=None,
             compute=ComputeKind.FREE, fuses=False,
-            converts={"remat2": _convert_remat, "device_put": _convert_device_put, "name": _identity_each},
+            # equinox's noinline: a function XLA compiles apart, whose body gspmd partitions in place
+            converts={"remat2": _convert_remat, "device_put": _convert_device_put, "name": _identity_each,
+                      "noinline": convert_by_impl},
             converts_keys={"optimization_barrier": _convert_optimization_barrier})   # keys' data pass as they are
 
 
