@@ -5,9 +5,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from util import BACKENDS, check, rand
+from util import BACKENDS, assert_close, check, rand
 
 import gspmd
+from gspmd.frontend.annotation import unpartitioned
 
 eqx = pytest.importorskip("equinox")
 
@@ -43,6 +44,19 @@ def test_unvmap_reductions_reduce_every_element():
         return (eqx.internal.unvmap_any(x > 2.0), eqx.internal.unvmap_all(x > -4.0),
                 eqx.internal.unvmap_max(k), per_row)
     check(reductions, x, k, mesh=MESH)
+
+
+def test_error_if_in_a_vmapped_program():
+    """jax.vmap around gspmd.jit: error_if's batched predicate is any of the batch."""
+    x = rand(np.random.RandomState(4), 3, 6, 7)
+
+    def fn(x):
+        x = gspmd.mesh_split(x, MESH, ["x", "y"])
+        return eqx.error_if(x, x.sum() > 1e9, "sum over the limit") * 2
+    with unpartitioned():
+        expected = jax.vmap(jax.jit(fn))(x)
+    for backend in BACKENDS:
+        assert_close(jax.vmap(gspmd.jit(fn, mesh=MESH, backend=backend))(x), expected)
 
 
 @pytest.mark.parametrize("kind", ["checkpointed", "bounded"])
