@@ -109,7 +109,7 @@ def _heat(kappa, u0, adaptive: bool):
     if adaptive:
         solver, dt0, controller = diffrax.Tsit5(), 1e-3, diffrax.PIDController(rtol=1e-4, atol=1e-6)
     else:
-        solver, dt0, controller = diffrax.Heun(), 5e-4, diffrax.ConstantStepSize()
+        solver, dt0, controller = diffrax.Euler(), 5e-4, diffrax.ConstantStepSize()
     solution = diffrax.diffeqsolve(diffrax.ODETerm(rhs), solver, 0.0, 0.01, dt0, u0, args=kappa,
                                    saveat=diffrax.SaveAt(t1=True), stepsize_controller=controller)
     return solution.ys[-1]
