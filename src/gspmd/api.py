@@ -48,7 +48,9 @@ def jit(fn: Optional[Callable] = None, mesh=None, backend: str = "sim", *,
 
     Use it like jax.jit. `fn` is JAX code with gspmd.mesh_split annotations (or
     `in_shardings=`/`out_shardings=`: a PartitionSpec or NamedSharding per positional
-    argument / result, a prefix of their pytrees, None for "propagation decides").
+    argument (the static ones left out, as jax.jit) / result, a prefix of their pytrees,
+    one for all, None for "propagation decides"; with in_shardings, pass the arguments
+    by position, as jax.jit wants).
     `mesh`: a gspmd.Mesh or jax.sharding.Mesh (default: the annotations' mesh).
 
     Backends: "sim" (default) runs all devices in this process with NumPy and returns
@@ -137,7 +139,7 @@ class Partitioned:
         self.signature = signature or Signature(fn, (), (), ())
         self.__wrapped__ = fn
         self.__name__ = self.signature.name
-        self._traced_fn = _with_layouts(fn, in_shardings, out_shardings, mesh)
+        self._traced_fn = _with_layouts(fn, in_shardings, out_shardings, mesh, self.signature)
         self._cache: dict = {}
         self._fast: dict = {}    # (pytree structure, context mesh) -> (output structure, compiled program)
 
@@ -263,14 +265,27 @@ def _check_hashable(value, what: str) -> None:
                             "gspmd.jit's cache; make it hashable, or pass its arrays as arguments.") from None
 
 
-def _with_layouts(fn: Callable, in_shardings, out_shardings, mesh: Optional[Mesh]) -> Callable:
-    """fn with in_shardings / out_shardings applied as mesh_split annotations."""
+def _with_layouts(fn: Callable, in_shardings, out_shardings, mesh: Optional[Mesh], signature: Signature) -> Callable:
+    """fn with in_shardings / out_shardings applied as mesh_split annotations, as jax.jit
+    reads them: in_shardings covers the positional arguments with the static ones
+    removed (a list counts as a tuple), and a call with keyword arguments takes none."""
     if in_shardings is None and out_shardings is None:
         return fn
+    if isinstance(in_shardings, list):
+        in_shardings = tuple(in_shardings)
 
     def annotated(*args, **kwargs):
         if in_shardings is not None:
-            args = _annotate(in_shardings, args, mesh, "in_shardings", "the positional arguments")
+            if kwargs:
+                raise ShardingError(
+                    f"{signature.name} got keyword arguments {sorted(kwargs)} and gspmd.jit was given in_shardings, "
+                    "which cover the positional arguments only (jax.jit refuses this too): pass them by "
+                    "position, or annotate them with gspmd.mesh_split inside the function.")
+            static = signature.static_positions(len(args))
+            dynamic = tuple(a for i, a in enumerate(args) if i not in static)
+            dynamic = iter(_annotate(in_shardings, dynamic, mesh, "in_shardings",
+                                     "the positional arguments (static ones removed)"))
+            args = tuple(a if i in static else next(dynamic) for i, a in enumerate(args))
         out = fn(*args, **kwargs)
         return out if out_shardings is None else _annotate(out_shardings, out, mesh, "out_shardings", "the result")
     return annotated
@@ -282,21 +297,29 @@ def _is_layout(s) -> bool:
 
 def _check_layouts(layouts, what: str, mesh: Optional[Mesh]) -> None:
     """in_shardings/out_shardings: a pytree (a prefix of the arguments' or results')
-    whose leaves are PartitionSpecs (given a mesh), NamedShardings or None."""
+    whose leaves are PartitionSpecs (given a mesh, or under jax.set_mesh), NamedShardings
+    or None."""
     for layout in jax.tree_util.tree_leaves(layouts, is_leaf=_is_layout):
         if not _is_layout(layout):
             raise ShardingError(f"{what} holds {describe(layout)}; give one PartitionSpec, NamedSharding or None per "
                                 f"entry (a prefix of its pytree), e.g. {what}=(P('data', None), None).")
-        if isinstance(layout, PartitionSpec) and mesh is None:
-            raise ShardingError(f"{what} gives {layout} without a mesh; pass gspmd.jit(..., mesh=...) or use "
-                                "NamedShardings.")
+        if isinstance(layout, PartitionSpec) and mesh is None and jax_context_mesh() is None:
+            _no_mesh(layout, what)
+
+
+def _no_mesh(layout: PartitionSpec, what: str):
+    raise ShardingError(f"{what} gives {layout} without a mesh; pass gspmd.jit(..., mesh=...), call it under "
+                        "jax.set_mesh(mesh), or use NamedShardings.")
 
 
 def _annotate(layouts, tree, mesh: Optional[Mesh], what: str, of: str):
     def split(layout, x):
         if layout is None or not is_array(x):
             return x
-        return mesh_split(x, mesh, layout) if isinstance(layout, PartitionSpec) else mesh_split(x, layout)
+        if isinstance(layout, NamedSharding):
+            return mesh_split(x, layout)
+        around = mesh if mesh is not None else jax_context_mesh()   # a bare spec means jax.set_mesh's mesh
+        return mesh_split(x, around, layout) if around is not None else _no_mesh(layout, what)
     try:
         return jax.tree_util.tree_map(lambda layout, sub: jax.tree_util.tree_map(lambda x: split(layout, x), sub),
                                       layouts, tree, is_leaf=_is_layout)

@@ -160,13 +160,16 @@ class Signature:
         """(dynamic args, dynamic kwargs, static part of the key)."""
         if self.simple:
             return args, kwargs, ()
-        n = len(args)
-        nums = {i % n for i in self.static_argnums if -n <= i < n}
+        nums = self.static_positions(len(args))
         static = tuple((i, args[i]) for i in sorted(nums)) + tuple(
             (k, kwargs[k]) for k in sorted(kwargs) if k in self.static_argnames)
         args = tuple(a for i, a in enumerate(args) if i not in nums)
         kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
         return args, kwargs, static
+
+    def static_positions(self, n: int) -> set[int]:
+        """The static ones among n positional arguments."""
+        return {i % n for i in self.static_argnums if -n <= i < n}
 
     def check_call(self, args: tuple, kwargs: dict) -> None:
         """A ShardingError for a call the function cannot take (unknown keyword, wrong
