@@ -95,8 +95,8 @@ def test_reduce_window_with_a_computation_of_its_own(combine, init):
     check(f, x, mesh=MESH)
 
 
-def test_reduce_window_with_another_init_says_what_to_do():
+def test_reduce_window_with_another_init_counted_at_padding_says_what_to_do():
     x = np.ones((2, 8, 4), np.float32)
-    with pytest.raises(gspmd.ShardingError, match="started from its identity"):
+    with pytest.raises(gspmd.ShardingError, match="for add and mul from their identity"):
         gspmd.jit(lambda x: jax.lax.reduce_window(x, 1.0, lambda p, q: p + q, (1, 2, 1), (1, 1, 1), "SAME"),
                   mesh=MESH)(x)

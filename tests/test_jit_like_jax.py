@@ -35,7 +35,7 @@ def test_grad_and_value_and_grad(backend):
     assert_close(jax.grad(f, argnums=(0, 1))(X, W), reference(jax.grad(loss, argnums=(0, 1)), X, W))
     assert_close(jax.value_and_grad(f)(X, W), reference(jax.value_and_grad(loss), X, W))
     # The backward pass is a partitioned program too, with the forward's annotations.
-    (backward,) = f.lower(X, W).transforms.pullback()._cache.values()
+    (backward,) = f.lower(X, W).transforms.pullback((0, 1), (0,))._cache.values()
     assert backward.sharding_of("result[0]") == gspmd.Sharding.from_mesh(MESH, ["x", None], X.shape)
     assert backward.report().counts()["all-reduce"] >= 1
 

@@ -5,7 +5,11 @@ the function and partitioned (with its annotations) on first use.
 - jvp: a custom JVP rule runs the program and binds `gspmd_tangent`, the function's
   tangent map (linear in the tangents). Reverse mode transposes that map: its transpose
   is the pullback program (which recomputes the forward). Its own JVP is the tangent
-  program's, so jvp, jacfwd, hessian and grad-of-grad compose to any order.
+  program's, so jvp, jacfwd, hessian and grad-of-grad compose to any order. Only the
+  inputs jax perturbs have tangents (symbolic zeros tell the others, as under jax.jit:
+  grad(argnums=i) differentiates argument i alone, and an op on the others need not
+  be differentiable); each set of them has its own tangent and pullback programs, and
+  results that depend on none of them have symbolically zero tangents.
 - vmap: a custom vmap rule partitions the vmapped function; outputs that depend on no
   batched input stay unbatched (out_axes=None works as under jax.jit).
 """
@@ -17,6 +21,8 @@ import jax
 import numpy as np
 from jax import numpy as jnp
 from jax.extend import core as jcore
+from jax._src.core import unmapped_aval     # a type with a batch dim (its layout too), as vmap makes it
+from jax.custom_derivatives import SymbolicZero
 from jax.interpreters import ad, batching, mlir
 
 from gspmd.frontend.trace import jaxpr_of
@@ -41,7 +47,10 @@ class Transforms:
         self.floats = [i for i, a in enumerate(self.in_avals) if _inexact(a.dtype)]   # inputs with tangents
         self.float_outs = [i for i, a in enumerate(self.out_avals) if _inexact(a.dtype)]
         self.out_batched = list(out_batched)     # of a batched form: which outputs carry the batch dim
-        self._tangent_map = self._pullback = self._program = None
+        self._program = None
+        self._live_outs: dict = {}     # perturbed inputs -> the float outputs that depend on them
+        self._tangent_maps: dict = {}  # (perturbed inputs, their outputs) -> tangent program
+        self._pullbacks: dict = {}     # (perturbed inputs, their outputs) -> pullback program
         self._vmapped: dict = {}     # (in_batched, size) -> the vmapped function's Transforms
 
     def wrap(self, program: Callable) -> Callable:
@@ -51,46 +60,59 @@ class Transforms:
         composed = jax.custom_jvp(lambda *xs: run(*xs))
 
         def jvp(primals, tangents):
-            float_tangents = [tangents[i] for i in self.floats]
+            live = tuple(i for i in self.floats if type(tangents[i]) is not SymbolicZero)
             outs = composed(*primals)    # itself, for the primals may carry an outer jvp's tangents
-            tangents_out = iter(tangent_p.bind(*primals, *float_tangents, transforms=self))
-            return outs, tuple(next(tangents_out) if i in self.float_outs else np.zeros(a.shape, jax.dtypes.float0)
-                               for i, a in enumerate(self.out_avals))
-        composed.defjvp(jvp)
+            live_outs = self.live_outputs(live)
+            types = [jax.typeof(o).to_tangent_aval() for o in outs]   # with their layouts in explicit mode
+            tangents_out = dict(zip(live_outs, tangent_p.bind(
+                *primals, *[tangents[i] for i in live], transforms=self, live=live, live_outs=live_outs,
+                out_types=tuple(types[i] for i in live_outs)) if live_outs else ()))
+            return outs, tuple(tangents_out[i] if i in tangents_out else SymbolicZero(t) for i, t in enumerate(types))
+        composed.defjvp(jvp, symbolic_zeros=True)
         return composed
 
+    def live_outputs(self, live: tuple[int, ...]) -> tuple[int, ...]:
+        """The float outputs that depend on the inputs `live` (the others' tangents are zero)."""
+        if live not in self._live_outs:
+            sources = [i in live for i in range(len(self.in_avals))]
+            depends = _dependent_outputs(self.flat_fn, self.in_avals, sources, self.mesh)
+            self._live_outs[live] = tuple(i for i in self.float_outs if depends[i])
+        return self._live_outs[live]
+
     # -- the derived programs -------------------------------------------------------------
-    def _of_floats(self, primals: Sequence) -> Callable:
-        """The function of its float inputs, the others fixed at `primals`; float results."""
-        def fn(*floats):
+    def _of(self, live: tuple[int, ...], live_outs: tuple[int, ...], primals: Sequence) -> Callable:
+        """The function of its inputs `live`, the others fixed at `primals`; the outputs `live_outs`."""
+        def fn(*xs):
             full = list(primals)
-            for i, x in zip(self.floats, floats):
+            for i, x in zip(live, xs):
                 full[i] = x
             outs = jax.tree_util.tree_leaves(self.flat_fn(*full))
-            return [outs[i] for i in self.float_outs]
+            return [outs[i] for i in live_outs]
         return fn
 
-    def tangent_map(self) -> Callable:
-        """(*primals, *float tangents) -> the float results' tangents."""
-        if self._tangent_map is None:
+    def tangent_map(self, live: tuple[int, ...], live_outs: tuple[int, ...]) -> Callable:
+        """(*primals, *tangents of the inputs `live`) -> the tangents of the outputs `live_outs`."""
+        key = (live, live_outs)
+        if key not in self._tangent_maps:
             n = len(self.in_avals)
 
             def tangents(*args):
                 primals = args[:n]
-                return jax.jvp(self._of_floats(primals), [primals[i] for i in self.floats], list(args[n:]))[1]
+                return jax.jvp(self._of(live, live_outs, primals), [primals[i] for i in live], list(args[n:]))[1]
             tangents.__name__ = f"jvp_{self.name}"
-            self._tangent_map = self.partition(tangents)
-        return self._tangent_map
+            self._tangent_maps[key] = self.partition(tangents)
+        return self._tangent_maps[key]
 
-    def pullback(self) -> Callable:
-        """(primals, float results' cotangents) -> the float inputs' cotangents."""
-        if self._pullback is None:
+    def pullback(self, live: tuple[int, ...], live_outs: tuple[int, ...]) -> Callable:
+        """(primals, cotangents of the outputs `live_outs`) -> the cotangents of the inputs `live`."""
+        key = (live, live_outs)
+        if key not in self._pullbacks:
             def backward(primals, cotangents):
-                _, vjp = jax.vjp(self._of_floats(primals), *[primals[i] for i in self.floats])
+                _, vjp = jax.vjp(self._of(live, live_outs, primals), *[primals[i] for i in live])
                 return vjp(list(cotangents))
             backward.__name__ = f"grad_{self.name}"
-            self._pullback = self.partition(backward)
-        return self._pullback
+            self._pullbacks[key] = self.partition(backward)
+        return self._pullbacks[key]
 
     def batched(self, in_batched: tuple[bool, ...], size: int) -> "Transforms":
         """The transforms of the function vmapped over dim 0 of the batched inputs; its
@@ -98,7 +120,7 @@ class Transforms:
         key = (in_batched, size)
         if key not in self._vmapped:
             in_axes = [0 if b else None for b in in_batched]
-            out_batched = _batched_outputs(self.flat_fn, self.in_avals, in_batched, self.mesh)
+            out_batched = _dependent_outputs(self.flat_fn, self.in_avals, in_batched, self.mesh)
             out_axes = [0 if b else None for b in out_batched]
             flat_fn = self.flat_fn
 
@@ -127,15 +149,16 @@ class Transforms:
         return tuple(batched.program()(*arrays)), tuple(batched.out_batched)
 
 
-def _batched_outputs(flat_fn: Callable, in_avals: Sequence, in_batched: Sequence[bool], mesh) -> list[bool]:
-    """Which outputs of flat_fn depend on a batched input: those vmap batches (an
-    equation with a batched operand batches all of its results)."""
+def _dependent_outputs(flat_fn: Callable, in_avals: Sequence, sources: Sequence[bool], mesh) -> list[bool]:
+    """Which outputs of flat_fn depend on an input marked in `sources` (an equation
+    with such an operand has all of its results depend on it): those vmap batches when
+    the sources are the batched inputs, those with tangents when they are the perturbed ones."""
     jaxpr = jaxpr_of(lambda *xs: jax.tree_util.tree_leaves(flat_fn(*xs)), in_avals, mesh).jaxpr
-    batched = {v for v, b in zip(jaxpr.invars, in_batched) if b}
+    reached = {v for v, b in zip(jaxpr.invars, sources) if b}
     for eqn in jaxpr.eqns:
-        if any(isinstance(v, jcore.Var) and v in batched for v in eqn.invars):
-            batched.update(eqn.outvars)
-    return [isinstance(v, jcore.Var) and v in batched for v in jaxpr.outvars]
+        if any(isinstance(v, jcore.Var) and v in reached for v in eqn.invars):
+            reached.update(eqn.outvars)
+    return [isinstance(v, jcore.Var) and v in reached for v in jaxpr.outvars]
 
 
 # -- the tangent map as a primitive: linear in its tangents, transposed by the pullback ----
@@ -148,46 +171,55 @@ def _split(args: Sequence, transforms: Transforms) -> tuple[list, list]:
     return list(args[:n]), list(args[n:])
 
 
-def _impl(*args, transforms: Transforms):
-    return transforms.tangent_map()(*args)
+# Its parameters: `transforms`, the function's; `live`, the inputs whose tangents it takes
+# (after all primals); `live_outs`, the outputs whose tangents it gives, of `out_types`
+# (the primal results' tangent types: in explicit sharding mode they hold layouts).
+def _impl(*args, transforms: Transforms, live: tuple, live_outs: tuple, out_types: tuple):
+    return transforms.tangent_map(live, live_outs)(*args)
 
 
-def _abstract_eval(*args, transforms: Transforms):
-    return [jax.core.ShapedArray(transforms.out_avals[i].shape, transforms.out_avals[i].dtype)
-            for i in transforms.float_outs]
+def _abstract_eval(*args, out_types: tuple, **_):
+    return list(out_types)
 
 
-def _jvp(args, dargs, *, transforms: Transforms):
+def _jvp(args, dargs, *, transforms: Transforms, live: tuple, live_outs: tuple, out_types: tuple):
     """The tangent map is linear in its tangents but not in its primals: its own
-    tangent is the tangent program's tangent map."""
-    dargs = [ad.instantiate_zeros(d) for d in dargs]
-    outs, touts = jax.jvp(lambda *xs: transforms.tangent_map()(*xs), list(args), dargs)
+    tangent is the tangent program's tangent map, of the arguments perturbed here only."""
+    perturbed = [i for i, d in enumerate(dargs) if type(d) is not ad.Zero]
+
+    def tangent_map(*xs):
+        full = list(args)
+        for i, x in zip(perturbed, xs):
+            full[i] = x
+        return transforms.tangent_map(live, live_outs)(*full)
+    outs, touts = jax.jvp(tangent_map, [args[i] for i in perturbed], [dargs[i] for i in perturbed])
     return list(outs), list(touts)
 
 
-def _transpose(cts, *args, transforms: Transforms):
+def _transpose(cts, *args, transforms: Transforms, live: tuple, live_outs: tuple, out_types: tuple):
     primals, tangents = _split(args, transforms)
     if any(ad.is_undefined_primal(p) for p in primals):
         raise NotImplementedError("gspmd_tangent is linear in its tangents only")
     cts = [ad.instantiate_zeros(ct) for ct in cts]
-    grads = transforms.pullback()(primals, cts)
+    grads = transforms.pullback(live, live_outs)(primals, cts)
     return [None] * len(primals) + [g if ad.is_undefined_primal(t) else None for g, t in zip(grads, tangents)]
 
 
-def _batch(args, dims, *, transforms: Transforms):
+def _batch(args, dims, *, transforms: Transforms, live: tuple, live_outs: tuple, out_types: tuple):
     """Batched, the tangent map is the batched function's, bound again (so that it
     stays transposable: grad of a vmap). Each input whose primal or tangent is batched
     is batched in both, along dim 0."""
     primals, tangents = _split(dims, transforms)
     size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
-    batched = [primals[i] is not None
-               or (i in transforms.floats and tangents[transforms.floats.index(i)] is not None)
+    batched = [primals[i] is not None or (i in live and tangents[live.index(i)] is not None)
                for i in range(len(primals))]
-    along = batched + [batched[i] for i in transforms.floats]
+    along = batched + [batched[i] for i in live]
     args = [_along_0(x, d, size) if b else x for x, d, b in zip(args, dims, along)]
     on_batched = transforms.batched(tuple(batched), size)
-    outs = tangent_p.bind(*args, transforms=on_batched)
-    return list(outs), [0 if on_batched.out_batched[i] else None for i in on_batched.float_outs]
+    dims_out = [0 if on_batched.out_batched[i] else None for i in live_outs]
+    outs = tangent_p.bind(*args, transforms=on_batched, live=live, live_outs=live_outs,
+                          out_types=tuple(unmapped_aval(size, d, t) for d, t in zip(dims_out, out_types)))
+    return list(outs), dims_out
 
 
 def _along_0(x, dim, size: int):

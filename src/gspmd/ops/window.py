@@ -21,7 +21,7 @@ import numpy as np
 from jax import lax
 
 from gspmd.errors import ShardingError
-from gspmd.ir.emit import pad_dim
+from gspmd.ir.emit import broadcast, pad_dim
 from gspmd.ir.reducer import ADD, MAX, MIN, MUL, Reducer
 from gspmd.ops.formatting import partition_in_one_step
 from gspmd.ops.registry import Facets, Frontend, LAYOUT, Memory, Rule, SegmentRule, Semantics, Storage, Timing, register
@@ -305,28 +305,40 @@ def _convert_reduce_window(reducer: Reducer):
     return convert
 
 
-_WINDOW_REDUCERS = {"add": ADD, "mul": MUL, "max": MAX, "min": MIN}
+# the reducers a reduce_window's computation may be, with their element-wise op
+_WINDOW_REDUCERS = {"add": (ADD, "add"), "mul": (MUL, "multiply"), "max": (MAX, "maximum"), "min": (MIN, "minimum")}
 
 
 def _convert_generic_reduce_window(b, eqn, args):
     """lax.reduce_window with a computation of its own: one add, mul, max or min of its
-    two arguments, started from that op's identity, is that reducer's reduce-window."""
+    two arguments is that reducer's reduce-window from its identity, combined with the
+    init value (a traced one too) where that is exact: XLA combines the init value into
+    each window once, and once more per padded or base-dilated position, which max and
+    min absorb."""
     body = eqn.params["jaxpr"]
     body = getattr(body, "jaxpr", body)
-    reducer = None
+    found = None
     if len(args) == 2 and len(body.eqns) == 1 and not eqn.params["consts"]:
         (op,) = body.eqns
         if sorted(map(id, op.invars)) == sorted(map(id, body.invars)) and list(op.outvars) == list(body.outvars):
-            reducer = _WINDOW_REDUCERS.get(op.primitive.name)
-    init = args[-1].producer
-    if reducer is None or init is None or init.opcode != "constant" or not np.array_equal(
-            init.attrs["value"], reducer.identity(args[0].dtype)):
+            found = _WINDOW_REDUCERS.get(op.primitive.name)
+    x, init = args[0], args[-1]
+    p = eqn.params
+    identity = found is not None and init.producer is not None and init.producer.opcode == "constant" and (
+        np.array_equal(init.producer.attrs["value"], found[0].identity(x.dtype)))
+    inside = all(lo == hi == 0 for lo, hi in _padding(p)) and all(d == 1 for d in p["base_dilation"])
+    if found is None or not (identity or inside or found[0] in (MAX, MIN)):
         raise ShardingError(
-            f"lax.reduce_window with computation `{' '.join(str(body).split())}` and init value {args[-1]} "
-            f"(`{eqn}`): gspmd partitions window reductions of one add, mul, max or min started from its "
-            "identity (0, 1, -inf, +inf). Reduce with that op (lax.add, lax.max, ...) and combine the init "
+            f"lax.reduce_window with computation `{' '.join(str(body).split())}` and init value {init} "
+            f"(`{eqn}`): gspmd partitions window reductions of one add, mul, max or min, from any init value "
+            "for max and min, and for add and mul from their identity (0, 1) or over windows without padding or "
+            "base dilation. Reduce with that op from its identity (lax.add, lax.max, ...) and combine the init "
             "value afterwards.")
-    return _convert_reduce_window(reducer)(b, eqn, args[:1])
+    reducer, combine = found
+    out = _convert_reduce_window(reducer)(b, eqn, [x])[0]
+    if identity:
+        return [out]
+    return [b.add1(combine, [out, broadcast(b, init, out.shape)], out.shape, out.dtype)]
 
 
 def _select(eqn) -> str:

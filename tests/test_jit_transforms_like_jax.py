@@ -1,0 +1,125 @@
+"""JAX's transformations around gspmd.jit differentiate only what they are asked to, as
+around jax.jit, side by side with jax.jit: grad(argnums=...) and jvp perturb the chosen
+arguments only (symbolic zeros for the others), so an op on the others need not be
+differentiable (a fori_loop with a dynamic trip count, a reduce_window from an argument's
+init value), and the backward program computes the requested cotangents alone."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import gspmd
+from util import BACKENDS, assert_close
+
+MESH = gspmd.Mesh(np.arange(8).reshape(4, 2), ("x", "y"))
+RNG = np.random.default_rng(0)
+X = RNG.standard_normal((6, 4)).astype(np.float32)     # 6 rows: x (4) does not divide them
+W = RNG.standard_normal((4, 3)).astype(np.float32)
+B = RNG.standard_normal((3,)).astype(np.float32)
+
+
+def layer(x, w, b):
+    x = gspmd.mesh_split(x, MESH, ["x", None])
+    return jnp.sum(jnp.tanh(x @ w + b) ** 2)
+
+
+def side_by_side(transform, fn, *args, backend="sim"):
+    """transform(jit(fn))(*args) with gspmd.jit and with jax.jit: equal values."""
+    expected = transform(jax.jit(fn))(*args)
+    ours = transform(gspmd.jit(fn, mesh=MESH, backend=backend))(*args)
+    assert_close(ours, expected, rtol=1e-3, atol=1e-4)
+    return ours
+
+
+@pytest.mark.parametrize("argnums", [0, 1, 2, (0, 2), (2, 1), (0, 1, 2)])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grad_of_argnums_subsets(argnums, backend):
+    side_by_side(lambda f: jax.grad(f, argnums=argnums), layer, X, W, B, backend=backend)
+
+
+def test_the_backward_program_computes_the_requested_cotangents_only():
+    f = gspmd.jit(layer, mesh=MESH)
+    jax.grad(f, argnums=2)(X, W, B)
+    transforms = f.lower(X, W, B).transforms
+    assert list(transforms._pullbacks) == [((2,), (0,))]       # one pullback: of b alone
+    (backward,) = transforms.pullback((2,), (0,))._cache.values()
+    assert [v.shape for v in backward.program.outputs] == [B.shape]
+    jax.grad(f, argnums=(0, 1, 2))(X, W, B)
+    (everything,) = transforms.pullback((0, 1, 2), (0,))._cache.values()
+    assert [v.shape for v in everything.program.outputs] == [X.shape, W.shape, B.shape]
+    # b's cotangent is a sum over the rows: x's and w's need two matmuls more
+    assert backward.report().flops < everything.report().flops
+    jax.grad(f, argnums=2)(X, W, B)
+    assert len(transforms._pullbacks) == 2                     # one program per set of arguments
+
+
+def looped(x, scale, n):
+    y = lax.fori_loop(0, n, lambda i, c: c * 1.5 + 0.25, gspmd.mesh_split(x, MESH, ["x", None]))
+    return jnp.sum(y * scale) + scale ** 2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grad_past_a_fori_loop_with_a_trip_count_from_an_argument(backend):
+    """Reverse mode cannot go through the loop; jax.jit needs it only for x's cotangent."""
+    side_by_side(lambda f: jax.grad(f, argnums=1), looped, X, np.float32(2.0), np.int32(3), backend=backend)
+
+    def counted_by_a_float(x, scale, steps):
+        return looped(x, scale, steps.astype(np.int32)) + steps
+    side_by_side(lambda f: jax.grad(f, argnums=(1, 2)), counted_by_a_float, X, np.float32(2.0), np.float32(2.0),
+                 backend=backend)
+
+
+def pooled(x, init, scale):
+    x = gspmd.mesh_split(x, MESH, ["x", None])
+    return jnp.sum(lax.reduce_window(x, init, lax.max, (2, 2), (1, 1), "SAME")) * scale + scale ** 2
+
+
+@pytest.mark.parametrize("init", [-np.inf, 0.25])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grad_past_a_reduce_window_from_an_argument_init_value(init, backend):
+    side_by_side(lambda f: jax.grad(f, argnums=2), pooled, X, np.float32(init), np.float32(3.0), backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reduce_window_from_a_traced_init_value(backend):
+    def pools(x, init):
+        x = gspmd.mesh_split(x, MESH, ["x", None])
+        return (lax.reduce_window(x, init, lax.max, (3, 2), (1, 1), "SAME"),
+                lax.reduce_window(x, init, lax.min, (2, 2), (2, 1), ((1, 1), (0, 1))),
+                lax.reduce_window(x, init, lax.add, (2, 2), (1, 1), "VALID"),
+                lax.reduce_window(x, init, lax.mul, (2, 1), (1, 1), "VALID"))
+    side_by_side(lambda f: f, pools, X, np.float32(0.5), backend=backend)
+
+
+def test_an_added_init_value_counted_at_padding_is_refused_clearly():
+    def padded_sum(x, init):
+        return lax.reduce_window(x, init, lax.add, (2, 2), (1, 1), "SAME")
+    assert jax.jit(padded_sum)(X, np.float32(1.0)).shape == X.shape
+    with pytest.raises(gspmd.ShardingError, match="from any init value for max and min.*without padding"):
+        gspmd.jit(padded_sum, mesh=MESH)(X, np.float32(1.0))
+
+
+def two_results(x, w):
+    return jnp.tanh(gspmd.mesh_split(x, MESH, ["x", None])) * 2, w @ w.T
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_jvp_of_one_argument_leaves_the_other_results_tangents_zero(backend):
+    def jvp_of_x(f):
+        return lambda x, w: jax.jvp(lambda v: f(v, w), (x,), (x,))
+    (_, _), (tx, tw) = side_by_side(jvp_of_x, two_results, X, W, backend=backend)
+    assert not np.any(tw)
+    f = gspmd.jit(two_results, mesh=MESH, backend=backend)
+    jvp_of_x(f)(X, W)
+    assert list(f.lower(X, W).transforms._tangent_maps) == [((0,), (0,))]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_vmap_of_grad_and_grad_of_vmap_of_one_argument(backend):
+    xs = np.stack([X, -X, 2 * X])
+    side_by_side(lambda f: jax.vmap(jax.grad(f, argnums=2), (0, None, None)), layer, xs, W, B, backend=backend)
+    side_by_side(lambda f: jax.grad(lambda x, w, b: jax.vmap(f, (0, None, None))(x, w, b).sum(), argnums=1),
+                 layer, xs, W, B, backend=backend)
+    side_by_side(lambda f: jax.hessian(f, argnums=2), layer, X, W, B, backend=backend)
+
