@@ -77,16 +77,14 @@ def abstract_argument(x, name: str, committed: Optional[NamedSharding] = None) -
     """The shape and dtype of an array argument (and over a mesh of Explicit axes, its
     layout, which is part of its type); non-numeric arrays are a mistake."""
     dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
-    if is_key(dtype):
-        return jax.ShapeDtypeStruct(np.shape(x), dtype)
-    if not (jax.numpy.issubdtype(dtype, jax.numpy.number) or dtype == np.bool_):
+    if not (is_key(dtype) or jax.numpy.issubdtype(dtype, jax.numpy.number) or dtype == np.bool_):
         raise ShardingError(f"Argument {name} is an array of dtype {dtype} (shape {tuple(np.shape(x))}); gspmd.jit "
                             "partitions numeric arrays only: convert it to numbers, or make it static "
                             "(static_argnums) if the function reads it in Python.")
     explicit = committed is not None and has_explicit_axes(committed.mesh)
     if isinstance(x, jax.ShapeDtypeStruct) and (explicit or x.sharding is None):
         return x
-    return jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(dtype),
+    return jax.ShapeDtypeStruct(np.shape(x), dtype if is_key(dtype) else jax.dtypes.canonicalize_dtype(dtype),
                                 sharding=committed if explicit else None)
 
 

@@ -122,7 +122,7 @@ class Execution:
         if (self._jax is None or self._template.dynamic is not None or self._jax.multiprocess
                 or any(self.keys.key_args) or any(self.keys.key_results)):
             return None
-        return self.out_tree, self._jax.jitted
+        return self.out_tree, self._jax.fast
 
     def jax_executable(self) -> jax_backend.Executable:
         """The SPMD program as one jitted shard_map on the mesh's jax devices (it
@@ -140,8 +140,12 @@ class Execution:
             return self._run_sim(arrays)
         if self._host_program is None:
             shapes = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in self.program.outputs]
-            self._host_program = self.transforms.wrap(
-                lambda *xs: jax.pure_callback(lambda *hs: self._run_sim(hs), shapes, *xs))
+            layouts = jax_backend.result_layouts(self.mesh, self.program.outputs)
+
+            def on_host(*xs):   # results typed with their layouts in explicit mode, as the jax backend's
+                return jax_backend.typed_results(lambda *ys: tuple(jax.pure_callback(
+                    lambda *hs: self._run_sim(hs), shapes, *ys)), self.mesh, layouts)(*xs)
+            self._host_program = self.transforms.wrap(on_host)
         return self._host_program(*arrays)
 
     def _run_sim(self, flat) -> list[np.ndarray]:

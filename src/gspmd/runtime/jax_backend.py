@@ -120,6 +120,36 @@ class OtherSignature(Exception):
     """An Executable was called with arguments of another signature than its own."""
 
 
+def even_spec(mesh: Mesh, sharding: Sharding, shape: Sequence[int]) -> P:
+    """The finest PartitionSpec over `mesh` that `sharding` refines and that splits
+    `shape` evenly: exactly `sharding` where it can be."""
+    if 0 in shape:   # XLA lays out values with no elements whole, whatever it is told
+        return P()
+    mapping = sharding.dims_mapping(mesh) or [None] * sharding.rank
+    return spec_of([axes if axes and n % t == 0 else None for axes, n, t in zip(mapping, shape, sharding.tiles)])
+
+
+def result_layouts(mesh: Mesh, outputs: Sequence[Value]) -> list[NamedSharding]:
+    """The layouts a program's results come back in, over the user's jax mesh (whose
+    axes may be Explicit), so that jax code can combine them with its own arrays."""
+    return [NamedSharding(mesh.to_jax(), even_spec(mesh, v.sharding, v.shape)) for v in outputs]
+
+
+def explicit_mode(mesh: Mesh) -> bool:
+    """Whether jax traces in explicit sharding mode over the mesh (jax.set_mesh of it)."""
+    context = jax.sharding.get_abstract_mesh()
+    return has_explicit_axes(context) and context == mesh.to_jax().abstract_mesh
+
+
+def typed_results(run: Callable, mesh: Mesh, layouts: Sequence[NamedSharding]) -> Callable:
+    """`run`, whose results, traced in explicit mode over the mesh, are typed with
+    `layouts` as jax's are (it runs in automatic mode inside; jitted, for jax runs no
+    auto_axes of a host callback eagerly)."""
+    if not explicit_mode(mesh):
+        return run
+    return jax.jit(jax.sharding.auto_axes(run, out_sharding=tuple(layouts)))
+
+
 class Executable:
     """An SPMD program compiled for the jax devices of `mesh`, as ONE jax.jit: global
     arrays in and out, laid out as NamedShardings over the mesh; inside, a shard_map of
@@ -143,8 +173,7 @@ class Executable:
         ids = mesh.devices.ravel()
         self._ids = None if np.array_equal(ids, np.arange(mesh.size)) else ids
         self.in_shardings = [self.named_sharding(p.sharding, p.shape) for p in self.params]
-        self.out_shardings = [NamedSharding(mesh.to_jax(), self.named_sharding(v.sharding, v.shape).spec)
-                              for v in self.outputs]
+        self.out_shardings = result_layouts(mesh, self.outputs)
         self._coarse_in = [self._coarse(ns, v) for ns, v in zip(self.in_shardings, self.params)]
         # The element-wise tail runs after the shard_map, on global arrays (runtime/epilogue.py);
         # the shard_map's results are the core's outputs, each as (global value, coarser layout
@@ -160,8 +189,8 @@ class Executable:
         # whole shard_map body traced a second time.
         self._program = jax.jit(self._run_global)
         self.compiler_options = compiler_options or {}
-        jit = functools.partial(jax.jit, wrap(self._program), in_shardings=tuple(self.in_shardings),
-                                out_shardings=tuple(self.out_shardings), donate_argnums=tuple(donate))
+        self._jit = jit = functools.partial(jax.jit, wrap(self._program), in_shardings=tuple(self.in_shardings),
+                                            out_shardings=tuple(self.out_shardings), donate_argnums=tuple(donate))
         self.jitted = jit(compiler_options=self.compiler_options or None)
         # inside a caller's trace (grad, jit, vmap) XLA's options are the outermost jit's to give
         self._nested = jit() if self.compiler_options else self.jitted
@@ -175,11 +204,7 @@ class Executable:
     def named_sharding(self, sharding: Sharding, shape: Sequence[int]) -> NamedSharding:
         """The finest NamedSharding over the mesh that `sharding` refines and that splits
         `shape` evenly: exactly `sharding` where it can be."""
-        if 0 in shape:   # XLA lays out values with no elements whole, whatever it is told
-            return NamedSharding(self.jax_mesh, P())
-        mapping = sharding.dims_mapping(self.mesh) or [None] * sharding.rank
-        even = [axes if axes and n % t == 0 else None for axes, n, t in zip(mapping, shape, sharding.tiles)]
-        return NamedSharding(self.jax_mesh, spec_of(even))
+        return NamedSharding(self.jax_mesh, even_spec(self.mesh, sharding, shape))
 
     def _coarse(self, named: NamedSharding, value: Value) -> Sharding | None:
         """The layout `named` gives value, when coarser than value's own (None: the same)."""
@@ -226,11 +251,29 @@ class Executable:
                                         check_vma=False)(*[args[k] for k in self._fed])
                 # element-wise lowerings read nothing of a device: no LowerContext
                 return tuple(epilogue.run(args, results, lambda instr, xs: lower_instr(instr, xs, None)))
-        context = jax.sharding.get_abstract_mesh()
-        if has_explicit_axes(context) and context == self.mesh.to_jax().abstract_mesh:
-            # traced in explicit mode over the user's mesh: results typed with their layouts, as jax's are
-            return jax.sharding.auto_axes(run, out_sharding=tuple(self.out_shardings))(*args)
-        return run(*args)
+        return typed_results(run, self.mesh, self.out_shardings)(*args)
+
+    @functools.cached_property
+    def fast(self) -> Callable:
+        """What a steady-state call runs: the jitted program (over a mesh of Explicit axes,
+        for traced arguments in explicit mode, the typed one)."""
+        if not has_explicit_axes(self.mesh.to_jax()):
+            return self.jitted
+
+        def call(*args):
+            traced = any(isinstance(x, jax.core.Tracer) for x in args)
+            return (self._for_traced() if traced else self.jitted)(*args)
+        return call
+
+    def _for_traced(self) -> Callable:
+        """The program inside a caller's trace (grad, jit, vmap)."""
+        return self._typed if explicit_mode(self.mesh) else self._nested
+
+    @functools.cached_property
+    def _typed(self) -> Callable:
+        """The program for traced arguments in explicit mode: its arguments typed with their
+        layouts over the user's mesh, so that their cotangents are too (under grad)."""
+        return self._jit(in_shardings=tuple(NamedSharding(self.mesh.to_jax(), s.spec) for s in self.in_shardings))
 
     @functools.cached_property
     def _fed(self) -> list[int]:
@@ -255,7 +298,7 @@ class Executable:
             flat_args = self.place(flat_args) or flat_args
         traced = any(isinstance(x, jax.core.Tracer) for x in flat_args)
         try:
-            return list((self._nested if traced else self.jitted)(*flat_args))
+            return list((self._for_traced() if traced else self.jitted)(*flat_args))
         except ValueError:
             if traced:
                 return list(self._unplaced(*flat_args))
