@@ -157,6 +157,8 @@ def test_vmap_of_a_switch_drawing_random_numbers_on_an_explicit_mesh(backend):
         key = jax.random.key(1)
     explicit_side_by_side(lambda jit, k, x, i: jit(jax.vmap(_switch_drawing))(k, x, i), keys, xs, idx,
                           backend=backend)
+    explicit_side_by_side(lambda jit, k, x, i: jax.vmap(jit(_switch_drawing))(k, x, i), keys, xs, idx,
+                          backend=backend)
     explicit_side_by_side(lambda jit, k, x, i: jit(lambda k, x, i: jax.vmap(lambda y, j: _switch_drawing(k, y, j))(
         x, i))(k, x, i), key, xs, idx, backend=backend)
 

@@ -189,8 +189,8 @@ class Executable:
         # whole shard_map body traced a second time.
         self._program = jax.jit(self._run_global)
         self.compiler_options = compiler_options or {}
-        self._jit = jit = functools.partial(jax.jit, wrap(self._program), in_shardings=tuple(self.in_shardings),
-                                            out_shardings=tuple(self.out_shardings), donate_argnums=tuple(donate))
+        jit = functools.partial(jax.jit, wrap(self._program), in_shardings=tuple(self.in_shardings),
+                                out_shardings=tuple(self.out_shardings), donate_argnums=tuple(donate))
         self.jitted = jit(compiler_options=self.compiler_options or None)
         # inside a caller's trace (grad, jit, vmap) XLA's options are the outermost jit's to give
         self._nested = jit() if self.compiler_options else self.jitted
@@ -271,9 +271,9 @@ class Executable:
 
     @functools.cached_property
     def _typed(self) -> Callable:
-        """The program for traced arguments in explicit mode: its arguments typed with their
-        layouts over the user's mesh, so that their cotangents are too (under grad)."""
-        return self._jit(in_shardings=tuple(NamedSharding(self.mesh.to_jax(), s.spec) for s in self.in_shardings))
+        """The program for traced arguments in explicit mode, where their types hold their
+        layouts (and those of their cotangents under grad, and of batch dims under vmap)."""
+        return jax.jit(self._wrap(self._program))
 
     @functools.cached_property
     def _fed(self) -> list[int]:
