@@ -83,10 +83,7 @@ class Transforms:
     def _of(self, live: tuple[int, ...], live_outs: tuple[int, ...], primals: Sequence) -> Callable:
         """The function of its inputs `live`, the others fixed at `primals`; the outputs `live_outs`."""
         def fn(*xs):
-            full = list(primals)
-            for i, x in zip(live, xs):
-                full[i] = x
-            outs = jax.tree_util.tree_leaves(self.flat_fn(*full))
+            outs = jax.tree_util.tree_leaves(self.flat_fn(*_put(primals, live, xs)))
             return [outs[i] for i in live_outs]
         return fn
 
@@ -149,6 +146,14 @@ class Transforms:
         return tuple(batched.program()(*arrays)), tuple(batched.out_batched)
 
 
+def _put(values: Sequence, positions: Sequence[int], xs: Sequence) -> list:
+    """`values` with xs in place at `positions`."""
+    out = list(values)
+    for i, x in zip(positions, xs):
+        out[i] = x
+    return out
+
+
 def _dependent_outputs(flat_fn: Callable, in_avals: Sequence, sources: Sequence[bool], mesh) -> list[bool]:
     """Which outputs of flat_fn depend on an input marked in `sources` (an equation
     with such an operand has all of its results depend on it): those vmap batches when
@@ -188,10 +193,7 @@ def _jvp(args, dargs, *, transforms: Transforms, live: tuple, live_outs: tuple, 
     perturbed = [i for i, d in enumerate(dargs) if type(d) is not ad.Zero]
 
     def tangent_map(*xs):
-        full = list(args)
-        for i, x in zip(perturbed, xs):
-            full[i] = x
-        return transforms.tangent_map(live, live_outs)(*full)
+        return transforms.tangent_map(live, live_outs)(*_put(args, perturbed, xs))
     outs, touts = jax.jvp(tangent_map, [args[i] for i in perturbed], [dargs[i] for i in perturbed])
     return list(outs), list(touts)
 
