@@ -354,6 +354,9 @@ LAYOUTS = [   # in_shardings and out_shardings
     ("jit.in_shardings", "of the wrong structure", lambda: gspmd.jit(
         mlp, mesh=MESH, in_shardings=(P("data"), None, None)).lower(X, W),
      ["in_shardings", "does not match the structure", "one PartitionSpec, NamedSharding or None per entry"]),
+    ("jit.in_shardings", "with keyword arguments (as jax.jit)",
+     lambda: gspmd.jit(mlp, mesh=MESH, in_shardings=(P("data"), None)).lower(X, w=W),
+     [r"keyword arguments \['w'\]", "cover the positional arguments only", "pass them by position"]),
     ("jit.in_shardings", "an axis name", lambda: gspmd.jit(mlp, mesh=MESH, in_shardings="data"),
      ["the string 'data'", "in_shardings holds", r"in_shardings=\(P\('data', None\), None\)"]),
     ("jit.in_shardings", "dims_mappings instead of PartitionSpecs",
