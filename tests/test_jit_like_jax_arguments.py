@@ -60,9 +60,10 @@ def test_partition_specs_under_set_mesh_with_a_static_argument(backend):
                      jit_kwargs=dict(static_argnums=2, in_shardings=(P("x"), None), out_shardings=(P(None, "y"), P())))
 
 
-def test_donated_and_static_arguments_with_in_shardings():
+@pytest.mark.parametrize("donate", [dict(donate_argnums=0), dict(donate_argnames="a")])
+def test_donated_and_static_arguments_with_in_shardings(donate):
     """The donated argument's buffer is used (deleted, as under jax.jit); the static one keys the cache."""
-    jit_kwargs = dict(static_argnums=2, donate_argnums=0, in_shardings=(ROWS, ROWS))
+    jit_kwargs = dict(static_argnums=2, in_shardings=(ROWS, ROWS), **donate)
     theirs = jax.device_put(X, ROWS)
     expected = jax.jit(step, **jit_kwargs)(theirs, Y, 3)
     f = gspmd.jit(step, backend="jax", **jit_kwargs)
