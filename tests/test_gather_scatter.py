@@ -249,11 +249,23 @@ def _scatter(draw, rng):
     return (jax.vmap(scatter) if batched else scatter), args, f"scatter {op=} {mode=} {batched=}"
 
 
+def _iota_rows(draw, rng):
+    """x[arange(n)[:, None], i] and x.at[arange(n), i].add(u): an iota indexes the rows."""
+    n, m, k = draw(st.sampled_from([1, 3, 4, 8])), draw(st.sampled_from([1, 5])), draw(st.sampled_from([1, 3]))
+    scatter = draw(st.booleans())
+    if scatter:
+        args = rand(rng, n, m), rng.randint(-m, m, (n,)).astype(np.int32), rand(rng, n)
+        return (lambda x, i, u: x.at[jnp.arange(n), i].add(u)), args, "x.at[arange, i].add(u)"
+    args = rand(rng, n, m), rng.randint(-m, m, (n, k)).astype(np.int32)
+    return (lambda x, i: x[jnp.arange(n)[:, None], i]), args, "x[arange[:, None], i]"
+
+
 @st.composite
 def gather_scatter_programs(draw):
     mesh = draw(meshes(shapes=[(2, 4), (4, 2), (8,), (2, 2, 2), (3,), (3, 2)]))
     rng = np.random.RandomState(draw(st.integers(0, 2**31 - 1)))
-    fn, args, what = draw(st.sampled_from([_take_along_axis, _take, _point_gather, _vmapped_dynamic_slice, _scatter]))(draw, rng)
+    fn, args, what = draw(st.sampled_from([_take_along_axis, _take, _point_gather, _vmapped_dynamic_slice, _scatter,
+                                          _iota_rows]))(draw, rng)
     maps = [draw(dims_mappings(mesh, a.ndim)) for a in args]
     differentiate = draw(st.booleans())
 
@@ -308,3 +320,100 @@ def test_a_loop_accumulating_gradients_of_rows_updates_the_accumulator(pick, upd
             if i.opcode == update and i.operands[0] in body.params and i.output.shape == table_shape]
     reductions = [c for c in low.report().collectives if c.kind == "all-reduce"]
     assert reductions and all(c.executions == 1 for c in reductions), low.report()
+
+
+# -- index components that are iotas (x[jnp.arange(n), i]): batching dims in disguise ---------
+ROWS = 6   # over 8 devices (and over 2 or 4): uneven
+
+
+def _rows_and_columns(seed: int):
+    """x [ROWS, 7], a few columns per row [ROWS, 3] (some negative: jnp wraps them), one
+    column per row [ROWS], an update per row [ROWS]."""
+    rng = np.random.RandomState(seed)
+    cols = rng.randint(-7, 7, (ROWS, 3)).astype(np.int32)
+    return rand(rng, ROWS, 7), cols, cols[:, 0].copy(), rand(rng, ROWS)
+
+
+ROW_PICKS = {
+    "x[arange[:, None], i]": lambda x, i: x[jnp.arange(ROWS)[:, None], i],
+    "x[arange, i]": lambda x, i: x[jnp.arange(ROWS), i[:, 0]],
+}
+
+
+def _split_rows(x_map):
+    return gspmd.Sharding.from_mesh(MESH, x_map, (ROWS, 7)).tiles[0]
+
+
+@pytest.mark.parametrize("x_map", [[("x", "y"), -1], ["x", -1]])
+@pytest.mark.parametrize("pick", list(ROW_PICKS))
+def test_rows_picked_through_an_iota_are_gathered_where_they_are(pick, x_map):
+    """jnp indexes each row by its own position through an iota component of the indices:
+    each device gathers from its own rows, nothing moves, the batch stays split."""
+    x, cols, _, _ = _rows_and_columns(11)
+    low = check(lambda x, i: ROW_PICKS[pick](gspmd.mesh_split(x, MESH, x_map), i), x, cols, mesh=MESH)
+    assert low.report().collectives == [], str(low.report())
+    assert low.sharding_of("i").tiles[0] == low.sharding_of("result").tiles[0] == _split_rows(x_map)
+
+
+def test_rows_picked_through_an_iota_from_a_column_split_table_sum_the_result_only():
+    """Rows split over x, the picked dim over y: each device answers for its columns, one
+    all-reduce over y of its [3, 3] share of the result; the table stays put."""
+    x, cols, _, _ = _rows_and_columns(12)
+    low = check(lambda x, i: gspmd.mesh_split(x, MESH, ["x", "y"])[jnp.arange(ROWS)[:, None], i], x, cols, mesh=MESH)
+    (c,) = low.report().collectives
+    assert c.kind == "all-reduce" and c.bytes == 3 * 3 * 4 and set(c.groups) == {(0, 1, 2, 3), (4, 5, 6, 7)}
+    assert low.sharding_of("result") == gspmd.Sharding.from_mesh(MESH, ["x", -1], (ROWS, 3))
+
+
+@pytest.mark.parametrize("op", ["add", "set"])
+def test_rows_updated_through_an_iota_are_scattered_where_they_are(op):
+    x, _, col, u = _rows_and_columns(13)
+    low = check(lambda x, i, u: getattr(gspmd.mesh_split(x, MESH, [("x", "y"), -1]).at[jnp.arange(ROWS), i], op)(u),
+                x, col, u, mesh=MESH)
+    assert low.report().collectives == [], str(low.report())
+    rows = gspmd.Sharding.from_mesh(MESH, [("x", "y")], (ROWS,))
+    assert low.sharding_of("i") == low.sharding_of("u") == rows
+
+
+def test_gradient_of_rows_picked_through_an_iota_stays_where_the_rows_are():
+    """The gradient of the gather is a scatter-add through the same iota: no collective."""
+    x, cols, _, _ = _rows_and_columns(14)
+
+    def grad(x, i):
+        return jax.grad(lambda x: jnp.sum(jnp.tanh(gspmd.mesh_split(x, MESH, ["x", -1])[jnp.arange(ROWS)[:, None], i])
+                                          ** 2))(x)
+    low = check(grad, x, cols, mesh=MESH)
+    assert low.report().collectives == [], str(low.report())
+    assert low.sharding_of("result") == gspmd.Sharding.from_mesh(MESH, ["x", -1], x.shape)
+    outside = jax.grad(gspmd.jit(lambda x, i: jnp.sum(gspmd.mesh_split(x, MESH, ["x", -1])[jnp.arange(ROWS), i] ** 2),
+                                 mesh=MESH))
+    np.testing.assert_allclose(outside(x, cols[:, 0]), jax.grad(lambda x: jnp.sum(x[jnp.arange(ROWS), cols[:, 0]] ** 2))(x),
+                               rtol=1e-6)
+
+
+@pytest.mark.parametrize("scatter", [False, True])
+def test_rows_indexed_through_an_iota_take_their_split_from_the_indices(scatter):
+    """The batch split written on the indices splits the operand's rows alike."""
+    x, _, col, u = _rows_and_columns(15)
+
+    def f(x, i, u):
+        i = gspmd.mesh_split(i, MESH, ["x"])
+        return x.at[jnp.arange(ROWS), i].add(u) if scatter else x[jnp.arange(ROWS), i]
+    low = check(f, x, col, u, mesh=MESH)
+    assert low.report().collectives == [], str(low.report())
+    assert low.sharding_of("x").tiles[0] == low.sharding_of("result").tiles[0] == 2
+
+
+@pytest.mark.parametrize("what,fn", [
+    ("an iota shorter than the rows", lambda x, i: x[jnp.arange(ROWS - 2)[:, None], i[:ROWS - 2]]),
+    ("the diagonal", lambda x, i: x[jnp.arange(ROWS), jnp.arange(ROWS)] + i[:, 0]),
+    ("an iota on the second dim", lambda x, i: x.T[i[:, 0], jnp.arange(ROWS)]),
+    ("under vmap", lambda x, i: jax.vmap(lambda x, i: x[jnp.arange(2)[:, None], i])(x.reshape(3, 2, 7),
+                                                                                        i.reshape(3, 2, 3))),
+    ("an iota along another dim", lambda x, i: x[jnp.arange(3)[None, :], i]),
+])
+def test_other_iotas_in_the_indices_gather_alike(what, fn):
+    """Iotas that are not a batch dim's own positions stay index components; vmap's
+    batching dims and the iota's together."""
+    x, cols, _, _ = _rows_and_columns(16)
+    check(lambda x, i: fn(gspmd.mesh_split(x, MESH, ["x", "y"]), i), x, cols, mesh=MESH)

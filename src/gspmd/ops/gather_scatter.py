@@ -12,6 +12,10 @@ Factors (Shardy's view of gather/scatter):
   its vocab): each device answers only for the rows it holds — its gather yields zeros
   for the others (summed afterwards: `reduce`), its scatter drops them;
 - everything else stays whole.
+An index component that is an iota along a batch dim of the indices (jnp's
+`x[jnp.arange(n), i]`, `x.at[jnp.arange(n), i].add(u)`: each row indexes its own row) is a
+batching dim in disguise: the converter makes it one (`_iota_batching`), so the batch
+stays split as `take_along_axis`'s does.
 Out-of-range starts clamp (CLIP) or fill the window with `fill_value` / drop the update
 (FILL), both decided against the whole operand, as the unpartitioned op decides.
 """
@@ -25,10 +29,11 @@ from jax import lax
 
 from gspmd.dtypes import is_floating
 from gspmd.ir import Instr, Value
+from gspmd.ir.emit import concatenate, slice_dim
 from gspmd.ir.reducer import ADD, AND, MAX, MIN, MUL, OR, Reducer
 from gspmd.ops.convert import convert_by_impl
-from gspmd.ops.registry import (Facets, Frontend, LAYOUT, Memory, Rewrites, Rule, Semantics, Storage, Timing, register,
-                                result_sized_bytes, update_sized_bytes)
+from gspmd.ops.registry import (Facets, Frontend, LAYOUT, Memory, Rewrites, Rule, Semantics, Storage, Timing, is_zero,
+                                lookup, register, result_sized_bytes, update_sized_bytes)
 from gspmd.sharding import Sharding
 from gspmd.spmd import factors as fx
 from gspmd.spmd.context import INDEX_DTYPE, DeviceContext
@@ -302,6 +307,109 @@ def _partition_with(factor_fn, emit):
     return partition_rule
 
 
+# -- index components that are iotas: batching dims --------------------------------
+def _reshaped_dim(source: tuple[int, ...], target: tuple[int, ...], dim: int) -> Optional[int]:
+    """The dim of a reshape's `target` shape that holds `source`'s dim `dim` unchanged
+    (same size, as many elements before it), if any."""
+    before = int(np.prod(source[:dim], dtype=np.int64))
+    for t, n in enumerate(target):
+        if n == source[dim] and int(np.prod(target[:t], dtype=np.int64)) == before:
+            return t
+    return None
+
+
+def _nonnegative_wrap(instr: Instr) -> Optional[Value]:
+    """x for jnp's wrap of negative indices, select(x < 0, x + n, x); None otherwise."""
+    pred, _, x = instr.operands
+    p = pred.producer
+    if p is None or p.opcode != "compare" or p.attrs["direction"] != "LT" or not is_zero(p.operands[1]):
+        return None
+    return x if p.operands[0] is x else None
+
+
+def _iota_dim(v: Value, fixed: dict[int, int]) -> Optional[int]:
+    """The dim along which every element of `v` at the positions `fixed` ({dim: index})
+    equals its own position along that dim (an iota seen through broadcasts, reshapes,
+    converts, concatenates and jnp's wrap of negative indices); None when not known."""
+    fixed = {d: i for d, i in fixed.items() if v.shape[d] > 1}    # a dim of one fixes nothing
+    p = v.producer
+    if p is None:
+        return None
+    if p.opcode == "iota":
+        return None if p.attrs["dimension"] in fixed else p.attrs["dimension"]
+    if p.opcode == "convert" or lookup(p.opcode).facets.identity:
+        return _iota_dim(p.operands[0], fixed)
+    if p.opcode == "select":
+        x = _nonnegative_wrap(p)    # an iota is never negative: the select picks x
+        return None if x is None else _iota_dim(x, fixed)
+    if p.opcode == "broadcast":
+        x, dims = p.operands[0], p.attrs["dims"]
+        whole = [x.shape[i] == v.shape[r] for i, r in enumerate(dims)]    # not widened from one
+        k = _iota_dim(x, {i: fixed[r] if whole[i] else 0 for i, r in enumerate(dims) if r in fixed})
+        return dims[k] if k is not None and whole[k] else None
+    if p.opcode == "reshape":
+        x = p.operands[0]
+        below = {_reshaped_dim(v.shape, x.shape, d): i for d, i in fixed.items()}
+        if None in below:
+            return None
+        k = _iota_dim(x, below)
+        return None if k is None else _reshaped_dim(x.shape, v.shape, k)
+    if p.opcode == "concatenate" and p.attrs["dimension"] in fixed:
+        dim, at = p.attrs["dimension"], fixed[p.attrs["dimension"]]
+        for piece in p.operands:
+            if at < piece.shape[dim]:
+                return _iota_dim(piece, {**fixed, dim: at})
+            at -= piece.shape[dim]
+    return None
+
+
+def _without_columns(b, indices: Value, dropped: set[int]) -> Value:
+    """`indices` without the `dropped` index-vector columns: the pieces of the
+    concatenate that made it where they are whole, slices of them otherwise."""
+    last, p = indices.rank - 1, indices.producer
+    pieces = p.operands if p is not None and p.opcode == "concatenate" and p.attrs["dimension"] == last \
+        else [indices]
+    kept, start = [], 0
+    for piece in pieces:
+        columns = [c for c in range(piece.shape[last]) if start + c not in dropped]
+        if len(columns) == piece.shape[last]:
+            kept.append(piece)
+        else:
+            kept.extend(slice_dim(b, piece, last, c, c + 1) for c in columns)
+        start += piece.shape[last]
+    return concatenate(b, kept, last)
+
+
+def _iota_batching(b, operand: Value, indices: Value, attrs: dict, names: tuple[str, str, str, str]):
+    """Index components that are an iota along a batch dim of the indices, of the same
+    size as the operand dim they index, made batching dims (as XLA's parallel dims of a
+    gather): the op's `attrs` and indices with those components dropped. `names`: the
+    op's attribute names for the index map, the collapsed (inserted) dims and the two
+    batching dims lists. The iota is in range: clamping and filling decide the same."""
+    index_map, collapsed, operand_batching, indices_batching = names
+    last = indices.rank - 1
+    pairs, taken = {}, set(attrs[indices_batching])    # component -> (operand dim, indices dim)
+    for column, d in enumerate(attrs[index_map]):
+        i = _iota_dim(indices, {last: column})
+        if (i is not None and i not in taken and d in attrs[collapsed] and indices.shape[i] == operand.shape[d]
+                and len(pairs) + 1 < len(attrs[index_map])):    # one component at least stays
+            pairs[column] = (int(d), i)
+            taken.add(i)
+    if not pairs:
+        return attrs, indices
+    batching = sorted([*zip(attrs[operand_batching], attrs[indices_batching]), *pairs.values()])
+    dims = {d for d, _ in pairs.values()}
+    return {**attrs, index_map: tuple(d for c, d in enumerate(attrs[index_map]) if c not in pairs),
+            collapsed: tuple(d for d in attrs[collapsed] if d not in dims),
+            operand_batching: tuple(d for d, _ in batching), indices_batching: tuple(i for _, i in batching)}, \
+        _without_columns(b, indices, set(pairs))
+
+
+_GATHER_NAMES = ("start_index_map", "collapsed_slice_dims", "operand_batching_dims", "start_indices_batching_dims")
+_SCATTER_NAMES = ("scatter_dims_to_operand_dims", "inserted_window_dims", "operand_batching_dims",
+                  "scatter_indices_batching_dims")
+
+
 # -- conversion and lowering --------------------------------------------------------------
 # Indices promised in bounds get HLO's native behaviour: gather clamps, scatter drops.
 _GATHER_MODES = {lax.GatherScatterMode.CLIP: CLIP, lax.GatherScatterMode.PROMISE_IN_BOUNDS: CLIP,
@@ -325,10 +433,12 @@ def _fill_value(value, dtype) -> float:
 def _convert_gather(b, eqn, args: list[Value]) -> list[Value]:
     p, dn = eqn.params, eqn.params["dimension_numbers"]
     shape, dtype = b.out_aval(eqn)
-    return [b.add1("gather", args, shape, dtype, offset_dims=tuple(dn.offset_dims),
-                   collapsed_slice_dims=tuple(dn.collapsed_slice_dims), start_index_map=tuple(dn.start_index_map),
-                   operand_batching_dims=tuple(dn.operand_batching_dims),
-                   start_indices_batching_dims=tuple(dn.start_indices_batching_dims),
+    operand, indices = args
+    attrs, indices = _iota_batching(b, operand, indices, dict(
+        collapsed_slice_dims=tuple(dn.collapsed_slice_dims), start_index_map=tuple(dn.start_index_map),
+        operand_batching_dims=tuple(dn.operand_batching_dims),
+        start_indices_batching_dims=tuple(dn.start_indices_batching_dims)), _GATHER_NAMES)
+    return [b.add1("gather", [operand, indices], shape, dtype, offset_dims=tuple(dn.offset_dims), **attrs,
                    slice_sizes=tuple(int(s) for s in p["slice_sizes"]), mode=_GATHER_MODES[p["mode"]],
                    fill_value=_fill_value(p["fill_value"], dtype))]
 
@@ -341,14 +451,14 @@ def _convert_scatter(reducer: Reducer | None, combine: str | None = None):
     def convert(b, eqn, args: list[Value]) -> list[Value]:
         p, dn = eqn.params, eqn.params["dimension_numbers"]
         operand, indices, updates = args
-        attrs = dict(update_window_dims=tuple(dn.update_window_dims),
-                     inserted_window_dims=tuple(dn.inserted_window_dims),
-                     scatter_dims_to_operand_dims=tuple(dn.scatter_dims_to_operand_dims),
-                     operand_batching_dims=tuple(dn.operand_batching_dims),
-                     scatter_indices_batching_dims=tuple(dn.scatter_indices_batching_dims),
-                     mode=_SCATTER_MODES[p["mode"]], reducer=reducer)
+        attrs, indices = _iota_batching(b, operand, indices, dict(
+            inserted_window_dims=tuple(dn.inserted_window_dims),
+            scatter_dims_to_operand_dims=tuple(dn.scatter_dims_to_operand_dims),
+            operand_batching_dims=tuple(dn.operand_batching_dims),
+            scatter_indices_batching_dims=tuple(dn.scatter_indices_batching_dims)), _SCATTER_NAMES)
+        attrs.update(update_window_dims=tuple(dn.update_window_dims), mode=_SCATTER_MODES[p["mode"]], reducer=reducer)
         if reducer is None:
-            return [b.add1("scatter", args, operand.shape, operand.dtype, **attrs)]
+            return [b.add1("scatter", [operand, indices, updates], operand.shape, operand.dtype, **attrs)]
         # operand (op) updates scattered into the reducer's identity: the scattered part
         # can then be combined across devices that each scatter a share of the updates.
         identity = b.broadcast_to(b.constant(reducer.identity(operand.dtype)), operand.shape)
