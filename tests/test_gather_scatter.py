@@ -417,3 +417,14 @@ def test_other_iotas_in_the_indices_gather_alike(what, fn):
     batching dims and the iota's together."""
     x, cols, _, _ = _rows_and_columns(16)
     check(lambda x, i: fn(gspmd.mesh_split(x, MESH, ["x", "y"]), i), x, cols, mesh=MESH)
+
+
+def test_an_iota_that_rounds_is_no_batch_dim():
+    """A bfloat16 iota rounds past 256: the positions it gives are not the rows' own."""
+    rng = np.random.RandomState(17)
+    x, col = rand(rng, 300, 3), rng.randint(0, 3, (300,)).astype(np.int32)
+
+    def f(x, i):
+        return gspmd.mesh_split(x, MESH, [("x", "y"), -1])[jnp.arange(300, dtype=jnp.bfloat16).astype(jnp.int32), i]
+    low = check(f, x, col, mesh=MESH)
+    assert not [i for i in low.program.instrs if i.opcode == "gather" and i.attrs["operand_batching_dims"]]

@@ -318,6 +318,11 @@ def _reshaped_dim(source: tuple[int, ...], target: tuple[int, ...], dim: int) ->
     return None
 
 
+def _counts_exactly(dtype, n: int) -> bool:
+    """Whether `dtype` holds 0, 1, ..., n - 1 exactly (no wrap, no rounding)."""
+    return bool(np.array_equal(np.arange(n).astype(dtype).astype(np.int64), np.arange(n)))
+
+
 def _nonnegative_wrap(instr: Instr) -> Optional[Value]:
     """x for jnp's wrap of negative indices, select(x < 0, x + n, x); None otherwise."""
     pred, _, x = instr.operands
@@ -336,8 +341,12 @@ def _iota_dim(v: Value, fixed: dict[int, int]) -> Optional[int]:
     if p is None:
         return None
     if p.opcode == "iota":
-        return None if p.attrs["dimension"] in fixed else p.attrs["dimension"]
-    if p.opcode == "convert" or lookup(p.opcode).facets.identity:
+        k = p.attrs["dimension"]
+        return None if k in fixed or not _counts_exactly(v.dtype, v.shape[k]) else k
+    if p.opcode == "convert":
+        k = _iota_dim(p.operands[0], fixed)
+        return k if k is not None and _counts_exactly(v.dtype, v.shape[k]) else None
+    if lookup(p.opcode).facets.identity:
         return _iota_dim(p.operands[0], fixed)
     if p.opcode == "select":
         x = _nonnegative_wrap(p)    # an iota is never negative: the select picks x
@@ -380,7 +389,8 @@ def _without_columns(b, indices: Value, dropped: set[int]) -> Value:
     return concatenate(b, kept, last)
 
 
-def _iota_batching(b, operand: Value, indices: Value, attrs: dict, names: tuple[str, str, str, str]):
+def _iota_batching(b, operand: Value, indices: Value, attrs: dict,
+                   names: tuple[str, str, str, str]) -> tuple[dict, Value]:
     """Index components that are an iota along a batch dim of the indices, of the same
     size as the operand dim they index, made batching dims (as XLA's parallel dims of a
     gather): the op's `attrs` and indices with those components dropped. `names`: the
