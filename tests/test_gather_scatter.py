@@ -250,12 +250,15 @@ def _scatter(draw, rng):
 
 
 def _iota_rows(draw, rng):
-    """x[arange(n)[:, None], i] and x.at[arange(n), i].add(u): an iota indexes the rows."""
+    """x[arange(n)[:, None], i], x.at[arange(n), i].add(u), x[arange(n)] + u: an iota
+    indexes the rows."""
     n, m, k = draw(st.sampled_from([1, 3, 4, 8])), draw(st.sampled_from([1, 5])), draw(st.sampled_from([1, 3]))
-    scatter = draw(st.booleans())
-    if scatter:
+    form = draw(st.sampled_from(["gather", "scatter", "rows"]))
+    if form == "scatter":
         args = rand(rng, n, m), rng.randint(-m, m, (n,)).astype(np.int32), rand(rng, n)
         return (lambda x, i, u: x.at[jnp.arange(n), i].add(u)), args, "x.at[arange, i].add(u)"
+    if form == "rows":
+        return (lambda x, u: x[jnp.arange(n)] + u), (rand(rng, n, m), rand(rng, n, m)), "x[arange] + u"
     args = rand(rng, n, m), rng.randint(-m, m, (n, k)).astype(np.int32)
     return (lambda x, i: x[jnp.arange(n)[:, None], i]), args, "x[arange[:, None], i]"
 
@@ -402,6 +405,24 @@ def test_rows_indexed_through_an_iota_take_their_split_from_the_indices(scatter)
     low = check(f, x, col, u, mesh=MESH)
     assert low.report().collectives == [], str(low.report())
     assert low.sharding_of("x").tiles[0] == low.sharding_of("result").tiles[0] == 2
+
+
+ALL_IOTA = {
+    "x[arange]": lambda x, u: x[jnp.arange(ROWS)],
+    "x[arange[:, None], arange[None, :]]": lambda x, u: x[jnp.arange(ROWS)[:, None], jnp.arange(7)[None, :]],
+    "x.at[arange].add(u)": lambda x, u: x.at[jnp.arange(ROWS)].add(u),
+    "grad of x[arange], fill": lambda x, u: jax.grad(lambda x: jnp.sum(x.at[jnp.arange(ROWS)].get(mode="fill") * u))(x),
+}
+
+
+@pytest.mark.parametrize("what", list(ALL_IOTA))
+def test_indices_that_are_iotas_only_move_nothing(what):
+    """Every index component an iota: every indexed dim a batching dim, the index vector
+    empty; the rows stay where they are (they were summed over the devices before)."""
+    rng = np.random.RandomState(18)
+    x, u = rand(rng, ROWS, 7), rand(rng, ROWS, 7)
+    low = check(lambda x, u: ALL_IOTA[what](gspmd.mesh_split(x, MESH, [("x", "y"), -1]), u), x, u, mesh=MESH)
+    assert low.report().collectives == [], str(low.report())
 
 
 @pytest.mark.parametrize("what,fn", [

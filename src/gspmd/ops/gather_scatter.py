@@ -47,7 +47,7 @@ def _starts(indices: np.ndarray, index_map, batching, operand_shape, sizes, mode
     """[N, operand rank] window starts and a [N] in-bounds flag, N = number of index
     vectors. `batching` pairs (operand dim, indices dim): there the window starts at the
     vector's own position along that indices dim."""
-    flat = indices.reshape(-1, indices.shape[-1]).astype(np.int64)
+    flat = indices.reshape(int(np.prod(indices.shape[:-1])), indices.shape[-1]).astype(np.int64)
     starts = np.zeros((flat.shape[0], len(operand_shape)), np.int64)
     starts[:, list(index_map)] = flat
     for operand_dim, indices_dim in batching:
@@ -374,7 +374,8 @@ def _iota_dim(v: Value, fixed: dict[int, int]) -> Optional[int]:
 
 def _without_columns(b, indices: Value, dropped: set[int]) -> Value:
     """`indices` without the `dropped` index-vector columns: the pieces of the
-    concatenate that made it where they are whole, slices of them otherwise."""
+    concatenate that made it where they are whole, slices of them otherwise (all
+    dropped: an empty index vector, which reads nothing)."""
     last, p = indices.rank - 1, indices.producer
     pieces = p.operands if p is not None and p.opcode == "concatenate" and p.attrs["dimension"] == last \
         else [indices]
@@ -386,6 +387,9 @@ def _without_columns(b, indices: Value, dropped: set[int]) -> Value:
         else:
             kept.extend(slice_dim(b, piece, last, c, c + 1) for c in columns)
         start += piece.shape[last]
+    if not kept:    # every component dropped: an empty index vector
+        none = b.add1("constant", [], (0,), indices.dtype, value=np.zeros(0, indices.dtype))
+        return b.add1("broadcast", [none], indices.shape[:-1] + (0,), indices.dtype, dims=(last,))
     return concatenate(b, kept, last)
 
 
@@ -401,8 +405,7 @@ def _iota_batching(b, operand: Value, indices: Value, attrs: dict,
     pairs, taken = {}, set(attrs[indices_batching])    # component -> (operand dim, indices dim)
     for column, d in enumerate(attrs[index_map]):
         i = _iota_dim(indices, {last: column})
-        if (i is not None and i not in taken and d in attrs[collapsed] and indices.shape[i] == operand.shape[d]
-                and len(pairs) + 1 < len(attrs[index_map])):    # one component at least stays
+        if i is not None and i not in taken and d in attrs[collapsed] and indices.shape[i] == operand.shape[d]:
             pairs[column] = (int(d), i)
             taken.add(i)
     if not pairs:
