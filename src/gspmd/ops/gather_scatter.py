@@ -24,6 +24,8 @@ from __future__ import annotations
 from functools import partial
 from typing import Optional
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
@@ -320,7 +322,9 @@ def _reshaped_dim(source: tuple[int, ...], target: tuple[int, ...], dim: int) ->
 
 def _counts_exactly(dtype, n: int) -> bool:
     """Whether `dtype` holds 0, 1, ..., n - 1 exactly (no wrap, no rounding)."""
-    return bool(np.array_equal(np.arange(n).astype(dtype).astype(np.int64), np.arange(n)))
+    if jax.dtypes.issubdtype(dtype, np.floating):
+        return n - 1 <= 2 ** (jnp.finfo(dtype).nmant + 1)
+    return np.dtype(dtype).kind in "iu" and n - 1 <= np.iinfo(dtype).max
 
 
 def _nonnegative_wrap(instr: Instr) -> Optional[Value]:
