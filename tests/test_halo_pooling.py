@@ -95,8 +95,69 @@ def test_reduce_window_with_a_computation_of_its_own(combine, init):
     check(f, x, mesh=MESH)
 
 
-def test_reduce_window_with_another_init_counted_at_padding_says_what_to_do():
-    x = np.ones((2, 8, 4), np.float32)
-    with pytest.raises(gspmd.ShardingError, match="for add and mul from their identity"):
-        gspmd.jit(lambda x: jax.lax.reduce_window(x, 1.0, lambda p, q: p + q, (1, 2, 1), (1, 1, 1), "SAME"),
-                  mesh=MESH)(x)
+@pytest.mark.parametrize("window,stride,padding,base_dilation", [
+    (3, 2, "SAME", 1), (3, 2, ((1, 1),), 2), (4, 3, ((2, 0),), 2), (2, 1, ((0, 2),), 3)])
+def test_reduce_window_with_another_init_skips_padding(window, stride, padding, base_dilation):
+    """An init value that is not the op's identity starts every window once; padding and
+    base-dilation holes are skipped (XLA's behaviour, not padding with the init value).
+    Partitioned (13 over 4: uneven), the local op is told which elements of its
+    halo-exchanged windows are real, which it works out without communicating."""
+    x = rand(np.random.RandomState(5), 3, 13)
+
+    def f(x):
+        x = gspmd.mesh_split(x, MESH, [-1, "y"])
+        pads = padding if isinstance(padding, str) else ((0, 0),) + padding
+        return jax.lax.reduce_window(x, 1.0, lambda p, q: p + q, (1, window), (1, stride), pads, (1, base_dilation))
+    report = check(f, x, mesh=MESH).report()
+    assert set(report.counts()) == {"collective-permute"}, str(report)
+
+
+def _first_max(a, b):
+    """Max pooling's reducer carrying each maximum's index; ties go to the lower index."""
+    (av, ai), (bv, bi) = a, b
+    pick = (av > bv) | ((av == bv) & (ai < bi))
+    return lax.select(pick, av, bv), lax.select(pick, ai, bi)
+
+
+def _argmax_pool(dims, window, strides, padding, with_indices=True):
+    """Max pooling over the trailing len(window) dims that also returns, per window, the
+    flat (row-major) position of its maximum: lax.reduce_window over (x, positions)."""
+    lead = (1,) * (len(dims) - len(window))
+
+    def pool(x):
+        x = gspmd.mesh_split(x, MESH, dims)
+        if not with_indices:
+            return lax.reduce_window(x, -jnp.inf, lax.max, lead + window, lead + strides, ((0, 0),) * len(lead) + padding)
+        spatial = range(x.ndim - len(window), x.ndim)
+        flat = sum(lax.broadcasted_iota(jnp.int32, x.shape, d) * int(np.prod(x.shape[d + 1:])) for d in spatial)
+        return lax.reduce_window((x, flat), (-jnp.inf, jnp.int32(0)), _first_max, lead + window, lead + strides,
+                                 ((0, 0),) * len(lead) + padding)
+    return pool
+
+
+@pytest.mark.parametrize("shape,dims,window,strides,padding", [
+    ((3, 16), [-1, "y"], (3,), (1,), ((0, 0),)),                                  # 1-D, even
+    ((3, 13), [-1, "y"], (3,), (2,), ((1, 1),)),                                  # 1-D, uneven, padded
+    ((2, 3, 12, 8), [-1, -1, "x", "y"], (3, 2), (1, 2), ((0, 0), (0, 0))),        # 2-D, even
+    ((2, 3, 13, 11), [-1, -1, "x", "y"], (3, 2), (2, 2), ((1, 1), (0, 1))),       # 2-D, uneven, padded
+    ((2, 13, 11), [-1, "x", "y"], (3, 3), (1, 3), ((1, 1), (2, 0))),
+])
+def test_max_pool_with_argmax_indices_exchanges_halos(shape, dims, window, strides, padding):
+    """Variadic reduce_window (values and their indices, a 2-operand reducer) on split
+    spatial dims: each operand's halos are exchanged, padded with its own init value
+    (-inf, 0) and masked on uneven shards; nothing is gathered. Both operands need the
+    halos the values alone need. (jax cannot differentiate it: its JVP of a variadic
+    reduce_window with an integer operand fails, so there is no gradient to test.)"""
+    x = rand(np.random.RandomState(6), *shape)
+    report = check(_argmax_pool(dims, window, strides, padding), x, mesh=MESH).report()
+    alone = gspmd.jit(_argmax_pool(dims, window, strides, padding, with_indices=False), mesh=MESH).lower(x).report()
+    assert set(report.counts()) == {"collective-permute"}, str(report)
+    assert report.counts()["collective-permute"] == 2 * alone.counts()["collective-permute"], str(report)
+    assert report.collective_bytes == 2 * alone.collective_bytes   # float32 and int32 halos alike
+
+
+def test_max_pool_with_argmax_indices_on_an_unsplit_window_dim():
+    """Split only along a dim the window does not slide over: no communication at all."""
+    x = rand(np.random.RandomState(7), 4, 9, 6)
+    report = check(_argmax_pool(["x", -1, -1], (3, 2), (2, 1), ((1, 1), (0, 1))), x, mesh=MESH).report()
+    assert not report.collectives, str(report)

@@ -155,8 +155,8 @@ def _partition_conv(ctx, instr, operands, targets):
     if not plans:
         return fx.partition(ctx, instr, factors, operands, targets, emit_local=emit)
     out_map = {ls[j]: osp[j] for j, mode in enumerate(modes) if mode is OUT}
-    return [partition_windowed(ctx, instr, operands, target, factors, 0, {ls[j]: p for j, p in plans.items()},
-                               spatial, out_map, [ob, of], 0, emit)]
+    return partition_windowed(ctx, instr, operands, [target], factors, 0, {ls[j]: p for j, p in plans.items()},
+                              spatial, out_map, [ob, of], 0, emit)
 
 
 def _plans(instr, lhs, rhs, modes, spatial: Sharding) -> dict[int, DimPlan]:

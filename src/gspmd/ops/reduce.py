@@ -124,7 +124,7 @@ def _convert_variadic_reduce(b, eqn, args):
 
 
 @functools.lru_cache(maxsize=64)
-def _vectorized(computation: Computation) -> Callable:
+def vectorized(computation: Computation) -> Callable:
     """The scalar computation applied element by element to 1-D arrays."""
     return jax.jit(jax.vmap(computation))
 
@@ -136,7 +136,7 @@ def _evaluate_variadic_reduce(instr: Instr, args, device):
     last = list(range(xs[0].ndim - len(dims), xs[0].ndim))
     rows = [np.moveaxis(x, list(dims), last).reshape(-1, int(np.prod([x.shape[d] for d in dims]))) for x in xs]
     acc = [np.broadcast_to(i, (rows[0].shape[0],)) for i in inits]
-    combine = _vectorized(instr.attrs["computation"])
+    combine = vectorized(instr.attrs["computation"])
     for j in range(rows[0].shape[1]):
         acc = combine(*acc, *(r[:, j] for r in rows))
     return [np.asarray(a).astype(o.dtype, copy=False).reshape(o.shape) for a, o in zip(acc, outs)]

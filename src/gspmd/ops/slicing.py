@@ -191,9 +191,9 @@ def _partition_unit(ctx, instr, x: PartitionedValue, windows: list[Window], fill
         return [slice_outputs(ctx, y, plans, layout, {d: d for d in plans})]
     if not plans:
         return fx.partition(ctx, instr, factors, operands, [target], emit_local=emit)[0]
-    return partition_windowed(ctx, instr, operands, target, factors, 0, plans, layout, {d: d for d in plans},
+    return partition_windowed(ctx, instr, operands, [target], factors, 0, plans, layout, {d: d for d in plans},
                               [d for d in range(x.rank) if d not in plans],
-                              fill.local if fill is not None else zero, emit)
+                              fill.local if fill is not None else zero, emit)[0]
 
 
 def _partition_pad_or_slice(ctx, instr, operands, targets):

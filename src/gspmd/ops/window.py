@@ -4,7 +4,11 @@ and the helpers they share with it: reference padding with base dilation, HLO wi
 attrs as `Window`s.
 
 reduce-window attrs: reducer, window_dimensions, window_strides, padding, base_dilation,
-window_dilation. select-and-scatter-add(source, operand) attrs: select ("ge": first max,
+window_dilation. variadic-reduce-window (lax.reduce_window with a computation of its own,
+as max pooling that carries argmax indices): operands (*xs, *inits), attrs computation
+(as variadic-reduce's) and the window attrs. As XLA does, windows skip padding (it is
+not the init value); partitioned, the local op gets a last bool operand saying which
+elements of its halo-exchanged windows are real. select-and-scatter-add(source, operand) attrs: select ("ge": first max,
 "le": first min), window_dimensions, window_strides, padding; it adds each source element
 to the position its window selects in operand. select-and-gather-add(tangents, operand)
 attrs: select and reduce-window's window attrs; each window's result is the tangent at
@@ -14,22 +18,26 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import numpy as np
 from jax import lax
+from jax.extend import core as jcore
 
 from gspmd.errors import ShardingError
-from gspmd.ir.emit import broadcast, pad_dim
+from gspmd.ir import Value
+from gspmd.ir.emit import broadcast, pad_dim, reshape, scalar
 from gspmd.ir.reducer import ADD, MAX, MIN, MUL, Reducer
 from gspmd.ops.formatting import partition_in_one_step
+from gspmd.ops.reduce import Computation, vectorized
 from gspmd.ops.registry import Facets, Frontend, LAYOUT, Memory, Rule, SegmentRule, Semantics, Storage, Timing, register
+from gspmd.sharding import Sharding
 from gspmd.spmd import factors as fx
 from gspmd.spmd import reshard as rs
 from gspmd.spmd.context import Why
-from gspmd.spmd.halo import (Window, dynamic_slice_dim, local_base, partition_pinned, partition_windowed,
-                             plan_dim, plan_layout, slice_outputs, windowed, windowed_ranges)
+from gspmd.spmd.halo import (Window, dynamic_slice_dim, local_base, partition_pinned, plan_dim, plan_layout,
+                             slice_outputs, windowed, windowed_ranges)
 from gspmd.spmd.partitioned import PartitionedValue
 
 
@@ -105,10 +113,12 @@ def _evaluate_reduce_window(instr, args, device):
 
 
 def _dim_factors(instr, plans=None) -> list[fx.Factor]:
-    """Every tensor shares every dim. For propagation (plans None) all pass through; when
-    partitioning, trivial-window and planned dims do and other windowed dims stay whole."""
-    n_tensors = len(instr.operands) + 1
-    return [fx.Factor(n, (d,) * n_tensors, fx.PASS if plans is None or w.trivial or d in plans else fx.REPLICATE)
+    """Every tensor shares every dim (but the scalar init values of the variadic form).
+    For propagation (plans None) all pass through; when partitioning, trivial-window and
+    planned dims do and other windowed dims stay whole."""
+    tensors = [o.rank > 0 for o in instr.operands] + [True] * len(instr.outputs)
+    return [fx.Factor(n, tuple(d if t else None for t in tensors),
+                      fx.PASS if plans is None or w.trivial or d in plans else fx.REPLICATE)
             for d, (n, w) in enumerate(zip(instr.outputs[0].shape, _rw_windows(instr)))]
 
 
@@ -121,27 +131,99 @@ def _planned(instr, operand, target, planner):
     return windows, plans, layout, _dim_factors(instr, plans)
 
 
-def _local_windows(instr, plans, layout, windows):
+def _local_windows(instr, plans, layout, windows, real: Optional[Value] = None):
     """The local emitter of a reduce-window-like op once its operands hold each
-    partition's windows along the planned dims."""
-    def emit(ctx, _instr, locals_, shapes):
+    partition's windows along the planned dims. `real` (see _real_elements), when given,
+    becomes the local op's last operand: which elements it skips."""
+    def emit_local(ctx, _instr, locals_, shapes):
         local = [plans[d].local if d in plans else w for d, w in enumerate(windows)]
         shape = [plans[d].local.out_size(local_base(plans[d])) if d in plans else n for d, n in enumerate(shapes[0])]
-        y = ctx.b.add1(instr.opcode, locals_, shape, instr.outputs[0].dtype,
+        operands = list(locals_)
+        if real is not None:
+            planned = sorted(plans)
+            flat = reshape(ctx.b, real, [real.shape[d] for d in planned])
+            operands.append(broadcast(ctx.b, flat, locals_[0].shape, planned))
+        ys = ctx.b.add(instr.opcode, operands, [(shape, out.dtype) for out in instr.outputs],
                        **dict(instr.attrs, **window_attrs(local, WINDOW_DILATIONS)))
-        return [slice_outputs(ctx, y, plans, layout, {d: d for d in plans})]
-    return emit
+        return [slice_outputs(ctx, y, plans, layout, {d: d for d in plans}) for y in ys]
+    return emit_local
+
+
+def _partition_windows(ctx, instr, operands, targets, fills, skip_fills: bool = False):
+    """A reduce-window of n operands (then n scalar init values): each operand's windows
+    are cut out by halo exchange, with fills[j] where they reach outside the tensor, and
+    reduced locally. When a fill may not be the reduction's identity (skip_fills), the
+    local op is told which elements are real, to skip the rest as XLA skips padding."""
+    n = len(instr.outputs)
+    windows, plans, layout, factors = _planned(instr, operands[0], targets[0], plan_dim)
+    if not plans:
+        return fx.partition(ctx, instr, factors, operands, targets)
+    cut = [windowed(ctx, x, plans, layout, fill) for x, fill in zip(operands[:n], fills)]
+    real = None
+    if skip_fills and any(p.mask or p.predilate is not None for p in plans.values()):
+        real = _real_elements(ctx, operands[0], plans, layout)
+    others = [d for d in range(operands[0].rank) if d not in plans]
+    return partition_pinned(ctx, instr, cut + list(operands[n:]), targets, factors, 0, list(plans), layout,
+                            {d: d for d in plans}, others, _local_windows(instr, plans, layout, windows, real))
+
+
+def _real_elements(ctx, x: PartitionedValue, plans, layout) -> Value:
+    """Which elements of each partition's windows (as `windowed` cuts them out of x) are
+    x's own rather than padding or base-dilation holes: a bool, 1 long along the
+    unplanned dims, made locally (no communication)."""
+    shape = tuple(n if d in plans else 1 for d, n in enumerate(x.shape))
+    every = PartitionedValue(broadcast(ctx.b, scalar(ctx.b, True, np.bool_), shape),
+                             Sharding.replicated(x.rank, x.sharding.num_devices), shape)
+    return windowed(ctx, every, plans, layout, np.zeros((), np.bool_)).local
 
 
 def _partition_reduce_window(ctx, instr, operands, targets):
-    (x,), (target,) = operands, targets
-    windows, plans, layout, factors = _planned(instr, x, target, plan_dim)
-    fill = instr.attrs["reducer"].identity(x.dtype)
-    if not plans:
-        return fx.partition(ctx, instr, factors, operands, targets)
-    others = [d for d in range(x.rank) if d not in plans]
-    return [partition_windowed(ctx, instr, operands, target, factors, 0, plans, layout, {d: d for d in plans},
-                               others, fill, _local_windows(instr, plans, layout, windows))]
+    return _partition_windows(ctx, instr, operands, targets, [instr.attrs["reducer"].identity(operands[0].dtype)])
+
+
+# -- variadic-reduce-window: operands (*xs, *inits[, real]) ---------------------------------
+def _evaluate_variadic_reduce_window(instr, args, device):
+    """Each window's elements combined into the init values, one window position at a
+    time. Like XLA, padding and base-dilation holes are skipped, as are the elements an
+    optional last bool operand marks false (partitioned windows' padding)."""
+    n, outs, windows = len(instr.outputs), instr.outputs, _rw_windows(instr)
+    xs, inits, real = args[:n], args[n:2 * n], args[2 * n:]
+    acc = [np.full(out.shape, init, out.dtype) for out, init in zip(outs, inits)]
+    if not all(outs[0].shape):
+        return acc
+    bases = [_pad_base(x, init, windows) for x, init in zip(xs, inits)]
+    real = _pad_base(real[0] if real else np.ones(xs[0].shape, np.bool_), np.zeros((), np.bool_), windows)
+    combine = vectorized(instr.attrs["computation"])
+    for _, sl in _window_slices(windows, outs[0].shape):
+        combined = combine(*(a.ravel() for a in acc), *(base[sl].ravel() for base in bases))
+        acc = [np.where(real[sl], np.asarray(c).reshape(out.shape), a).astype(out.dtype, copy=False)
+               for c, a, out in zip(combined, acc, outs)]
+    return acc
+
+
+def _skipping_unreal(fn: Callable, n: int) -> Callable:
+    """fn over (values..., real) pairs: an element that is not real leaves the other side
+    as it is (either side may be the accumulator: XLA fixes no order)."""
+    def combine(p, q):
+        both = fn(*p[:n], *q[:n])
+        picked = [lax.select(q[n], lax.select(p[n], c, b), a) for c, a, b in zip(both, p[:n], q[:n])]
+        return (*picked, p[n] | q[n])
+    return combine
+
+
+def _lower_variadic_reduce_window(instr, args, lc):
+    n, fn, a = len(instr.outputs), instr.attrs["computation"], instr.attrs
+    xs, inits, real = args[:n], args[n:2 * n], args[2 * n:]
+    combine = _skipping_unreal(fn, n) if real else (lambda p, q: tuple(fn(*p, *q)))
+    outs = lax.reduce_window((*xs, *real), (*inits, *(np.bool_(True) for _ in real)), combine,
+                             a["window_dimensions"], a["window_strides"], a["padding"], a["base_dilation"],
+                             a["window_dilation"])
+    return list(outs[:n])
+
+
+def _partition_variadic_reduce_window(ctx, instr, operands, targets):
+    return _partition_windows(ctx, instr, operands, targets, [o.local for o in operands[len(instr.outputs):]],
+                              skip_fills=True)
 
 
 # -- select-and-gather-add ----------------------------------------------------------------
@@ -181,8 +263,8 @@ def _partition_select_and_gather_add(ctx, instr, operands, targets):
     fills = (np.zeros((), tangents.dtype), _selected(instr).identity(operand.dtype))
     cut = [windowed(ctx, o, plans, layout, fill) for o, fill in zip(operands, fills)]
     others = [d for d in range(operand.rank) if d not in plans]
-    return [partition_pinned(ctx, instr, cut, target, factors, 1, list(plans), layout, {d: d for d in plans},
-                             others, _local_windows(instr, plans, layout, windows))]
+    return partition_pinned(ctx, instr, cut, targets, factors, 1, list(plans), layout, {d: d for d in plans},
+                            others, _local_windows(instr, plans, layout, windows))
 
 
 # -- select-and-scatter-add ---------------------------------------------------------------
@@ -225,8 +307,8 @@ def _partition_select_and_scatter_add(ctx, instr, operands, targets):
             y = dynamic_slice_dim(ctx, y, d, (own + lo)[layout.coords()[:, d]], n)
         return [y]
     others = [d for d in range(operand.rank) if d not in spans]
-    return [partition_pinned(ctx, instr, [src, opd], target, factors, 1, list(spans), layout,
-                             {d: d for d in spans}, others, emit)]
+    return partition_pinned(ctx, instr, [src, opd], targets, factors, 1, list(spans), layout,
+                            {d: d for d in spans}, others, emit)
 
 
 def _scatter_span(size: int, w: Window, parts: int):
@@ -295,50 +377,38 @@ def _padding(p) -> tuple:
     return tuple((int(lo), int(hi)) for lo, hi in p["padding"])
 
 
+def _reduce_window_attrs(p) -> dict:
+    return dict(window_dimensions=tuple(p["window_dimensions"]), window_strides=tuple(p["window_strides"]),
+                padding=_padding(p), base_dilation=tuple(p["base_dilation"]), window_dilation=tuple(p["window_dilation"]))
+
+
 def _convert_reduce_window(reducer: Reducer):
     def convert(b, eqn, args):
-        p = eqn.params
-        return [b.add1("reduce-window", args, *b.out_aval(eqn), reducer=reducer,
-                       window_dimensions=tuple(p["window_dimensions"]), window_strides=tuple(p["window_strides"]),
-                       padding=_padding(p), base_dilation=tuple(p["base_dilation"]),
-                       window_dilation=tuple(p["window_dilation"]))]
+        return [b.add1("reduce-window", args, *b.out_aval(eqn), reducer=reducer, **_reduce_window_attrs(eqn.params))]
     return convert
 
 
-# the reducers a reduce_window's computation may be, with their element-wise op
-_WINDOW_REDUCERS = {"add": (ADD, "add"), "mul": (MUL, "multiply"), "max": (MAX, "maximum"), "min": (MIN, "minimum")}
+_WINDOW_REDUCERS = {"add": ADD, "mul": MUL, "max": MAX, "min": MIN}
 
 
 def _convert_generic_reduce_window(b, eqn, args):
     """lax.reduce_window with a computation of its own: one add, mul, max or min of its
-    two arguments is that reducer's reduce-window from its identity, combined with the
-    init value (a traced one too) where that is exact: XLA combines the init value into
-    each window once, and once more per padded or base-dilated position, which max and
-    min absorb."""
-    body = eqn.params["jaxpr"]
-    body = getattr(body, "jaxpr", body)
-    found = None
-    if len(args) == 2 and len(body.eqns) == 1 and not eqn.params["consts"]:
+    two arguments, started from that op's identity, is that reducer's reduce-window;
+    anything else (several operands, as max pooling that carries indices, or another
+    init value) is the variadic form."""
+    p = eqn.params
+    body = getattr(p["jaxpr"], "jaxpr", p["jaxpr"])
+    reducer = None
+    if len(args) == 2 and len(body.eqns) == 1 and not p["consts"]:
         (op,) = body.eqns
         if sorted(map(id, op.invars)) == sorted(map(id, body.invars)) and list(op.outvars) == list(body.outvars):
-            found = _WINDOW_REDUCERS.get(op.primitive.name)
-    x, init = args[0], args[-1]
-    p = eqn.params
-    identity = found is not None and init.producer is not None and init.producer.opcode == "constant" and (
-        np.array_equal(init.producer.attrs["value"], found[0].identity(x.dtype)))
-    inside = all(lo == hi == 0 for lo, hi in _padding(p)) and all(d == 1 for d in p["base_dilation"])
-    if found is None or not (identity or inside or found[0] in (MAX, MIN)):
-        raise ShardingError(
-            f"lax.reduce_window with computation `{' '.join(str(body).split())}` and init value {init} "
-            f"(`{eqn}`): gspmd partitions window reductions of one add, mul, max or min, from any init value "
-            "for max and min, and for add and mul from their identity (0, 1) or over windows without padding or "
-            "base dilation. Reduce with that op from its identity (lax.add, lax.max, ...) and combine the init "
-            "value afterwards.")
-    reducer, combine = found
-    out = _convert_reduce_window(reducer)(b, eqn, [x])[0]
-    if identity:
-        return [out]
-    return [b.add1(combine, [out, broadcast(b, init, out.shape)], out.shape, out.dtype)]
+            reducer = _WINDOW_REDUCERS.get(op.primitive.name)
+    init = args[-1].producer
+    if reducer is not None and init is not None and init.opcode == "constant" and np.array_equal(
+            init.attrs["value"], reducer.identity(args[0].dtype)):
+        return _convert_reduce_window(reducer)(b, eqn, args[:1])
+    return b.add("variadic-reduce-window", args, [b.out_aval(eqn, i) for i in range(len(eqn.outvars))],
+                 computation=Computation(jcore.ClosedJaxpr(body, p["consts"])), **_reduce_window_attrs(p))
 
 
 def _select(eqn) -> str:
@@ -411,6 +481,12 @@ register("reduce-window",
          semantics=Semantics(evaluate=_evaluate_reduce_window, lower=_lower_reduce_window),
          rule=Rule(factors=_dim_factors, partition=_partition_reduce_window, priority=LAYOUT),
          timing=Timing(flops=_window_flops))
+register("variadic-reduce-window",
+         semantics=Semantics(evaluate=_evaluate_variadic_reduce_window, lower=_lower_variadic_reduce_window),
+         rule=Rule(factors=_dim_factors, partition=_partition_variadic_reduce_window, priority=LAYOUT),
+         timing=Timing(flops=_window_flops))
+
+
 def _expanded_select_and_scatter(instr) -> int:
     """XLA:CPU expands select-and-scatter: an int32 iota per dim of the operand, a
     reduce-window picking each window's value and position, then a scatter."""

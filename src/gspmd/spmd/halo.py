@@ -289,16 +289,16 @@ def slice_outputs(ctx, y: Value, dims: dict[int, DimPlan], layout: Sharding, pla
     return y
 
 
-def partition_windowed(ctx, instr: Instr, operands: list[PartitionedValue], target: Sharding,
+def partition_windowed(ctx, instr: Instr, operands: list[PartitionedValue], targets: Sequence[Sharding],
                        factors: list[fx.Factor], index: int, plans: dict[int, DimPlan], layout: Sharding,
                        out_map: dict[int, int], out_keep: list[int], fill: Fill,
-                       emit: fx.LocalEmitter) -> PartitionedValue:
+                       emit: fx.LocalEmitter) -> list[PartitionedValue]:
     """Partition a windowed op whose operand `index` is read through windows along the
     planned dims (partitions given by `layout`, which splits only those dims): cut each
     partition's window out by halo exchange, then partition the rest around it."""
     operands = list(operands)
     operands[index] = windowed(ctx, operands[index], plans, layout, fill)
-    return partition_pinned(ctx, instr, operands, target, factors, index, list(plans), layout, out_map,
+    return partition_pinned(ctx, instr, operands, targets, factors, index, list(plans), layout, out_map,
                             out_keep, emit)
 
 
@@ -309,15 +309,18 @@ def pinned_space(factors: list[fx.Factor], index: int, dims: list[int], layout: 
     return layout.remap([factor_of.get(d) if d in dims else None for d in range(rank)], len(factors))
 
 
-def partition_pinned(ctx, instr: Instr, operands: list[PartitionedValue], target: Sharding,
+def partition_pinned(ctx, instr: Instr, operands: list[PartitionedValue], targets: Sequence[Sharding],
                      factors: list[fx.Factor], index: int, dims: list[int], layout: Sharding,
-                     out_map: dict[int, int], out_keep: list[int], emit: fx.LocalEmitter) -> PartitionedValue:
+                     out_map: dict[int, int], out_keep: list[int], emit: fx.LocalEmitter) -> list[PartitionedValue]:
     """The factor partitioner on operands whose `dims` (of operand `index`) already hold
     per-partition windows: those splits are pinned. `out_map` sends such a dim to the
-    output dim it splits; the target's splits of the `out_keep` dims are kept too."""
-    rank, out = operands[index].rank, instr.outputs[0]
+    output dim it splits (in every output); the targets' splits of the `out_keep` dims
+    are kept too."""
+    rank = operands[index].rank
     pinned = pinned_space(factors, index, dims, layout, rank)
-    out_layout = layout.remap([out_map.get(d) for d in range(rank)], out.rank)
-    inner = target.keep_dims(out_keep).merge(out_layout) or out_layout
-    (res,) = fx.partition(ctx, instr, factors, operands, [inner], emit_local=emit, pinned=pinned)
-    return rs.reshard(ctx, res, target)
+    inner = []
+    for out, target in zip(instr.outputs, targets):
+        out_layout = layout.remap([out_map.get(d) for d in range(rank)], out.rank)
+        inner.append(target.keep_dims(out_keep).merge(out_layout) or out_layout)
+    results = fx.partition(ctx, instr, factors, operands, inner, emit_local=emit, pinned=pinned)
+    return [rs.reshard(ctx, res, target) for res, target in zip(results, targets)]
