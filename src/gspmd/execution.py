@@ -15,6 +15,7 @@ from typing import Callable, Iterator, Optional
 import jax
 import numpy as np
 
+from gspmd.analysis.report import Collective
 from gspmd.arguments import Signature, Template, is_array, is_static_key, leaf_key
 from gspmd.checks import describe
 from gspmd.compose import Transforms
@@ -23,6 +24,8 @@ from gspmd.frontend.keys import KeyData
 from gspmd.ir import Program
 from gspmd.mesh import Mesh
 from gspmd.runtime import jax_backend, sim
+from gspmd.spmd.context import Why
+from gspmd.spmd.cost import Pattern
 
 _LOWER_AGAIN = "call the jitted function (it lowers again) or lower anew."
 _flatten = jax.tree_util.tree_flatten
@@ -67,6 +70,16 @@ class Execution:
         """The results' shapes and dtypes (jax.ShapeDtypeStruct), as jax.jit's eval_shape gives them."""
         flat = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in self.program.outputs]
         return jax.tree_util.tree_unflatten(self.out_tree, jax.eval_shape(lambda *xs: self.keys.results(xs), *flat))
+
+    def backend_assembly(self) -> list[Collective]:
+        """The collectives the backend runs around the program: on the jax backend, the
+        gathers that assemble results whose layout no NamedSharding holds."""
+        if self.backend != "jax":
+            return []
+        return [Collective(Pattern.ALL_GATHER.value, nbytes, tuple(map(tuple, groups.tolist())),
+                           f"{self.label(v)}: assembled by the jax backend (uneven shards)", why=Why.RESHARD,
+                           source=self.label(v))
+                for v, nbytes, groups in self.jax_executable().assembly_gathers()]
 
     def _checked(self, args: tuple, kwargs: dict) -> list:
         """The call's leaves, checked against the signature this was lowered for."""

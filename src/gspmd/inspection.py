@@ -4,7 +4,7 @@ over the user's meshes; the programs as text; the report; where each layout came
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import numpy as np
 
@@ -34,6 +34,7 @@ class Inspection:
     donated: tuple[int, ...]
     memory_budget: Optional[BudgetChoice]
     logical_axes: dict[Value, tuple]   # parameters' and results' logical axis names, as flax declares them
+    backend_assembly: Callable[[], list]   # Execution's: the collectives the backend runs around the program
 
     def describe(self, sharding: Sharding) -> str:
         """A sharding as a PartitionSpec over the user's mesh, next to XLA's form."""
@@ -70,9 +71,12 @@ class Inspection:
         also the estimated step time and FLOPs utilization. `.memory` shows where the peak is: the buffers
         held then, largest first, and the bytes held over the run
         (`.memory.plot("out.png")`); `.memory_budget` how the program was fitted to
-        jit(memory_limit=...)."""
+        jit(memory_limit=...). Collectives count as often as they run (x trip count in
+        loops) and every branch of a conditional once, each saying the loop body or
+        branch it is `within`; `.backend_collectives` are what the jax backend's compiled
+        program holds (each once, as its HLO text lists them: analysis.xla.hlo_collectives)."""
         report = analyse(self.spmd, self.num_devices, hardware if hardware is not None else self.hardware,
-                         self.donated)
+                         self.donated, self.backend_assembly())
         report.memory_budget = self.memory_budget
         return report
 

@@ -31,6 +31,7 @@ class Collective:
     executions: int = 1   # how often it runs (inside loops: the trip count)
     why: Optional[Why] = None   # the kind of rule that created it
     source: str = ""      # the user's line that made it ("train.py:12 (loss)"), or a pytree path
+    within: str = ""      # the loop body or conditional branch it runs in ("" at the top level)
 
     def __iter__(self):   # unpacks as (kind, bytes, groups)
         return iter((self.kind, self.bytes, self.groups))
@@ -53,6 +54,13 @@ class Report:
     recompute_fraction: Optional[float] = None
     recompute_flops: int = 0   # of `flops`: forward computation repeated by a backward pass (remat)
     pipelines: list[PipelineSchedule] = field(default_factory=list)   # pipeline schedules in the program
+    # The collectives the jax backend's compiled program holds, before XLA's own rewrites
+    # (combining, simplifying): each of `collectives` as its lowering runs it (a float
+    # max all-reduce also reduces NaN flags; a product gathers the group's values) and,
+    # on a jax-backend Lowered, the gathers that assemble results whose layout no
+    # NamedSharding holds (uneven shards). Compare these with the compiled HLO text
+    # (analysis.xla.hlo_collectives): that lists each once, whatever its executions.
+    backend_collectives: list[Collective] = field(default_factory=list)
 
     @property
     def compute_seconds(self) -> float:
@@ -116,7 +124,13 @@ class Report:
         for c in self.collectives:
             times = f" x{c.executions}" if c.executions > 1 else ""
             at = f", at {c.source}" if c.source else ""
-            lines.append(f"  {c.kind:<18} {c.bytes:>12,} B{times}  groups={_groups_str(c.groups)}  <- {c.origin}{at}")
+            within = f", in {c.within}" if c.within else ""
+            lines.append(f"  {c.kind:<18} {c.bytes:>12,} B{times}  groups={_groups_str(c.groups)}  <- {c.origin}{at}"
+                         f"{within}")
+        extra = _tally(self.backend_collectives) - _tally(self.collectives)
+        if extra:
+            lines.append(f"the jax backend runs besides (lowerings, result assembly): {dict(sorted(extra.items()))} "
+                         "bytes; see .backend_collectives")
         if self.fallbacks:
             lines.append(f"warning: {len(self.fallbacks)} reshard fallback(s) gather data only to split it again")
         lines.append(f"peak memory per device: {self.peak_memory_bytes:,} bytes")
@@ -140,21 +154,31 @@ class Report:
         return "\n".join(lines)
 
 
+def _tally(collectives: Sequence[Collective]) -> Counter:
+    """Bytes by kind, each collective once (as compiled program text lists it)."""
+    tally = Counter()
+    for c in collectives:
+        tally[c.kind] += c.bytes
+    return tally
+
+
 def _groups_str(groups) -> str:
     text = str([list(g) for g in groups]).replace(" ", "")
     return text if len(text) <= 60 else f"{text[:57]}..."
 
 
 def analyse(spmd: Program, num_devices: int, hardware: Union[None, str, Hardware] = None,
-            donated: Sequence[int] = ()) -> Report:
-    """`donated`: indices of parameters whose buffers the results may reuse."""
+            donated: Sequence[int] = (), assembly: Sequence[Collective] = ()) -> Report:
+    """`donated`: indices of parameters whose buffers the results may reuse; `assembly`:
+    the collectives a backend runs around the program (Report.backend_collectives)."""
     hw = None if hardware is None else profile(hardware)
     held = memory.profile(spmd, memory.donation_aliases(spmd, donated), kernel_scratch=hw is None or hw.kernel_scratch)
     report = Report(peak_memory_bytes=held.peak_bytes, memory=held, pipelines=list(spmd.schedules))
     if hw is not None:
         report.hardware = hw
         report.timing = time_program(spmd, hw, num_devices)
-    _walk(spmd, 1, report)
+    _walk(spmd, 1, report, num_devices=num_devices)
+    report.backend_collectives += assembly
     report.bubble_fraction = _bubble_fraction(report.pipelines)
     report.recompute_fraction = report.recompute_flops / report.flops if report.recompute_flops else None
     return report
@@ -174,21 +198,27 @@ def flops(program: Program) -> int:
     return report.flops
 
 
-def _walk(program: Program, executions: int, report: Report, seen_groups: Optional[dict] = None) -> None:
+def _walk(program: Program, executions: int, report: Report, seen_groups: Optional[dict] = None,
+          within: str = "", num_devices: int = 1) -> None:
     """Count each instruction as often as it runs: a loop body's trip count times (once
     when the trip count is not known statically, as for while_loop); every branch of a
-    conditional once (what it may cost, not which branch a run takes)."""
+    conditional once (what it may cost, not which branch a run takes; each collective
+    says which branch or body it is `within`)."""
     seen_groups = {} if seen_groups is None else seen_groups
     for instr in program.instrs:
         op = ops.lookup(instr.opcode).timing
-        if op.collective is not None:
-            groups = np.asarray(instr.attrs["pairs"] if "pairs" in instr.attrs else instr.attrs["groups"])
+        lowered = ops.lowered_collectives(instr, num_devices)
+        if op.collective is not None or lowered:
+            groups = np.asarray(instr.attrs.get("pairs", instr.attrs.get("groups", [])))
             # Many collectives share their groups: convert each distinct array once.
             key = (groups.shape, groups.tobytes())
             if key not in seen_groups:
                 seen_groups[key] = tuple(map(tuple, groups.tolist()))
-            report.collectives.append(Collective(instr.opcode, ops.collective_bytes(instr), seen_groups[key],
-                                                 instr.origin, executions, instr.why, instr.source))
+            at = dict(groups=seen_groups[key], origin=instr.origin, executions=executions, why=instr.why,
+                      source=instr.source, within=within)
+            if op.collective is not None:
+                report.collectives.append(Collective(instr.opcode, ops.collective_bytes(instr), **at))
+            report.backend_collectives += [Collective(pattern.value, nbytes, **at) for pattern, nbytes in lowered]
         if op.flops is not None:
             flops = op.flops(instr) * executions
             report.flops += flops
@@ -196,4 +226,4 @@ def _walk(program: Program, executions: int, report: Report, seen_groups: Option
             if op.compute is ComputeKind.MEMORY:
                 report.memory_bound_flops += flops
         for sub, times in ops.runs(instr):
-            _walk(sub, executions * times, report, seen_groups)
+            _walk(sub, executions * times, report, seen_groups, sub.name, num_devices)

@@ -45,15 +45,31 @@ _HLO_ITEMSIZE = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf
                  "u16": 2, "pred": 1, "s8": 1, "u8": 1}
 
 
-def hlo_collective_bytes(hlo_text: str) -> dict[str, int]:
-    """Per-device result bytes of each collective kind in compiled HLO text (ours or
-    XLA's; an async pair counts once, at its -done)."""
-    total: dict[str, int] = {}
+_COMBINED = ("all-reduce", "all-gather", "reduce-scatter")   # XLA's combiners make tuples of these
+
+
+def hlo_collectives(hlo_text: str) -> list[tuple[str, int]]:
+    """(kind, per-device result bytes) of each collective in compiled HLO text (ours or
+    XLA's), as many times as the text holds it (a loop body's once): an async pair
+    counts once, at its -done; a tuple that XLA's combiner made of several all-reduces
+    (all-gathers, reduce-scatters) counts as each of them; a tuple all-to-all (XLA's
+    form of one, a piece per peer) as one."""
+    found = []
     for line in hlo_text.splitlines():
         m = _HLO_COLLECTIVE.search(re.sub(r"/\*.*?\*/", "", line))   # tuples carry /*index=5*/ marks
         if m is None or m.group(3) == "-start":
             continue
-        shapes = re.findall(r"(\w+)\[([\d,]*)\]", m.group(1))
-        nbytes = sum(_HLO_ITEMSIZE[t] * math.prod(int(d) for d in dims.split(",") if d) for t, dims in shapes)
-        total[m.group(2)] = total.get(m.group(2), 0) + nbytes
+        kind = m.group(2)
+        sizes = [_HLO_ITEMSIZE[t] * math.prod(int(d) for d in dims.split(",") if d)
+                 for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1))]
+        found += [(kind, size) for size in sizes] if kind in _COMBINED else [(kind, sum(sizes))]
+    return found
+
+
+def hlo_collective_bytes(hlo_text: str) -> dict[str, int]:
+    """Per-device result bytes of each collective kind in compiled HLO text (see
+    hlo_collectives)."""
+    total: dict[str, int] = {}
+    for kind, nbytes in hlo_collectives(hlo_text):
+        total[kind] = total.get(kind, 0) + nbytes
     return total

@@ -34,6 +34,7 @@ from gspmd.mesh import Mesh
 from gspmd.ops.convert import BoundPrimitive, call_eagerly
 from gspmd.ops.registry import Frontend, Rule, Semantics, register, replicate_fallback
 from gspmd.sharding import Sharding
+from gspmd.spmd.cost import Pattern
 
 
 def _convert(side_effect: bool):
@@ -79,6 +80,14 @@ def _lower(instr, args, lc):
     return [lax.all_gather(r, lc.axis)[0] for r in results]   # device 0's results, everywhere
 
 
+def _lowered_collectives(instr, num_devices: int) -> list[tuple[Pattern, int]]:
+    """_lower's gather of device 0's results (every device's copy stacked), unless each
+    device calls on its own."""
+    if instr.attrs["per_device"]:
+        return []
+    return [(Pattern.ALL_GATHER, num_devices * o.nbytes) for o in instr.outputs]
+
+
 # -- jax.debug.inspect_array_sharding: the layout gspmd chose, at compile time ----------------
 def _convert_inspect(b, eqn, args):
     # gspmd.jit's mesh says which jax device each device id is (its own, for a jax mesh)
@@ -117,5 +126,5 @@ register("inspect-sharding",
 register("host-callback",
          frontend=Frontend(converts={"debug_print": _convert(True), "debug_callback": _convert(True),
                                      "io_callback": _convert(True), "pure_callback": _convert(False)}),
-         semantics=Semantics(evaluate_all=_evaluate_all, lower=_lower),
+         semantics=Semantics(evaluate_all=_evaluate_all, lower=_lower, lowered_collectives=_lowered_collectives),
          rule=Rule(partition=replicate_fallback))

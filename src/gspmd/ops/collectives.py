@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Callable
 
 import numpy as np
 from jax import lax
@@ -242,6 +243,32 @@ def _all_reduce_value(instr: Instr, x, lc):
     return reducer.lax_reduce(members, (0,)).astype(x.dtype)
 
 
+def _reduced_as(instr: Instr, x: Value) -> list[tuple[Pattern, int]]:
+    """The collectives _all_reduce_value runs to reduce x over instr's groups."""
+    reducer, dtype, count = instr.attrs["reducer"], x.dtype, math.prod(x.shape)
+    if reducer is ADD:
+        return [(Pattern.ALL_REDUCE, x.nbytes)]
+    if reducer in (MAX, MIN) or (reducer in (AND, OR) and dtype == np.bool_):
+        wide = count * 4 if dtype == np.bool_ else x.nbytes
+        nan_flags = [(Pattern.ALL_REDUCE, count * 4)] if np.issubdtype(dtype, np.floating) else []
+        return [(Pattern.ALL_REDUCE, wide)] + nan_flags
+    return [(Pattern.ALL_GATHER, _group_size(instr) * x.nbytes)]
+
+
+def _group_size(instr: Instr) -> int:
+    return np.asarray(instr.attrs["groups"]).shape[1]
+
+
+def _lowered_as(collectives: Callable[[Instr], list[tuple[Pattern, int]]]):
+    """A lowered_collectives facet: none over empty operands or one-device groups, which
+    the lowerings skip (or XLA drops), else `collectives(instr)`."""
+    def lowered(instr: Instr, num_devices: int) -> list[tuple[Pattern, int]]:
+        if 0 in instr.operands[0].shape or _group_size(instr) == 1:
+            return []
+        return collectives(instr)
+    return lowered
+
+
 def _lower_all_reduce(instr, args, lc):
     if np.asarray(instr.attrs["groups"]).shape[1] == 1:
         return [args[0]]
@@ -267,6 +294,13 @@ def _lower_reduce_scatter(instr, args, lc):
     size = instr.outputs[0].shape[dim]
     full = _all_reduce_value(instr, args[0], lc)
     return [lax.dynamic_slice_in_dim(full, _rank_in_group(instr, lc) * size, size, axis=dim)]
+
+
+def _scattered_as(instr: Instr) -> list[tuple[Pattern, int]]:
+    """A sum is one reduce-scatter; other reducers reduce the whole operand (see below)."""
+    if instr.attrs["reducer"] is ADD:
+        return [(Pattern.REDUCE_SCATTER, instr.outputs[0].nbytes)]
+    return _reduced_as(instr, instr.operands[0])
 
 
 def _scatter_key(instr):
@@ -341,16 +375,30 @@ def _ragged_by_all_to_all(axis, operand, output, input_offsets, send_sizes, outp
     return output.at[at.ravel()].set(received.reshape((-1,) + operand.shape[1:]), mode="drop")
 
 
-def _lower_collective_permute(instr, args, lc):
-    """ppermute needs unique sources: a source sending to several devices goes in rounds.
-    Devices nobody sends to get zeros (HLO semantics, as ppermute does)."""
-    pairs = [tuple(int(d) for d in p) for p in lc.positions(np.asarray(instr.attrs["pairs"]).reshape(-1, 2))]
+def _permute_rounds(pairs) -> list[list[tuple[int, int]]]:
+    """Pairs in rounds with one pair per source each (ppermute needs unique sources)."""
     rounds: list[list] = []
     for src, dst in pairs:
         free = next((r for r in rounds if all(s != src for s, _ in r)), None)
         if free is None:
             rounds.append(free := [])
         free.append((src, dst))
+    return rounds
+
+
+def _lowered_collective_permute(instr: Instr, num_devices: int) -> list[tuple[Pattern, int]]:
+    """One collective-permute per round."""
+    if 0 in instr.operands[0].shape:
+        return []
+    pairs = [tuple(p) for p in np.asarray(instr.attrs["pairs"]).reshape(-1, 2).tolist()]
+    return [(Pattern.PERMUTE, instr.outputs[0].nbytes)] * len(_permute_rounds(pairs))
+
+
+def _lower_collective_permute(instr, args, lc):
+    """ppermute needs unique sources: a source sending to several devices goes in rounds.
+    Devices nobody sends to get zeros (HLO semantics, as ppermute does)."""
+    pairs = [tuple(int(d) for d in p) for p in lc.positions(np.asarray(instr.attrs["pairs"]).reshape(-1, 2))]
+    rounds = _permute_rounds(pairs)
     out = lax.ppermute(args[0], lc.axis, rounds[0]) if rounds else jnp.zeros_like(args[0])
     for r in rounds[1:]:
         received = np.zeros(lc.axis_size(), bool)
@@ -420,13 +468,15 @@ register("partition-id",
 register("all-reduce",
          frontend=Frontend(converts={"psum": _convert_psum(ADD), "psum_invariant": _convert_psum(ADD),
                                  "pmax": _convert_psum(MAX), "pmin": _convert_psum(MIN)}),
-         semantics=Semantics(evaluate_all=_evaluate_all_reduce, lower=_empty_safe(_lower_all_reduce)),
+         semantics=Semantics(evaluate_all=_evaluate_all_reduce, lower=_empty_safe(_lower_all_reduce),
+                             lowered_collectives=_lowered_as(lambda instr: _reduced_as(instr, instr.operands[0]))),
          rule=Rule(factors=elementwise_factors),
          timing=Timing(collective=Pattern.ALL_REDUCE),
          facets=Facets(uniform=_uniform_within_groups))
 register("all-gather",
          frontend=Frontend(converts={"all_gather": _convert_all_gather, "all_gather_invariant": _convert_all_gather}),
-         semantics=Semantics(evaluate_all=_evaluate_all_gather, lower=_empty_safe(_lower_all_gather)),
+         semantics=Semantics(evaluate_all=_evaluate_all_gather, lower=_empty_safe(_lower_all_gather),
+                             lowered_collectives=_lowered_as(lambda instr: [(Pattern.ALL_GATHER, instr.outputs[0].nbytes)])),
          rule=Rule(factors=_whole_along("dim")),
          timing=Timing(collective=Pattern.ALL_GATHER),
          kernel=Kernel(orders=_along_dim),
@@ -435,14 +485,16 @@ register("all-gather",
 register("reduce-scatter",
          frontend=Frontend(converts={"reduce_scatter": _convert_reduce_scatter}),
          semantics=Semantics(evaluate_all=_evaluate_reduce_scatter, lower=_empty_safe(_lower_reduce_scatter),
-                             lower_together=(_scatter_key, _lower_reduce_scatters)),
+                             lower_together=(_scatter_key, _lower_reduce_scatters),
+                             lowered_collectives=_lowered_as(_scattered_as)),
          rule=Rule(factors=_whole_along("dim")),
          timing=Timing(collective=Pattern.REDUCE_SCATTER),
          kernel=Kernel(orders=_along_dim),
          facets=Facets(uniform=_varying))
 register("all-to-all",
          frontend=Frontend(converts={"all_to_all": _convert_all_to_all}),
-         semantics=Semantics(evaluate_all=_evaluate_all_to_all, lower=_empty_safe(_lower_all_to_all)),
+         semantics=Semantics(evaluate_all=_evaluate_all_to_all, lower=_empty_safe(_lower_all_to_all),
+                             lowered_collectives=_lowered_as(lambda instr: [(Pattern.ALL_TO_ALL, instr.outputs[0].nbytes)])),
          rule=Rule(factors=_whole_along("split_dim", "concat_dim")),
          timing=Timing(collective=Pattern.ALL_TO_ALL),
          memory=Memory(scratch=_all_to_all_pieces),
@@ -456,7 +508,8 @@ register("ragged-all-to-all",
          facets=Facets(uniform=_varying))
 register("collective-permute",
          frontend=Frontend(converts={"ppermute": _convert_ppermute, "pbroadcast": _convert_pbroadcast}),
-         semantics=Semantics(evaluate_all=_evaluate_collective_permute, lower=_empty_safe(_lower_collective_permute)),
+         semantics=Semantics(evaluate_all=_evaluate_collective_permute, lower=_empty_safe(_lower_collective_permute),
+                             lowered_collectives=_lowered_collective_permute),
          rule=Rule(factors=elementwise_factors),
          timing=Timing(collective=Pattern.PERMUTE),
          facets=Facets(uniform=_varying))

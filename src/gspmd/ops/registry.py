@@ -89,6 +89,10 @@ class Semantics:
     # one alone) that no instruction between them reads run as one, lower_all(instrs,
     # args of each, lc) -> results of each (collectives a backend does not combine itself)
     lower_together: Optional[tuple[Callable[[Instr], Optional[Hashable]], Callable]] = None
+    # lowered_collectives(instr, num_devices) -> the collectives `lower` runs, (pattern,
+    # bytes per device) each, where not the op's own collective (Timing.collective) as it
+    # is: a max all-reduce's NaN flags, a host callback's gather of device 0's results
+    lowered_collectives: Optional[Callable[[Instr, int], list[tuple[Pattern, int]]]] = None
 
 
 @dataclass
@@ -305,6 +309,15 @@ def collective_bytes(instr: Instr) -> int:
     bytes, or its op's payload."""
     payload = lookup(instr.opcode).timing.payload
     return instr.output.nbytes if payload is None else payload(instr)
+
+
+def lowered_collectives(instr: Instr, num_devices: int) -> list[tuple[Pattern, int]]:
+    """The collectives the jax backend runs for one execution of `instr` (pattern, bytes
+    per device), before XLA's own rewrites: its lowering's, or its own collective."""
+    op = lookup(instr.opcode)
+    if op.semantics.lowered_collectives is not None:
+        return op.semantics.lowered_collectives(instr, num_devices)
+    return [] if op.timing.collective is None else [(op.timing.collective, collective_bytes(instr))]
 
 
 def runs(instr: Instr) -> list[tuple[Program, int]]:

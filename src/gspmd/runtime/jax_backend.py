@@ -211,6 +211,17 @@ class Executable:
         coarse = Sharding.from_named(named, value.shape) if value.rank else value.sharding
         return None if coarse == value.sharding else coarse
 
+    def assembly_gathers(self) -> list[tuple[Value, int, np.ndarray]]:
+        """The gathers _body runs to assemble results whose layout no NamedSharding holds:
+        (the result, bytes per device, device groups) each (see _assemble)."""
+        gathers = []
+        for g, coarse in self._core_out:
+            replicas = g.sharding.tile_assignment.reshape(-1, g.sharding.num_replicas).T
+            if coarse is not None and replicas.shape[1] > 1:
+                local = int(np.prod(g.sharding.shard_shape(g.shape))) * np.dtype(g.dtype).itemsize
+                gathers.append((g, replicas.shape[1] * local, replicas))
+        return gathers
+
     def input_sharding(self, i: int) -> NamedSharding:
         """The layout in which argument i is used without copies."""
         return self.in_shardings[i]
