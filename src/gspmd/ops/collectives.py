@@ -378,11 +378,15 @@ def _ragged_by_all_to_all(axis, operand, output, input_offsets, send_sizes, outp
 def _permute_rounds(pairs) -> list[list[tuple[int, int]]]:
     """Pairs in rounds with one pair per source each (ppermute needs unique sources)."""
     rounds: list[list] = []
+    sources: list[set] = []     # each round's, to look up (reports ask this of 2048-device programs)
     for src, dst in pairs:
-        free = next((r for r in rounds if all(s != src for s, _ in r)), None)
+        free = next((k for k, senders in enumerate(sources) if src not in senders), None)
         if free is None:
-            rounds.append(free := [])
-        free.append((src, dst))
+            free = len(rounds)
+            rounds.append([])
+            sources.append(set())
+        rounds[free].append((src, dst))
+        sources[free].add(src)
     return rounds
 
 
