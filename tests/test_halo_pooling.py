@@ -156,6 +156,23 @@ def test_max_pool_with_argmax_indices_exchanges_halos(shape, dims, window, strid
     assert report.collective_bytes == 2 * alone.collective_bytes   # float32 and int32 halos alike
 
 
+def test_forward_mode_derivative_of_a_variadic_reduce_window():
+    """jax.jvp of a 2-operand reduce_window (both operands' tangents given) is one of 4
+    operands, whose computation is the reducer's JVP: every operand's halos move (jax
+    transposes none of this, and fails on a symbolic zero tangent, so no gradient)."""
+    def first_max_carrying(a, b):
+        (av, aw), (bv, bw) = a, b
+        return lax.select(av >= bv, av, bv), lax.select(av >= bv, aw, bw)
+
+    def pool(x, w):
+        x = gspmd.mesh_split(x, MESH, [-1, "y"])
+        return lax.reduce_window((x, w), (-jnp.inf, 0.0), first_max_carrying, (1, 3), (1, 2), ((0, 0), (1, 1)))
+    rng = np.random.RandomState(8)
+    x, w, t, u = (rand(rng, 3, 13) for _ in range(4))
+    report = check(lambda x, w, t, u: jax.jvp(pool, (x, w), (t, u)), x, w, t, u, mesh=MESH).report()
+    assert report.counts() == {"collective-permute": 4}, str(report)
+
+
 def test_max_pool_with_argmax_indices_on_an_unsplit_window_dim():
     """Split only along a dim the window does not slide over: no communication at all."""
     x = rand(np.random.RandomState(7), 4, 9, 6)
