@@ -8,7 +8,7 @@ counts each collective as often as it runs (x trip count in loops, every branch 
 conditional once), while program text lists each once; the jax backend lowers some
 collectives as more than one (a float max all-reduce also reduces NaN flags, a bool one
 runs on int32, a product gathers the group's values, a host callback gathers device 0's
-results). Not compared: XLA's CPU rewrites that change bytes (none in these programs)
+results) and runs reduce-scatters that XLA:CPU would not combine as one. Not compared: XLA's CPU rewrites that change bytes (none in these programs)
 and ragged all-to-alls (XLA:CPU runs them as padded all-to-alls)."""
 from collections import Counter
 
@@ -115,6 +115,22 @@ def test_mlp_train_step_whose_all_reduces_xla_combines():
         return w1 - 0.1 * g1, w2 - 0.1 * g2
     report = compared(step, _rand(32, 64), _rand(64, 128), _rand(128, 64))
     assert report.counts()["all-reduce"] == 3, str(report)
+
+
+def test_reduce_scatters_the_jax_backend_runs_as_one():
+    """Fully sharded weights: their gradients' reduce-scatters (same groups and dtype,
+    neither reading the other) run as one on the jax backend (XLA:CPU combines none);
+    the report lists them apart and backend_collectives as the one they run as."""
+    def step(x, w1, w2):
+        def loss(w1, w2):
+            h = gspmd.mesh_split(x, MESH, [("x", "y"), -1]) @ w1
+            return jnp.mean((jax.nn.relu(h) @ w2) ** 2)
+        g1, g2 = jax.grad(loss, (0, 1))(w1, w2)
+        return w1 - 0.1 * gspmd.mesh_split(g1, MESH, [("x", "y"), -1]), \
+            w2 - 0.1 * gspmd.mesh_split(g2, MESH, [("x", "y"), -1])
+    report = compared(step, _rand(32, 64), _rand(64, 128), _rand(128, 64))
+    assert [c.bytes for c in report.collectives if c.kind == "reduce-scatter"] == [4096, 4096], str(report)
+    assert [c.bytes for c in report.backend_collectives if c.kind == "reduce-scatter"] == [8192], str(report)
 
 
 def test_attention_with_a_split_softmax_and_uneven_results():

@@ -56,7 +56,8 @@ class Report:
     pipelines: list[PipelineSchedule] = field(default_factory=list)   # pipeline schedules in the program
     # The collectives the jax backend's compiled program holds, before XLA's own rewrites
     # (combining, simplifying): each of `collectives` as its lowering runs it (a float
-    # max all-reduce also reduces NaN flags; a product gathers the group's values) and,
+    # max all-reduce also reduces NaN flags; a product gathers the group's values; those
+    # the backend lowers together, as reduce-scatters XLA:CPU does not combine, as one) and,
     # on a jax-backend Lowered, the gathers that assemble results whose layout no
     # NamedSharding holds (uneven shards). Compare these with the compiled HLO text
     # (analysis.xla.hlo_collectives): that lists each once, whatever its executions.
@@ -205,20 +206,18 @@ def _walk(program: Program, executions: int, report: Report, seen_groups: Option
     conditional once (what it may cost, not which branch a run takes; each collective
     says which branch or body it is `within`)."""
     seen_groups = {} if seen_groups is None else seen_groups
+
+    def collective(kind: str, nbytes: int, instr, origin: str) -> Collective:
+        groups = np.asarray(instr.attrs.get("pairs", instr.attrs.get("groups", [])))
+        # Many collectives share their groups: convert each distinct array once.
+        key = (groups.shape, groups.tobytes())
+        if key not in seen_groups:
+            seen_groups[key] = tuple(map(tuple, groups.tolist()))
+        return Collective(kind, nbytes, seen_groups[key], origin, executions, instr.why, instr.source, within)
     for instr in program.instrs:
         op = ops.lookup(instr.opcode).timing
-        lowered = ops.lowered_collectives(instr, num_devices)
-        if op.collective is not None or lowered:
-            groups = np.asarray(instr.attrs.get("pairs", instr.attrs.get("groups", [])))
-            # Many collectives share their groups: convert each distinct array once.
-            key = (groups.shape, groups.tobytes())
-            if key not in seen_groups:
-                seen_groups[key] = tuple(map(tuple, groups.tolist()))
-            at = dict(groups=seen_groups[key], origin=instr.origin, executions=executions, why=instr.why,
-                      source=instr.source, within=within)
-            if op.collective is not None:
-                report.collectives.append(Collective(instr.opcode, ops.collective_bytes(instr), **at))
-            report.backend_collectives += [Collective(pattern.value, nbytes, **at) for pattern, nbytes in lowered]
+        if op.collective is not None:
+            report.collectives.append(collective(instr.opcode, ops.collective_bytes(instr), instr, instr.origin))
         if op.flops is not None:
             flops = op.flops(instr) * executions
             report.flops += flops
@@ -227,3 +226,17 @@ def _walk(program: Program, executions: int, report: Report, seen_groups: Option
                 report.memory_bound_flops += flops
         for sub, times in ops.runs(instr):
             _walk(sub, executions * times, report, seen_groups, sub.name, num_devices)
+    for step in ops.lowering_steps(program):
+        # a group lowered together runs each kind of collective its members run as one
+        lowered: dict[Pattern, list[int]] = {}
+        for instr in step.instrs:
+            for pattern, nbytes in ops.lowered_collectives(instr, num_devices):
+                lowered.setdefault(pattern, []).append(nbytes)
+        first = step.instrs[0]
+        for pattern, sizes in lowered.items():
+            origin = first.origin if len(step.instrs) == 1 else \
+                f"{first.origin} and {len(step.instrs) - 1} more, run as one by the jax backend"
+            if step.together:
+                report.backend_collectives.append(collective(pattern.value, sum(sizes), first, origin))
+            else:
+                report.backend_collectives += [collective(pattern.value, n, first, origin) for n in sizes]

@@ -4,9 +4,9 @@ from gspmd.ops import (callbacks, collectives, control, conv, dot, elementwise, 
                        linalg, manual, random, reduce, shape, slicing, sort, window)
 from gspmd.ops.elementwise import annotated
 from gspmd.ops.registry import (KEY_PRIMITIVES, OPS, PRIMITIVES, OpDef, collective_bytes, flops, informants,
-                                is_annotation, is_zero, layouts_named, lookup, lowered_collectives, partition, propagate,
-                                proposer, prune, runs, seeds, splats, storage, tensors)
+                                is_annotation, is_zero, layouts_named, lookup, lowered_collectives, lowering_steps,
+                                partition, propagate, proposer, prune, runs, seeds, splats, storage, tensors)
 
 __all__ = ["KEY_PRIMITIVES", "OPS", "PRIMITIVES", "OpDef", "annotated", "collective_bytes", "flops", "informants",
-           "is_annotation", "is_zero", "layouts_named", "lookup", "lowered_collectives", "partition", "propagate",
-           "proposer", "prune", "runs", "seeds", "splats", "storage", "tensors"]
+           "is_annotation", "is_zero", "layouts_named", "lookup", "lowered_collectives", "lowering_steps", "partition",
+           "propagate", "proposer", "prune", "runs", "seeds", "splats", "storage", "tensors"]

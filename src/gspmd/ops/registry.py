@@ -311,6 +311,48 @@ def collective_bytes(instr: Instr) -> int:
     return instr.output.nbytes if payload is None else payload(instr)
 
 
+@dataclass(frozen=True)
+class LoweringStep:
+    """Instructions the jax backend lowers at one go: one alone, or (together) a group
+    its record's lower_together runs as one."""
+    instrs: tuple[Instr, ...]
+    together: bool = False
+
+
+def lowering_steps(program: Program) -> list[LoweringStep]:
+    """The order in which the jax backend lowers `program`. Instructions whose records
+    lower them together (collectives XLA does not combine) wait, with the instructions
+    that read them, until an instruction that cannot wait (a sub-program, a side
+    effect, another of them) reads one; then each waiting kind runs as one."""
+    steps: list[LoweringStep] = []
+    waiting: dict[object, list[Instr]] = {}
+    deferred: list[Instr] = []
+    pending: set[Value] = set()     # results of waiting and deferred instructions
+
+    def flush():
+        steps.extend(LoweringStep(tuple(group), together=True) for group in waiting.values())
+        steps.extend(LoweringStep((instr,)) for instr in deferred)
+        waiting.clear(), deferred.clear(), pending.clear()
+    for instr in program.instrs:
+        together = lookup(instr.opcode).semantics.lower_together
+        key = together[0](instr) if together else None
+        reads_pending = any(o in pending for o in instr.operands)
+        if reads_pending and key is None and instr.outputs and not instr.has_side_effect and not runs(instr):
+            deferred.append(instr)
+        elif key is not None and not reads_pending:
+            waiting.setdefault((instr.opcode, key), []).append(instr)
+        else:
+            if reads_pending:
+                flush()
+            if key is None:
+                steps.append(LoweringStep((instr,)))
+                continue
+            waiting.setdefault((instr.opcode, key), []).append(instr)
+        pending.update(instr.outputs)
+    flush()
+    return steps
+
+
 def lowered_collectives(instr: Instr, num_devices: int) -> list[tuple[Pattern, int]]:
     """The collectives the jax backend runs for one execution of `instr` (pattern, bytes
     per device), before XLA's own rewrites: its lowering's, or its own collective."""

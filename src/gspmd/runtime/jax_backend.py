@@ -49,46 +49,19 @@ def _identity(x):
 
 # -- the executable --------------------------------------------------------------------------
 def _run_body(spmd: Program, local_args: Sequence, lc: LowerContext) -> list:
-    """The per-device program as jax calls (inside the shard_map body). Instructions
-    whose records lower them together (collectives XLA does not combine) wait, with the
-    instructions that read them, until an instruction that cannot wait (a sub-program,
-    a side effect, another of them) reads one; then each waiting kind runs as one."""
+    """The per-device program as jax calls (inside the shard_map body), in the order and
+    groups of ops.lowering_steps."""
     env: dict[Value, object] = dict(zip(spmd.params, local_args))
-    waiting: dict[object, list[Instr]] = {}
-    deferred: list[Instr] = []
-    pending: set[Value] = set()     # results of waiting and deferred instructions
-    for instr in spmd.instrs:
-        together = ops.lookup(instr.opcode).semantics.lower_together
-        key = together[0](instr) if together else None
-        reads_pending = any(o in pending for o in instr.operands)
-        if reads_pending and key is None and instr.outputs and not instr.has_side_effect and not ops.runs(instr):
-            deferred.append(instr)
-        elif key is not None and not reads_pending:
-            waiting.setdefault((instr.opcode, key), []).append(instr)
-        else:
-            if reads_pending:
-                _flush(waiting, deferred, env, lc)
-                pending.clear()
-            if key is not None:
-                waiting.setdefault((instr.opcode, key), []).append(instr)
-            else:
-                env.update(zip(instr.outputs, lower_instr(instr, [env[o] for o in instr.operands], lc)))
-                continue
-        pending.update(instr.outputs)
-    _flush(waiting, deferred, env, lc)
-    return [env[o] for o in spmd.outputs]
-
-
-def _flush(waiting: dict, deferred: list[Instr], env: dict, lc: LowerContext) -> None:
-    """Run each waiting kind as one, then the instructions that waited for them."""
-    for group in waiting.values():
-        lower_all = ops.lookup(group[0].opcode).semantics.lower_together[1]
-        for instr, outs in zip(group, lower_all(group, [[env[o] for o in i.operands] for i in group], lc)):
+    for step in ops.lowering_steps(spmd):
+        if not step.together:
+            (instr,) = step.instrs
+            env.update(zip(instr.outputs, lower_instr(instr, [env[o] for o in instr.operands], lc)))
+            continue
+        lower_all = ops.lookup(step.instrs[0].opcode).semantics.lower_together[1]
+        for instr, outs in zip(step.instrs, lower_all(step.instrs, [[env[o] for o in i.operands] for i in step.instrs],
+                                                       lc)):
             env.update(zip(instr.outputs, outs))
-    for instr in deferred:
-        env.update(zip(instr.outputs, lower_instr(instr, [env[o] for o in instr.operands], lc)))
-    waiting.clear()
-    deferred.clear()
+    return [env[o] for o in spmd.outputs]
 
 
 def _assemble(local, sharding: Sharding, shape: Sequence[int], lc: LowerContext):
