@@ -127,7 +127,8 @@ def _argmax_pool(dims, window, strides, padding, with_indices=True):
     def pool(x):
         x = gspmd.mesh_split(x, MESH, dims)
         if not with_indices:
-            return lax.reduce_window(x, -jnp.inf, lax.max, lead + window, lead + strides, ((0, 0),) * len(lead) + padding)
+            return lax.reduce_window(x, -jnp.inf, lax.max, lead + window, lead + strides,
+                                     ((0, 0),) * len(lead) + padding)
         spatial = range(x.ndim - len(window), x.ndim)
         flat = sum(lax.broadcasted_iota(jnp.int32, x.shape, d) * int(np.prod(x.shape[d + 1:])) for d in spatial)
         return lax.reduce_window((x, flat), (-jnp.inf, jnp.int32(0)), _first_max, lead + window, lead + strides,

@@ -8,8 +8,9 @@ counts each collective as often as it runs (x trip count in loops, every branch 
 conditional once), while program text lists each once; the jax backend lowers some
 collectives as more than one (a float max all-reduce also reduces NaN flags, a bool one
 runs on int32, a product gathers the group's values, a host callback gathers device 0's
-results) and runs reduce-scatters that XLA:CPU would not combine as one. Not compared: XLA's CPU rewrites that change bytes (none in these programs)
-and ragged all-to-alls (XLA:CPU runs them as padded all-to-alls)."""
+results) and runs reduce-scatters that XLA:CPU would not combine as one. Not compared:
+XLA's CPU rewrites that change bytes (none in these programs) and ragged all-to-alls
+(XLA:CPU runs them as padded all-to-alls)."""
 from collections import Counter
 
 import jax

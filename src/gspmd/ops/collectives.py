@@ -269,6 +269,10 @@ def _lowered_as(collectives: Callable[[Instr], list[tuple[Pattern, int]]]):
     return lowered
 
 
+def _as_itself(instr: Instr) -> list[tuple[Pattern, int]]:
+    return [(Pattern(instr.opcode), instr.outputs[0].nbytes)]   # a Pattern's value is its opcode
+
+
 def _lower_all_reduce(instr, args, lc):
     if np.asarray(instr.attrs["groups"]).shape[1] == 1:
         return [args[0]]
@@ -480,7 +484,7 @@ register("all-reduce",
 register("all-gather",
          frontend=Frontend(converts={"all_gather": _convert_all_gather, "all_gather_invariant": _convert_all_gather}),
          semantics=Semantics(evaluate_all=_evaluate_all_gather, lower=_empty_safe(_lower_all_gather),
-                             lowered_collectives=_lowered_as(lambda instr: [(Pattern.ALL_GATHER, instr.outputs[0].nbytes)])),
+                             lowered_collectives=_lowered_as(_as_itself)),
          rule=Rule(factors=_whole_along("dim")),
          timing=Timing(collective=Pattern.ALL_GATHER),
          kernel=Kernel(orders=_along_dim),
@@ -498,7 +502,7 @@ register("reduce-scatter",
 register("all-to-all",
          frontend=Frontend(converts={"all_to_all": _convert_all_to_all}),
          semantics=Semantics(evaluate_all=_evaluate_all_to_all, lower=_empty_safe(_lower_all_to_all),
-                             lowered_collectives=_lowered_as(lambda instr: [(Pattern.ALL_TO_ALL, instr.outputs[0].nbytes)])),
+                             lowered_collectives=_lowered_as(_as_itself)),
          rule=Rule(factors=_whole_along("split_dim", "concat_dim")),
          timing=Timing(collective=Pattern.ALL_TO_ALL),
          memory=Memory(scratch=_all_to_all_pieces),

@@ -8,9 +8,9 @@ window_dilation. variadic-reduce-window (lax.reduce_window with a computation of
 as max pooling that carries argmax indices): operands (*xs, *inits), attrs computation
 (as variadic-reduce's) and the window attrs. As XLA does, windows skip padding (it is
 not the init value); partitioned, the local op gets a last bool operand saying which
-elements of its halo-exchanged windows are real. select-and-scatter-add(source, operand) attrs: select ("ge": first max,
-"le": first min), window_dimensions, window_strides, padding; it adds each source element
-to the position its window selects in operand. select-and-gather-add(tangents, operand)
+elements of its halo-exchanged windows are real. select-and-scatter-add(source, operand)
+attrs: select ("ge": first max, "le": first min), window_dimensions, window_strides,
+padding; it adds each source element to the position its window selects in operand. select-and-gather-add(tangents, operand)
 attrs: select and reduce-window's window attrs; each window's result is the tangent at
 the position its window selects in operand.
 """
@@ -379,7 +379,8 @@ def _padding(p) -> tuple:
 
 def _reduce_window_attrs(p) -> dict:
     return dict(window_dimensions=tuple(p["window_dimensions"]), window_strides=tuple(p["window_strides"]),
-                padding=_padding(p), base_dilation=tuple(p["base_dilation"]), window_dilation=tuple(p["window_dilation"]))
+                padding=_padding(p), base_dilation=tuple(p["base_dilation"]),
+                window_dilation=tuple(p["window_dilation"]))
 
 
 def _convert_reduce_window(reducer: Reducer):
