@@ -73,8 +73,9 @@ class Execution:
 
     def backend_assembly(self) -> list[Collective]:
         """The collectives the backend runs around the program: on the jax backend, the
-        gathers that assemble results whose layout no NamedSharding holds."""
-        if self.backend != "jax":
+        gathers that assemble results whose layout no NamedSharding holds (none known
+        where this process has not the mesh's devices: such a program is for planning)."""
+        if self.backend != "jax" or not self.mesh.has_jax_devices():
             return []
         return [Collective(Pattern.ALL_GATHER.value, nbytes, tuple(map(tuple, groups.tolist())),
                            f"{self.label(v)}: assembled by the jax backend (uneven shards)", why=Why.RESHARD,

@@ -93,6 +93,12 @@ class Mesh:
             return self.to_jax(auto=True).abstract_mesh
         return jax.sharding.AbstractMesh(self.shape, self.axis_names, axis_types=self._auto_axes())
 
+    def has_jax_devices(self) -> bool:
+        """Whether jax_devices() has the mesh's devices (else the mesh is for planning)."""
+        if self._jax_devices is not None:
+            return set(self._jax_devices) <= set(jax.devices())
+        return self.size <= jax.device_count()
+
     def jax_devices(self) -> list:
         """The jax device of each device id (raises when jax has too few devices)."""
         devices = jax.devices()
