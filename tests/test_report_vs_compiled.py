@@ -14,6 +14,7 @@ XLA's CPU rewrites that change bytes (none in these programs) and ragged all-to-
 from collections import Counter
 
 import jax
+from jax.experimental import io_callback
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -62,15 +63,16 @@ def test_collectives_in_both_branches_of_a_cond():
 
 
 def test_a_callback_in_a_branch_that_never_runs():
-    """As equinox's error_if: the error branch's host callback gathers device 0's
-    results on the jax backend, which the plan does not hold; the report says so."""
+    """An io_callback in a branch that never runs gathers device 0's results on the jax
+    backend, which the plan does not hold; the report says so. (A pure_callback, as
+    equinox's error_if binds, runs on every device and gathers nothing.)"""
     def fail(x):
         raise RuntimeError("never called")
 
     def f(x):
         x = gspmd.mesh_split(x, MESH, ["x", -1])
         checked = lax.cond(jnp.all(jnp.isfinite(x)), lambda x: x,
-                           lambda x: jax.pure_callback(fail, jax.ShapeDtypeStruct(x.shape, x.dtype), x), x)
+                           lambda x: io_callback(fail, jax.ShapeDtypeStruct(x.shape, x.dtype), x), x)
         return checked * 2
     x = _rand(64, 128)
     report = compared(f, x)

@@ -71,8 +71,8 @@ def _lower(instr, args, lc):
             "or run with backend='sim', which keeps the order.")
     def call():
         return [jnp.asarray(r, o.dtype) for r, o in zip(instr.attrs["call"](*args), instr.outputs)]
-    if instr.attrs["per_device"] or instr.attrs["call"].primitive.name == "pure_callback":
-        return call()   # a pure function may run any number of times: on each device, not waited for
+    if _on_each_device(instr):
+        return call()
 
     def elsewhere():
         return [jnp.zeros(o.shape, o.dtype) for o in instr.outputs]
@@ -80,10 +80,16 @@ def _lower(instr, args, lc):
     return [lax.all_gather(r, lc.axis)[0] for r in results]   # device 0's results, everywhere
 
 
+def _on_each_device(instr) -> bool:
+    """Does the jax backend call on every device? In a manual region each device's own
+    call; a pure function, which may run any number of times, without waiting for device 0."""
+    return instr.attrs["per_device"] or instr.attrs["call"].primitive.name == "pure_callback"
+
+
 def _lowered_collectives(instr, num_devices: int) -> list[tuple[Pattern, int]]:
     """_lower's gather of device 0's results (every device's copy stacked), unless each
     device calls on its own."""
-    if instr.attrs["per_device"]:
+    if _on_each_device(instr):
         return []
     return [(Pattern.ALL_GATHER, num_devices * o.nbytes) for o in instr.outputs]
 

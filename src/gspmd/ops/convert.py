@@ -170,3 +170,26 @@ class LowerContext:
         """Mesh positions of device ids (collectives' groups and pairs name positions)."""
         device_ids = np.asarray(device_ids, np.int64)
         return device_ids if self.ids is None else np.argsort(self.ids)[device_ids]
+
+
+# -- the context mesh a traced jaxpr runs under ------------------------------------------------
+def closed_in(closed, mesh):
+    """A closed jaxpr whose equations run under context mesh `mesh` (see in_context)."""
+    return closed.replace(jaxpr=in_context(closed.jaxpr, mesh))
+
+
+def in_context(jaxpr, mesh):
+    """`jaxpr` with every equation's recorded context (sub-jaxprs' too) but its mesh `mesh`."""
+    def moved(ctx):
+        with ctx.manager, jax.sharding.use_abstract_mesh(mesh):
+            return type(ctx)()
+
+    def param(value):
+        if isinstance(value, tuple):
+            return tuple(map(param, value))
+        if isinstance(value, jcore.ClosedJaxpr):
+            return closed_in(value, mesh)
+        return in_context(value, mesh) if isinstance(value, jcore.Jaxpr) else value
+
+    return jaxpr.replace(eqns=[eqn.replace(ctx=moved(eqn.ctx), params={k: param(v) for k, v in eqn.params.items()})
+                               for eqn in jaxpr.eqns])

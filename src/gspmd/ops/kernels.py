@@ -28,7 +28,7 @@ import jax
 from jax.extend import core as jcore
 
 from gspmd.errors import ShardingError
-from gspmd.ops.convert import BoundPrimitive, call_eagerly
+from gspmd.ops.convert import BoundPrimitive, call_eagerly, closed_in, in_context
 from gspmd.ops.registry import ComputeKind, Frontend, Rule, Semantics, Timing, register, replicate_fallback
 
 
@@ -95,31 +95,10 @@ def _bound_in(call: BoundPrimitive, mesh) -> BoundPrimitive:
     maps under the context recorded where they were traced (in a shard_map, or with
     automatic axes) and refuses values typed for another."""
     grid = call.params["grid_mapping"]
-    maps = tuple(dataclasses.replace(b, index_map_jaxpr=_closed_in(b.index_map_jaxpr, mesh))
+    maps = tuple(dataclasses.replace(b, index_map_jaxpr=closed_in(b.index_map_jaxpr, mesh))
                  for b in grid.block_mappings)
-    return BoundPrimitive(call.primitive, {**call.params, "jaxpr": _in_context(call.params["jaxpr"], mesh),
+    return BoundPrimitive(call.primitive, {**call.params, "jaxpr": in_context(call.params["jaxpr"], mesh),
                                            "grid_mapping": dataclasses.replace(grid, block_mappings=maps)})
-
-
-def _closed_in(closed, mesh):
-    return closed.replace(jaxpr=_in_context(closed.jaxpr, mesh))
-
-
-def _in_context(jaxpr, mesh):
-    """`jaxpr` with every equation's recorded context (sub-jaxprs' too) but its mesh `mesh`."""
-    def moved(ctx):
-        with ctx.manager, jax.sharding.use_abstract_mesh(mesh):
-            return type(ctx)()
-
-    def param(value):
-        if isinstance(value, tuple):
-            return tuple(map(param, value))
-        if isinstance(value, jcore.ClosedJaxpr):
-            return _closed_in(value, mesh)
-        return _in_context(value, mesh) if isinstance(value, jcore.Jaxpr) else value
-
-    return jaxpr.replace(eqns=[eqn.replace(ctx=moved(eqn.ctx), params={k: param(v) for k, v in eqn.params.items()})
-                               for eqn in jaxpr.eqns])
 
 
 register("pallas-call",

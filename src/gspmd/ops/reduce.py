@@ -29,7 +29,7 @@ from jax.extend import core as jcore
 
 from gspmd.ir import Instr, Value
 from gspmd.ir.reducer import ADD, AND, LOGADDEXP, MAX, MIN, MUL, OR, XOR, Reducer
-from gspmd.ops.convert import Converter
+from gspmd.ops.convert import Converter, closed_in
 from gspmd.ops.registry import (ELEMENTWISE, EXPAND, Frontend, LAYOUT, Memory, Rewrites, Rule, Semantics,
                                 Storage, Timing, elementwise_factors, operand_flops, register)
 from gspmd.spmd import factors as fx
@@ -112,7 +112,9 @@ class Computation:
     jaxpr: object
 
     def __call__(self, *args):
-        return jcore.jaxpr_as_fun(self.jaxpr)(*args)
+        # under the context it is called in (a shard_map's manual axes), not the one it was
+        # traced in, which jax would check the arguments against
+        return jcore.jaxpr_as_fun(closed_in(self.jaxpr, jax.sharding.get_abstract_mesh()))(*args)
 
     def __repr__(self):
         return " ".join(str(self.jaxpr).split())

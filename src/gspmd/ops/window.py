@@ -389,25 +389,34 @@ def _convert_reduce_window(reducer: Reducer):
     return convert
 
 
-_WINDOW_REDUCERS = {"add": ADD, "mul": MUL, "max": MAX, "min": MIN}
+# the reducers a reduce_window's computation may be, with their element-wise op
+_WINDOW_REDUCERS = {"add": (ADD, "add"), "mul": (MUL, "multiply"), "max": (MAX, "maximum"), "min": (MIN, "minimum")}
 
 
 def _convert_generic_reduce_window(b, eqn, args):
     """lax.reduce_window with a computation of its own: one add, mul, max or min of its
-    two arguments, started from that op's identity, is that reducer's reduce-window;
-    anything else (several operands, as max pooling that carries indices, or another
-    init value) is the variadic form."""
+    two arguments is that reducer's reduce-window from its identity, combined with the
+    init value (a traced one too) where that is exact: XLA combines the init value into
+    each window once, and once more per padded or base-dilated position, which max and
+    min absorb. Anything else (several operands, as max pooling that carries indices, or
+    an init value added at padding) is the variadic form."""
     p = eqn.params
     body = getattr(p["jaxpr"], "jaxpr", p["jaxpr"])
-    reducer = None
+    found = None
     if len(args) == 2 and len(body.eqns) == 1 and not p["consts"]:
         (op,) = body.eqns
         if sorted(map(id, op.invars)) == sorted(map(id, body.invars)) and list(op.outvars) == list(body.outvars):
-            reducer = _WINDOW_REDUCERS.get(op.primitive.name)
-    init = args[-1].producer
-    if reducer is not None and init is not None and init.opcode == "constant" and np.array_equal(
-            init.attrs["value"], reducer.identity(args[0].dtype)):
-        return _convert_reduce_window(reducer)(b, eqn, args[:1])
+            found = _WINDOW_REDUCERS.get(op.primitive.name)
+    if found is not None:
+        (reducer, combine), (x, init) = found, args
+        identity = init.producer is not None and init.producer.opcode == "constant" and np.array_equal(
+            init.producer.attrs["value"], reducer.identity(x.dtype))
+        inside = all(lo == hi == 0 for lo, hi in _padding(p)) and all(d == 1 for d in p["base_dilation"])
+        if identity or inside or reducer in (MAX, MIN):
+            out = _convert_reduce_window(reducer)(b, eqn, [x])[0]
+            if identity:
+                return [out]
+            return [b.add1(combine, [out, broadcast(b, init, out.shape)], out.shape, out.dtype)]
     return b.add("variadic-reduce-window", args, [b.out_aval(eqn, i) for i in range(len(eqn.outvars))],
                  computation=Computation(jcore.ClosedJaxpr(body, p["consts"])), **_reduce_window_attrs(p))
 
