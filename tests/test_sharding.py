@@ -283,6 +283,19 @@ def test_figure3_merge():
     assert not by.refines(both)
 
 
+def test_a_finer_split_that_nests_refines_the_coarser():
+    """XLA's sub-tiling: each of x's halves is two of (x, y)'s eighths, held by the
+    devices of that half, so the 8-way split refines the 2-way one (either order)."""
+    mesh = Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
+    x0 = Sharding.from_mesh(mesh, ["x", -1], (8, 8))
+    xy0 = Sharding.from_mesh(mesh, [("x", "y"), -1], (8, 8))
+    assert x0.merge(xy0) == xy0 and xy0.merge(x0) == xy0
+    assert xy0.refines(x0) and not x0.refines(xy0)
+    # With a split of the other dim over the replicas: y moves to dim 0.
+    x0y1 = Sharding.from_mesh(mesh, ["x", "y"], (8, 8))
+    assert x0y1.merge(xy0) is None
+
+
 def test_incompatible_merges_return_none():
     mesh = Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
     shape = (8, 8)
@@ -295,7 +308,8 @@ def test_incompatible_merges_return_none():
     assert x0.merge(x1) is None and x1.merge(x0) is None
     # Different tile counts on the same dim.
     assert x0.merge(y0) is None and y0.merge(x0) is None
-    assert x0.merge(xy0) is None and xy0.merge(x0) is None
+    # A finer split whose tiles do not nest in the coarser one's (x is its minor part).
+    assert x0.merge(yx0) is None and yx0.merge(x0) is None
     # Same tile count, different devices per tile.
     assert xy0.merge(yx0) is None
     # Different rank or device count.

@@ -162,7 +162,8 @@ class Sharding:
     # -- algebra ------------------------------------------------------------------
     def merge(self, other: "Sharding") -> Optional["Sharding"]:
         """The sharding that agrees with both on every dim either one splits
-        (paper Fig. 3, AyB + BCx -> AyCx), or None if they are incompatible."""
+        (paper Fig. 3, AyB + BCx -> AyCx), the finer split of a dim both split where it
+        nests in the coarser one, or None if they are incompatible."""
         if not isinstance(other, Sharding):
             raise ShardingError(f"Sharding.merge needs another Sharding, got {describe(other)}.")
         return _merge(self, other)
@@ -173,10 +174,11 @@ class Sharding:
         mine, theirs = self.coords(), other.coords()
         tiles, cols = [], []
         for i, (a, b) in enumerate(zip(self.tiles, other.tiles)):
-            if a > 1 and b > 1 and (a != b or not np.array_equal(mine[:, i], theirs[:, i])):
+            (coarse, c), (fine, f) = sorted([(a, mine[:, i]), (b, theirs[:, i])], key=lambda t: t[0])
+            if not _nests(c, coarse, f, fine):
                 return None
-            tiles.append(max(a, b))
-            cols.append(mine[:, i] if a > 1 else theirs[:, i])
+            tiles.append(fine)
+            cols.append(f)
         coords = np.stack(cols, axis=1) if cols else np.zeros((self.num_devices, 0), np.int64)
         merged = Sharding.from_coords(coords, tiles)
         # The same object when nothing changed: propagation's "did it refine?" is then `is`.
@@ -320,6 +322,16 @@ def _shape(shape) -> tuple[int, ...]:
                                                 and d >= 0 for d in shape):
         return tuple(int(d) for d in shape)
     raise ShardingError(f"A value's shape must be a tuple of non-negative ints, got {describe(shape)}; e.g. (8, 16).")
+
+
+def _nests(coarse_coords: np.ndarray, coarse: int, fine_coords: np.ndarray, fine: int) -> bool:
+    """Whether, along one dim split `coarse` and `fine` ways, every device's fine tile
+    lies inside its coarse tile (XLA's sub-tiling: a 4-way split, replicated twice, and
+    an 8-way split whose two halves of each quarter sit on that quarter's devices), so
+    that the fine split refines the coarse one."""
+    if coarse == 1:
+        return True
+    return fine % coarse == 0 and np.array_equal(fine_coords // (fine // coarse), coarse_coords)
 
 
 # Propagation and partitioning ask the same questions many times over; layouts are
