@@ -181,9 +181,12 @@ def _reshape_propagate(instr, shardings, target):
     if source is None:
         return []
     forward = target == 1
-    exact = reshaped_layout(source, *((x.shape, out.shape) if forward else (out.shape, x.shape)))
+    shapes = (x.shape, out.shape) if forward else (out.shape, x.shape)
+    exact = reshaped_layout(source, *shapes)
     if exact is not None:
         return [exact]
+    # The major part of each split that the reshape carries whole, then what else carries.
+    major = reshaped_layout(fx.major_part(reshape_factors(*shapes), source, 0, 1), *shapes)
     source = _major_part(source, pairs, forward, x.shape if forward else out.shape)
     dim_map = _carry_map(source, pairs, forward)
     runs = _uneven_runs(source, reshape_groups(x.shape, out.shape), dim_map, forward)
@@ -191,7 +194,7 @@ def _reshape_propagate(instr, shardings, target):
     for a, b in runs.items():
         if dst_shape[b] >= source.tiles[a]:   # a shorter dim would leave partitions empty
             dim_map[a] = b
-    return [source.remap(dim_map, out.rank if forward else x.rank)]
+    return ([major] if major is not None else []) + [source.remap(dim_map, out.rank if forward else x.rank)]
 
 
 def _realigned_reshape(ctx, instr, x: PartitionedValue, target: Sharding) -> Optional[PartitionedValue]:

@@ -30,7 +30,7 @@ from gspmd.spmd import cost as cm
 from gspmd.spmd import reshard as rs
 from gspmd.spmd.context import DeviceContext, Why
 from gspmd.spmd.cost import Cost, add_costs, at_least, rounded
-from gspmd.spmd.layout import groups_along
+from gspmd.spmd.layout import coarsen_to, groups_along
 from gspmd.spmd.padding import is_padded, mask_padding
 from gspmd.spmd.partitioned import PartitionedValue
 
@@ -143,6 +143,28 @@ def carried(factors: Sequence[Factor], s: Sharding, src: int, dst: int, rank: in
            [space.tiles[f] for f in fs] for fs in by_dim.values() if len(fs) > 1):
         return None      # split into shards of dst that are not contiguous
     return tensor_layout(factors, dst, space, rank)
+
+
+def major_part(factors: Sequence[Factor], s: Sharding, src: int, dst: int) -> Sharding:
+    """s with each dim's split coarsened to its major part that falls on factors tensor
+    dst holds too (XLA's reshape rule: [12, 8] -> [8, 12] shares a major factor of 4, so
+    a 2-way split of the 12 carries to the result's 8; the minor 3 does not): whole
+    factors major first, then a divisor of the next one."""
+    by_dim = _by_dim(factors, src)
+    return coarsen_to(s, [_major_tiles([factors[f] for f in by_dim.get(d, [])], t, dst)
+                          for d, t in enumerate(s.tiles)])
+
+
+def _major_tiles(dim_factors: Sequence[Factor], tiles: int, dst: int) -> int:
+    kept = 1
+    for fac in dim_factors:
+        if fac.dims[dst] is None or fac.kind in _WHOLE_IN_PROPAGATION:
+            break
+        g = math.gcd(fac.size, tiles)
+        kept, tiles = kept * g, tiles // g
+        if g < fac.size:      # a factor split in part: the minor ones are not contiguous
+            break
+    return kept
 
 
 def propose(factors: Sequence[Factor], shardings: Sequence[Optional[Sharding]], ranks: Sequence[int],
