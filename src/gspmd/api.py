@@ -374,7 +374,7 @@ class Lowered(Execution, Inspection):
         self.num_devices = _device_count(self.program, [mesh] + seen.meshes)
         self.meshes = _unique([mesh] + seen.meshes)
         self.mesh = self.meshes[0] if self.meshes else Mesh(np.arange(self.num_devices), ("d",))
-        self.completion = propagation.complete(self.program, self.num_devices)
+        self.completion = propagation.complete(self.program, self.num_devices, partitioned.hardware)
         self.spmd = partition(self.program, self.num_devices, partitioned.hardware)
         # how the program was fitted to the memory limit (None: no limit given)
         limit = partitioned.memory_limit

@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import functools
 import heapq
+import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 from gspmd import ops
 from gspmd.ir import Instr, Program, Value
 from gspmd.ops.registry import is_annotation, priority
 from gspmd.sharding import Sharding
+from gspmd.spmd import cost as cm
+from gspmd.spmd import reshard as rs
 
 FORWARD, BACKWARD = 0, 1   # towards an instruction's outputs / towards its operands
 
@@ -66,13 +69,16 @@ def _chain(u: Value, first: Step, parent) -> list[tuple[Value, Step]]:
     return chain
 
 
-def complete(program: Program, num_devices: int) -> Completion:
+def complete(program: Program, num_devices: int, hardware: Union[None, str, cm.Hardware] = None) -> Completion:
     """Give every value of `program` a sharding, in place; returns the provenance. The
     bodies of manual regions are completed first, each over its own virtual devices:
-    their layouts then say how values cross the regions' boundaries."""
+    their layouts then say how values cross the regions' boundaries. Conflicts between
+    operands are settled by what resharding costs on `hardware` (the default profile
+    when None), as the partitioner prices it."""
+    hw = cm.profile(hardware)
     completion = Completion()
     for body in program.regions():
-        completion.provenance.update(complete(body, body.region.num_devices).provenance)
+        completion.provenance.update(complete(body, body.region.num_devices, hw).provenance)
     programs = [program, *program.subprograms(into_regions=False)]
     work = _Worklist(programs)
     for instr in work.position:
@@ -86,7 +92,7 @@ def complete(program: Program, num_devices: int) -> Completion:
                 completion.provenance.setdefault(tensors[t], []).append(Step(instr, None, tensors[t].sharding))
                 work.touch(tensors[t])
     for instr, direction, changed in work:
-        for v in _refine(instr, direction, completion, work.tensors[instr], changed):
+        for v in _refine(instr, direction, completion, work.tensors[instr], changed, hw):
             work.touch(v)
     for p in programs:
         for v in p.values():
@@ -170,33 +176,95 @@ def _open_dims(v: Value) -> Optional[tuple[int, ...]]:
     return None
 
 
+Offer = tuple[Value, Sharding]   # a layout proposed for a target, and the tensor it came from
+
+
 def _refine(instr: Instr, direction: int, completion: Completion, tensors: _Tensors,
-            sources: set[Value]) -> list[Value]:
+            sources: set[Value], hw: cm.Hardware) -> list[Value]:
     """Merge into each target tensor (outputs and tied values forward, operands backward)
     what the tensors in `sources` (those that changed) imply for it, one source at a
-    time so that each refinement names its source; returns the changed values.
+    time so that each refinement names its source; where the sources' offers cannot all
+    hold, in the order that costs least (`_by_cost`). Returns the changed values.
     Informants are symmetric: the targets a source informs are its own informants."""
     n, n_in = len(tensors.values), len(instr.operands)
-    changed = []
+    offers: dict[int, list[Offer]] = {}
     for source in sorted(sources, key=lambda v: tensors.places[v][0]):    # in operand order: deterministic
         if source.sharding is None or source.sharding.is_replicated:
             continue
         for s in tensors.places[source]:
             for t in ops.informants(instr, s, n):
                 v = tensors.values[t]
-                if (t < n_in) != (direction == BACKWARD) or v is source:
+                if (t < n_in) != (direction == BACKWARD) or v is source or _open_dims(v) == ():
                     continue
-                open_dims = _open_dims(v)
-                if open_dims == ():
-                    continue
-                visible: list[Optional[Sharding]] = [None] * n
-                visible[s] = source.sharding
-                for proposal in tensors.propose(visible, t):
-                    if _merge_into(v, proposal, open_dims):
-                        completion.provenance.setdefault(v, []).append(Step(instr, source, v.sharding))
-                        if v not in changed:
-                            changed.append(v)
+                offers.setdefault(t, []).extend((source, p) for p in tensors.propose(_only(n, s, source.sharding), t))
+    changed = []
+    for t, offered in offers.items():
+        v = tensors.values[t]
+        for source, proposal in _by_cost(tensors, t, offered, hw):
+            if _merge_into(v, proposal, _open_dims(v)):
+                completion.provenance.setdefault(v, []).append(Step(instr, source, v.sharding))
+                if v not in changed:
+                    changed.append(v)
     return changed
+
+
+def _only(n: int, place: int, sharding: Sharding) -> list[Optional[Sharding]]:
+    """What a rule sees when only tensor `place` has a layout."""
+    visible: list[Optional[Sharding]] = [None] * n
+    visible[place] = sharding
+    return visible
+
+
+def _merged(start: Optional[Sharding], offers: Sequence[Offer], open_dims) -> tuple[Optional[Sharding], bool]:
+    """The layout the offers give a target that has `start`, merged in order, and
+    whether every one of them held."""
+    layout, all_held = start, True
+    for _, proposal in offers:
+        proposal = proposal if open_dims is None else proposal.keep_dims(open_dims)
+        merged = proposal if layout is None else layout.merge(proposal)
+        all_held &= merged is not None
+        layout = merged or layout
+    return layout, all_held
+
+
+def _by_cost(tensors: _Tensors, t: int, offers: list[Offer], hw: cm.Hardware) -> list[Offer]:
+    """The offers for target t in the order to merge them. Where they conflict (operands
+    of a dot asking for splits that cannot both hold), the offer to merge first is the
+    one whose layout takes the least resharding of the op's other tensors to agree with
+    it (priced on `hw`, the partitioner's cost model); at equal cost, as XLA prefers,
+    the layout that splits every operand alike (a batch dim), then the larger tensor's
+    offer, then operand order."""
+    v = tensors.values[t]
+    open_dims = _open_dims(v)
+    if _merged(v.sharding, offers, open_dims)[1]:
+        return offers
+    orders = [[offers[i]] + offers[:i] + offers[i + 1:] for i in range(len(offers))]
+
+    def key(i: int) -> tuple:
+        layout = _merged(v.sharding, orders[i], open_dims)[0]
+        resharding, shared = _agreeing_with(tensors, t, layout, hw)
+        return cm.rounded(resharding), -shared, -orders[i][0][0].nbytes, i
+    return orders[min(range(len(orders)), key=key)]
+
+
+def _agreeing_with(tensors: _Tensors, t: int, layout: Sharding, hw: cm.Hardware) -> tuple[cm.Cost, int]:
+    """What resharding the other tensors of the op (those with layouts) to agree with
+    target t laid out as `layout` costs, and the fewest tiles into which `layout` splits
+    any of them (more than one: a split they all share, as of a batch dim). A tensor
+    whose own layout leads to one that conflicts with `layout` gives up its splits for
+    the layout `layout` implies for it."""
+    n, v = len(tensors.values), tensors.values[t]
+    total, shared = cm.FREE, None
+    for j, u in enumerate(tensors.values):
+        if u is v or u.sharding is None:
+            continue
+        implied, _ = _merged(None, [(v, p) for p in tensors.propose(_only(n, t, layout), j)], None)
+        implied = implied or Sharding.replicated(u.rank, layout.num_devices)
+        shared = min(shared or layout.num_devices, math.prod(implied.tiles))
+        kept = u.sharding.merge(implied)
+        if kept is None or not _merged(layout, [(u, p) for p in tensors.propose(_only(n, j, kept), t)], None)[1]:
+            total = cm.add_costs(total, rs.cost(u.sharding, implied, u.shape, u.dtype.itemsize, hw))
+    return total, shared or 1
 
 
 def _merge_into(v: Value, proposal: Sharding, open_dims: Optional[tuple[int, ...]]) -> bool:
