@@ -1,0 +1,208 @@
+"""Sharding completion on XLA's own propagation tests (openxla/xla,
+xla/service/sharding_propagation_test.cc): each case is a JAX program with the
+annotations of the XLA test it is named after (shapes scaled down), asserting XLA's
+completed layout, or a documented alternative that moves no more bytes, and the bytes
+the partitioned program then moves (priced and counted as bytes each device receives)."""
+import re
+
+import jax.numpy as jnp
+import numpy as np
+
+import gspmd
+from util import BYTES_RECEIVED, check, rand
+from xla_cases import split
+
+RNG = np.random.RandomState(0)
+
+
+def xla(spec: str) -> gspmd.Sharding:
+    """A layout written as XLA prints it: "devices=[2,1,4]0,1,...,7 last_tile_dim_replicate"."""
+    m = re.fullmatch(r"devices=\[([\d,]+)\]([\d,]+)( last_tile_dim_replicate)?", spec)
+    dims = [int(d) for d in m.group(1).split(",")] + ([] if m.group(3) else [1])
+    return gspmd.Sharding(np.asarray([int(d) for d in m.group(2).split(",")]).reshape(dims))
+
+
+def devices(n: int) -> str:
+    return ",".join(map(str, range(n)))
+
+
+def _run(fn, *args, backends=None):
+    """check() priced by bytes received; 12-device meshes on the sim backend only (jax
+    has 8 CPU devices here)."""
+    low = check(fn, *args, hardware=BYTES_RECEIVED, **({} if backends is None else {"backends": backends}))
+    return low, low.report()
+
+
+def _produced(low, opcode: str):
+    return next(v for v in low.program.values() if v.producer is not None and v.producer.opcode == opcode)
+
+
+# -- merging a partial split with a finer split of the same dim (IsSubTilingOrEqualSharding) --
+def _coarse_then_fine(coarse: str, fine: str, shape: tuple[int, ...]):
+    """tanh between an annotation `coarse` of its operand and `fine` of its user."""
+    def f(x):
+        return split(jnp.tanh(split(x, coarse)) * 2, fine)
+    low, report = _run(f, rand(RNG, *shape))
+    return _produced(low, "tanh").sharding, report
+
+
+def test_partial_split_refines_to_a_finer_nested_split():
+    """A dim split 4 ways and replicated twice meets an 8-way split of it whose eighths
+    nest in the quarters: the value between them is split 8 ways (was: 4 ways, held and
+    computed twice over)."""
+    layout, report = _coarse_then_fine(f"devices=[4,1,2]{devices(8)} last_tile_dim_replicate",
+                                       f"devices=[8,1]{devices(8)}", (16, 6))
+    assert layout == xla(f"devices=[8,1]{devices(8)}")
+    assert report.collective_bytes == 0 and report.flops == 24     # was 48: each quarter computed twice
+
+
+def test_partial_split_meets_a_finer_split_that_does_not_nest():
+    """Eighths in another device order (the quarter's devices do not hold its eighths):
+    no merge, the 4-way layout stays and the partitioner moves the data."""
+    coarse = f"devices=[4,1,2]{devices(8)} last_tile_dim_replicate"
+    layout, _ = _coarse_then_fine(coarse, "devices=[8,1]0,2,4,6,1,3,5,7", (16, 6))
+    assert layout == xla(coarse)
+
+
+def test_uneven_partial_split_refines_to_a_finer_split():
+    layout, _ = _coarse_then_fine(f"devices=[2,1,4]{devices(8)} last_tile_dim_replicate",
+                                  f"devices=[8,1]{devices(8)}", (13, 3))
+    assert layout == xla(f"devices=[8,1]{devices(8)}")
+
+
+# -- reshapes that share only a major factor (ReshapeSharding) --------------------------------
+def test_reshape_forward_carries_the_major_factor():
+    """[12, 8] split 2x4 -> [8, 12]: the dims share a major factor of 4, so the 2-way
+    split of the 12 carries to the 8 (was: replicated, 480 B; now 192 B)."""
+    def f(x):
+        return jnp.tanh(split(x, f"devices=[2,4]{devices(8)}").reshape(8, 12))
+    low, report = _run(f, rand(RNG, 12, 8))
+    assert low.sharding_of(0) == xla(f"devices=[2,1,4]{devices(8)} last_tile_dim_replicate")
+    assert report.collective_bytes == 192
+
+
+def test_reshape_backward_carries_the_major_factor():
+    """The same reshape, laid out from its result: the operand gets the 2-way split."""
+    def f(x):
+        y = jnp.tanh(x).reshape(8, 12)
+        return split(y, f"devices=[2,4]{devices(8)}")
+    low, report = _run(f, rand(RNG, 12, 8))
+    assert low.program.params[0].sharding == xla(f"devices=[2,1,4]{devices(8)} last_tile_dim_replicate")
+    assert report.collective_bytes == 0 and report.flops == 48     # was 96: tanh computed replicated
+
+
+def test_reshape_of_a_split_only_of_the_major_dim_carries_it_whole():
+    """A 6-way split of the 12 ([12, 8] -> [8, 12]; the dims share a factor of 4, so
+    only 2 of the 6 carry exactly): the whole split goes to the result's major dim and
+    the partitioner realigns the shards by halo exchange (paper Figure 5), a documented
+    alternative to XLA's 2-way split that moves less (128 B, no gather)."""
+    def f(x):
+        return jnp.tanh(split(x, f"devices=[6,1,2]{devices(12)} last_tile_dim_replicate").reshape(8, 12))
+    low, report = _run(f, rand(RNG, 12, 8), backends=("sim",))
+    assert low.sharding_of(0) == xla(f"devices=[6,1,2]{devices(12)} last_tile_dim_replicate")
+    assert report.collective_bytes == 128 and dict(report.counts()) == {"collective-permute": 2}
+
+
+def test_reshape_chain_keeps_the_major_factor():
+    """Six reshapes of a 12-device tensor, each sharing a major factor with the next:
+    was 672 B (the split lost at the first), now 288 B."""
+    def f(x):
+        x = split(x, f"devices=[2,6]{devices(12)}")
+        for shape in [(8, 18), (12, 12), (18, 8), (4, 36), (12, 12), (6, 24)]:
+            x = jnp.tanh(x.reshape(shape))
+        return x
+    low, report = _run(f, rand(RNG, 12, 12), backends=("sim",))
+    assert low.sharding_of(0) == xla(f"devices=[2,1,6]{devices(12)} last_tile_dim_replicate")
+    assert report.collective_bytes == 288
+
+
+def test_reshape_of_an_uneven_split_carries_it_whole():
+    """[12, 10] split 8 ways on the 12 (uneven) -> [10, 12]: likewise carried whole and
+    realigned by halo exchange (80 B) rather than cut to the shared factor's 2 ways."""
+    def f(x):
+        return jnp.tanh(split(x, f"devices=[8,1]{devices(8)}").reshape(10, 12))
+    low, report = _run(f, rand(RNG, 12, 10))
+    assert low.sharding_of(0) == xla(f"devices=[8,1]{devices(8)}")
+    assert report.collective_bytes == 80 and not report.fallbacks
+
+
+def test_reshape_of_an_uneven_minor_dim_keeps_the_major_factor():
+    """[12, 7] split 2x4 -> [4, 21]: the 7 splits unevenly and shares no factor, the
+    12's 2-way split carries to the 4 through their common factor of 4."""
+    def f(x):
+        return jnp.tanh(split(x, f"devices=[2,4]{devices(8)}").reshape(4, 21))
+    low, _ = _run(f, rand(RNG, 12, 7))
+    assert low.sharding_of(0).tiles == (2, 1)
+
+
+# -- operands that conflict: settled by what resharding costs ------------------------------
+def _einsum(equation: str, lhs: str, rhs: str, lhs_shape: tuple[int, ...], rhs_shape: tuple[int, ...]):
+    """The einsum of two operands annotated `lhs` and `rhs`: its result's layout, the report."""
+    def f(a, b):
+        return jnp.einsum(equation, split(a, lhs), split(b, rhs))
+    low, report = _run(f, rand(RNG, *lhs_shape), rand(RNG, *rhs_shape))
+    return low.sharding_of(0), report
+
+
+def test_dot_merge_operands2_keeps_the_larger_operands_split():
+    """DotMergeOperands2: both operands [2,2,2] over the same devices, so the lhs's M
+    and the rhs's N cannot both be split; XLA keeps the larger lhs's."""
+    layout, report = _einsum("bmk,bnk->bmn", f"devices=[2,2,2]{devices(8)}",
+                             f"devices=[2,2,2]{devices(8)}", (4, 16, 8), (4, 8, 8))
+    assert layout == xla(f"devices=[2,2,1,2]{devices(8)} last_tile_dim_replicate")
+    assert report.collective_bytes == 768
+
+
+def test_dot_merge_operands2_prefers_the_larger_rhs():
+    """The same with the rhs the larger: its split is kept (the lhs's was before)."""
+    layout, report = _einsum("bmk,bnk->bmn", f"devices=[2,2,2]{devices(8)}",
+                             f"devices=[2,2,2]{devices(8)}", (4, 8, 8), (4, 16, 8))
+    assert layout == xla(f"devices=[2,1,2,2]{devices(8)} last_tile_dim_replicate")
+    assert report.collective_bytes == 768      # was 1,024 B
+
+
+def test_dot_merge_operands3_merges_compatible_splits():
+    """DotMergeOperands3: M split 2 ways by the lhs, N 4 ways by the rhs in a device
+    order that nests: XLA's [2,4]0,2,3,1,4,6,7,5."""
+    layout, _ = _einsum("mk,nk->mn", f"devices=[2,4]{devices(8)}", "devices=[4,2]0,4,2,6,3,7,1,5", (16, 8), (8, 8))
+    assert layout == xla("devices=[2,4]0,2,3,1,4,6,7,5")
+
+
+def test_plain_dot_keeps_the_split_of_the_larger_operand():
+    """lhs [16, 16] split on M, rhs [16, 64] split on N over the same 2 devices: the
+    rhs's split is kept and the small lhs gathered (was: 3,072 B; now 1,024 B)."""
+    layout, report = _einsum("mk,kn->mn", f"devices=[2,1,4]{devices(8)} last_tile_dim_replicate",
+                             f"devices=[1,2,4]{devices(8)} last_tile_dim_replicate", (16, 16), (16, 64))
+    assert layout == xla(f"devices=[1,2,4]{devices(8)} last_tile_dim_replicate")
+    assert report.collective_bytes == 1024 and dict(report.counts()) == {"all-gather": 1}
+
+
+def test_einsum_keeps_the_split_of_the_operand_nine_times_larger():
+    """mk,khn->mhn: the lhs splits M, the 9x larger rhs N, over the same devices; the
+    rhs's split is kept and only the lhs gathered (was 1,408 B, now 256 B)."""
+    layout, report = _einsum("mk,khn->mhn", f"devices=[2,1,4]{devices(8)} last_tile_dim_replicate",
+                             f"devices=[1,1,2,4]{devices(8)} last_tile_dim_replicate", (8, 8), (8, 9, 8))
+    assert layout == xla(f"devices=[1,1,2,4]{devices(8)} last_tile_dim_replicate")
+    assert report.collective_bytes == 256 and dict(report.counts()) == {"all-gather": 1}
+
+
+def test_batch_split_wins_a_tie():
+    """The lhs splits M, the rhs the batch dim; either way moves as much (the lhs,
+    twice the rhs, by an all-to-all, or the rhs gathered): XLA's preference, the batch
+    split, decides (was: the first operand's M)."""
+    layout, report = _einsum("bmk,bkn->bmn", f"devices=[1,2,1,4]{devices(8)} last_tile_dim_replicate",
+                             f"devices=[2,1,1,4]{devices(8)} last_tile_dim_replicate", (4, 16, 8), (4, 8, 8))
+    assert layout == xla(f"devices=[2,1,1,4]{devices(8)} last_tile_dim_replicate")
+    assert report.collective_bytes == 1024 and dict(report.counts()) == {"all-to-all": 1}
+
+
+def test_elementwise_conflict_keeps_the_first_operands_split():
+    """add of two equal tensors split on different dims by the same devices: a tie in
+    every respect, the first operand's layout is kept and the second resharded."""
+    def f(a, b):
+        a = split(a, f"devices=[2,1,4]{devices(8)} last_tile_dim_replicate")
+        b = split(b, f"devices=[1,2,4]{devices(8)} last_tile_dim_replicate")
+        return a + b
+    low, report = _run(f, rand(RNG, 8, 6), rand(RNG, 8, 6))
+    assert low.sharding_of(0) == xla(f"devices=[2,1,4]{devices(8)} last_tile_dim_replicate")
+    assert dict(report.counts()) == {"all-to-all": 1}
