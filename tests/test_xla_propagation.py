@@ -6,6 +6,7 @@ the partitioned program then moves (priced and counted as bytes each device rece
 import re
 
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 import gspmd
@@ -206,3 +207,79 @@ def test_elementwise_conflict_keeps_the_first_operands_split():
     low, report = _run(f, rand(RNG, 8, 6), rand(RNG, 8, 6))
     assert low.sharding_of(0) == xla(f"devices=[2,1,4]{devices(8)} last_tile_dim_replicate")
     assert dict(report.counts()) == {"all-to-all": 1}
+
+
+# -- more of XLA's cases, at their own shapes ------------------------------------------------
+def test_reshape_forward_pass():
+    """ReshapeForwardPass: [1430, 1] split 2 ways -> [10, 11, 13] split on the 10."""
+    low, report = _run(lambda x: jnp.tanh(split(x, "devices=[2,1]0,1").reshape(10, 11, 13)), rand(RNG, 1430, 1))
+    assert low.sharding_of(0) == xla("devices=[2,1,1]0,1") and report.collective_bytes == 0
+
+
+def test_partial_replicate_reshape_forward_pass():
+    low, report = _run(lambda x: jnp.tanh(split(x, "devices=[2,1,2]0,1,2,3 last_tile_dim_replicate")
+                                          .reshape(10, 11, 13)), rand(RNG, 1430, 1))
+    assert low.sharding_of(0) == xla("devices=[2,1,1,2]0,1,2,3 last_tile_dim_replicate")
+    assert report.collective_bytes == 0
+
+
+def test_reshape_backward_pass():
+    """ReshapeBackwardPass: [2002, 1] -> [14, 11, 13] split on the 14: the operand is split 2 ways."""
+    low, report = _run(lambda x: split(jnp.tanh(x).reshape(14, 11, 13), "devices=[2,1,1]0,1"), rand(RNG, 2002, 1))
+    assert low.program.params[0].sharding == xla("devices=[2,1]0,1") and report.collective_bytes == 0
+
+
+def test_partial_replicate_reshape_backward_pass():
+    low, report = _run(lambda x: split(jnp.tanh(x).reshape(14, 11, 13),
+                                       "devices=[2,1,1,2]0,1,2,3 last_tile_dim_replicate"), rand(RNG, 2002, 1))
+    assert low.program.params[0].sharding == xla("devices=[2,1,2]0,1,2,3 last_tile_dim_replicate")
+    assert report.collective_bytes == 0
+
+
+def test_transpose_backward_pass():
+    """TransposeBackwardPass: [7, 11, 13] transposed to [11, 13, 7], split [1,2,2] there."""
+    low, report = _run(lambda x: split(jnp.transpose(jnp.tanh(x), (1, 2, 0)), "devices=[1,2,2]0,1,2,3"),
+                       rand(RNG, 7, 11, 13))
+    assert low.program.params[0].sharding == xla("devices=[2,1,2]0,2,1,3") and report.collective_bytes == 0
+
+
+def test_pad_forward_pass():
+    """PadForwardPass: [11, 17] split [2,2], padded 2_4_1 x 1_1_2 (interior too)."""
+    def f(x, v):
+        return lax.pad(split(x, "devices=[2,2]0,1,2,3"), v, [(2, 4, 1), (1, 1, 2)])
+    low, _ = _run(f, rand(RNG, 11, 17), np.float32(0.5))
+    assert low.sharding_of(0) == xla("devices=[2,2]0,1,2,3")
+
+
+def test_strided_slice():
+    """PartialReplicatedStridedSlice: [17, 13] split [2,1,2] -> slice [1:15:2, 5:10]."""
+    low, _ = _run(lambda x: jnp.tanh(split(x, "devices=[2,1,2]0,1,2,3 last_tile_dim_replicate")[1:15:2, 5:10]),
+                  rand(RNG, 17, 13))
+    assert low.sharding_of(0) == xla("devices=[2,1,2]0,1,2,3 last_tile_dim_replicate")
+
+
+def test_sharded_preferred_over_replicated():
+    """ShardedPreferredOverReplicated: an add of a replicated and a split operand is split."""
+    def f(a, b):
+        return split(a, "devices=[1,1,1,1,4]0,1,2,3 last_tile_dim_replicate") + split(b, "devices=[1,2,2,1]0,1,2,3")
+    low, _ = _run(f, rand(RNG, 5, 7, 11, 13), rand(RNG, 5, 7, 11, 13))
+    assert low.sharding_of(0) == xla("devices=[1,2,2,1]0,1,2,3")
+
+
+def test_dot_merge_operands():
+    """DotMergeOperands: the lhs splits batch and M, the rhs batch and N, partially
+    tiled over devices that nest: the dot is split 2x2x2."""
+    layout, report = _einsum("bmk,bnk->bmn", f"devices=[2,2,1,2]{devices(8)} last_tile_dim_replicate",
+                             "devices=[2,2,1,2]0,2,1,3,4,6,5,7 last_tile_dim_replicate", (4, 8, 16), (4, 8, 16))
+    assert layout == xla(f"devices=[2,2,2]{devices(8)}") and report.collective_bytes == 0
+
+
+def test_backward_dot_from_contracting():
+    """BackwardDotFromContracting: the rhs has no layout; the lhs's contracting split and
+    the dot's batch and N splits give it [2,2,2]."""
+    def f(a, b):
+        a = split(a, f"devices=[2,2,2]{devices(8)}")
+        return split(jnp.einsum("bmk,bnk->bmn", a, jnp.tanh(b)),
+                     f"devices=[2,1,2,2]{devices(8)} last_tile_dim_replicate")
+    low, _ = _run(f, rand(RNG, 4, 8, 16), rand(RNG, 4, 8, 16))
+    assert low.program.params[1].sharding == xla(f"devices=[2,2,2]{devices(8)}")
