@@ -283,3 +283,75 @@ def test_backward_dot_from_contracting():
                      f"devices=[2,1,2,2]{devices(8)} last_tile_dim_replicate")
     low, _ = _run(f, rand(RNG, 4, 8, 16), rand(RNG, 4, 8, 16))
     assert low.program.params[1].sharding == xla(f"devices=[2,2,2]{devices(8)}")
+
+
+def test_einsum_choose_larger_operand():
+    """EinsumChooseLargerOperand (a convolution as an einsum, scaled down): the lhs splits
+    M 4 ways, the much larger rhs N and its minor dim 2x2 over the same devices; the
+    rhs's split is kept and only the small lhs gathered (was: the lhs's, 3,328 B; now
+    1,024 B)."""
+    layout, report = _einsum("bmk,bnkj->bmnj", "devices=[1,4,1]0,1,2,3", "devices=[1,2,1,2]0,1,2,3",
+                             (4, 8, 8), (4, 18, 8, 4))
+    assert layout == xla("devices=[1,1,2,2]0,1,2,3")
+    assert dict(report.counts()) == {"all-gather": 1} and report.collective_bytes == 4 * 8 * 8 * 4
+
+
+def test_einsum_choose_batch_first():
+    """EinsumChooseBatchFirst: the lhs splits M, the larger rhs the batch dim, over the
+    same 2 devices: the batch split is kept, the lhs turned to it by an all-to-all (was:
+    the lhs's, 5,120 B; now 512 B)."""
+    layout, report = _einsum("bmk,bnkj->bmnj", "devices=[1,2,1]0,1", "devices=[2,1,1,1]0,1",
+                             (4, 8, 8), (4, 18, 8, 4))
+    assert layout == xla("devices=[2,1,1,1]0,1")
+    assert dict(report.counts()) == {"all-to-all": 1} and report.collective_bytes == 512
+
+
+def test_einsum_lhs_batch_partitioned():
+    """EinsumLHSBatchPartitioned: the lhs's batch split reaches the rhs and the result."""
+    def f(a, b):
+        return jnp.einsum("bmk,bnk->bmn", split(a, "devices=[2,1,1]0,1"), jnp.tanh(b))
+    low, report = _run(f, rand(RNG, 4, 6, 8), rand(RNG, 4, 10, 8))
+    assert low.program.params[1].sharding == xla("devices=[2,1,1]0,1")
+    assert low.sharding_of(0) == xla("devices=[2,1,1]0,1") and report.collective_bytes == 0
+
+
+def test_dynamic_slice_forward_and_backward_pass():
+    """DynamicSliceForwardPass / BackwardPass: a split of a dim the slice keeps whole
+    passes through both ways."""
+    def forward(x, i):
+        return jnp.tanh(lax.dynamic_slice(split(x, "devices=[1,1,2]0,1"), (0, i, 0), (11, 1, 15)))
+
+    def backward(x, i):
+        return split(lax.dynamic_slice(jnp.tanh(x), (0, i, 0), (11, 1, 15)), "devices=[1,1,2]0,1")
+    low, _ = _run(forward, rand(RNG, 11, 13, 15), np.int32(4))
+    assert low.sharding_of(0) == xla("devices=[1,1,2]0,1")
+    low, _ = _run(backward, rand(RNG, 11, 13, 15), np.int32(4))
+    assert low.program.params[0].sharding == xla("devices=[1,1,2]0,1")
+
+
+def test_dynamic_update_slice_passes():
+    """DynamicUpdateSliceForwardPassBase / ForwardPassUpdate: the base's or the update's
+    split of a dim the update spans reaches the other and the result."""
+    def from_base(x, u, i):
+        return lax.dynamic_update_slice(split(x, "devices=[1,1,2]0,1"), jnp.tanh(u), (0, i, 0))
+
+    def from_update(x, u, i):
+        return lax.dynamic_update_slice(jnp.tanh(x), split(u, "devices=[1,1,2]0,1"), (0, i, 0))
+    for f, other in [(from_base, 1), (from_update, 0)]:
+        low, _ = _run(f, rand(RNG, 11, 13, 15), rand(RNG, 11, 1, 15), np.int32(4))
+        assert low.sharding_of(0) == xla("devices=[1,1,2]0,1")
+        assert low.program.params[other].sharding == xla("devices=[1,1,2]0,1")
+
+
+def test_gather_from_data_operand_and_to_index():
+    """GatherFromDataOperand: the input's split of the offset dim reaches the gather.
+    GatherToIndex: the gather's split of its batch dim reaches the indices."""
+    def from_data(x, idx):
+        return jnp.tanh(split(x, "devices=[1,2]0,1")[idx])
+
+    def to_index(x, idx):
+        return split(x[jnp.abs(idx)], "devices=[2,1]0,1")
+    low, _ = _run(from_data, rand(RNG, 2, 9), np.array([1, 0, 1], np.int32))
+    assert low.sharding_of(0) == xla("devices=[1,2]0,1")
+    low, _ = _run(to_index, rand(RNG, 2, 9), np.array([1, 0, 1], np.int32))
+    assert low.program.params[1].sharding == xla("devices=[2]0,1")
