@@ -278,6 +278,8 @@ TILE_ASSIGNMENTS = [   # gspmd.Sharding's constructors and the methods that read
      ["None", "shape must be a tuple", r"\(8, 16\)"]),
     ("Sharding.merge.other", "a string", lambda: gspmd.Sharding.replicated(2, 8).merge("x"),
      ["the string 'x'", "needs another Sharding", "Sharding"]),
+    ("Sharding.merge.shape", "another rank", lambda: gspmd.Sharding.replicated(2, 8).merge(
+        gspmd.Sharding.replicated(2, 8), (8,)), [r"shape \(8,\) of rank 1", "layouts of rank 2", "shape of the value"]),
     ("Sharding.spec.mesh", "a string", lambda: gspmd.Sharding.replicated(2, 8).spec("x"),
      ["'x'", "Expected a mesh", "gspmd.Mesh"]),
     ("Sharding.dims_mapping.mesh", "None", lambda: gspmd.Sharding.replicated(2, 8).dims_mapping(None),

@@ -284,16 +284,21 @@ def test_figure3_merge():
 
 
 def test_a_finer_split_that_nests_refines_the_coarser():
-    """XLA's sub-tiling: each of x's halves is two of (x, y)'s eighths, held by the
-    devices of that half, so the 8-way split refines the 2-way one (either order)."""
+    """XLA's sub-tiling: on a value of 8 rows, each of x's halves is two of (x, y)'s
+    eighths, held by the devices of that half, so the 8-way split refines the 2-way one
+    (either order). Without a shape, or where uneven shards do not nest, it does not."""
     mesh = Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
     x0 = Sharding.from_mesh(mesh, ["x", -1], (8, 8))
     xy0 = Sharding.from_mesh(mesh, [("x", "y"), -1], (8, 8))
-    assert x0.merge(xy0) == xy0 and xy0.merge(x0) == xy0
-    assert xy0.refines(x0) and not x0.refines(xy0)
+    assert x0.merge(xy0, (8, 8)) == xy0 and xy0.merge(x0, (8, 8)) == xy0
+    assert xy0.refines(x0, (8, 8)) and not x0.refines(xy0, (8, 8))
+    assert x0.merge(xy0) is None and not xy0.refines(x0)
+    # 7 rows: halves of 4 rows, eighths of 1 (the last empty): four eighths make a half.
+    # 10 rows: halves of 5, eighths of 2: the third eighth, rows 4-5, crosses the halves.
+    assert x0.merge(xy0, (7, 8)) == xy0 and x0.merge(xy0, (10, 8)) is None
     # With a split of the other dim over the replicas: y moves to dim 0.
     x0y1 = Sharding.from_mesh(mesh, ["x", "y"], (8, 8))
-    assert x0y1.merge(xy0) is None
+    assert x0y1.merge(xy0, (8, 8)) is None
 
 
 def test_incompatible_merges_return_none():
@@ -309,7 +314,7 @@ def test_incompatible_merges_return_none():
     # Different tile counts on the same dim.
     assert x0.merge(y0) is None and y0.merge(x0) is None
     # A finer split whose tiles do not nest in the coarser one's (x is its minor part).
-    assert x0.merge(yx0) is None and yx0.merge(x0) is None
+    assert x0.merge(yx0, shape) is None and yx0.merge(x0, shape) is None
     # Same tile count, different devices per tile.
     assert xy0.merge(yx0) is None
     # Different rank or device count.

@@ -65,10 +65,20 @@ def test_partial_split_meets_a_finer_split_that_does_not_nest():
     assert layout == xla(coarse)
 
 
-def test_uneven_partial_split_refines_to_a_finer_split():
+def test_uneven_partial_split_refines_to_a_finer_split_that_nests():
+    """15 rows: halves of 8, quarters of 4, two quarters to a half (uneven, but nested)."""
     layout, _ = _coarse_then_fine(f"devices=[2,1,4]{devices(8)} last_tile_dim_replicate",
-                                  f"devices=[8,1]{devices(8)}", (13, 3))
-    assert layout == xla(f"devices=[8,1]{devices(8)}")
+                                  f"devices=[4,1,2]{devices(8)} last_tile_dim_replicate", (15, 3))
+    assert layout == xla(f"devices=[4,1,2]{devices(8)} last_tile_dim_replicate")
+
+
+def test_uneven_partial_split_keeps_a_finer_split_that_does_not_nest():
+    """13 rows: halves of 7, eighths of 2: the fourth eighth (rows 6-7) crosses the
+    halves, so the 8-way split would not refine the 2-way one (XLA's sub-tiling is
+    shape-aware too): the 2-way layout stays."""
+    coarse = f"devices=[2,1,4]{devices(8)} last_tile_dim_replicate"
+    layout, _ = _coarse_then_fine(coarse, f"devices=[8,1]{devices(8)}", (13, 3))
+    assert layout == xla(coarse)
 
 
 # -- reshapes that share only a major factor (ReshapeSharding) --------------------------------

@@ -215,13 +215,13 @@ def _only(n: int, place: int, sharding: Sharding) -> list[Optional[Sharding]]:
     return visible
 
 
-def _merged(start: Optional[Sharding], offers: Sequence[Offer], open_dims) -> tuple[Optional[Sharding], bool]:
-    """The layout the offers give a target that has `start`, merged in order, and
+def _merged(v: Value, start: Optional[Sharding], offers: Sequence[Offer], open_dims) -> tuple[Optional[Sharding], bool]:
+    """The layout the offers give target v if it had `start`, merged in order, and
     whether every one of them held."""
     layout, all_held = start, True
     for _, proposal in offers:
         proposal = proposal if open_dims is None else proposal.keep_dims(open_dims)
-        merged = proposal if layout is None else layout.merge(proposal)
+        merged = proposal if layout is None else layout.merge(proposal, v.shape)
         all_held &= merged is not None
         layout = merged or layout
     return layout, all_held
@@ -236,12 +236,12 @@ def _by_cost(tensors: _Tensors, t: int, offers: list[Offer], hw: cm.Hardware) ->
     offer, then operand order."""
     v = tensors.values[t]
     open_dims = _open_dims(v)
-    if _merged(v.sharding, offers, open_dims)[1]:
+    if _merged(v, v.sharding, offers, open_dims)[1]:
         return offers
     orders = [[offers[i]] + offers[:i] + offers[i + 1:] for i in range(len(offers))]
 
     def key(i: int) -> tuple:
-        layout = _merged(v.sharding, orders[i], open_dims)[0]
+        layout = _merged(v, v.sharding, orders[i], open_dims)[0]
         resharding, shared = _agreeing_with(tensors, t, layout, hw)
         return cm.rounded(resharding), -shared, -orders[i][0][0].nbytes, i
     return orders[min(range(len(orders)), key=key)]
@@ -258,11 +258,11 @@ def _agreeing_with(tensors: _Tensors, t: int, layout: Sharding, hw: cm.Hardware)
     for j, u in enumerate(tensors.values):
         if u is v or u.sharding is None:
             continue
-        implied, _ = _merged(None, [(v, p) for p in tensors.propose(_only(n, t, layout), j)], None)
+        implied, _ = _merged(u, None, [(v, p) for p in tensors.propose(_only(n, t, layout), j)], None)
         implied = implied or Sharding.replicated(u.rank, layout.num_devices)
         shared = min(shared or layout.num_devices, math.prod(implied.tiles))
-        kept = u.sharding.merge(implied)
-        if kept is None or not _merged(layout, [(u, p) for p in tensors.propose(_only(n, j, kept), t)], None)[1]:
+        kept = u.sharding.merge(implied, u.shape)
+        if kept is None or not _merged(v, layout, [(u, p) for p in tensors.propose(_only(n, j, kept), t)], None)[1]:
             total = cm.add_costs(total, rs.cost(u.sharding, implied, u.shape, u.dtype.itemsize, hw))
     return total, shared or 1
 
@@ -273,7 +273,7 @@ def _merge_into(v: Value, proposal: Sharding, open_dims: Optional[tuple[int, ...
         proposal = proposal.keep_dims(open_dims)
     if proposal.is_replicated:
         return False
-    merged = proposal if v.sharding is None else v.sharding.merge(proposal)
+    merged = proposal if v.sharding is None else v.sharding.merge(proposal, v.shape)
     if merged is None or merged == v.sharding:
         return False
     v.sharding = merged

@@ -160,22 +160,26 @@ class Sharding:
         return int(self.coords()[device, dim]) * -(-shape[dim] // self.tiles[dim])
 
     # -- algebra ------------------------------------------------------------------
-    def merge(self, other: "Sharding") -> Optional["Sharding"]:
+    def merge(self, other: "Sharding", shape: Optional[Sequence[int]] = None) -> Optional["Sharding"]:
         """The sharding that agrees with both on every dim either one splits
-        (paper Fig. 3, AyB + BCx -> AyCx), the finer split of a dim both split where it
-        nests in the coarser one, or None if they are incompatible."""
+        (paper Fig. 3, AyB + BCx -> AyCx), or None if they are incompatible. Given the
+        value's `shape`, a dim both split takes the finer split where each device's
+        fine shard lies inside its coarse one (XLA's sub-tiling)."""
         if not isinstance(other, Sharding):
             raise ShardingError(f"Sharding.merge needs another Sharding, got {describe(other)}.")
-        return _merge(self, other)
+        if shape is not None and len(shape := _shape(shape)) != self.rank:
+            raise ShardingError(f"Sharding.merge got shape {shape} of rank {len(shape)} for layouts of rank "
+                                f"{self.rank}: pass the shape of the value both lay out (or None).")
+        return _merge(self, other, shape)
 
-    def _merge(self, other: "Sharding") -> Optional["Sharding"]:
+    def _merge(self, other: "Sharding", shape: Optional[tuple[int, ...]]) -> Optional["Sharding"]:
         if other.rank != self.rank or other.num_devices != self.num_devices:
             return None
         mine, theirs = self.coords(), other.coords()
         tiles, cols = [], []
         for i, (a, b) in enumerate(zip(self.tiles, other.tiles)):
             (coarse, c), (fine, f) = sorted([(a, mine[:, i]), (b, theirs[:, i])], key=lambda t: t[0])
-            if not _nests(c, coarse, f, fine):
+            if not _nests(c, coarse, f, fine, None if shape is None else shape[i]):
                 return None
             tiles.append(fine)
             cols.append(f)
@@ -184,9 +188,10 @@ class Sharding:
         # The same object when nothing changed: propagation's "did it refine?" is then `is`.
         return self if merged == self else other if merged == other else merged
 
-    def refines(self, other: "Sharding") -> bool:
-        """True if self agrees with `other` and splits at least as much."""
-        return self.merge(other) == self
+    def refines(self, other: "Sharding", shape: Optional[Sequence[int]] = None) -> bool:
+        """True if self agrees with `other` and splits at least as much (on a value of
+        `shape`: finer splits nested in other's too)."""
+        return self.merge(other, shape) == self
 
     def remap(self, dim_map: Sequence[Optional[int]], new_rank: int) -> "Sharding":
         """Carry this sharding to a tensor of rank new_rank whose dim dim_map[i] holds
@@ -324,14 +329,19 @@ def _shape(shape) -> tuple[int, ...]:
     raise ShardingError(f"A value's shape must be a tuple of non-negative ints, got {describe(shape)}; e.g. (8, 16).")
 
 
-def _nests(coarse_coords: np.ndarray, coarse: int, fine_coords: np.ndarray, fine: int) -> bool:
-    """Whether, along one dim split `coarse` and `fine` ways, every device's fine tile
-    lies inside its coarse tile (XLA's sub-tiling: a 4-way split, replicated twice, and
-    an 8-way split whose two halves of each quarter sit on that quarter's devices), so
-    that the fine split refines the coarse one."""
+def _nests(coarse_coords: np.ndarray, coarse: int, fine_coords: np.ndarray, fine: int, size: Optional[int]) -> bool:
+    """Whether, along one dim of `size` split `coarse` and `fine` ways, every device's
+    fine shard lies inside its coarse shard, so that the fine split refines the coarse
+    one: the same split, or (size known) a multiple whose shards nest (a 4-way split
+    replicated twice, and an 8-way split with each quarter's halves on that quarter's
+    devices; an uneven size only where k fine shards make one coarse shard exactly)."""
     if coarse == 1:
         return True
-    return fine % coarse == 0 and np.array_equal(fine_coords // (fine // coarse), coarse_coords)
+    if fine == coarse:
+        return np.array_equal(fine_coords, coarse_coords)
+    k = fine // coarse
+    return (size is not None and fine % coarse == 0 and -(-size // coarse) == k * -(-size // fine)
+            and np.array_equal(fine_coords // k, coarse_coords))
 
 
 # Propagation and partitioning ask the same questions many times over; layouts are

@@ -185,7 +185,8 @@ def _reshape_propagate(instr, shardings, target):
     exact = reshaped_layout(source, *shapes)
     if exact is not None:
         return [exact]
-    # The major part of each split that the reshape carries whole, then what else carries.
+    # After what carries below (a split of a run's major dim whole, realigned by halo
+    # exchange), the major part of each split that the reshape carries exactly.
     major = reshaped_layout(fx.major_part(reshape_factors(*shapes), source, 0, 1), *shapes)
     source = _major_part(source, pairs, forward, x.shape if forward else out.shape)
     dim_map = _carry_map(source, pairs, forward)
@@ -194,7 +195,7 @@ def _reshape_propagate(instr, shardings, target):
     for a, b in runs.items():
         if dst_shape[b] >= source.tiles[a]:   # a shorter dim would leave partitions empty
             dim_map[a] = b
-    return ([major] if major is not None else []) + [source.remap(dim_map, out.rank if forward else x.rank)]
+    return [source.remap(dim_map, out.rank if forward else x.rank)] + ([major] if major is not None else [])
 
 
 def _realigned_reshape(ctx, instr, x: PartitionedValue, target: Sharding) -> Optional[PartitionedValue]:

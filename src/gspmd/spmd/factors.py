@@ -174,10 +174,11 @@ def propose(factors: Sequence[Factor], shardings: Sequence[Optional[Sharding]], 
             for t, s in enumerate(shardings) if t != target and s is not None]
 
 
-def _greedy_merge(views: Sequence[Sharding]) -> Sharding:
+def _greedy_merge(views: Sequence[Sharding], sizes: tuple[int, ...]) -> Sharding:
+    """The views merged in order (on the factor space of `sizes`), each where it can."""
     space = views[0]
     for v in views[1:]:
-        space = space.merge(v) or space
+        space = space.merge(v, sizes) or space
     return space
 
 
@@ -309,8 +310,10 @@ def _cheapest_space(factors: tuple[Factor, ...], operands: tuple[_Tensor, ...], 
     shardings = [o.sharding for o in operands] + list(targets)
     views = [_factor_view(factors, t, s) for t, s in enumerate(shardings)]
     first = [pinned] if pinned is not None else []
-    merged = {_greedy_merge(first + [views[lead]] + views[:lead] + views[lead + 1:]) for lead in range(len(views))}
-    merged.add(_greedy_merge(first + views[n_in:] + views[:n_in]))
+    sizes = tuple(fac.size for fac in factors)
+    merged = {_greedy_merge(first + [views[lead]] + views[:lead] + views[lead + 1:], sizes)
+              for lead in range(len(views))}
+    merged.add(_greedy_merge(first + views[n_in:] + views[:n_in], sizes))
     merged = {_whole_groups(factors, c) for c in merged.union(candidates)}
 
     def key(c: Sharding, price: Callable) -> tuple:
