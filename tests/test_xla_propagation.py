@@ -3,24 +3,14 @@ xla/service/sharding_propagation_test.cc): each case is a JAX program with the
 annotations of the XLA test it is named after (shapes scaled down), asserting XLA's
 completed layout, or a documented alternative that moves no more bytes, and the bytes
 the partitioned program then moves (priced and counted as bytes each device receives)."""
-import re
-
 import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
-import gspmd
 from util import BYTES_RECEIVED, check, rand
-from xla_cases import split
+from xla_cases import layout as xla, split
 
 RNG = np.random.RandomState(0)
-
-
-def xla(spec: str) -> gspmd.Sharding:
-    """A layout written as XLA prints it: "devices=[2,1,4]0,1,...,7 last_tile_dim_replicate"."""
-    m = re.fullmatch(r"devices=\[([\d,]+)\]([\d,]+)( last_tile_dim_replicate)?", spec)
-    dims = [int(d) for d in m.group(1).split(",")] + ([] if m.group(3) else [1])
-    return gspmd.Sharding(np.asarray([int(d) for d in m.group(2).split(",")]).reshape(dims))
 
 
 def devices(n: int) -> str:

@@ -21,14 +21,26 @@ import gspmd
 F32 = np.float32
 
 
-def split(x, spec: str):
-    """mesh_split by an XLA sharding, "devices=[2,1,2]0,1,2,3 last_tile_dim_replicate":
-    on a mesh with one axis per tile dim, its devices in the order listed."""
+def _mesh(spec: str) -> gspmd.Mesh:
+    """The mesh of an XLA sharding, "devices=[2,1,2]0,1,2,3 last_tile_dim_replicate": one
+    axis per tile dim (a0, a1, ...), its devices in the order listed."""
     m = re.fullmatch(r"devices=\[([\d,]+)\]([\d,]+)( last_tile_dim_replicate)?", spec.strip())
     dims = [int(d) for d in m.group(1).split(",")]
     devices = np.asarray([int(d) for d in m.group(2).split(",")]).reshape(dims)
-    names = tuple(f"a{i}" for i in range(len(dims)))
-    return gspmd.mesh_split(x, gspmd.Mesh(devices, names), [names[i] for i in range(np.ndim(x))])
+    return gspmd.Mesh(devices, tuple(f"a{i}" for i in range(len(dims))))
+
+
+def split(x, spec: str):
+    """mesh_split by an XLA sharding, tensor dim i over mesh axis i of its _mesh."""
+    mesh = _mesh(spec)
+    return gspmd.mesh_split(x, mesh, list(mesh.axis_names[:np.ndim(x)]))
+
+
+def layout(spec: str) -> gspmd.Sharding:
+    """The Sharding an XLA sharding string names (its last tile dim replicated or not)."""
+    mesh = _mesh(spec)
+    rank = mesh.ndim - spec.strip().endswith("last_tile_dim_replicate")
+    return gspmd.Sharding.from_mesh(mesh, list(mesh.axis_names[:rank]), (1,) * rank)
 
 
 def replicated(rank: int, n: int) -> str:
