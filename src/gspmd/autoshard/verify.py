@@ -93,7 +93,7 @@ def pins_for(c: Candidate, traced: Traced, layouts: dict, rounds: int = 3, most:
             for v in traced.results[where] + traced.gradients[where]:
                 annotations[v] = Sharding.from_mesh(mesh, list(pin.dims_mapping), v.shape)
         copy, counterpart = annotated_copy(traced.program, annotations)
-        propagation.complete(copy, mesh.size)
+        propagation.complete(copy, mesh.size, c.model.pricing.hardware)   # as the jit of the plan completes
         strays: dict = {}
         for v, layout in layouts.items():
             where = traced.location.get(v)
