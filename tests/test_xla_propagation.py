@@ -209,6 +209,18 @@ def test_elementwise_conflict_keeps_the_first_operands_split():
     assert dict(report.counts()) == {"all-to-all": 1}
 
 
+def test_select_keeps_the_split_of_the_operand_dearer_to_move():
+    """select(pred, x, y) with the bool pred split by rows and the float x by columns:
+    the generic rule (not the dot's) keeps x's split and moves the 1-byte pred (was:
+    the first operand's, x moved: 512 B; now 128 B)."""
+    def f(m, x, y):
+        return jnp.where(split(m, f"devices=[2,1,4]{devices(8)} last_tile_dim_replicate"),
+                         split(x, f"devices=[1,2,4]{devices(8)} last_tile_dim_replicate"), y)
+    low, report = _run(f, RNG.rand(16, 16) > 0.5, rand(RNG, 16, 16), rand(RNG, 16, 16))
+    assert low.sharding_of(0) == xla(f"devices=[1,2,4]{devices(8)} last_tile_dim_replicate")
+    assert report.collective_bytes == 128 and dict(report.counts()) == {"all-to-all": 1}
+
+
 # -- more of XLA's cases, at their own shapes ------------------------------------------------
 def test_reshape_forward_pass():
     """ReshapeForwardPass: [1430, 1] split 2 ways -> [10, 11, 13] split on the 10."""
