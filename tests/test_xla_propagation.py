@@ -6,6 +6,7 @@ the partitioned program then moves (priced and counted as bytes each device rece
 import jax.numpy as jnp
 from jax import lax
 import numpy as np
+import pytest
 
 from util import BYTES_RECEIVED, check, rand
 from xla_cases import layout as xla, split
@@ -255,14 +256,6 @@ def test_transpose_backward_pass():
     assert low.program.params[0].sharding == xla("devices=[2,1,2]0,2,1,3") and report.collective_bytes == 0
 
 
-def test_pad_forward_pass():
-    """PadForwardPass: [11, 17] split [2,2], padded 2_4_1 x 1_1_2 (interior too)."""
-    def f(x, v):
-        return lax.pad(split(x, "devices=[2,2]0,1,2,3"), v, [(2, 4, 1), (1, 1, 2)])
-    low, _ = _run(f, rand(RNG, 11, 17), np.float32(0.5))
-    assert low.sharding_of(0) == xla("devices=[2,2]0,1,2,3")
-
-
 def test_strided_slice():
     """PartialReplicatedStridedSlice: [17, 13] split [2,1,2] -> slice [1:15:2, 5:10]."""
     low, _ = _run(lambda x: jnp.tanh(split(x, "devices=[2,1,2]0,1,2,3 last_tile_dim_replicate")[1:15:2, 5:10]),
@@ -367,3 +360,31 @@ def test_gather_from_data_operand_and_to_index():
     assert low.sharding_of(0) == xla("devices=[1,2]0,1")
     low, _ = _run(to_index, rand(RNG, 2, 9), np.array([1, 0, 1], np.int32))
     assert low.program.params[1].sharding == xla("devices=[2]0,1")
+
+
+def test_reduce_window_backward_pass():
+    """ReduceWindowBackwardPass: a [2,1] split of a windowed sum's result reaches its operand."""
+    def f(x):
+        y = lax.reduce_window(jnp.tanh(x), 0.0, lax.add, (3, 2), (2, 1), [(1, 1), (0, 1)])
+        return split(y, "devices=[2,1]0,1")
+    low, _ = _run(f, rand(RNG, 13, 17))
+    assert low.program.params[0].sharding == xla("devices=[2,1]0,1")
+
+
+@pytest.mark.parametrize("spec", ["devices=[2,2]0,1,2,3", f"devices=[2,2,2]{devices(8)} last_tile_dim_replicate"],
+                         ids=["PadForwardPass", "PartialReplicatedPadForwardPass"])
+def test_pad_forward_pass(spec: str):
+    """[11, 17] split [2,2] (or partially tiled), padded 2_4_1 x 1_1_2 (interior too):
+    the pad keeps its operand's split."""
+    def f(x, v):
+        return lax.pad(split(x, spec), v, [(2, 4, 1), (1, 1, 2)])
+    low, _ = _run(f, rand(RNG, 11, 17), np.float32(0.5))
+    assert low.sharding_of(0) == xla(spec)
+
+
+def test_concat_from_user_unsharded_dim():
+    """ConcatFromUserUnshardedDim: a split of the dim the concatenate keeps reaches both operands."""
+    def f(a, b):
+        return split(jnp.concatenate([jnp.tanh(a), jnp.tanh(b)], axis=0), "devices=[1,2]0,1")
+    low, _ = _run(f, rand(RNG, 8, 128), rand(RNG, 8, 128))
+    assert all(p.sharding == xla("devices=[1,2]0,1") for p in low.program.params)
