@@ -24,7 +24,7 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 from gspmd import ops
 from gspmd.ir import Instr, Program, Value
 from gspmd.ops.registry import is_annotation, priority
-from gspmd.sharding import Sharding
+from gspmd.sharding import Sharding, merge_on
 from gspmd.spmd import cost as cm
 from gspmd.spmd import reshard as rs
 
@@ -196,7 +196,7 @@ def _refine(instr: Instr, direction: int, completion: Completion, tensors: _Tens
                 v = tensors.values[t]
                 if (t < n_in) != (direction == BACKWARD) or v is source or _open_dims(v) == ():
                     continue
-                offers.setdefault(t, []).extend((source, p) for p in tensors.propose(_only(n, s, source.sharding), t))
+                offers.setdefault(t, []).extend([(source, p) for p in tensors.propose(_only(n, s, source.sharding), t)])
     changed = []
     for t, offered in offers.items():
         v = tensors.values[t]
@@ -221,7 +221,7 @@ def _merged(v: Value, start: Optional[Sharding], offers: Sequence[Offer], open_d
     layout, all_held = start, True
     for _, proposal in offers:
         proposal = proposal if open_dims is None else proposal.keep_dims(open_dims)
-        merged = proposal if layout is None else layout.merge(proposal, v.shape)
+        merged = proposal if layout is None else merge_on(layout, proposal, v.shape)
         all_held &= merged is not None
         layout = merged or layout
     return layout, all_held
@@ -234,6 +234,8 @@ def _by_cost(tensors: _Tensors, t: int, offers: list[Offer], hw: cm.Hardware) ->
     it (priced on `hw`, the partitioner's cost model); at equal cost, as XLA prefers,
     the layout that splits every operand alike (a batch dim), then the larger tensor's
     offer, then operand order."""
+    if len(offers) == 1:
+        return offers
     v = tensors.values[t]
     open_dims = _open_dims(v)
     if _merged(v, v.sharding, offers, open_dims)[1]:
@@ -261,7 +263,7 @@ def _agreeing_with(tensors: _Tensors, t: int, layout: Sharding, hw: cm.Hardware)
         implied, _ = _merged(u, None, [(v, p) for p in tensors.propose(_only(n, t, layout), j)], None)
         implied = implied or Sharding.replicated(u.rank, layout.num_devices)
         shared = min(shared or layout.num_devices, math.prod(implied.tiles))
-        kept = u.sharding.merge(implied, u.shape)
+        kept = merge_on(u.sharding, implied, u.shape)
         if kept is None or not _merged(v, layout, [(u, p) for p in tensors.propose(_only(n, j, kept), t)], None)[1]:
             total = cm.add_costs(total, rs.cost(u.sharding, implied, u.shape, u.dtype.itemsize, hw))
     return total, shared or 1
@@ -273,7 +275,7 @@ def _merge_into(v: Value, proposal: Sharding, open_dims: Optional[tuple[int, ...
         proposal = proposal.keep_dims(open_dims)
     if proposal.is_replicated:
         return False
-    merged = proposal if v.sharding is None else v.sharding.merge(proposal, v.shape)
+    merged = proposal if v.sharding is None else merge_on(v.sharding, proposal, v.shape)
     if merged is None or merged == v.sharding:
         return False
     v.sharding = merged

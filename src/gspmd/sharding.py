@@ -347,6 +347,12 @@ def _nests(coarse_coords: np.ndarray, coarse: int, fine_coords: np.ndarray, fine
 # Propagation and partitioning ask the same questions many times over; layouts are
 # immutable and hashable, so the answers are memoized (this keeps 2048 devices cheap).
 _merge = functools.lru_cache(maxsize=65536)(Sharding._merge)
+
+
+def merge_on(a: Sharding, b: Sharding, shape: tuple[int, ...]) -> Optional[Sharding]:
+    """a.merge(b, shape) for gspmd's own callers, whose shape is a value's (a tuple of
+    ints of the layouts' rank already): propagation merges far too often to check it."""
+    return _merge(a, b, shape)
 _remap = functools.lru_cache(maxsize=65536)(Sharding._remap)
 
 
