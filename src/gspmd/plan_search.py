@@ -371,32 +371,36 @@ class _Floor:
     def communication(self, c: Config) -> float:
         """What the strategy's collectives take, estimated with the cost model over the
         mesh's device groups: per layer and microbatch, the activations over the model
-        axis (two all-reduces forward, two backward, as Megatron-LM counts them) and, with
-        the 2d strategy (weights split over the whole mesh), each weight gathered twice and
-        its gradient reduce-scattered; with the megatron strategy, each stacked weight's
-        gradient all-reduced over the data axis once a step; with a pipeline, each step's
-        activations passed on, forward and backward."""
+        axis (two all-reduces forward, two backward, as Megatron-LM counts them; twice as
+        many with the 2d strategy) and, with the 2d strategy (weights split over the data
+        axis too), each weight gathered twice there and its gradient reduce-scattered; with
+        the megatron strategy, each stacked weight's gradient all-reduced over the data
+        axis once a step; with a pipeline, each step's activations passed on, forward and
+        backward."""
         devices = cm.device_mesh(c.mesh, self.hw)
         n, x, y = devices.size, c.x, c.y
         m, layers = c.microbatches or 1, self.layers / (c.stages or 1)     # a stage's
         act = self.activation_bytes / (x * m)
 
-        def seconds(pattern: cm.Pattern, nbytes: float, axis: int) -> float:
-            groups = _groups(devices, axis)
+        def seconds(pattern: cm.Pattern, nbytes: float, axes: tuple[int, ...]) -> float:
+            groups = _groups(devices, axes)
             if pattern is cm.Pattern.PERMUTE:
                 groups = np.stack([groups.ravel(), np.roll(groups, 1, axis=1).ravel()], axis=1)
             return cm.collective_seconds(pattern, nbytes, groups, n, self.hw)
 
         model, data = (c.model_axis,), (c.data_axis,)
-        per_layer = 4 * seconds(cm.Pattern.ALL_REDUCE, act, model) if y > 1 else 0.0
+        # Megatron-LM's four all-reduces of a layer's activations; the 2d strategy also splits
+        # them over the model axis, gathering and reduce-scattering around each matmul: twice
+        # as many collectives
+        collectives = 4 if c.strategy == "megatron" or c.strategy is None else 8
+        per_layer = collectives * seconds(cm.Pattern.ALL_REDUCE, act, model) if y > 1 else 0.0
         gradients = 0.0
         if x > 1 and c.strategy == "megatron":      # each stacked weight's, once a step, after the loops
             gradients = self.weights * seconds(cm.Pattern.ALL_REDUCE, self.weight_bytes * layers / y, data)
-        elif x * y > 1 and c.strategy is not None:  # 2d: each weight split over the whole mesh
+        elif x > 1 and c.strategy is not None:      # 2d: weights gathered over the data axis (FSDP)
             shard = self.weight_bytes / (x * y)
-            both = data + model if y > 1 else data
-            per_layer += self.weights * (2 * seconds(cm.Pattern.ALL_GATHER, shard * x * y, both)
-                                         + seconds(cm.Pattern.REDUCE_SCATTER, shard, both))
+            per_layer += self.weights * (2 * seconds(cm.Pattern.ALL_GATHER, shard * x, data)
+                                         + seconds(cm.Pattern.REDUCE_SCATTER, shard, data))
         if not c.pipelined:
             return per_layer * layers * m + gradients
         # Each stage runs its layer every step, bubbles included.
