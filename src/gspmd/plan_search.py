@@ -15,7 +15,8 @@ schedule, repeats, microbatches and the rematerialization policy:
    the mesh's device groups.
 3. Prune what cannot fit; partition the rest for real in the order of their estimates
    (each with the least recompute that fits, planning.plan_to_fit), until the next
-   one's lower bound cannot beat the best found or the time budget is spent.
+   one's lower bound cannot beat the best found or the time budget is spent; the best
+   is planned again with each policy that recomputes more, where one is faster.
 
 The answer says what it chose, and for each runner-up what it costs more and why.
 """
@@ -216,8 +217,21 @@ def search(model: str, base: planning.Sizes, devices: int, hardware: Union[str, 
     if not verified:
         raise ShardingError(f"No configuration of {model} over {devices} devices could be planned.")
     verified.sort(key=_rank)
+    _more_recompute_if_faster(model, base, hw, verified[0])
+    verified.sort(key=_rank)
     return Search(model, verified[0], verified, len(candidates), len(candidates) - len(fitting), pruned, unexplored,
                   refused, time.perf_counter() - start)
+
+
+def _more_recompute_if_faster(model: str, base: planning.Sizes, hw: Hardware, best: Candidate) -> None:
+    """The best plan with each policy that recomputes more than its own, where one is
+    faster: recomputing an element-wise op can cost less than writing it to memory and
+    reading it back (a matmul's fused operands)."""
+    chosen = best.plan.case.sizes.get("remat")
+    for policy in best.policies[best.policies.index(chosen) + 1:] if chosen in best.policies else []:
+        other = planning.plan(model, dataclasses.replace(best.config.sizes(base), remat=policy), hw)
+        if other.report.fits_in_memory and other.report.step_seconds < best.step_s:
+            best.plan = other
 
 
 def _family(c: Candidate) -> tuple:
