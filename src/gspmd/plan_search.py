@@ -83,7 +83,7 @@ class Config:
         return ", ".join(parts)
 
 
-@dataclass
+@dataclass(eq=False)     # each one itself: the search's queue finds and removes it by identity
 class Candidate:
     config: Config
     lower_bound_s: float        # no plan of it can take less
@@ -116,7 +116,7 @@ class Search:
         sizes, config = self.chosen.plan.case.sizes, self.chosen.config
         out = {"mesh": "x".join(map(str, sizes["mesh"]))}
         out.update((name, getattr(config, name)) for name in SEARCHED[1:-1] if getattr(config, name) is not None)
-        out["remat"] = sizes.get("remat") or "none"
+        out["remat"] = _remat(self.chosen.plan)
         return out
 
     def flags(self) -> str:
@@ -124,7 +124,7 @@ class Search:
 
     def runners_up(self) -> list[dict]:
         best = self.chosen.plan.report
-        return [{"configuration": c.config.describe(), "remat": c.plan.case.sizes.get("remat") or "none",
+        return [{"configuration": c.config.describe(), "remat": _remat(c.plan),
                  "step_seconds": c.step_s, "slower": c.step_s / best.step_seconds - 1,
                  "fits_in_memory": c.plan.report.fits_in_memory, "why": why_slower(c.plan.report, best)}
                 for c in self.verified if c is not self.chosen]
@@ -141,8 +141,8 @@ class Search:
                  f"fit (parameters and optimizer state alone), {self.pruned_by_bound} cannot beat the best (compute "
                  f"and bubbles alone), {len(self.verified)} partitioned"
                  + (f", {self.unexplored} left when the budget (time or plans) ran out" if self.unexplored else ""),
-                 f"chose {self.chosen.config.describe()}, remat "
-                 f"{self.chosen.plan.case.sizes.get('remat') or 'none'}: gspmd plan {self.model} {self.flags()}"]
+                 f"chose {self.chosen.config.describe()}, remat {_remat(self.chosen.plan)}: "
+                 f"gspmd plan {self.model} {self.flags()}"]
         for r in self.runners_up():
             fits = "" if r["fits_in_memory"] else ", does NOT fit"
             lines.append(f"  runner-up {r['configuration']}, remat {r['remat']}: {r['step_seconds'] * 1e3:.1f} ms, "
@@ -152,16 +152,24 @@ class Search:
 
 def why_slower(report, best) -> str:
     """The largest of the ways `report`'s step exceeds `best`'s."""
-    causes = {"compute (FLOPs per device)": report.compute_seconds * (1 - (report.bubble_fraction or 0))
-              * (1 - (report.recompute_fraction or 0)) - best.compute_seconds * (1 - (best.bubble_fraction or 0))
-              * (1 - (best.recompute_fraction or 0)),
-              "pipeline bubbles": report.compute_seconds * (report.bubble_fraction or 0)
-              - best.compute_seconds * (best.bubble_fraction or 0),
-              "recompute": report.compute_seconds * (report.recompute_fraction or 0)
-              - best.compute_seconds * (best.recompute_fraction or 0),
-              "exposed communication": report.exposed_communication_seconds - best.exposed_communication_seconds}
+    mine, theirs = _step_by_cause(report), _step_by_cause(best)
+    causes = {cause: mine[cause] - theirs[cause] for cause in mine}
     worst = max(causes, key=causes.get)
     return f"{worst} +{causes[worst] * 1e3:.1f} ms"
+
+
+def _step_by_cause(report) -> dict[str, float]:
+    """A step's seconds by what they are spent on."""
+    bubbles, recompute = report.bubble_fraction or 0, report.recompute_fraction or 0
+    return {"compute (FLOPs per device)": report.compute_seconds * (1 - bubbles) * (1 - recompute),
+            "pipeline bubbles": report.compute_seconds * bubbles,
+            "recompute": report.compute_seconds * recompute,
+            "exposed communication": report.exposed_communication_seconds}
+
+
+def _remat(plan: planning.CasePlan) -> str:
+    """The --remat value of a plan."""
+    return plan.case.sizes.get("remat") or "none"
 
 
 def search(model: str, base: planning.Sizes, devices: int, hardware: Union[str, Hardware] = "tpu-v3",

@@ -200,8 +200,9 @@ def _refine(instr: Instr, direction: int, completion: Completion, tensors: _Tens
     changed = []
     for t, offered in offers.items():
         v = tensors.values[t]
-        for source, proposal in _by_cost(tensors, t, offered, hw):
-            if _merge_into(v, proposal, _open_dims(v)):
+        open_dims = _open_dims(v)
+        for source, proposal in _by_cost(tensors, t, offered, open_dims, hw):
+            if _merge_into(v, proposal, open_dims):
                 completion.provenance.setdefault(v, []).append(Step(instr, source, v.sharding))
                 if v not in changed:
                     changed.append(v)
@@ -227,7 +228,8 @@ def _merged(v: Value, start: Optional[Sharding], offers: Sequence[Offer], open_d
     return layout, all_held
 
 
-def _by_cost(tensors: _Tensors, t: int, offers: list[Offer], hw: cm.Hardware) -> list[Offer]:
+def _by_cost(tensors: _Tensors, t: int, offers: list[Offer], open_dims: Optional[tuple[int, ...]],
+             hw: cm.Hardware) -> list[Offer]:
     """The offers for target t in the order to merge them. Where they conflict (operands
     of a dot asking for splits that cannot both hold), the offer to merge first is the
     one whose layout takes the least resharding of the op's other tensors to agree with
@@ -237,7 +239,6 @@ def _by_cost(tensors: _Tensors, t: int, offers: list[Offer], hw: cm.Hardware) ->
     if len(offers) == 1:
         return offers
     v = tensors.values[t]
-    open_dims = _open_dims(v)
     if _merged(v, v.sharding, offers, open_dims)[1]:
         return offers
     orders = [[offers[i]] + offers[:i] + offers[i + 1:] for i in range(len(offers))]
