@@ -17,7 +17,7 @@ def found():
 
 
 def test_the_search_partitions_the_best_candidates_and_explains_its_choice(found):
-    assert found.considered > 20 and len(found.verified) >= plan_search.VERIFY_AT_LEAST
+    assert found.considered > 20 and len(found.verified) >= 3
     assert found.considered == (found.pruned_by_memory + found.pruned_by_bound + found.unexplored
                                 + len(found.verified) + found.refused)
     best = found.chosen.plan.report

@@ -343,8 +343,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--auto", action="store_true", help="search the training configuration for --devices N: mesh, "
                    "strategy, pipeline stages, schedule, repeats, microbatches and remat (those given are kept); "
                    "prints the best plan, the flags that reproduce it and why the runners-up lost")
-    p.add_argument("--budget", type=float, default=60.0, help="--auto: seconds to search (default 60; at least "
-                   "3 configurations are partitioned)")
+    p.add_argument("--budget", type=float, default=60.0, help="--auto: seconds to search (default 60: no plan is "
+                   "started that would end past it, the first excepted)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--top", type=int, default=5, help="how many of the largest buffers at the peak to list (default 5)")
     p.add_argument("--memory-plot", metavar="PNG", help="plot memory per device over the run (needs matplotlib)")

@@ -22,6 +22,7 @@ The answer says what it chose, and for each runner-up what it costs more and why
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -41,7 +42,6 @@ from gspmd.spmd.cost import Hardware
 SEARCHED = ("mesh", "strategy", "stages", "schedule", "repeats", "microbatches", "remat")
 MAX_REPEATS = 4          # virtual stages per stage tried (interleaved 1F1B, circular)
 MAX_MICROBATCHES = 256   # microbatches tried at most (per pipeline or accumulation)
-VERIFY_AT_LEAST = 3      # configurations partitioned for real even where bounds would stop sooner
 
 
 @dataclass(frozen=True)
@@ -175,10 +175,10 @@ def _remat(plan: planning.CasePlan) -> str:
 def search(model: str, base: planning.Sizes, devices: int, hardware: Union[str, Hardware] = "tpu-v3",
            budget_s: float = 60.0, max_plans: Optional[int] = None) -> Search:
     """The best configuration of `model` over `devices` found within `budget_s` seconds
-    and `max_plans` configurations partitioned for real (at least VERIFY_AT_LEAST). Sizes
-    given in `base` (a mesh, stages, a strategy, ...) are kept; the others in SEARCHED
-    are chosen."""
-    start = time.perf_counter()
+    (a plan whose partitioning would end past it is not started; the first always is)
+    and `max_plans` configurations partitioned for real. Sizes given in `base` (a mesh, stages, a strategy, ...) are kept;
+    the others in SEARCHED are chosen."""
+    clock = _Clock(budget_s)
     if model not in MODELS:
         raise ShardingError(f"--auto searches the recipes ({', '.join(sorted(MODELS))}); for your own function "
                             "use `gspmd auto module:function` (annotations) or gspmd.auto.")
@@ -210,14 +210,14 @@ def search(model: str, base: planning.Sizes, devices: int, hardware: Union[str, 
             queue = kept
         if not queue:
             break
-        if len(verified) >= VERIFY_AT_LEAST and (time.perf_counter() - start > budget_s
-                                                 or len(verified) == (max_plans or math.inf)):
+        if verified and (not clock.allows_another() or len(verified) == (max_plans or math.inf)):
             unexplored = len(queue)
             break
         c = next((s for s in seeds if s in queue), None) or min(queue, key=_calibrated(verified))
         queue.remove(c)
         try:
-            c.plan = planning.plan_to_fit(model, c.config.sizes(base), hw, c.policies)
+            with clock.timing():
+                c.plan = planning.plan_to_fit(model, c.config.sizes(base), hw, c.policies)
         except ShardingError:        # a configuration the recipe refuses (a split it needs even, say)
             refused += 1
             continue
@@ -225,19 +225,44 @@ def search(model: str, base: planning.Sizes, devices: int, hardware: Union[str, 
     if not verified:
         raise ShardingError(f"No configuration of {model} over {devices} devices could be planned.")
     verified.sort(key=_rank)
-    _more_recompute_if_faster(model, base, hw, verified[0])
+    _more_recompute_if_faster(model, base, hw, verified[0], clock)
     verified.sort(key=_rank)
     return Search(model, verified[0], verified, len(candidates), len(candidates) - len(fitting), pruned, unexplored,
-                  refused, time.perf_counter() - start)
+                  refused, clock.elapsed())
 
 
-def _more_recompute_if_faster(model: str, base: planning.Sizes, hw: Hardware, best: Candidate) -> None:
+class _Clock:
+    """The search's time budget: another plan is started only where it would end within
+    the budget, were it to take as long as the longest so far."""
+
+    def __init__(self, budget_s: float):
+        self.budget_s, self.start, self.longest = budget_s, time.perf_counter(), 0.0
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def allows_another(self) -> bool:
+        return self.elapsed() + self.longest <= self.budget_s
+
+    @contextlib.contextmanager
+    def timing(self):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.longest = max(self.longest, time.perf_counter() - started)
+
+
+def _more_recompute_if_faster(model: str, base: planning.Sizes, hw: Hardware, best: Candidate, clock: _Clock) -> None:
     """The best plan with each policy that recomputes more than its own, where one is
-    faster: recomputing an element-wise op can cost less than writing it to memory and
-    reading it back (a matmul's fused operands)."""
+    faster (and time allows): recomputing an element-wise op can cost less than writing
+    it to memory and reading it back (a matmul's fused operands)."""
     chosen = best.plan.case.sizes.get("remat")
     for policy in best.policies[best.policies.index(chosen) + 1:] if chosen in best.policies else []:
-        other = planning.plan(model, dataclasses.replace(best.config.sizes(base), remat=policy), hw)
+        if not clock.allows_another():
+            return
+        with clock.timing():
+            other = planning.plan(model, dataclasses.replace(best.config.sizes(base), remat=policy), hw)
         if other.report.fits_in_memory and other.report.step_seconds < best.step_s:
             best.plan = other
 

@@ -266,7 +266,7 @@ def _agreeing_with(tensors: _Tensors, t: int, layout: Sharding, hw: cm.Hardware)
         shared = min(shared or layout.num_devices, math.prod(implied.tiles))
         kept = merge_on(u.sharding, implied, u.shape)
         if kept is None or not _merged(v, layout, [(u, p) for p in tensors.propose(_only(n, j, kept), t)], None)[1]:
-            total = cm.add_costs(total, rs.cost(u.sharding, implied, u.shape, u.dtype.itemsize, hw))
+            total = cm.add_costs(total, rs.quick_cost(u.sharding, implied, u.shape, u.dtype.itemsize, hw))
     return total, shared or 1
 
 

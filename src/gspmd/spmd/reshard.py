@@ -26,12 +26,14 @@ from gspmd.spmd.reshard_steps import (MAX_ROUNDS, AllToAllStep, ExchangeStep, Ga
                                       SumGatherStep, transfers)
 
 MAX_STEPS = 4     # steps one plan may take
-MAX_EXPANSIONS = 100   # layouts one search expands before it settles for what it has found
+MAX_EXPANSIONS = 100   # layouts one search expands before it settles for what it has found,
+EXPANDING_WORK = 25600  # up to EXPANDING_WORK / devices of them from 256 devices on (10 at least)
 # A search that only tries to beat the direct gathers expands IMPROVING_WORK / devices^2
 # layouts (an expansion costs in proportion to the devices, and so do the layouts worth
 # trying): 128 on 8 devices, 32 on 16, none from 128 on, where the direct gathers stand
 # and planning at paper scale stays seconds.
 IMPROVING_WORK = 8192
+SEARCHED_UP_TO = 64      # devices up to which completion prices conflicts with the searched plan
 ALL_FACTORS_UP_TO = 16   # tiles of a split up to which every divisor is a factor to try
 
 
@@ -189,7 +191,8 @@ def _search(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int,
     devices still lack; at equal cost, fewer gathers of what is split again, then fewer
     collective-permutes), or `incumbent` where nothing is cheaper. Gathering everything
     and cutting is always possible, so a plan is always found."""
-    budget = MAX_EXPANSIONS if incumbent is None else IMPROVING_WORK // src.num_devices ** 2
+    budget = max(min(MAX_EXPANSIONS, EXPANDING_WORK // src.num_devices), 10) if incumbent is None \
+        else IMPROVING_WORK // src.num_devices ** 2
     if budget == 0:
         return incumbent
     bound = rounded(_chain_cost(incumbent, src, shape, itemsize, hw)) if incumbent is not None else math.inf
@@ -306,6 +309,23 @@ def cost(src: Sharding, dst: Sharding, shape: Sequence[int], itemsize: int, hw: 
 @functools.lru_cache(maxsize=65536)
 def _cost(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int, hw: cm.Hardware) -> Cost:
     return _chain_cost(plan(src, dst, shape, itemsize, hw), src, shape, itemsize, hw)
+
+
+def quick_cost(src: Sharding, dst: Sharding, shape: Sequence[int], itemsize: int, hw: cm.Hardware) -> Cost:
+    """What resharding takes, for comparing many hypothetical layouts (completion's
+    conflicts): `cost` up to SEARCHED_UP_TO devices; beyond, where one search takes
+    seconds, the cheapest plan found without searching (a cut, the direct gathers, or
+    gathering to the finest common split and cutting) -- never below `cost`."""
+    if src.num_devices <= SEARCHED_UP_TO:
+        return cost(src, dst, shape, itemsize, hw)
+    return _quick_cost(src, dst, tuple(shape), itemsize, hw)
+
+
+@functools.lru_cache(maxsize=65536)
+def _quick_cost(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int, hw: cm.Hardware) -> Cost:
+    if src == dst or 0 in shape:
+        return FREE
+    return _chain_cost(_settle(src, dst, shape, itemsize, hw, [((), src)]), src, shape, itemsize, hw)
 
 
 def _chain_cost(steps, src: Sharding, shape, itemsize: int, hw: cm.Hardware) -> Cost:
