@@ -2,8 +2,11 @@
 same configuration on the tpu-v3 profile (step time, utilization, memory, bubbles),
 written to benchmarks/PAPER.md.
 
-    PYTHONPATH=src python benchmarks/paper.py            # all tables (a few minutes)
-    PYTHONPATH=src python benchmarks/paper.py --tables 2 3
+    PYTHONPATH=src python benchmarks/paper.py            # all tables (~25 min: 60 s of search a row)
+    PYTHONPATH=src python benchmarks/paper.py --tables 2 3 --budget 20
+
+Tables 2, 3, 4 and 6 also show what `gspmd plan MODEL --auto` finds given only each row's
+model, device count and global batch (benchmarks/auto_rows.py).
 
 The paper's numbers are those of /work/shared/gspmd-paper-study.txt (a study of the
 paper); where it gives none for a row, the cell says "n/a". Model details the tables
@@ -22,7 +25,11 @@ from gspmd import planning
 from gspmd.errors import ShardingError
 from gspmd.spmd.cost import profile
 
+sys.path.insert(0, str(Path(__file__).parent))
+import auto_rows  # noqa: E402
+
 GB = 1e9
+AUTO_TABLES = (2, 3, 4, 6)     # with the "auto" columns (issue 47): what `gspmd plan --auto` finds
 LIMIT = profile("tpu-v3").usable_bytes    # what a program may use of a TPU v3 core's 16 GiB
 
 
@@ -241,6 +248,8 @@ class Result:
     seconds: float = float("nan")
     error: str = ""
     remat: str = ""
+    devices: int = 0
+    auto: Optional[auto_rows.Auto] = None
 
     @property
     def fits(self) -> bool:
@@ -260,7 +269,7 @@ def run(row: Row, fit: tuple = ()) -> Result:
                   None if r.bubble_fraction is None else 100 * r.bubble_fraction,
                   None if r.recompute_fraction is None else 100 * r.recompute_fraction,
                   r.exposed_communication_seconds, 100 * a2a / r.step_seconds, time.perf_counter() - start,
-                  remat=p.case.sizes.get("remat") or "none")
+                  remat=p.case.sizes.get("remat") or "none", devices=p.lowered.num_devices)
 
 
 def run_table(table: Table) -> list[Result]:
@@ -291,7 +300,7 @@ def _delta(ours: float, paper: Optional[float]) -> str:
     return "" if paper is None else f" ({(ours / paper - 1) * 100:+.0f}%)"
 
 
-def render(table: Table, results: list[Result]) -> list[str]:
+def render(table: Table, results: list[Result], budget_s: float = auto_rows.BUDGET_S) -> list[str]:
     extra = [c for c in table.extra_columns]
     head = ["configuration", "paper: memory GB", "step s", "util %"]
     if any(r.bubbles is not None for r in table.rows):
@@ -306,6 +315,9 @@ def render(table: Table, results: list[Result]) -> list[str]:
     if "all-to-all" in extra:
         head.append("all-to-all %")
     head.append("plan s")
+    autos = [res.auto for res in results if res.auto is not None]
+    if autos:
+        head += auto_rows.HEAD
     lines = [f"## Table {table.number}: {table.title}", "", "| " + " | ".join(head) + " |",
              "|" + "---|" * len(head)]
     for row, res in zip(table.rows, results):
@@ -326,7 +338,11 @@ def render(table: Table, results: list[Result]) -> list[str]:
             if "all-to-all" in extra:
                 cells.append(f"{res.a2a:.0f}")
             cells.append(f"{res.seconds:.1f}")
+            if res.auto is not None:
+                cells += res.auto.cells()
         lines.append("| " + " | ".join(cells) + " |")
+    if autos:
+        lines += ["", auto_rows.summary(autos, budget_s)]
     lines += ["", "Assumptions:", ""] + [f"- {a}" for a in table.assumptions] + [""]
     return lines
 
@@ -399,6 +415,11 @@ What our numbers are today:
   configuration), Tables 4 and 5 per layer as the paper's recompute says.
 - Activations are bfloat16 and parameters float32, with Adafactor (the U-Net: SGD), as
   in the paper.
+- **auto** (Tables 2, 3, 4 and 6): given only the row's model, device count and global
+  batch, the configuration `gspmd plan MODEL --auto` chooses (mesh, strategy, stages,
+  schedule, repeats, microbatches, remat; its flags reproduce the estimate), its step, and
+  that step over ours for the paper's configuration; "search s" on a 2-core machine,
+  its budget 60 s.
 """
 
 
@@ -406,17 +427,22 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tables", type=int, nargs="*", help="which tables (default: all)")
     parser.add_argument("--out", default=str(Path(__file__).with_name("PAPER.md")))
+    parser.add_argument("--budget", type=float, default=auto_rows.BUDGET_S,
+                        help=f"seconds of `gspmd plan --auto` search a row of Tables {AUTO_TABLES} (default 60)")
     args = parser.parse_args(argv)
     chosen = [t for t in tables() if not args.tables or t.number in args.tables]
     lines, by_table = [HEADER], {}
     for table in chosen:
         results = run_table(table)
         for row, result in zip(table.rows, results):
-            print(f"table {table.number} {row.label}: {result}", file=sys.stderr)
+            if table.number in AUTO_TABLES and not result.error:
+                result.auto = auto_rows.search(row.model, row.sizes, result.devices, "tpu-v3", result.step_s,
+                                               args.budget)
+            print(f"table {table.number} {row.label}: {result}", file=sys.stderr, flush=True)
         by_table[table.number] = (table, results)
     lines += checks(by_table)
     for table in chosen:
-        lines += render(*by_table[table.number])
+        lines += render(*by_table[table.number], args.budget)
     Path(args.out).write_text("\n".join(lines))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0

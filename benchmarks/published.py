@@ -1,9 +1,11 @@
 """Published runs next to our plans: MaxText's TPU v5p table and Megatron-LM's A100
 weak-scaling table, every row planned with our Transformer recipe configured as the row
-states, on the matching profile (tpu-v5p, a100), written to benchmarks/PUBLISHED.md.
+states, on the matching profile (tpu-v5p, a100), written to benchmarks/PUBLISHED.md;
+next to each, the configuration `gspmd plan transformer --auto` finds for the row's
+model, chips and global batch (benchmarks/auto_rows.py).
 
-    PYTHONPATH=src python benchmarks/published.py                 # both tables (~3 min)
-    PYTHONPATH=src python benchmarks/published.py --tables maxtext --rows 2
+    PYTHONPATH=src python benchmarks/published.py                 # both tables (~20 min: 60 s of search a row)
+    PYTHONPATH=src python benchmarks/published.py --tables maxtext --rows 2 --budget 20
 
 TFLOP/s per chip = the step's model FLOPs as the source counts them (its formula, stated
 with each table) / (our estimated step time x chips). One set of constants per profile;
@@ -19,6 +21,9 @@ from typing import Optional
 
 from gspmd import planning
 from gspmd.spmd.cost import profile
+
+sys.path.insert(0, str(Path(__file__).parent))
+import auto_rows  # noqa: E402
 
 TOLERANCE = 0.20    # the issue's "within 20%"
 
@@ -352,7 +357,7 @@ def swapped_pairs(table: Table, estimates: list[Estimate]) -> list[str]:
     return pairs
 
 
-def render(table: Table, estimates: list[Estimate]) -> list[str]:
+def render(table: Table, estimates: list[Estimate], autos: list[auto_rows.Auto], budget_s: float) -> list[str]:
     hw = profile(table.hardware)
     lines = [f"## {table.title}", "", f"Source: {table.source}", "",
              f"Model FLOPs per step: {table.formula}. Profile `{hw.name}`: {hw.flops_per_s / 1e12:.0f} TF/s "
@@ -360,21 +365,22 @@ def render(table: Table, estimates: list[Estimate]) -> list[str]:
              f"{hw.hbm_bytes_per_s / 1e12:.2f} TB/s" + (f", element-wise arithmetic at {hw.vector_ops_per_s / 1e12:.1f} "
                                                       "T instructions/s" if hw.vector_ops_per_s else "") + ".", "",
              "| row | configuration as stated | published TF/s/chip (MFU) | ours TF/s/chip (MFU) | ours / published "
-             "| step (s) | peak GB (fits) | rank: published / ours |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| step (s) | peak GB (fits) | rank: published / ours | " + " | ".join(auto_rows.HEAD) + " |",
+             "|---|---|---|---|---|---|---|---|" + "---|" * len(auto_rows.HEAD)]
     published, ours = ranks([r.tflops for r in table.rows]), ranks([e.tflops for e in estimates])
-    for row, e, rp, ro in zip(table.rows, estimates, published, ours):
+    for row, e, rp, ro, auto in zip(table.rows, estimates, published, ours, autos):
         bubble = "" if e.bubble is None else f", bubble {e.bubble:.1%}"
         also = "" if row.alternate is None else f"; also {row.alternate:.0f}"
         lines.append(f"| {row.label} | {row.stated} | {row.tflops:.0f} ({row.mfu:.1f}%{also}) | {e.tflops:.0f} "
                      f"({e.mfu:.1f}%) | {e.tflops / row.tflops:.2f} | {e.step_s:.2f}{bubble} | {e.peak_gb:.1f} "
-                     f"({'yes' if e.fits else 'no'}) | {rp} / {ro} |")
+                     f"({'yes' if e.fits else 'no'}) | {rp} / {ro} | " + " | ".join(auto.cells()) + " |")
     worst = max(abs(e.tflops / r.tflops - 1) for r, e in zip(table.rows, estimates))
     swaps = swapped_pairs(table, estimates)
     lines += ["", f"- Within {worst:.0%} of every published row: "
               f"{'PASS' if worst <= TOLERANCE else 'FAIL'} (target {TOLERANCE:.0%}).",
               "- Ranking (pairs the source orders by more than 1%, in each of its figures): "
               + ("reproduced; PASS." if not swaps else f"{len(swaps)} pairs swapped: {'; '.join(swaps)}; FAIL."),
+              auto_rows.summary(autos, budget_s),
               "", "Why (as of the last run):", ""] + [f"- {f}" for f in table.findings] + \
         ["", "Assumptions:", ""] + [f"- {a}" for a in table.assumptions] + [""]
     return lines
@@ -393,6 +399,13 @@ hideable behind independent compute, 5 us per collective), none calibrated again
 tables; like every GPU profile, `a100` fuses no
 element-wise producers into matmuls (cuBLAS reads its operands from HBM) and moves data
 over NVLink at 80% of its line rate (what NCCL gets of it).
+
+The "auto" columns: given only the row's model, chip count and global batch, the
+configuration `gspmd plan transformer --auto --devices N --hardware H` chooses (mesh,
+strategy, stages, schedule, repeats, microbatches, remat; its flags reproduce the
+estimate with `gspmd plan transformer`), its estimated step, and that step over the one
+of the configuration as stated ("ours"); "search s": the search's seconds on a 2-core
+machine, its budget 60 s.
 """
 
 
@@ -401,17 +414,21 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--tables", nargs="*", choices=sorted(TABLES), help="which tables (default: both)")
     parser.add_argument("--rows", type=int, help="only the first N rows of each table")
     parser.add_argument("--out", default=str(Path(__file__).with_name("PUBLISHED.md")))
+    parser.add_argument("--budget", type=float, default=auto_rows.BUDGET_S,
+                        help="seconds of `gspmd plan --auto` search a row (default 60)")
     args = parser.parse_args(argv)
     lines = [HEADER]
     for key in args.tables or sorted(TABLES):
         table = TABLES[key]
         rows = table.rows[:args.rows] if args.rows else table.rows
         table = Table(**{**vars(table), "rows": rows})
-        estimates = []
+        estimates, autos = [], []
         for row in rows:
             estimates.append(estimate(row, table.hardware))
-            print(f"{key} {row.label}: {estimates[-1]}", file=sys.stderr, flush=True)
-        lines += render(table, estimates)
+            autos.append(auto_rows.search("transformer", row.sizes, row.chips, table.hardware, estimates[-1].step_s,
+                                          args.budget))
+            print(f"{key} {row.label}: {estimates[-1]}, {autos[-1]}", file=sys.stderr, flush=True)
+        lines += render(table, estimates, autos, args.budget)
     Path(args.out).write_text("\n".join(lines))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
