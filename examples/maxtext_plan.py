@@ -24,10 +24,22 @@ axes; nothing of the model's size is allocated. MaxText runs unchanged (needs Py
   TPUs, so that MaxText runs its Pallas kernels (splash attention, grouped matmuls, in
   shard_maps), which gspmd plans as kernels of their own (such a plan cannot run on this
   machine); no checkpoints, synthetic data, no distributed system.
+
+`search(devices, hardware, **overrides)` chooses MaxText's own knobs for the model the
+overrides describe, keeping its global batch (per_device_batch_size x devices):
+
+    python examples/maxtext_plan.py --devices 256 --hardware tpu-v5p global_parameter_scale=128 \
+        per_device_batch_size=1 attention=flash
+
+prints the ici_fsdp_parallelism, ici_tensor_parallelism and remat_policy words to add to
+MaxText's command line, with the plans behind them.
 """
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
+import sys
 import tempfile
 
 import jax
@@ -38,7 +50,7 @@ from maxtext.utils import maxtext_utils, sharding
 from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR
 
 import gspmd
-from gspmd import planning
+from gspmd import plan_search, planning
 
 # What planning on abstract inputs needs of MaxText's config (any of it may be overridden).
 PLANNING = dict(attention="dot_product", dataset_type="synthetic", enable_checkpointing=False,
@@ -94,3 +106,74 @@ def make(devices: int = 256, hardware: str = "tpu-v5p", **overrides):
         return jax.lax.with_sharding_constraint(new_state, out_state_shardings), metrics
     train_step.__name__ = f"maxtext_train_step[{config.model_name}, scale {config.global_parameter_scale}]"
     return train_step, (state, batch), (donate,)
+
+
+# MaxText's remat_policy names with a jax.checkpoint policy of our Transformer recipe, least recompute first
+REMAT = {"minimal": "dots_with_no_batch_dims_saveable", "full": "nothing_saveable"}
+KNOBS = ("ici_fsdp_parallelism", "ici_tensor_parallelism", "remat_policy")
+
+
+def recipe_sizes(config) -> planning.Sizes:
+    """MaxText's model as our Transformer recipe's sizes (what ranks the knobs): its
+    dims, global batch and attention; its gated MLP as a plain one of as many weights."""
+    return planning.Sizes(layers=config.num_decoder_layers, model_dim=config.emb_dim, ffn_dim=3 * config.mlp_dim // 2,
+                          heads=config.num_query_heads, head_dim=config.head_dim, seq=config.max_target_length,
+                          vocab=config.vocab_size, batch=config.global_batch_size_to_train_on, optimizer="adamw",
+                          strategy="2d", attention="flash" if config.attention == "flash" else "dot_product")
+
+
+@dataclasses.dataclass
+class Choice:
+    knobs: dict                 # MaxText's words: its ici_* parallelism and remat_policy
+    report: object              # gspmd's report of MaxText's own step with them
+
+    def words(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.knobs.items())
+
+
+def search(devices: int, hardware: str = "tpu-v5p", budget_s: float = 60.0, verify: int = 3,
+           **overrides) -> tuple[Choice, list[Choice]]:
+    """MaxText's knobs (FSDP x tensor parallelism, remat policy) for the model `overrides`
+    describe over `devices` devices, its global batch kept: our recipe's search
+    (plan_search, over the meshes and policies those knobs reach) ranks them, the best
+    `verify` and MaxText's defaults are planned with MaxText's own step, and the fastest
+    that fits is chosen. Returns (the choice, every plan of MaxText's step made)."""
+    config = config_of(devices, overrides)
+    names = {policy: name for name, policy in REMAT.items()}
+    ranked = plan_search.search("transformer", recipe_sizes(config), devices, hardware, budget_s,
+                                remat_choices=tuple(REMAT.values()),
+                                keep=lambda c: not c.pipelined and not c.microbatches and len(c.mesh) == 2)
+    tried = [{}]      # MaxText's defaults first: the answer is never worse than them
+    for c in ranked.verified[:verify]:
+        tried.append(dict(ici_fsdp_parallelism=c.config.mesh[0], ici_tensor_parallelism=c.config.mesh[1],
+                          ici_data_parallelism=1, remat_policy=names[c.plan.case.sizes["remat"]]))
+    plans = []
+    for knobs in tried:
+        step, args, donate = make(devices, hardware, **{**overrides, **knobs})
+        report = gspmd.jit(step, hardware=hardware, donate_argnums=donate).lower(*args).report()
+        plans.append(Choice(knobs or {k: getattr(config, k) for k in KNOBS}, report))
+    best = min(plans, key=lambda p: (not p.report.fits_in_memory, p.report.step_seconds))
+    return best, plans
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="MaxText's ici_* parallelism and remat_policy for a model, "
+                                                 "searched by gspmd")
+    parser.add_argument("overrides", nargs="*", help="MaxText's key=value words: the model and batch")
+    parser.add_argument("--devices", type=int, default=256)
+    parser.add_argument("--hardware", default="tpu-v5p")
+    parser.add_argument("--budget", type=float, default=60.0, help="seconds of the recipe search")
+    parser.add_argument("--verify", type=int, default=3, help="how many of its best to plan with MaxText's step")
+    args = parser.parse_args(argv)
+    best, plans = search(args.devices, args.hardware, args.budget, args.verify,
+                         **dict(w.split("=", 1) for w in args.overrides))
+    for p in plans:
+        r = p.report
+        print(f"{p.words()}: step {r.step_seconds:.3f} s, peak {r.peak_memory_bytes / 1e9:.1f} GB"
+              f"{'' if r.fits_in_memory else ' (does NOT fit)'}")
+    print(f"chosen: {best.words()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -272,3 +272,18 @@ def test_expert_parallel_moe_equals_the_step_without(backend, tmp_path):
     assert_same_step(got, want)
     kinds = Counter(c.kind for c in lowered.report().collectives)
     assert kinds["ragged-all-to-all"] >= 2, kinds     # tokens out to their experts and back
+
+
+def test_searches_maxtexts_own_knobs_never_worse_than_its_defaults():
+    """examples/maxtext_plan.py's search: MaxText's ici_fsdp/ici_tensor parallelism and
+    remat_policy for the tiny model over 32 devices, ranked by the Transformer recipe of
+    the same model and planned with MaxText's own step; the choice fits and is no
+    slower than MaxText's defaults, which are planned beside it."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import maxtext_plan
+    tiny = {k: v for k, v in TINY.items() if k not in ("ici_data_parallelism", "ici_tensor_parallelism", "hardware")}
+    best, plans = maxtext_plan.search(32, "tpu-v5p", budget_s=10, verify=1, **tiny)
+    assert len(plans) == 2 and set(plans[1].knobs) >= set(maxtext_plan.KNOBS)
+    assert best.report.fits_in_memory and best.report.step_seconds <= plans[0].report.step_seconds
+    assert plans[1].knobs["ici_fsdp_parallelism"] * plans[1].knobs["ici_tensor_parallelism"] == 32

@@ -27,7 +27,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import jax
 import numpy as np
@@ -173,11 +173,14 @@ def _remat(plan: planning.CasePlan) -> str:
 
 
 def search(model: str, base: planning.Sizes, devices: int, hardware: Union[str, Hardware] = "tpu-v3",
-           budget_s: float = 60.0, max_plans: Optional[int] = None) -> Search:
+           budget_s: float = 60.0, max_plans: Optional[int] = None, remat_choices: Optional[Sequence[str]] = None,
+           keep: Callable[[Config], bool] = lambda config: True) -> Search:
     """The best configuration of `model` over `devices` found within `budget_s` seconds
     (a plan whose partitioning would end past it is not started; the first always is)
     and `max_plans` configurations partitioned for real. Sizes given in `base` (a mesh, stages, a strategy, ...) are kept;
-    the others in SEARCHED are chosen."""
+    the others in SEARCHED are chosen: among `remat_choices` (least recompute first; default
+    planning.FIT_ORDER) and the configurations `keep` keeps (a framework's knobs may
+    reach only some)."""
     clock = _Clock(budget_s)
     if model not in MODELS:
         raise ShardingError(f"--auto searches the recipes ({', '.join(sorted(MODELS))}); for your own function "
@@ -186,10 +189,10 @@ def search(model: str, base: planning.Sizes, devices: int, hardware: Union[str, 
     spec = MODELS[model]
     if "batch" in spec.defaults and base.batch is None and spec.defaults["batch"] is None:
         base = dataclasses.replace(base, batch=max(devices // 2, 1))   # the recipe's default, fixed up front
-    policies = planning.FIT_ORDER if base.remat in (None, "auto") else (base.remat,)
+    policies = (tuple(remat_choices or planning.FIT_ORDER) if base.remat in (None, "auto") else (base.remat,))
     floor = _Floor(model, base, hw, policies)
     candidates = []
-    for config in configurations(spec.defaults, base, devices):
+    for config in filter(keep, configurations(spec.defaults, base, devices)):
         bound, memory, may = floor.bounds(config)
         candidates.append(Candidate(config, bound, bound + floor.communication(config), memory, may))
     if not candidates:
