@@ -236,7 +236,8 @@ def search(model: str, base: planning.Sizes, devices: int, hardware: Union[str, 
 
 class _Clock:
     """The search's time budget: another plan is started only where it would end within
-    the budget, were it to take as long as the longest so far."""
+    the budget, were it to take half as long again as the longest so far (plans of
+    another family can take longer)."""
 
     def __init__(self, budget_s: float):
         self.budget_s, self.start, self.longest = budget_s, time.perf_counter(), 0.0
@@ -245,7 +246,7 @@ class _Clock:
         return time.perf_counter() - self.start
 
     def allows_another(self) -> bool:
-        return self.elapsed() + self.longest <= self.budget_s
+        return self.elapsed() + 1.5 * self.longest <= self.budget_s
 
     @contextlib.contextmanager
     def timing(self):
