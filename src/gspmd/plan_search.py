@@ -90,6 +90,7 @@ class Candidate:
     estimate_s: float           # the order plans are tried in
     memory_floor: float         # bytes per device no plan of it can hold less than
     policies: list              # the remat policies that may fit, least recompute first
+    held: dict                  # policy -> bytes per device its plan is expected to hold (uncalibrated)
     plan: Optional[planning.CasePlan] = None
 
     @property
@@ -193,8 +194,8 @@ def search(model: str, base: planning.Sizes, devices: int, hardware: Union[str, 
     floor = _Floor(model, base, hw, policies)
     candidates = []
     for config in filter(keep, configurations(spec.defaults, base, devices)):
-        bound, memory, may = floor.bounds(config)
-        candidates.append(Candidate(config, bound, bound + floor.communication(config), memory, may))
+        bound, memory, may, held = floor.bounds(config)
+        candidates.append(Candidate(config, bound, bound + floor.communication(config), memory, may, held))
     if not candidates:
         raise ShardingError(f"No configuration of {model} over {devices} devices: check --devices (its "
                             "factorizations) against --layers, --heads and --batch.")
@@ -216,11 +217,12 @@ def search(model: str, base: planning.Sizes, devices: int, hardware: Union[str, 
         if verified and (not clock.allows_another() or len(verified) == (max_plans or math.inf)):
             unexplored = len(queue)
             break
-        c = next((s for s in seeds if s in queue), None) or min(queue, key=_calibrated(verified))
+        calibration = _Calibration(verified, hw.usable_bytes)
+        c = next((s for s in seeds if s in queue), None) or min(queue, key=calibration.order)
         queue.remove(c)
         try:
             with clock.timing():
-                c.plan = planning.plan_to_fit(model, c.config.sizes(base), hw, c.policies)
+                c.plan = planning.plan_to_fit(model, c.config.sizes(base), hw, calibration.may_fit(c))
         except ShardingError:        # a configuration the recipe refuses (a split it needs even, say)
             refused += 1
             continue
@@ -275,15 +277,37 @@ def _family(c: Candidate) -> tuple:
     return c.config.strategy, c.config.pipelined
 
 
-def _calibrated(verified: list[Candidate]):
-    """A candidate's estimate scaled by how far its family's estimates fell from the
-    plans partitioned so far (the geometric mean of their ratios; all plans' where its
-    family has none yet)."""
-    def ratio(plans: list[Candidate]) -> float:
-        return math.exp(sum(math.log(c.step_s / c.estimate_s) for c in plans) / len(plans)) if plans else 1.0
-    overall = ratio(verified)
-    by_family = {f: ratio([c for c in verified if _family(c) == f]) for f in {_family(c) for c in verified}}
-    return lambda c: c.estimate_s * by_family.get(_family(c), overall)
+class _Calibration:
+    """A candidate's estimates scaled by how far its family's fell from the plans
+    partitioned so far (the geometric mean of their ratios; all plans' where its family
+    has none yet): its step, and the bytes each remat policy's plan would hold."""
+
+    def __init__(self, verified: list[Candidate], usable_bytes: float):
+        self.usable = usable_bytes
+        self.step = self._ratios(verified, lambda c: c.step_s / c.estimate_s)
+        held = [c for c in verified if _chosen_policy(c) in c.held]
+        self.held = self._ratios(held, lambda c: c.plan.report.peak_memory_bytes / c.held[_chosen_policy(c)])
+
+    @staticmethod
+    def _ratios(plans: list[Candidate], ratio: Callable[[Candidate], float]) -> Callable[[Candidate], float]:
+        def mean(some: list[Candidate]) -> float:
+            return math.exp(sum(math.log(ratio(c)) for c in some) / len(some)) if some else 1.0
+        overall = mean(plans)
+        by_family = {f: mean([c for c in plans if _family(c) == f]) for f in {_family(c) for c in plans}}
+        return lambda c: by_family.get(_family(c), overall)
+
+    def may_fit(self, c: Candidate) -> list:
+        """The policies that may fit c, calibrated (its most recompute where none may)."""
+        return [p for p in c.policies if c.held[p] * self.held(c) <= self.usable] or c.policies[-1:]
+
+    def order(self, c: Candidate) -> tuple:
+        """Candidates expected to fit first, then by calibrated estimate."""
+        fits = any(c.held[p] * self.held(c) <= self.usable for p in c.policies)
+        return not fits, c.estimate_s * self.step(c)
+
+
+def _chosen_policy(c: Candidate) -> Optional[str]:
+    return c.plan.case.sizes.get("remat")
 
 
 def _rank(c: Candidate) -> tuple:
@@ -380,7 +404,8 @@ class _Floor:
         self.hw = hw
         model_only = dataclasses.replace(base, **{k: None for k in SEARCHED})
         one = next(configurations(MODELS[model].defaults, model_only, 1)).sizes(model_only)
-        plans = {p: planning.plan(model, dataclasses.replace(one, remat=p), hw)
+        # (never fitting one device, they are taken as partitioned: fitting them is time spent for nothing)
+        plans = {p: planning.plan(model, dataclasses.replace(one, remat=p), hw, fit_memory=False)
                  for p in dict.fromkeys([*policies, "nothing_saveable"])}
         self.compute_s = {p: plan.report.compute_seconds for p, plan in plans.items()}
         self.transient = {p: plan.report.peak_memory_bytes - plan.report.memory.arguments_bytes
@@ -395,29 +420,33 @@ class _Floor:
         width = 2 if case.sizes.get("activation_dtype", "bfloat16") == "bfloat16" else 4
         self.activation_bytes = width * math.prod(case.sizes.get(k) or 1 for k in ("batch", "seq", "model_dim"))
 
-    def bounds(self, c: Config) -> tuple[float, float, list]:
-        """(seconds, bytes per device, policies) for `c`: the remat policies that may fit
+    def bounds(self, c: Config) -> tuple[float, float, list, dict]:
+        """(seconds, bytes per device, policies, held) for `c`: the remat policies that may fit
         (the state over the devices that split it, megatron's not over the data axis, and
         the policy's activations over every device, a microbatch's at a time under gradient
         accumulation, every microbatch's in a GPipe or circular pipeline; 1F1B bounds its
         activations itself); no plan can hold less than the bytes, nor take less than
         the seconds: the compute of the least recompute that may fit spread over every
-        device (1F1B's recomputes each layer) and stretched by the bubble."""
+        device (1F1B's recomputes each layer) and stretched by the bubble. `held`: each
+        policy's state and activations so spread (1F1B holding a stage's worth of
+        microbatches at a time), what a plan of it is expected to hold."""
         n = math.prod(c.mesh)
         state = self.state_bytes / (n // c.x if c.strategy == "megatron" else n)
+        m = c.microbatches or 1
+        # over how many shares a policy's activations spread: GPipe holds every microbatch's
+        share = n * (m / c.stages if c.schedule == "1f1b" else 1 if c.pipelined else m)
+        held = {p: state + self.transient[p] / share for p in self.policies}
         if c.schedule == "1f1b":
             may = self.policies
             compute = self.compute_s["nothing_saveable"]
         else:
-            share = n * (1 if c.pipelined else c.microbatches or 1)   # GPipe holds every microbatch's
-            may = [p for p in self.policies if state + self.transient[p] / share <= self.hw.usable_bytes] \
-                or self.policies[-1:]
+            may = [p for p in self.policies if held[p] <= self.hw.usable_bytes] or self.policies[-1:]
             compute = min(self.compute_s[p] for p in may)
         compute /= n
         if c.pipelined:
             slots = (c.microbatches or c.stages) * (c.repeats or 1)
             compute *= (slots + c.stages - 1) / slots
-        return compute, state, may
+        return compute, state, may, held
 
     def communication(self, c: Config) -> float:
         """What the strategy's collectives take, estimated with the cost model over the

@@ -103,19 +103,23 @@ def _executions(report: Report) -> dict:
     return counts
 
 
-def plan(model: str, sizes: Sizes = Sizes(), hardware: Union[str, Hardware] = "tpu-v3") -> CasePlan:
+def plan(model: str, sizes: Sizes = Sizes(), hardware: Union[str, Hardware] = "tpu-v3",
+         fit_memory: bool = True) -> CasePlan:
     """Lower `model` ("transformer", "moe", "hybrid-moe", "unet", "conformer" or
     "module:function") at `sizes` and report it on `hardware`. sizes.remat "auto": the
-    least rematerialization that fits the hardware's memory (see plan_to_fit)."""
+    least rematerialization that fits the hardware's memory (see plan_to_fit).
+    fit_memory=False: as partitioned, nothing gathered or computed again to fit."""
     if sizes.remat == "auto":
         return plan_to_fit(model, sizes, hardware)
     hw = profile(hardware)
     start = time.perf_counter()
     case = build(model, sizes, hw)
-    lowered = jit(case.step, mesh=case.mesh, hardware=hw, donate_argnums=case.donate).lower(*case.args)
+    lowered = jit(case.step, mesh=case.mesh, hardware=hw, donate_argnums=case.donate,
+                  memory_limit=None if fit_memory else NO_LIMIT).lower(*case.args)
     return CasePlan(case, lowered, lowered.report(), time.perf_counter() - start)
 
 
+NO_LIMIT = 2 ** 62   # bytes: a memory limit no program reaches
 # Rematerialization from the least recompute to the most: what --remat auto tries.
 FIT_ORDER = (None, "dots_saveable", "dots_with_no_batch_dims_saveable", "nothing_saveable")
 
