@@ -382,3 +382,26 @@ def test_table_3_mesh_preference():
 
 def _axes(entry) -> tuple:
     return () if entry in (-1, None) else entry if isinstance(entry, tuple) else (entry,)
+
+
+def test_ops_are_read_by_their_declared_factors():
+    """autoshard reads each op's record: a reshape's several factors on one dim (major
+    first; the minor one splits only where the major is split whole), a sort's sorted
+    dim whole, a loop's carries pass-through."""
+    def f(x, w):
+        y = jnp.sort(x.reshape(8, 4, 4), axis=2).sum() + jnp.arange(4.0).sum()
+        h = jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), x, w)[0]
+        return y + h.sum()
+
+    x, w = jax.ShapeDtypeStruct((8, 16), jnp.float32), jax.ShapeDtypeStruct((3, 16, 16), jnp.float32)
+    graph = build(Traced(f, (x, w), None).program)
+    node = {n.instr.opcode: n for n in graph.nodes if n.instr is not None}
+    reshape = node["reshape"]
+    assert reshape.operands[0][1] == ((0,), (1, 2)) and reshape.values[0][1] == ((0,), (1,), (2,))
+    assert reshape.contiguous([1, 4, 2]) and reshape.contiguous([1, 2, 1]) and not reshape.contiguous([1, 1, 2])
+    assert [k.value for k in node["sort"].kinds] == ["pass", "pass", "replicate"]
+    assert all(k.value == "pass" for k in node["while"].kinds) and len(node["while"].runs) == 0
+    mesh = gspmd.Mesh(np.arange(2), ("x",))
+    model = Model(graph, mesh, Pricing(mesh, profile("tpu-v3")))
+    c = graph.class_of[reshape.index]
+    assert model.options(c, (UNUSED,), 0) == [UNUSED, (0, -1), (1, -1)]     # not the minor 4 alone

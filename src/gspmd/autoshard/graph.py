@@ -1,9 +1,10 @@
 """The search's view of a program: factor spaces ("nodes") joined by data edges.
 
-Every op is a node whose choices are layouts of its factor space (its record's
-`factors`; ops with only a propagation rule get factors probed from that rule). Each
-value belongs to the node that produces it, with a map from its dims to the node's
-factors; each operand says which factors its dims need. Ops that only re-lay one
+Every op is a node whose choices are layouts of its factor space: its record's
+`factors` (several per dim, of their kinds), or, for the few ops whose records declare
+none, every dim whole. Each value belongs to the node that produces it, with a map from
+its dims to the node's factors (major first); each operand says which factors its dims
+need. Ops that only re-lay one
 operand (unary element-wise ops, converts, transposes) join their operand's node, and
 values made from nothing (constants, iotas, broadcasts of scalars) that one op reads
 take the layout that op needs, for free.
@@ -15,18 +16,16 @@ is the sum over its members).
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
-import numpy as np
-
 from gspmd import ops
 from gspmd.ir import Instr, Program, Value
-from gspmd.sharding import Sharding
-from gspmd.spmd.factors import PASS, PERMUTE, REDUCE, REPLICATE, Factor, FactorKind
+from gspmd.spmd.factors import PASS, PERMUTE, REDUCE, REPLICATE, Factor, FactorKind, split_over
 
-DimMap = tuple   # per dim of a value: the node's factor that occupies it, or None
+DimMap = tuple   # per dim of a value: the node's factors that occupy it, major first
 ROUNDS = 3       # how far around a node tying looks
 CARRY = -1       # an Edge's operand_index for state carried to the next step
 
@@ -43,12 +42,21 @@ class Node:
     flops: int = 0
     annotation: Optional[Instr] = None      # a user's annotation: its layout is fixed
     signature: tuple = ()                   # what tying compares first
+    runs: tuple = ()                        # factors that share one dim of a tensor, major first
 
     def splittable(self, f: int) -> bool:
         return self.kinds[f] is not REPLICATE and self.sizes[f] > 1
 
     def reduces(self, f: int) -> bool:
         return self.kinds[f] is REDUCE
+
+    def contiguous(self, tiles: Sequence[int]) -> bool:
+        """Whether splitting the factors `tiles` ways leaves every tensor's shards
+        contiguous: in a dim of several factors, a minor factor is split only where
+        the major ones are split whole (reshape [16] -> [2, 8]: splitting the 8 alone
+        is no split of the 16)."""
+        return all(split_over([self.sizes[f] for f in run], math.prod(tiles[f] for f in run)) ==
+                   [tiles[f] for f in run] for run in self.runs)
 
 
 @dataclass
@@ -98,13 +106,15 @@ class _Builder:
         self.nodes: list[Node] = []
         self.node_of: dict = {}
         for p in program.params:
-            self._new(tuple(p.shape), (PASS,) * p.rank, None, [(p, tuple(range(p.rank)))], [], ("param",))
+            self._new(tuple(p.shape), (PASS,) * p.rank, None, [(p, tuple((d,) for d in range(p.rank)))], [],
+                      ("param",))
         for instr in program.instrs:
             self._add(instr)
 
     def _new(self, sizes, kinds, instr, values, operands, signature, flops=0, annotation=None) -> Node:
+        runs = tuple(sorted({fs for _, dimmap in values + operands for fs in dimmap if len(fs) > 1}))
         node = Node(len(self.nodes), tuple(sizes), tuple(kinds), len(self.nodes), instr, list(values),
-                    list(operands), flops, annotation, signature)
+                    list(operands), flops, annotation, signature, runs)
         self.nodes.append(node)
         for v, dimmap in values:
             self.node_of[v] = (node, dimmap)
@@ -120,7 +130,7 @@ class _Builder:
             node.signature += (instr.opcode,)
             self.node_of[instr.output] = (node, dimmap)
             return
-        dimmaps = [tuple(_dims_to_factors(factors, t, v.rank)) for t, v in enumerate(instr.operands + instr.outputs)]
+        dimmaps = [_dims_to_factors(factors, t, v.rank) for t, v in enumerate(instr.operands + instr.outputs)]
         flops = ops.flops(instr)
         self._new([f.size for f in factors], [f.kind for f in factors], instr,
                   list(zip(instr.outputs, dimmaps[n_in:])), list(zip(instr.operands, dimmaps[:n_in])),
@@ -147,76 +157,28 @@ class _Builder:
 
 
 def factors_of(instr: Instr) -> list[Factor]:
-    """The op record's factors (a permutation factor priced as pass-through, as
-    propagation carries it), else, where its propagation rule is its own (reshape's
-    several factors per dim, which this graph does not model; loops), factors probed
-    from that rule."""
-    rule = ops.lookup(instr.opcode).rule
-    if rule.factors is not None and rule.propagate is None:
-        return [replace(f, kind=PASS) if f.kind is PERMUTE else f for f in rule.factors(instr)]
-    return probed_factors(instr)
+    """The op record's factors, a permutation factor priced as pass-through (as
+    propagation carries it); every dim whole where the record declares none (constants,
+    iotas, callbacks, conditionals, manual regions)."""
+    declared = ops.lookup(instr.opcode).rule.factors
+    if declared is None:
+        return [Factor(n, _one_dim(len(instr.operands) + len(instr.outputs), t, d), REPLICATE)
+                for t, v in enumerate(instr.operands + instr.outputs) for d, n in enumerate(v.shape)]
+    return [replace(f, kind=PASS) if f.kind is PERMUTE else f for f in declared(instr)]
 
 
-def probed_factors(instr: Instr) -> list[Factor]:
-    """Factors of an op described only by a propagation rule (reshape, loops): split
-    each dim of each tensor in two (its smallest prime) and see which dims of the
-    other tensors the rule splits with it. Dims that move together form one factor;
-    the others must stay whole in this op."""
-    tensors = instr.operands + instr.outputs
-    count = len(ops.tensors(instr))
-    parent: dict = {}
-
-    def find(key):
-        while parent.setdefault(key, key) != key:
-            key = parent[key]
-        return key
-
-    for t, v in enumerate(tensors):
-        for d, size in enumerate(v.shape):
-            find((t, d))
-            k = _smallest_prime(size)
-            if k is None:
-                continue
-            tiles = [1] * v.rank
-            tiles[d] = k
-            probe = Sharding(np.arange(k).reshape(tiles + [1]))
-            for u in ops.informants(instr, t, count):
-                if u == t or u >= len(tensors):
-                    continue
-                visible: list = [None] * count
-                visible[t] = probe
-                for proposal in ops.propagate(instr, visible, u):
-                    split = [e for e, n in enumerate(proposal.tiles) if n > 1]
-                    if len(split) == 1:
-                        parent[find((u, split[0]))] = find((t, d))
-    groups: dict = defaultdict(list)
-    for key in list(parent):
-        groups[find(key)].append(key)
-    factors = []
-    for members in groups.values():
-        dims: list = [None] * len(tensors)
-        if len({t for t, _ in members}) != len(members):
-            continue   # two dims of one tensor: no single factor describes it
-        for t, d in members:
-            dims[t] = d
-        size = min(tensors[t].shape[d] for t, d in members)
-        factors.append(Factor(size, tuple(dims), PASS if len(members) > 1 else REPLICATE))
-    return factors
+def _one_dim(count: int, t: int, d: int) -> tuple:
+    dims: list = [None] * count
+    dims[t] = d
+    return tuple(dims)
 
 
-def _smallest_prime(n: int) -> Optional[int]:
-    for p in range(2, int(n ** 0.5) + 1):
-        if n % p == 0:
-            return p
-    return n if n > 1 else None
-
-
-def _dims_to_factors(factors: list[Factor], t: int, rank: int) -> list[Optional[int]]:
-    dimmap: list[Optional[int]] = [None] * rank
+def _dims_to_factors(factors: list[Factor], t: int, rank: int) -> DimMap:
+    dimmap: list = [()] * rank
     for f, fac in enumerate(factors):
-        if fac.dims[t] is not None and fac.kind is not REPLICATE:
-            dimmap[fac.dims[t]] = f
-    return dimmap
+        if fac.dims[t] is not None:
+            dimmap[fac.dims[t]] += (f,)
+    return tuple(dimmap)
 
 
 def consumers(graph: Graph) -> dict:

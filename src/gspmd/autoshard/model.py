@@ -117,7 +117,7 @@ class Model:
                     axes_of.setdefault(f, []).append(a)
                 if output and g != NONE:
                     axes_of.setdefault(g, []).append(a)
-            cached = self._layouts[key] = tuple(tuple(axes_of.get(f, ())) for f in dimmap)
+            cached = self._layouts[key] = tuple(tuple(a for f in fs for a in axes_of.get(f, ())) for fs in dimmap)
         return cached
 
     def axis_layouts(self, held: tuple, axis: int, choices: Sequence[Option], dimmap: DimMap,
@@ -127,7 +127,7 @@ class Model:
         base = self.layout(held, dimmap, output)
         found = []
         for f, g in choices:
-            dims = [d for d, h in enumerate(dimmap) if h is not None and f != NONE and (h == f or (output and h == g))]
+            dims = [d for d, fs in enumerate(dimmap) if f != NONE and (f in fs or (output and g in fs))]
             if not dims:
                 found.append(base)
                 continue
@@ -155,11 +155,12 @@ class Model:
         outs = self._output_factors(node)
         found = [UNUSED]
         for f in range(len(node.sizes)):
-            if not node.splittable(f) or node.sizes[f] % (tiles[f] * k):
+            if not node.splittable(f) or node.sizes[f] % (tiles[f] * k) or not node.contiguous(_times(tiles, f, k)):
                 continue
             found.append((f, NONE))
             if node.reduces(f):
-                found += [(f, g) for g in outs if node.sizes[g] % (out_tiles[g] * k) == 0]
+                found += [(f, g) for g in outs if node.sizes[g] % (out_tiles[g] * k) == 0
+                          and node.contiguous(_times(_times(out_tiles, f, k), g, k))]
         if c in self.allowed:
             found = [o for o in found if o in self.allowed[c][axis]]
         return found
@@ -169,7 +170,7 @@ class Model:
         if node.instr is None:
             return []
         own = node.values[:len(node.instr.outputs)]
-        return sorted({f for _, m in own for f in m if f is not None and node.splittable(f)})
+        return sorted({f for _, m in own for fs in m for f in fs if node.splittable(f)})
 
     # -- costs ------------------------------------------------------------------------
     def node_collectives(self, node: Node, options: tuple) -> list:
@@ -371,6 +372,10 @@ def _factorize(items: list) -> tuple[np.ndarray, list]:
     seen: dict = {}
     ids = np.array([seen.setdefault(x, len(seen)) for x in items])
     return ids, list(seen)
+
+
+def _times(tiles: list[int], f: int, k: int) -> list[int]:
+    return tiles[:f] + [tiles[f] * k] + tiles[f + 1:]
 
 
 def _with(options: tuple, axis: int, option: Option) -> tuple:

@@ -33,6 +33,7 @@ from gspmd.ops.loop_motion import (as_partial, defer_branch_reductions, defer_re
                                   params_read)
 from gspmd.ops.registry import (ELEMENTWISE, Frontend, Memory, Rewrites, Rule, Semantics, Storage, Timing,
                                 lookup, prune, register)
+from gspmd.spmd import factors as fx
 from gspmd.spmd import reshard as rs
 from gspmd.spmd.partitioned import PartitionedValue
 
@@ -285,10 +286,18 @@ def _prune_while(instr: Instr, used: list[bool]) -> None:
     eliminate_dead_code(body, prune)
 
 
+def _carry_factors(instr: Instr) -> list[fx.Factor]:
+    """Each carried value's dims, from operand to result (they keep one layout through
+    the loop, which propagation ties through the body; gspmd.auto prices the loop by these)."""
+    n = len(instr.operands)
+    return [fx.Factor(size, tuple(d if t in (i, n + i) else None for t in range(2 * n)))
+            for i, v in enumerate(instr.operands) for d, size in enumerate(v.shape)]
+
+
 register("while",
          frontend=Frontend(converts={"while": _convert_while, "scan": _convert_scan}),
          semantics=Semantics(evaluate_programs=_evaluate_while, lower=_lower_while),
-         rule=Rule(propagate=_same_layout(_tied_places), tied=tied_values, informants=_tied_places,
+         rule=Rule(factors=_carry_factors, propagate=_same_layout(_tied_places), tied=tied_values, informants=_tied_places,
                    partition=_partition_while, priority=ELEMENTWISE),
          timing=Timing(runs=_while_runs, branch_shares=_branch_shares),
          memory=Memory(storage=Storage.CARRIED),

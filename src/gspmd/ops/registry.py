@@ -98,7 +98,9 @@ class Semantics:
 @dataclass
 class Rule:
     """How the op is sharded: its dimension factors, from which propagation and the
-    common partitioning derive, or hand-written rules where data moves between shards."""
+    common partitioning derive, or hand-written rules where data moves between shards.
+    An op with rules of its own declares its factors too where it can (what its tensors
+    share: a reshape's several per dim, a loop's carries): gspmd.auto prices it by them."""
     factors: Optional[Callable[[Instr], list[fx.Factor]]] = None
     propagate: Optional[Propagate] = None
     partition: Optional[Partition] = None

@@ -148,7 +148,8 @@ def _partition_sort(ctx, instr: Instr, operands, targets) -> list[PartitionedVal
 register("sort",
          frontend=Frontend(converts={"sort": _convert_sort}),
          semantics=Semantics(evaluate=_evaluate_sort, lower=_lower_sort),
-         rule=Rule(propagate=_propagate_sort, partition=_partition_sort, priority=LAYOUT))
+         rule=Rule(factors=lambda instr: _whole_dim_factors(instr, instr.attrs["dimension"]),
+                   propagate=_propagate_sort, partition=_partition_sort, priority=LAYOUT))
 
 
 # -- top-k: operands (x[, indices]) -> (values, indices) ------------------------------------
