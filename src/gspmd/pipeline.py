@@ -179,6 +179,13 @@ def stage_major_order(stacked_params, stages: int, repeats: int):
     return jax.tree_util.tree_map(reorder, stacked_params)
 
 
+def schedule_steps(stages: int, microbatches: int, repeats: int = 1) -> int:
+    """Steps of a gpipe (repeats 1) or circular schedule: M + L - 1, or M*R + L - 1
+    where L divides M (a short last round of microbatches is padded)."""
+    last = microbatches - 1
+    return (last // stages) * stages * repeats + last % stages + stages * repeats
+
+
 class _Timing:
     """Which microbatch and repeat each stage works on at each step. Microbatches enter
     in rounds of L, one per step; a round goes R times around the ring before the next
@@ -190,8 +197,7 @@ class _Timing:
     def __init__(self, stages: int, microbatches: int, repeats: int):
         self.L, self.M, self.R = stages, microbatches, repeats
         self.layers = stages * repeats
-        last = microbatches - 1
-        self.forward_steps = (last // stages) * self.layers + last % stages + self.layers
+        self.forward_steps = schedule_steps(stages, microbatches, repeats)
 
     def forward(self, t, s):
         """(valid, repeat, microbatch) of stage s's forward slot at step t."""

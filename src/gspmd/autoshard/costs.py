@@ -12,9 +12,6 @@ the real partitioner and report; this layer only ranks candidates.
 from __future__ import annotations
 
 import math
-from typing import Sequence
-
-import numpy as np
 
 from gspmd.mesh import Mesh
 from gspmd.spmd import cost
@@ -44,7 +41,7 @@ class Pricing:
         """(latency, seconds per result byte) of one collective over the groups `axes` form."""
         key = (pattern, axes)
         if key not in self._rates:
-            rate = cost.rate(pattern, axis_groups(self.devices, axes), self.devices.size, self.hardware)
+            rate = cost.rate(pattern, cost.axis_groups(self.devices, axes), self.devices.size, self.hardware)
             self._rates[key] = (rate.latency, rate.per_byte)
         return self._rates[key]
 
@@ -118,10 +115,3 @@ def _common_prefix(a: tuple, b: tuple) -> int:
 
 def _freeze(layout) -> Layout:
     return tuple(tuple(axes) for axes in layout)
-
-
-
-def axis_groups(devices: np.ndarray, axes: Sequence[int]) -> np.ndarray:
-    """[G, k] device groups of a mesh whose members differ only along `axes` (major to minor)."""
-    rest = [d for d in range(devices.ndim) if d not in axes]
-    return devices.transpose(rest + list(axes)).reshape(-1, math.prod(devices.shape[a] for a in axes))

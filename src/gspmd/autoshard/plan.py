@@ -14,6 +14,7 @@ from jax.extend import source_info_util
 from gspmd.analysis import Report
 from gspmd.api import Partitioned, jit
 from gspmd.autoshard.model import Estimate
+from gspmd.autoshard.stacks import DATA_AXIS, STAGE_AXIS, Pipelining, Stack, pipelined
 from gspmd.frontend import mesh_split
 from gspmd.mesh import Mesh
 from gspmd.spmd.cost import GiB
@@ -110,6 +111,8 @@ class Plan:
     search_seconds: float = 0.0
     exact: bool = True                 # every decision solved exactly (no beam truncation)
     strategies_searched: int = 0       # strategies the search solved (one descent over the mesh axes each)
+    # (stack, pipelining): fn's scan over stacked layers runs as a pipeline (stacks.py)
+    pipeline: Optional[tuple[Stack, Pipelining]] = None
 
     # -- what it costs ------------------------------------------------------------------
     @property
@@ -131,8 +134,9 @@ class Plan:
 
     # -- what to do with it -----------------------------------------------------------------
     def function(self) -> Callable:
-        """fn with the plan's annotations applied."""
-        return annotated(self.fn, self.mesh, [spec for _, spec in self.parameters], self.intermediates)
+        """fn with the plan's annotations applied (and its stack of layers pipelined)."""
+        fn = self.fn if self.pipeline is None else pipelined(self.fn, *self.pipeline, self.mesh)
+        return annotated(fn, self.mesh, [spec for _, spec in self.parameters], self.intermediates)
 
     def jit(self, backend: str = "sim") -> Partitioned:
         """gspmd.jit of fn with the plan applied (fitted to its memory limit, reported on its hardware)."""
@@ -142,7 +146,8 @@ class Plan:
     def code(self) -> str:
         """Python to paste into the model: the mesh, and `annotate(...)` splitting every
         argument (call it first thing in the function); intermediate annotations, if
-        any, as comments naming the source line where each belongs."""
+        any, as comments naming the source line where each belongs; a pipelined plan's
+        `pipelined_layers`, to call in place of the scan over the stacked layers."""
         return write_code(self)
 
     def __str__(self) -> str:
@@ -230,7 +235,7 @@ def write_code(plan: Plan) -> str:
     specs = iter(spec for _, spec in plan.parameters)
     mesh = plan.mesh
     shape = ", ".join(map(str, mesh.shape))
-    lines = ["import numpy as np", "", "import gspmd", "",
+    lines = [*(["import jax"] if plan.pipeline else []), "import numpy as np", "", "import gspmd", "",
              f"mesh = gspmd.Mesh(np.arange({mesh.size}).reshape({shape}{',' if mesh.ndim == 1 else ''}), "
              f"{tuple(mesh.axis_names)!r})", "", "",
              f"def annotate({', '.join(names)}):",
@@ -244,6 +249,8 @@ def write_code(plan: Plan) -> str:
             lines.append(f"    {name} = {text}")
     lines.append(f"    return {', '.join(names)}{',' if len(names) == 1 else ''}")
     fn_name = getattr(plan.fn, "__name__", "fn")
+    if plan.pipeline:
+        lines += ["", ""] + _pipeline_code(*plan.pipeline)
     lines += ["", "", f"# Partition with: gspmd.jit({fn_name}, mesh=mesh, memory_limit={plan.memory_limit}, "
               f"hardware={plan.report.hardware.name!r})"]
     if plan.intermediates:
@@ -253,6 +260,25 @@ def write_code(plan: Plan) -> str:
             lines += [f"#   {i.where}: {i.what}{f' (runs {i.count} times)' if i.count > 1 else ''}",
                       f"#       value = gspmd.mesh_split(value, mesh, {_mapping_text(i.dims_mapping)})"]
     return "\n".join(lines) + "\n"
+
+
+def _pipeline_code(stack: Stack, how: Pipelining) -> list[str]:
+    """stacks.pipelined_scan with the plan's numbers, as the user calls it."""
+    pipeline_layers = how.stages * how.repeats
+    return [
+        "def pipelined_layers(layer, carry, stacked):",
+        f'    """gspmd.auto\'s pipeline ({how.describe()}): call it in place of',
+        f"    `jax.lax.scan(layer, carry, stacked)` at {stack.where} (same arguments and",
+        "    results). Each stage's layers whole on its devices; microbatch m holds every",
+        '    M-th example, which the data axis splits as it splits the batch."""',
+        f"    params = jax.tree_util.tree_map(lambda p: gspmd.mesh_split(p, mesh, [{STAGE_AXIS!r}] + [-1] * (p.ndim - 1))"
+        f".reshape({pipeline_layers}, -1, *p.shape[1:]), stacked)",
+        f"    microbatches = carry.reshape(-1, {how.microbatches}, *carry.shape[1:]).swapaxes(0, 1)",
+        f"    microbatches = gspmd.mesh_split(microbatches, mesh, [-1, {DATA_AXIS!r}] + [-1] * (carry.ndim - 1))",
+        "    ys = gspmd.pipeline(lambda p, x: layer(x, p)[0], params, microbatches, mesh=mesh, "
+        f"stage_axis={STAGE_AXIS!r},",
+        f"                        schedule={how.schedule!r}, repeats={how.repeats}, scan_layers=True)",
+        "    return ys.swapaxes(0, 1).reshape(carry.shape), None"]
 
 
 def _parameters_by_layout(parameters: list) -> list:
@@ -332,6 +358,10 @@ def describe(plan: Plan) -> str:
              f"  estimated step {seconds_text(plan.step_seconds)} (compute {seconds_text(r.compute_seconds)} + "
              f"communication {seconds_text(r.communication_seconds)}); peak memory "
              f"{bytes_text(plan.peak_memory_bytes)} per device"]
+    if plan.pipeline:
+        stack, how = plan.pipeline
+        lines.append(f"  pipeline: {how.describe()}, the {stack.layers} layers scanned at {stack.where}; "
+                     f"bubble {r.bubble_fraction or 0:.1%}")
     for kind, (count, nbytes) in plan.collectives.items():
         lines.append(f"  {kind:<18} x{count:<5} {bytes_text(nbytes):>14} per device")
     lines.append("parameters:")

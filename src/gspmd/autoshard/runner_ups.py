@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional, Sequence
 
+from gspmd.analysis import Report
 from gspmd.autoshard import plan as plans
 from gspmd.autoshard.descent import SCREEN, Candidate, Effort, optimize, rank
 from gspmd.autoshard.graph import CARRY, Graph
@@ -135,9 +136,13 @@ def _state(graph: Graph) -> set:
 
 def why_not_report(v: Verified, best: Verified, limit: int) -> str:
     """Why a plan partitioned for real lost, from gspmd's reports."""
-    if not v.fits:
-        return f"does not fit: peak {plans.bytes_text(v.report.peak_memory_bytes)} > limit {plans.bytes_text(limit)}"
-    a, b = v.report, best.report
+    return why_slower(v.report, best.report, limit)
+
+
+def why_slower(a: Report, b: Report, limit: int) -> str:
+    """Why the plan reported `a` lost to the one reported `b`."""
+    if a.peak_memory_bytes > limit:
+        return f"does not fit: peak {plans.bytes_text(a.peak_memory_bytes)} > limit {plans.bytes_text(limit)}"
     compute, communication = a.compute_seconds - b.compute_seconds, a.communication_seconds - b.communication_seconds
     if max(compute, communication) <= 0:
         return "no faster"

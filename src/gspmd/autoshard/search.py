@@ -35,13 +35,15 @@ from typing import Callable, Optional, Union
 
 import jax
 
+from gspmd.analysis import Report
 from gspmd.arguments import abstract_argument
 from gspmd.autoshard import plan as plans
+from gspmd.autoshard import stacks
 from gspmd.autoshard.costs import Pricing
 from gspmd.autoshard.descent import SCREEN, Candidate, Effort, optimize, rank
 from gspmd.autoshard.graph import Graph, build
 from gspmd.autoshard.model import Model, Tally, annotation_options
-from gspmd.autoshard.runner_ups import counterfactuals, runner_ups
+from gspmd.autoshard.runner_ups import counterfactuals, runner_ups, why_slower
 from gspmd.autoshard.traced import Traced
 from gspmd.autoshard.verify import Verified, calibrated, real_rank
 from gspmd.checks import array_shape, count, describe, function, is_number_list
@@ -87,17 +89,53 @@ def auto(fn: Callable, *args, devices: Optional[int] = None, mesh: Optional[Mesh
     fixed_params = _fixed_parameters(fixed or {}, paths, traced.program, meshes[0])
     graph = build(traced.program, {traced.program.params[i]: repr(m) for i, m in fixed_params.items()},
                   traced.carried_state())
-    steps = Steps(progress or (lambda done, total, what: None), len(meshes) + min(REFINED, len(meshes)) + 2)
+    stack = None if mesh is not None or fixed or _annotated(graph) else stacks.find_stack(fn, abstract)
+    steps = Steps(progress or (lambda done, total, what: None),
+                  len(meshes) + min(REFINED, len(meshes)) + 2 + (stack is not None))
     tally = Tally()
     found = _search_meshes(graph, meshes, fixed_params, hw, limit, effort, steps, tally)
     best, verified = _partition_best(found, traced, paths, limit, hw, effort, verify, steps)
     steps("runner-ups")
     best, tried = counterfactuals(best, traced, paths, limit, hw, effort)
     others = runner_ups(best, found, verified, tried, limit)
+    plan = plans.Plan(fn, abstract, best.candidate.mesh, best.parameters, best.intermediates, best.report,
+                      best.candidate.estimate, limit, others, 0.0, all(c.exact for c in found), tally.strategies)
+    if stack is not None:
+        steps("pipelines")
+        plan = _pipelined_if_faster(plan, stack, meshes[0].size, hw, verify)
     steps("done")
-    return plans.Plan(fn, abstract, best.candidate.mesh, best.parameters, best.intermediates, best.report,
-                      best.candidate.estimate, limit, others, time.perf_counter() - start,
-                      all(c.exact for c in found), tally.strategies)
+    plan.search_seconds = time.perf_counter() - start
+    return plan
+
+
+def _annotated(graph: Graph) -> bool:
+    """Whether fn annotates values itself (over axes a pipeline's mesh may not have)."""
+    return any(node.annotation is not None for node in graph.nodes)
+
+
+def _pipelined_if_faster(plan: plans.Plan, stack: stacks.Stack, devices: int, hw: Hardware,
+                         verify: int) -> plans.Plan:
+    """The plan, or the fastest pipeline of fn's stack of layers that fits where gspmd's
+    report finds one faster; the other as a runner-up (stacks.py)."""
+    tried = stacks.pipelines(plan.fn, plan.args, stack, devices, hw, plan.memory_limit, plan.step_seconds,
+                             max(verify, 1))
+    ranked = sorted(tried, key=lambda p: (not p.fits, p.report.step_seconds))
+    if not ranked or not ranked[0].fits or ranked[0].report.step_seconds >= plan.step_seconds:
+        plan.runner_ups += [_pipeline_lost(p, plan.report, plan.memory_limit) for p in ranked[:1]]
+        return plan
+    chosen = ranked[0]
+    unpipelined = plans.RunnerUp(f"no pipeline: the plan on mesh {plans.mesh_text(plan.mesh)}", plan.estimate,
+                                 plan.step_seconds - chosen.report.step_seconds,
+                                 why_slower(plan.report, chosen.report, plan.memory_limit))
+    return replace(plan, mesh=chosen.mesh, parameters=[(path, None) for path, _ in plan.parameters],
+                   intermediates=[], report=chosen.report, estimate=chosen.estimate,
+                   runner_ups=[unpipelined] + [_pipeline_lost(p, chosen.report, plan.memory_limit) for p in ranked[1:2]],
+                   pipeline=(stack, chosen.how))
+
+
+def _pipeline_lost(p: stacks.Pipelined, best: Report, limit: int) -> plans.RunnerUp:
+    return plans.RunnerUp(f"pipeline of {p.how.describe()} on mesh {plans.mesh_text(p.mesh)} (partitioned)",
+                          p.estimate, p.report.step_seconds - best.step_seconds, why_slower(p.report, best, limit))
 
 
 def _check_options(fn, args: tuple, fixed, progress, effort, verify) -> None:

@@ -278,6 +278,21 @@ def collective_seconds(pattern: Pattern, nbytes: float, groups: np.ndarray, num_
     return rate(pattern, groups, num_devices, hw).seconds(nbytes)
 
 
+def axis_groups(devices: np.ndarray, axes: Sequence[int]) -> np.ndarray:
+    """[G, k] device groups of a mesh whose members differ only along `axes` (major to minor)."""
+    rest = [d for d in range(devices.ndim) if d not in axes]
+    return devices.transpose(rest + list(axes)).reshape(-1, math.prod(devices.shape[a] for a in axes))
+
+
+def axes_seconds(pattern: Pattern, nbytes: float, devices: np.ndarray, axes: Sequence[int], hw: Hardware) -> float:
+    """One collective over the groups mesh `axes` form on `devices` (a permute: each
+    device to the next along them, around the ring)."""
+    groups = axis_groups(devices, axes)
+    if pattern is Pattern.PERMUTE:
+        groups = np.stack([groups.ravel(), np.roll(groups, 1, axis=1).ravel()], axis=1)
+    return collective_seconds(pattern, nbytes, groups, devices.size, hw)
+
+
 def rate(pattern: Pattern, groups: np.ndarray, num_devices: int, hw: Hardware) -> Rate:
     groups = np.ascontiguousarray(groups, np.int64)
     groups = groups.reshape(-1, groups.shape[-1]) if groups.size else groups.reshape(0, 2)
