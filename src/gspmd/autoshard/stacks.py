@@ -20,6 +20,7 @@ pipeline runs them on microbatches.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 from dataclasses import dataclass
@@ -88,8 +89,22 @@ def _stack_of(f, init, xs, where: str) -> Optional[Stack]:
     carry, ys = jax.eval_shape(f, jax.ShapeDtypeStruct(init.shape, init.dtype), one)
     if jax.tree_util.tree_leaves(ys) or (carry.shape, carry.dtype) != (init.shape, init.dtype):
         return None
+    if not _per_example(f, init, one):
+        return None
     nbytes = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in leaves)
     return Stack(layers, jax.ShapeDtypeStruct(init.shape, init.dtype), nbytes, where)
+
+
+def _per_example(f, init, one) -> bool:
+    """Whether a layer maps a batch of one example to one example: its stacked inputs
+    are parameters, not per-example data (a scan over time steps of a batch's inputs
+    broadcasts them against the one example, or fails)."""
+    single = jax.ShapeDtypeStruct((1, *init.shape[1:]), init.dtype)
+    try:
+        carry, _ = jax.eval_shape(f, single, one)
+    except (TypeError, ValueError):
+        return False
+    return carry.shape == single.shape
 
 
 @contextlib.contextmanager
@@ -126,11 +141,10 @@ def pipelined(fn: Callable, stack: Stack, how: Pipelining, mesh: Mesh) -> Callab
             return None
         return pipelined_scan(f, init, xs, how, mesh)
 
+    @functools.wraps(fn)      # (its parameters' names name the values of what it lowers to)
     def wrapped(*args):
         with scan_replaced(replacement):
             return fn(*args)
-
-    wrapped.__name__ = getattr(fn, "__name__", "fn")
     return wrapped
 
 

@@ -1,0 +1,133 @@
+"""gspmd.auto on a step whose layers are a stack (a lax.scan over stacked parameters):
+a pipeline where one wins (deep and narrow, slow links between hosts), none where it
+loses (wide and shallow); the chosen plan, run by plan.jit() or by the code it
+writes, equals one device."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gspmd
+from gspmd.autoshard import stacks
+from gspmd.spmd.cost import GiB, Hosts
+from util import assert_close
+
+# Hosts of two devices joined by a slow network (1 GB/s, 50 us), NVLink-like inside.
+SLOW_HOSTS = gspmd.Hardware("slow-hosts", 312e12, 80 * GiB, 2e12, Hosts(2, 300e9, 3e-6, 1e9, 50e-6))
+
+
+def make_step(scan=None):
+    """A train step: embed, a scan over the stacked layers, a head; SGD. `scan` stands
+    in for jax.lax.scan (looked up when called, as a user's code does)."""
+    def layer(h, w):
+        return jnp.tanh(h @ w["w"] + w["b"]), None
+
+    def loss(params, x, y):
+        h, _ = (scan or jax.lax.scan)(layer, x @ params["embed"], params["layers"])
+        return jnp.mean((h @ params["head"] - y) ** 2)
+
+    def step(params, x, y):
+        value, grads = jax.value_and_grad(loss)(params, x, y)
+        return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads), value
+    return step
+
+
+def arguments(width: int, layers: int, batch: int, features: int = 8, seed: int = 0):
+    rng = np.random.RandomState(seed)
+
+    def rand(*shape):
+        return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+    params = {"embed": rand(features, width), "head": rand(width, 4),
+              "layers": {"w": rand(layers, width, width), "b": rand(layers, width)}}
+    return params, rand(batch, features), rand(batch, 4)
+
+
+DEEP = arguments(width=64, layers=8, batch=16)
+
+
+@pytest.fixture(scope="module")
+def deep_plan():
+    return gspmd.auto(make_step(), *DEEP, devices=8, hardware=SLOW_HOSTS, verify=1)
+
+
+def test_a_deep_narrow_stack_over_slow_hosts_is_pipelined(deep_plan):
+    """Data parallel sums every layer's gradient over the slow network; a pipeline
+    passes activations between hosts and sums a stage's gradients within each."""
+    assert deep_plan.pipeline is not None
+    stack, how = deep_plan.pipeline
+    assert stack.layers == 8 and deep_plan.mesh.axis_names == ("stage", "x")
+    assert deep_plan.mesh.shape[0] == how.stages > 1
+    kinds = deep_plan.collectives
+    assert kinds["collective-permute"][0] >= 2 and "all-reduce" in kinds
+    unpipelined = next(u for u in deep_plan.runner_ups if u.description.startswith("no pipeline"))
+    assert unpipelined.extra_seconds > 0
+    assert "pipeline:" in str(deep_plan)
+
+
+def test_the_pipelined_plan_runs_equal_to_one_device(deep_plan):
+    partitioned = deep_plan.jit()
+    assert partitioned.lower(*DEEP).report().step_seconds == pytest.approx(deep_plan.step_seconds)
+    assert_close(partitioned(*DEEP), jax.jit(make_step())(*DEEP), rtol=1e-4, atol=1e-5)
+
+
+def test_the_code_a_pipelined_plan_writes_runs_it(deep_plan):
+    """plan.code() defines the mesh and pipelined_layers, which the user calls in place
+    of the scan: the same plan, equal to one device."""
+    code = deep_plan.code()
+    assert "gspmd.pipeline(" in code and "def pipelined_layers(layer, carry, stacked):" in code
+    namespace: dict = {}
+    exec(code, namespace)
+    pasted = gspmd.jit(make_step(scan=namespace["pipelined_layers"]), mesh=namespace["mesh"],
+                       memory_limit=deep_plan.memory_limit, hardware=SLOW_HOSTS)
+    report = pasted.lower(*DEEP).report()
+    assert (report.step_seconds, report.peak_memory_bytes) == (deep_plan.step_seconds, deep_plan.peak_memory_bytes)
+    assert_close(pasted(*DEEP), jax.jit(make_step())(*DEEP), rtol=1e-4, atol=1e-5)
+
+
+def test_a_wide_shallow_step_is_not_pipelined():
+    """Two wide layers: the bubble and the stage shifts cost more than they save."""
+    args = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                  arguments(width=512, layers=2, batch=128))
+    plan = gspmd.auto(make_step(), *args, devices=8, hardware=SLOW_HOSTS, verify=1)
+    assert plan.pipeline is None
+    assert all(not u.description.startswith("no pipeline") for u in plan.runner_ups)
+
+
+@pytest.mark.parametrize("how", [stacks.Pipelining(4, 4), stacks.Pipelining(2, 4, "circular", 2)])
+def test_a_pipelined_stack_equals_the_scan(how):
+    """Every microbatch through every layer in order, each stage's layers whole on its
+    devices (a run of layers per pipeline layer where stages * repeats < layers)."""
+    stack = stacks.find_stack(make_step(), DEEP)
+    mesh = stacks.pipeline_mesh(8, how.stages, SLOW_HOSTS)
+    step = gspmd.jit(stacks.pipelined(make_step(), stack, how, mesh), mesh=mesh)
+    assert_close(step(*DEEP), jax.jit(make_step())(*DEEP), rtol=1e-4, atol=1e-5)
+    assert step.lower(*DEEP).sharding_of("params['layers']['w']").tiles[0] == how.stages
+
+
+def test_only_a_scan_over_stacked_parameters_is_a_stack():
+    """A scan over per-example inputs (time steps of a batch) or one that returns
+    per-layer outputs is no stack of layers."""
+    params, x, _ = DEEP
+    assert stacks.find_stack(make_step(), DEEP) == stacks.Stack(
+        8, jax.ShapeDtypeStruct((16, 64), jnp.float32), 8 * (64 * 64 + 64) * 4, stacks.find_stack(make_step(), DEEP).where)
+
+    def recurrent(w, inputs, h):
+        return jax.lax.scan(lambda h, u: (jnp.tanh(h @ w + u), None), h, inputs)[0].sum()
+
+    def with_outputs(params, x):
+        return jax.lax.scan(lambda h, p: (jnp.tanh(h @ p["w"]), h), x @ params["embed"], params["layers"])[1].sum()
+
+    assert stacks.find_stack(recurrent, (np.ones((4, 4), np.float32), np.ones((5, 3, 4), np.float32),
+                                         np.ones((3, 4), np.float32))) is None
+    assert stacks.find_stack(with_outputs, (params, x)) is None
+
+
+@pytest.mark.slow
+def test_a_deep_narrow_stack_over_32_a100s_is_pipelined():
+    """A100 hosts of 8 (25 GB/s between them): 32 layers of width 256 on 32 devices."""
+    args = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                  arguments(width=256, layers=32, batch=64, features=16))
+    plan = gspmd.auto(make_step(), *args, devices=32, hardware="a100", verify=2)
+    assert plan.pipeline is not None
