@@ -458,15 +458,12 @@ class _Floor:
         axis once a step; with a pipeline, each step's activations passed on, forward and
         backward."""
         devices = cm.device_mesh(c.mesh, self.hw)
-        n, x, y = devices.size, c.x, c.y
+        x, y = c.x, c.y
         m, layers = c.microbatches or 1, self.layers / (c.stages or 1)     # a stage's
         act = self.activation_bytes / (x * m)
 
         def seconds(pattern: cm.Pattern, nbytes: float, axes: tuple[int, ...]) -> float:
-            groups = _groups(devices, axes)
-            if pattern is cm.Pattern.PERMUTE:
-                groups = np.stack([groups.ravel(), np.roll(groups, 1, axis=1).ravel()], axis=1)
-            return cm.collective_seconds(pattern, nbytes, groups, n, self.hw)
+            return cm.axes_seconds(pattern, nbytes, devices, axes, self.hw)
 
         model, data = (c.model_axis,), (c.data_axis,)
         # Megatron-LM's four all-reduces of a layer's activations; the 2d strategy also splits
@@ -487,12 +484,6 @@ class _Floor:
         steps = m * c.repeats + c.stages - 1
         return (per_layer * layers / c.repeats * steps + gradients
                 + 2 * steps * seconds(cm.Pattern.PERMUTE, act / y, (0,)))
-
-
-def _groups(devices: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
-    """[G, k]: the groups of devices that differ only along `axes` of the mesh."""
-    rest = [a for a in range(devices.ndim) if a not in axes]
-    return devices.transpose(rest + list(axes)).reshape(-1, math.prod(devices.shape[a] for a in axes))
 
 
 def _nbytes(tree) -> int:
