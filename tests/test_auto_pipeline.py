@@ -11,6 +11,7 @@ import pytest
 
 import gspmd
 from gspmd.autoshard import stacks
+from gspmd.models.stacked import example_inputs, make_train_step as make_step
 from gspmd.spmd.cost import GiB, Hosts
 from util import assert_close
 
@@ -18,33 +19,7 @@ from util import assert_close
 SLOW_HOSTS = gspmd.Hardware("slow-hosts", 312e12, 80 * GiB, 2e12, Hosts(2, 300e9, 3e-6, 1e9, 50e-6))
 
 
-def make_step(scan=None):
-    """A train step: embed, a scan over the stacked layers, a head; SGD. `scan` stands
-    in for jax.lax.scan (looked up when called, as a user's code does)."""
-    def layer(h, w):
-        return jnp.tanh(h @ w["w"] + w["b"]), None
-
-    def loss(params, x, y):
-        h, _ = (scan or jax.lax.scan)(layer, x @ params["embed"], params["layers"])
-        return jnp.mean((h @ params["head"] - y) ** 2)
-
-    def step(params, x, y):
-        value, grads = jax.value_and_grad(loss)(params, x, y)
-        return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads), value
-    return step
-
-
-def arguments(width: int, layers: int, batch: int, features: int = 8, seed: int = 0):
-    rng = np.random.RandomState(seed)
-
-    def rand(*shape):
-        return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
-    params = {"embed": rand(features, width), "head": rand(width, 4),
-              "layers": {"w": rand(layers, width, width), "b": rand(layers, width)}}
-    return params, rand(batch, features), rand(batch, 4)
-
-
-DEEP = arguments(width=64, layers=8, batch=16)
+DEEP = example_inputs(width=64, layers=8, batch=16)
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +63,7 @@ def test_the_code_a_pipelined_plan_writes_runs_it(deep_plan):
 
 def test_a_wide_shallow_step_is_not_pipelined():
     """Two wide layers: the bubble and the stage shifts cost more than they save."""
-    args = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                  arguments(width=512, layers=2, batch=128))
+    args = example_inputs(width=512, layers=2, batch=128, abstract=True)
     plan = gspmd.auto(make_step(), *args, devices=8, hardware=SLOW_HOSTS, verify=1)
     assert plan.pipeline is None
     assert all(not u.description.startswith("no pipeline") for u in plan.runner_ups)
@@ -110,8 +84,9 @@ def test_only_a_scan_over_stacked_parameters_is_a_stack():
     """A scan over per-example inputs (time steps of a batch) or one that returns
     per-layer outputs is no stack of layers."""
     params, x, _ = DEEP
-    assert stacks.find_stack(make_step(), DEEP) == stacks.Stack(
-        8, jax.ShapeDtypeStruct((16, 64), jnp.float32), 8 * (64 * 64 + 64) * 4, stacks.find_stack(make_step(), DEEP).where)
+    stack = stacks.find_stack(make_step(), DEEP)
+    assert (stack.layers, stack.carry.shape, stack.parameter_bytes) == (8, (16, 64), 8 * (64 * 64 + 64) * 4)
+    assert "models/stacked.py:" in stack.where
 
     def recurrent(w, inputs, h):
         return jax.lax.scan(lambda h, u: (jnp.tanh(h @ w + u), None), h, inputs)[0].sum()
@@ -127,7 +102,6 @@ def test_only_a_scan_over_stacked_parameters_is_a_stack():
 @pytest.mark.slow
 def test_a_deep_narrow_stack_over_32_a100s_is_pipelined():
     """A100 hosts of 8 (25 GB/s between them): 32 layers of width 256 on 32 devices."""
-    args = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                  arguments(width=256, layers=32, batch=64, features=16))
+    args = example_inputs(width=256, layers=32, batch=64, features=16, abstract=True)
     plan = gspmd.auto(make_step(), *args, devices=32, hardware="a100", verify=2)
     assert plan.pipeline is not None

@@ -152,7 +152,8 @@ def pipelined_scan(layer: Callable, carry, stacked, how: Pipelining, mesh: Mesh)
     """jax.lax.scan(layer, carry, stacked) as gspmd.pipeline runs it: each stage's layers
     whole on its devices (data parallel within the stage), the batch in microbatches of
     every M-th example (so that the data axis splits each microbatch as it splits the
-    batch: no data moves), the L*R pipeline layers each a run of the stacked layers in turn. (Plan.code() writes this function with the plan's numbers.)"""
+    batch: no data moves), the L*R pipeline layers each a run of the stacked layers in
+    turn. (Plan.code() writes this function with the plan's numbers.)"""
     params = jax.tree_util.tree_map(lambda p: mesh_split(p, mesh, [STAGE_AXIS] + [-1] * (p.ndim - 1)).reshape(
         how.stages * how.repeats, -1, *p.shape[1:]), stacked)
     microbatches = carry.reshape(-1, how.microbatches, *carry.shape[1:]).swapaxes(0, 1)
