@@ -118,8 +118,8 @@ def scan_replaced(replacement: Callable) -> Iterator[None]:
         jax.lax.scan = original
         try:
             if xs is not None and not reverse and not kwargs:
-                caller = inspect.stack(context=0)[1]
-                out = replacement(f, init, xs, f"{caller.filename}:{caller.lineno}")
+                caller = inspect.currentframe().f_back
+                out = replacement(f, init, xs, f"{caller.f_code.co_filename}:{caller.f_lineno}")
                 if out is not None:
                     return out
             return original(f, init, xs, length, reverse, unroll, **kwargs)
@@ -202,9 +202,12 @@ def pipelines(fn: Callable, args: tuple, stack: Stack, devices: int, hw: cm.Hard
               most: int) -> list[Pipelined]:
     """The `most` pipelines of the stack with the lowest bounds under `beat` (the step
     time to beat), partitioned and reported for real, fitted to the memory limit."""
+    tried = candidates(stack, devices)
+    if not any(bound(stack, how, devices, 0.0, hw).step_seconds < beat for how in tried):
+        return []     # (none could beat it even computing nothing: the step need not be timed)
     one = Mesh(np.arange(1), (DATA_AXIS,))
     compute_seconds = jit(fn, mesh=one, hardware=hw).lower(*args).report().compute_seconds
-    bounds = sorted(((bound(stack, how, devices, compute_seconds, hw), how) for how in candidates(stack, devices)),
+    bounds = sorted(((bound(stack, how, devices, compute_seconds, hw), how) for how in tried),
                     key=lambda pair: pair[0].step_seconds)
     found = []
     for estimate, how in bounds[:most]:
