@@ -69,15 +69,21 @@ def test_a_wide_shallow_step_is_not_pipelined():
     assert all(not u.description.startswith("no pipeline") for u in plan.runner_ups)
 
 
-@pytest.mark.parametrize("how", [stacks.Pipelining(4, 4), stacks.Pipelining(2, 4, "circular", 2)])
-def test_a_pipelined_stack_equals_the_scan(how):
+@pytest.mark.parametrize("how,layers", [(stacks.Pipelining(4, 4), 8), (stacks.Pipelining(2, 4, "circular", 2), 8),
+                                        (stacks.Pipelining(4, 2), 4)])
+def test_a_pipelined_stack_equals_the_scan(how, layers):
     """Every microbatch through every layer in order, each stage's layers whole on its
-    devices (a run of layers per pipeline layer where stages * repeats < layers)."""
-    stack = stacks.find_stack(make_step(), DEEP)
+    devices (a run of layers per pipeline layer where stages * repeats < layers); their
+    gradients summed over the data axis once, after the pipeline's loops."""
+    args = example_inputs(width=16, layers=layers, batch=16)
+    stack = stacks.find_stack(make_step(), args)
     mesh = stacks.pipeline_mesh(8, how.stages, SLOW_HOSTS)
     step = gspmd.jit(stacks.pipelined(make_step(), stack, how, mesh), mesh=mesh)
-    assert_close(step(*DEEP), jax.jit(make_step())(*DEEP), rtol=1e-4, atol=1e-5)
-    assert step.lower(*DEEP).sharding_of("params['layers']['w']").tiles[0] == how.stages
+    assert_close(step(*args), jax.jit(make_step())(*args), rtol=1e-4, atol=1e-5)
+    low = step.lower(*args)
+    assert low.sharding_of("params['layers']['w']").tiles[0] == how.stages
+    in_loops = [c.kind for c in low.report().collectives if c.within]
+    assert set(in_loops) == {"collective-permute"}, in_loops
 
 
 def test_only_a_scan_over_stacked_parameters_is_a_stack():

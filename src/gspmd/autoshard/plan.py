@@ -264,7 +264,8 @@ def write_code(plan: Plan) -> str:
 
 def _pipeline_code(stack: Stack, how: Pipelining) -> list[str]:
     """stacks.pipelined_scan with the plan's numbers, as the user calls it."""
-    pipeline_layers = how.stages * how.repeats
+    runs = how.runs(stack.layers)
+    reshape = f".reshape({how.stages * how.repeats}, -1, *p.shape[1:])" if runs else ""
     return [
         "def pipelined_layers(layer, carry, stacked):",
         f'    """gspmd.auto\'s pipeline ({how.describe()}): call it in place of',
@@ -272,12 +273,12 @@ def _pipeline_code(stack: Stack, how: Pipelining) -> list[str]:
         "    results). Each stage's layers whole on its devices; microbatch m holds every",
         '    M-th example, which the data axis splits as it splits the batch."""',
         f"    params = jax.tree_util.tree_map(lambda p: gspmd.mesh_split(p, mesh, [{STAGE_AXIS!r}] + [-1] * (p.ndim - 1))"
-        f".reshape({pipeline_layers}, -1, *p.shape[1:]), stacked)",
+        f"{reshape}, stacked)",
         f"    microbatches = carry.reshape(-1, {how.microbatches}, *carry.shape[1:]).swapaxes(0, 1)",
         f"    microbatches = gspmd.mesh_split(microbatches, mesh, [-1, {DATA_AXIS!r}] + [-1] * (carry.ndim - 1))",
         "    ys = gspmd.pipeline(lambda p, x: layer(x, p)[0], params, microbatches, mesh=mesh, "
         f"stage_axis={STAGE_AXIS!r},",
-        f"                        schedule={how.schedule!r}, repeats={how.repeats}, scan_layers=True)",
+        f"                        schedule={how.schedule!r}, repeats={how.repeats}, scan_layers={runs})",
         "    return ys.swapaxes(0, 1).reshape(carry.shape), None"]
 
 

@@ -59,6 +59,12 @@ class Pipelining:
     schedule: str = "gpipe"
     repeats: int = 1
 
+    def runs(self, layers: int) -> bool:
+        """Whether each of the L*R pipeline layers is a run of several stacked layers
+        (gspmd.pipeline's scan_layers; not for one: the scan's per-layer gradients
+        would be summed over the data axis every step instead of once)."""
+        return layers > self.stages * self.repeats
+
     def describe(self) -> str:
         repeats = f" x{self.repeats}" if self.repeats > 1 else ""
         return f"{self.stages} stages, {self.schedule}{repeats}, {self.microbatches} microbatches"
@@ -153,13 +159,16 @@ def pipelined_scan(layer: Callable, carry, stacked, how: Pipelining, mesh: Mesh)
     whole on its devices (data parallel within the stage), the batch in microbatches of
     every M-th example (so that the data axis splits each microbatch as it splits the
     batch: no data moves), the L*R pipeline layers each a run of the stacked layers in
-    turn. (Plan.code() writes this function with the plan's numbers.)"""
-    params = jax.tree_util.tree_map(lambda p: mesh_split(p, mesh, [STAGE_AXIS] + [-1] * (p.ndim - 1)).reshape(
-        how.stages * how.repeats, -1, *p.shape[1:]), stacked)
+    turn where there are more layers. (Plan.code() writes this function with the plan's
+    numbers.)"""
+    runs = how.runs(jax.tree_util.tree_leaves(stacked)[0].shape[0])
+    params = jax.tree_util.tree_map(lambda p: mesh_split(p, mesh, [STAGE_AXIS] + [-1] * (p.ndim - 1)), stacked)
+    if runs:
+        params = jax.tree_util.tree_map(lambda p: p.reshape(how.stages * how.repeats, -1, *p.shape[1:]), params)
     microbatches = carry.reshape(-1, how.microbatches, *carry.shape[1:]).swapaxes(0, 1)
     microbatches = mesh_split(microbatches, mesh, [-1, DATA_AXIS] + [-1] * (carry.ndim - 1))
     ys = pipeline(lambda p, x: layer(x, p)[0], params, microbatches, mesh=mesh, stage_axis=STAGE_AXIS,
-                  schedule=how.schedule, repeats=how.repeats, scan_layers=True)
+                  schedule=how.schedule, repeats=how.repeats, scan_layers=runs)
     return ys.swapaxes(0, 1).reshape(carry.shape), None
 
 
