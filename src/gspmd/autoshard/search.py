@@ -89,11 +89,12 @@ def auto(fn: Callable, *args, devices: Optional[int] = None, mesh: Optional[Mesh
     paths = plans.parameter_paths(fn, args)
     leaves, tree = jax.tree_util.tree_flatten(args)
     abstract = jax.tree_util.tree_unflatten(tree, [abstract_argument(x, path) for x, path in zip(leaves, paths)])
-    traced = Traced(fn, abstract, mesh)
+    with stacks.stacks_watched() as found_stacks:
+        traced = Traced(fn, abstract, mesh)
     fixed_params = _fixed_parameters(fixed or {}, paths, traced.program, meshes[0])
     graph = build(traced.program, {traced.program.params[i]: repr(m) for i, m in fixed_params.items()},
                   traced.carried_state())
-    stack = None if mesh is not None or fixed or _annotated(graph) else stacks.find_stack(fn, abstract)
+    stack = None if mesh is not None or fixed or _annotated(graph) or not found_stacks else found_stacks[0]
     steps = Steps(progress or (lambda done, total, what: None),
                   len(meshes) + min(REFINED, len(meshes)) + 2 + (stack is not None))
     tally = Tally()

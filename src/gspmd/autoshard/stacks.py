@@ -6,8 +6,8 @@ stacked layer parameters, what gspmd.pipeline takes) may run that scan as a pipe
    whose body returns no per-layer outputs is a stack of layers.
 2. Enumerate pipelines: L stages (dividing the devices and the layer count) on a mesh
    (stage, x), the data axis x splitting each microbatch; gpipe, or circular with R
-   repeats (L*R dividing the layers; each of the L*R pipeline layers scans the rest);
-   M microbatches dividing the batch.
+   repeats (L*R dividing the layers; where there are more layers, each of the L*R
+   pipeline layers is a run of them); M microbatches dividing the batch.
 3. Bound each in closed form with the one cost model: the step's compute over every
    device stretched by the schedule's bubble, each step's activations passed on over
    the stage axis (forward and backward, on the links that axis crosses) and the
@@ -73,23 +73,33 @@ class Pipelining:
 # -- finding the stack ------------------------------------------------------------------------
 def find_stack(fn: Callable, args: tuple) -> Optional[Stack]:
     """The first scan over stacked layers fn(*args) runs, if any."""
+    with stacks_watched() as found:
+        jax.eval_shape(fn, *args)
+    return found[0] if found else None
+
+
+@contextlib.contextmanager
+def stacks_watched() -> Iterator[list[Stack]]:
+    """Within: the scans over stacked layers that run, in order (a trace of the step
+    finds its stack)."""
     found: list = []
 
     def watch(f, init, xs, where):
-        found.append(_stack_of(f, init, xs, where))
+        stack = _stack_of(f, init, xs, where)
+        if stack is not None:
+            found.append(stack)
         return None
 
     with scan_replaced(watch):
-        jax.eval_shape(fn, *args)
-    return next((s for s in found if s is not None), None)
+        yield found
 
 
 def _stack_of(f, init, xs, where: str) -> Optional[Stack]:
     leaves = jax.tree_util.tree_leaves(xs)
-    if not (isinstance(init, jax.Array) or hasattr(init, "shape")) or not leaves or jax.numpy.ndim(init) < 1:
-        return None
-    layers = leaves[0].shape[0] if leaves[0].ndim else 0
-    if layers < 2 or any(x.ndim == 0 or x.shape[0] != layers for x in leaves):
+    if not getattr(init, "shape", None) or not leaves or not leaves[0].shape:
+        return None    # (the carry a pytree or a scalar, or nothing stacked)
+    layers = leaves[0].shape[0]
+    if layers < 2 or any(not x.shape or x.shape[0] != layers for x in leaves):
         return None
     one = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), xs)
     carry, ys = jax.eval_shape(f, jax.ShapeDtypeStruct(init.shape, init.dtype), one)
