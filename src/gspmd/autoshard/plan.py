@@ -244,9 +244,9 @@ def write_code(plan: Plan) -> str:
              f"    Estimated {seconds_text(plan.step_seconds)} per step and {bytes_text(plan.peak_memory_bytes)} "
              f"per device on {plan.report.hardware.name}.\"\"\""]
     for name, arg in zip(names, plan.args):
-        text = _expression(arg, name, specs)
-        if text != name:
-            lines.append(f"    {name} = {text}")
+        arg, own = _take(arg, specs)
+        if any(spec is not None for spec in own):
+            lines.append(f"    {name} = {_expression(arg, name, iter(own))}")
     lines.append(f"    return {', '.join(names)}{',' if len(names) == 1 else ''}")
     fn_name = getattr(plan.fn, "__name__", "fn")
     if plan.pipeline:
@@ -365,8 +365,13 @@ def describe(plan: Plan) -> str:
                      f"bubble {r.bubble_fraction or 0:.1%}")
     for kind, (count, nbytes) in plan.collectives.items():
         lines.append(f"  {kind:<18} x{count:<5} {bytes_text(nbytes):>14} per device")
-    lines.append("parameters:")
-    for path, spec in _parameters_by_layout(plan.parameters):
+    by_layout = _parameters_by_layout(plan.parameters)
+    if plan.pipeline and not by_layout:
+        lines.append(f"parameters: the stacked layers split over {STAGE_AXIS!r} (pipelined_layers), the others "
+                     "as sharding completion lays them out")
+    else:
+        lines.append("parameters:")
+    for path, spec in by_layout:
         lines.append(f"  {path:<28} {_mapping_text(spec)}")
     if plan.intermediates:
         lines.append("intermediate annotations:")
