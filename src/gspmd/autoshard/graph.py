@@ -4,10 +4,9 @@ Every op is a node whose choices are layouts of its factor space: its record's
 `factors` (several per dim, of their kinds), or, for the few ops whose records declare
 none, every dim whole. Each value belongs to the node that produces it, with a map from
 its dims to the node's factors (major first); each operand says which factors its dims
-need. Ops that only re-lay one
-operand (unary element-wise ops, converts, transposes) join their operand's node, and
-values made from nothing (constants, iotas, broadcasts of scalars) that one op reads
-take the layout that op needs, for free.
+need. Ops that only re-lay one operand (unary element-wise ops, converts, transposes)
+join their operand's node, and values made from nothing (constants, iotas, broadcasts
+of scalars) that one op reads take the layout that op needs, for free.
 
 Nodes that look alike for `ROUNDS` steps around them (the same layer, repeated) are
 tied into one class, which the search decides once: the solution is the same in every

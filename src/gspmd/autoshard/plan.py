@@ -14,7 +14,7 @@ from jax.extend import source_info_util
 from gspmd.analysis import Report
 from gspmd.api import Partitioned, jit
 from gspmd.autoshard.model import Estimate
-from gspmd.autoshard.stacks import DATA_AXIS, STAGE_AXIS, Pipelining, Stack, pipelined
+from gspmd.autoshard.stacks import STAGE_AXIS, Pipelining, Stack, pipeline_code, pipelined
 from gspmd.frontend import mesh_split
 from gspmd.mesh import Mesh
 from gspmd.spmd.cost import GiB
@@ -250,7 +250,7 @@ def write_code(plan: Plan) -> str:
     lines.append(f"    return {', '.join(names)}{',' if len(names) == 1 else ''}")
     fn_name = getattr(plan.fn, "__name__", "fn")
     if plan.pipeline:
-        lines += ["", ""] + _pipeline_code(*plan.pipeline)
+        lines += ["", ""] + pipeline_code(*plan.pipeline)
     lines += ["", "", f"# Partition with: gspmd.jit({fn_name}, mesh=mesh, memory_limit={plan.memory_limit}, "
               f"hardware={plan.report.hardware.name!r})"]
     if plan.intermediates:
@@ -260,26 +260,6 @@ def write_code(plan: Plan) -> str:
             lines += [f"#   {i.where}: {i.what}{f' (runs {i.count} times)' if i.count > 1 else ''}",
                       f"#       value = gspmd.mesh_split(value, mesh, {_mapping_text(i.dims_mapping)})"]
     return "\n".join(lines) + "\n"
-
-
-def _pipeline_code(stack: Stack, how: Pipelining) -> list[str]:
-    """stacks.pipelined_scan with the plan's numbers, as the user calls it."""
-    runs = how.runs(stack.layers)
-    reshape = f".reshape({how.stages * how.repeats}, -1, *p.shape[1:])" if runs else ""
-    return [
-        "def pipelined_layers(layer, carry, stacked):",
-        f'    """gspmd.auto\'s pipeline ({how.describe()}): call it in place of',
-        f"    `jax.lax.scan(layer, carry, stacked)` at {stack.where} (same arguments and",
-        "    results). Each stage's layers whole on its devices; microbatch m holds every",
-        '    M-th example, which the data axis splits as it splits the batch."""',
-        f"    params = jax.tree_util.tree_map(lambda p: gspmd.mesh_split(p, mesh, [{STAGE_AXIS!r}] + [-1] * (p.ndim - 1))"
-        f"{reshape}, stacked)",
-        f"    microbatches = carry.reshape(-1, {how.microbatches}, *carry.shape[1:]).swapaxes(0, 1)",
-        f"    microbatches = gspmd.mesh_split(microbatches, mesh, [-1, {DATA_AXIS!r}] + [-1] * (carry.ndim - 1))",
-        "    ys = gspmd.pipeline(lambda p, x: layer(x, p)[0], params, microbatches, mesh=mesh, "
-        f"stage_axis={STAGE_AXIS!r},",
-        f"                        schedule={how.schedule!r}, repeats={how.repeats}, scan_layers={runs})",
-        "    return ys.swapaxes(0, 1).reshape(carry.shape), None"]
 
 
 def _parameters_by_layout(parameters: list) -> list:

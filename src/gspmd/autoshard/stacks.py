@@ -182,6 +182,26 @@ def pipelined_scan(layer: Callable, carry, stacked, how: Pipelining, mesh: Mesh)
     return ys.swapaxes(0, 1).reshape(carry.shape), None
 
 
+def pipeline_code(stack: Stack, how: Pipelining) -> list[str]:
+    """pipelined_scan with `how`'s numbers, as Plan.code() writes it for the user to call."""
+    runs = how.runs(stack.layers)
+    reshape = f".reshape({how.stages * how.repeats}, -1, *p.shape[1:])" if runs else ""
+    return [
+        "def pipelined_layers(layer, carry, stacked):",
+        f'    """gspmd.auto\'s pipeline ({how.describe()}): call it in place of',
+        f"    `jax.lax.scan(layer, carry, stacked)` at {stack.where} (same arguments and",
+        "    results). Each stage's layers whole on its devices; microbatch m holds every",
+        '    M-th example, which the data axis splits as it splits the batch."""',
+        f"    params = jax.tree_util.tree_map(lambda p: gspmd.mesh_split(p, mesh, [{STAGE_AXIS!r}] + [-1] * (p.ndim - 1))"
+        f"{reshape}, stacked)",
+        f"    microbatches = carry.reshape(-1, {how.microbatches}, *carry.shape[1:]).swapaxes(0, 1)",
+        f"    microbatches = gspmd.mesh_split(microbatches, mesh, [-1, {DATA_AXIS!r}] + [-1] * (carry.ndim - 1))",
+        "    ys = gspmd.pipeline(lambda p, x: layer(x, p)[0], params, microbatches, mesh=mesh, "
+        f"stage_axis={STAGE_AXIS!r},",
+        f"                        schedule={how.schedule!r}, repeats={how.repeats}, scan_layers={runs})",
+        "    return ys.swapaxes(0, 1).reshape(carry.shape), None"]
+
+
 # -- choosing one ----------------------------------------------------------------------------------
 def pipeline_mesh(devices: int, stages: int, hw: cm.Hardware) -> Mesh:
     """(stage, x) over the devices, laid onto the network as the other candidates are:
