@@ -47,6 +47,11 @@ def test_the_pipelined_plan_runs_equal_to_one_device(deep_plan):
     assert_close(partitioned(*DEEP), jax.jit(make_step())(*DEEP), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
+def test_the_pipelined_plan_runs_on_jax_devices(deep_plan):
+    assert_close(deep_plan.jit(backend="jax")(*DEEP), jax.jit(make_step())(*DEEP), rtol=1e-4, atol=1e-5)
+
+
 def test_the_code_a_pipelined_plan_writes_runs_it(deep_plan):
     """plan.code() defines the mesh and pipelined_layers, which the user calls in place
     of the scan: the same plan, equal to one device."""
