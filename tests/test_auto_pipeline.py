@@ -17,8 +17,6 @@ from util import assert_close
 
 # Hosts of two devices joined by a slow network (1 GB/s, 50 us), NVLink-like inside.
 SLOW_HOSTS = gspmd.Hardware("slow-hosts", 312e12, 80 * GiB, 2e12, Hosts(2, 300e9, 3e-6, 1e9, 50e-6))
-
-
 DEEP = example_inputs(width=64, layers=8, batch=16)
 
 
@@ -28,8 +26,9 @@ def deep_plan():
 
 
 def test_a_deep_narrow_stack_over_slow_hosts_is_pipelined(deep_plan):
-    """Data parallel sums every layer's gradient over the slow network; a pipeline
-    passes activations between hosts and sums a stage's gradients within each."""
+    """Data parallel sums every layer's gradient over all hosts, on the slow network; a
+    pipeline sums each stage's share of them over the fewer devices of its stage and
+    passes the (small) activations between stages."""
     assert deep_plan.pipeline is not None
     stack, how = deep_plan.pipeline
     assert stack.layers == 8 and deep_plan.mesh.axis_names == ("stage", "x")
