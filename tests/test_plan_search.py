@@ -86,3 +86,23 @@ def test_each_recipe_searches_the_meshes_it_takes(model, sizes, shapes):
         assert all(c.stages == c.mesh[0] and c.x == c.mesh[1] and c.y == 1 for c in configs)
     found = plan_search.search(model, planning.Sizes(**sizes), 8, "tpu-v3", budget_s=600.0, max_plans=3)
     assert found.chosen.plan.report.fits_in_memory and found.chosen.plan.case.mesh.size == 8
+
+
+def test_no_plan_starts_that_would_end_past_the_budget():
+    """A budget too small for a second plan: the first is still partitioned (there is an
+    answer), and nothing after it; every candidate is accounted for."""
+    found = plan_search.search("transformer", planning.Sizes(**SMALL), 4, "a100", budget_s=0.0)
+    assert len(found.verified) == 1 and found.unexplored > 0 and found.chosen.plan is not None
+
+
+def test_candidates_expected_not_to_fit_go_last():
+    """Memory calibrated by the plans so far: a candidate whose every policy is expected
+    to overflow is ordered after one expected to fit, whatever its estimate; and
+    plan_to_fit is handed only the policies expected to fit."""
+    config, policies = plan_search.Config((4, 1)), [None, "nothing_saveable"]
+    fast = plan_search.Candidate(config, 1.0, 1.0, 1.0, policies, {None: 10.0, "nothing_saveable": 8.0})
+    slow = plan_search.Candidate(config, 2.0, 2.0, 1.0, policies, {None: 5.0, "nothing_saveable": 4.0})
+    calibration = plan_search._Calibration([], usable_bytes=6.0)
+    assert calibration.may_fit(slow) == policies and calibration.may_fit(fast) == ["nothing_saveable"]
+    assert min([fast, slow], key=calibration.order) is slow
+    assert min([fast, slow], key=plan_search._Calibration([], usable_bytes=20.0).order) is fast
