@@ -16,7 +16,7 @@ schedule, repeats, microbatches and the rematerialization policy:
 3. Prune what cannot fit; partition the rest for real in the order of their estimates
    (each with the least recompute that fits, planning.plan_to_fit), until the next
    one's lower bound cannot beat the best found or the time budget is spent; the best
-   is planned again with each policy that recomputes more, where one is faster.
+   is planned again with each other policy that may fit, where one is faster.
 
 The answer says what it chose, and for each runner-up what it costs more and why.
 """
@@ -230,7 +230,7 @@ def search(model: str, base: planning.Sizes, devices: int, hardware: Union[str, 
     if not verified:
         raise ShardingError(f"No configuration of {model} over {devices} devices could be planned.")
     verified.sort(key=_rank)
-    _more_recompute_if_faster(model, base, hw, verified[0], clock)
+    _other_policies_if_faster(model, base, hw, verified[0], clock)
     verified.sort(key=_rank)
     return Search(model, verified[0], verified, len(candidates), len(candidates) - len(fitting), pruned, unexplored,
                   refused, clock.elapsed())
@@ -259,16 +259,21 @@ class _Clock:
             self.longest = max(self.longest, time.perf_counter() - started)
 
 
-def _more_recompute_if_faster(model: str, base: planning.Sizes, hw: Hardware, best: Candidate, clock: _Clock) -> None:
-    """The best plan with each policy that recomputes more than its own, where one is
-    faster (and time allows): recomputing an element-wise op can cost less than writing
-    it to memory and reading it back (a matmul's fused operands)."""
-    chosen = best.plan.case.sizes.get("remat")
-    for policy in best.policies[best.policies.index(chosen) + 1:] if chosen in best.policies else []:
+def _other_policies_if_faster(model: str, base: planning.Sizes, hw: Hardware, best: Candidate,
+                              clock: _Clock) -> None:
+    """The best plan with each policy that may fit it and was not tried, where one is
+    faster (and time allows): first those recomputing less that the memory calibration
+    passed over (expectations err), then those recomputing more (recomputing an
+    element-wise op can cost less than writing it to memory and reading it back)."""
+    tried = {policy for policy, _ in best.plan.remat_tried}
+    sizes = best.config.sizes(base)
+    for policy in best.policies:
+        if policy in tried or planning.remat_refused(policy, sizes.schedule, sizes.repeats) is not None:
+            continue
         if not clock.allows_another():
             return
         with clock.timing():
-            other = planning.plan(model, dataclasses.replace(best.config.sizes(base), remat=policy), hw)
+            other = planning.plan(model, dataclasses.replace(sizes, remat=policy), hw)
         if other.report.fits_in_memory and other.report.step_seconds < best.step_s:
             best.plan = other
 
