@@ -1,0 +1,214 @@
+"""Sharding completion on XLA's per-op propagation tests (openxla/xla,
+xla/service/sharding_propagation_test.cc, the cases test_xla_propagation.py does not
+cover): element-wise ops, broadcasts, reductions, transposes, convolutions, slices and
+concatenates, each a JAX program with the annotations of the XLA test it is named after
+(shapes scaled down where large), asserting XLA's completed layout and the bytes the
+partitioned program then moves (none where the layouts agree)."""
+import jax.numpy as jnp
+from jax import lax
+import numpy as np
+
+from util import BYTES_RECEIVED, check, rand
+from xla_cases import layout as xla, split
+
+RNG = np.random.RandomState(1)
+TILED = "devices=[1,2,2,1]0,1,2,3"
+
+
+def _run(fn, *args):
+    low = check(fn, *args, hardware=BYTES_RECEIVED)
+    return low, low.report()
+
+
+def _made_by(low, opcode: str, shape: tuple[int, ...]):
+    """The completed layout of the value of `shape` that `opcode` makes."""
+    return next(v for v in low.program.values()
+                if v.producer is not None and v.producer.opcode == opcode and v.shape == shape).sharding
+
+
+# -- element-wise and broadcast ---------------------------------------------------------------
+def test_elementwise_operation_forward_pass():
+    low, report = _run(lambda a, b: split(a, TILED) + b, rand(RNG, 5, 7, 11, 13), rand(RNG, 5, 7, 11, 13))
+    assert low.sharding_of(0) == xla(TILED) and report.collective_bytes == 0
+
+
+def test_elementwise_operation_backward_pass():
+    low, report = _run(lambda a, b: split(a + b, TILED), rand(RNG, 5, 7, 11, 13), rand(RNG, 5, 7, 11, 13))
+    assert all(p.sharding == xla(TILED) for p in low.program.params) and report.collective_bytes == 0
+
+
+def test_broadcast_forward_pass():
+    """[3, 16, 16] split [1,2,2] broadcast to a new minor dim: [1,2,2,1]."""
+    low, report = _run(lambda x: jnp.broadcast_to(split(x, "devices=[1,2,2]0,1,2,3")[..., None], (3, 16, 16, 3)),
+                       rand(RNG, 3, 16, 16))
+    assert low.sharding_of(0) == xla(TILED) and report.collective_bytes == 0
+
+
+def test_broadcast_backward_pass():
+    """A [13] broadcast to [5,7,11,13] whose result is split [1,2,2,1]: the broadcast is split so."""
+    low, report = _run(lambda x: split(jnp.broadcast_to(jnp.tanh(x), (5, 7, 11, 13)), TILED), rand(RNG, 13))
+    assert _made_by(low, "broadcast", (5, 7, 11, 13)) == xla(TILED) and report.collective_bytes == 0
+
+
+def test_broadcast_forward_partial():
+    """[3, 64] split [1,2] over 2 of 4 devices, broadcast to [3, 64, 3]: [1,2,1,2] replicated."""
+    spec = "devices=[1,2,2]0,1,2,3 last_tile_dim_replicate"
+    low, report = _run(lambda x: jnp.broadcast_to(split(x, spec)[..., None], (3, 64, 3)), rand(RNG, 3, 64))
+    assert low.sharding_of(0) == xla("devices=[1,2,1,2]0,1,2,3 last_tile_dim_replicate")
+    assert report.collective_bytes == 0
+
+
+def test_broadcast_merge():
+    """The operand's 2-way split of dim 1 and the result's 2-way split of the new dim 2,
+    over orthogonal device pairs, merge into [1,2,2]; the result then gathers its dim 1
+    to the annotation's layout, as XLA's does."""
+    def f(x):
+        y = jnp.broadcast_to(split(x, "devices=[1,2,2]0,1,2,3 last_tile_dim_replicate")[..., None], (3, 64, 4))
+        return split(y, "devices=[1,1,2,2]0,2,1,3 last_tile_dim_replicate")
+    low, report = _run(f, rand(RNG, 3, 64))
+    assert _made_by(low, "broadcast", (3, 64, 4)) == xla("devices=[1,2,2]0,1,2,3")
+    assert dict(report.counts()) == {"all-gather": 1} and report.collective_bytes == 3 * 64 * 2 * 4
+
+
+def test_broadcast_user():
+    """[24, 8] broadcast to [4, 24, 6, 8] split [1,2,1,4]: the operand is split [2,4]."""
+    def f(x):
+        return split(jnp.broadcast_to(jnp.tanh(x)[None, :, None, :], (4, 24, 6, 8)), "devices=[1,2,1,4]0,1,2,3,4,5,6,7")
+    low, report = _run(f, rand(RNG, 24, 8))
+    assert low.program.params[0].sharding == xla("devices=[2,4]0,1,2,3,4,5,6,7") and report.collective_bytes == 0
+
+
+def test_broadcast_user_partial():
+    """The broadcast split [4,2,1,1], its new dim 4 ways: the operand keeps the 2-way split
+    of its dim 0, replicated over the devices that held the new dim's quarters."""
+    def f(x):
+        return split(jnp.broadcast_to(jnp.tanh(x)[None, :, None, :], (4, 24, 6, 8)), "devices=[4,2,1,1]0,1,2,3,4,5,6,7")
+    low, report = _run(f, rand(RNG, 24, 8))
+    assert low.program.params[0].sharding == xla("devices=[2,1,4]0,2,4,6,1,3,5,7 last_tile_dim_replicate")
+    assert report.collective_bytes == 0
+
+
+# -- reductions ---------------------------------------------------------------------------------
+def test_sharded_reduce_forward_pass():
+    """[5,7,11,13] split [1,2,2,1] summed over dims 0 and 3: [7, 11] split [2,2]."""
+    low, report = _run(lambda x: jnp.sum(split(x, TILED), axis=(0, 3)), rand(RNG, 5, 7, 11, 13))
+    assert low.sharding_of(0) == xla("devices=[2,2]0,1,2,3") and report.collective_bytes == 0
+
+
+def test_reduce_partially_on_tiled_dims():
+    """[8, 8] split [2,2] summed over dim 0: the partial sums all-reduced over the dim-0
+    pairs, the result split on the other dim, replicated over the pairs."""
+    low, report = _run(lambda x: jnp.sum(split(x, "devices=[2,2]0,1,2,3"), axis=0), rand(RNG, 8, 8))
+    assert low.sharding_of(0) == xla("devices=[2,2]0,2,1,3 last_tile_dim_replicate")
+    assert dict(report.counts()) == {"all-reduce": 1} and report.collective_bytes == 16
+
+
+def test_reduce_partially_on_tiled_dims_of_a_partial_split():
+    """ReducePartiallyOnTiledDims2: the same over [2,2,2] with the last dim replicated."""
+    low, report = _run(lambda x: jnp.sum(split(x, "devices=[2,2,2]0,1,2,3,4,5,6,7 last_tile_dim_replicate"), axis=0),
+                       rand(RNG, 8, 8))
+    assert low.sharding_of(0) == xla("devices=[2,4]0,1,4,5,2,3,6,7 last_tile_dim_replicate")
+    assert dict(report.counts()) == {"all-reduce": 1} and report.collective_bytes == 16
+
+
+def test_reduce_partially_backward():
+    """A sum over dim 0 split [2] on its result (over 4 devices): the input gets [1,2,2] replicated."""
+    low, report = _run(lambda x: split(jnp.sum(jnp.tanh(x), axis=0), "devices=[2,2]0,1,2,3 last_tile_dim_replicate"),
+                       rand(RNG, 8, 8))
+    assert low.program.params[0].sharding == xla("devices=[1,2,2]0,1,2,3 last_tile_dim_replicate")
+    assert report.collective_bytes == 0
+
+
+def test_sharded_tuple_reduce_forward_and_backward_pass():
+    """A max-with-index reduction (two operands) of [28, 10] over dim 1, the indices split
+    [2,1]: both results split [2], and the values operand split as the indices."""
+    def argmax(x, i):
+        def pick(a, b):
+            better = a[0] > b[0]
+            return jnp.where(better, a[0], b[0]), jnp.where(better, a[1], b[1])
+        return lax.reduce((jnp.tanh(x), split(i, "devices=[2,1]0,1")), (-jnp.inf, 0), pick, (1,))
+    idx = np.tile(np.arange(10, dtype=np.int32), (28, 1))
+    low, report = _run(argmax, rand(RNG, 28, 10), idx)
+    assert low.sharding_of(0) == xla("devices=[2]0,1") and low.sharding_of(1) == xla("devices=[2]0,1")
+    assert low.program.params[0].sharding == xla("devices=[2,1]0,1") and report.collective_bytes == 0
+
+
+# -- transpose, convolution -----------------------------------------------------------------------
+def test_transpose_forward_pass():
+    low, report = _run(lambda x: jnp.transpose(split(x, "devices=[2,1,2]0,1,2,3"), (1, 2, 0)), rand(RNG, 7, 11, 13))
+    assert low.sharding_of(0) == xla("devices=[1,2,2]0,2,1,3") and report.collective_bytes == 0
+
+
+def _conv(lhs, rhs, specs, **kw):
+    return lax.conv_general_dilated(lhs, rhs, dimension_numbers=specs, **kw)
+
+
+def test_forward_convolution_forward_pass():
+    """b01f_01io->b01f, 3x3 window padded 1: the lhs's [2,2,2,1] split carries to the result."""
+    def f(x, k):
+        return _conv(split(x, "devices=[2,2,2,1]0,1,2,3,4,5,6,7"), k, ("NHWC", "HWIO", "NHWC"),
+                     window_strides=(1, 1), padding=[(1, 1), (1, 1)])
+    low, report = _run(f, rand(RNG, 4, 8, 10, 13), rand(RNG, 3, 3, 13, 17))
+    assert low.sharding_of(0) == xla("devices=[2,2,2,1]0,1,2,3,4,5,6,7")
+    assert set(dict(report.counts())) <= {"collective-permute"}    # halos of the split spatial dims
+
+
+def test_forward_convolution_large_dilation_forward_pass():
+    """[8, 64, 2] split 4 ways on the spatial dim, a kernel of 3 dilated 16: the result too."""
+    def f(x, k):
+        return _conv(split(x, "devices=[1,4,1]0,1,2,3"), k, ("NWC", "WIO", "NWC"), window_strides=(1,),
+                     padding=[(0, 0)], rhs_dilation=(16,))
+    low, report = _run(f, rand(RNG, 8, 64, 2), rand(RNG, 3, 2, 2))
+    assert low.sharding_of(0) == xla("devices=[1,4,1]0,1,2,3") and not report.fallbacks
+
+
+def test_valid_convolution():
+    """b0f_i0o->b0f over [13, 17, 19] split on the spatial dim: the result too."""
+    def f(x, k):
+        return _conv(split(x, "devices=[1,2,1]0,1"), k, ("NWC", "IWO", "NWC"), window_strides=(1,), padding="VALID")
+    low, report = _run(f, rand(RNG, 13, 17, 19), rand(RNG, 19, 5, 19))
+    assert low.sharding_of(0) == xla("devices=[1,2,1]0,1") and set(dict(report.counts())) <= {"collective-permute"}
+
+
+def test_convolution_sharded_feature():
+    """bf0_oi0->bf0 with the lhs split on its (contracted) feature dim: the result is
+    replicated, the partial sums all-reduced."""
+    def f(x, k):
+        return _conv(split(x, "devices=[1,2,1]0,1"), k, ("NCW", "OIW", "NCW"), window_strides=(1,), padding="VALID")
+    low, report = _run(f, rand(RNG, 3, 2, 3), rand(RNG, 2, 2, 1))
+    assert low.sharding_of(0).is_replicated and dict(report.counts()) == {"all-reduce": 1}
+
+
+def test_convolution_different_dimension_numbers():
+    """f0b_i0o->0bf: the lhs's split spatial dim (16, 2 ways) becomes the result's dim 0."""
+    def f(x, k):
+        return _conv(split(x, "devices=[1,2,1]0,1"), k, ("CWN", "IWO", "WNC"), window_strides=(5,), padding="VALID")
+    low, _ = _run(f, rand(RNG, 8, 16, 32), rand(RNG, 8, 2, 32))
+    assert low.sharding_of(0) == xla("devices=[2,1,1]0,1")
+
+
+# -- pad, slice, concatenate ------------------------------------------------------------------------
+def test_pad_backward_pass():
+    low, report = _run(lambda x, v: split(lax.pad(jnp.tanh(x), v, [(2, 4, 1), (1, 1, 2)]), "devices=[2,2]0,1,2,3"),
+                       rand(RNG, 11, 17), np.float32(0.5))
+    assert low.program.params[0].sharding == xla("devices=[2,2]0,1,2,3")
+
+
+def test_strided_slice():
+    low, _ = _run(lambda x: split(x, "devices=[2,1]0,1")[1:15:2, 5:10], rand(RNG, 17, 13))
+    assert low.sharding_of(0) == xla("devices=[2,1]0,1")
+
+
+def test_concatenate():
+    """Both operands split [2,1], concatenated along the unsplit dim 1: [2,1]."""
+    def f(a, b):
+        return jnp.concatenate([split(a, "devices=[2,1]0,1"), split(b, "devices=[2,1]0,1")], axis=1)
+    low, report = _run(f, rand(RNG, 5, 7), rand(RNG, 5, 9))
+    assert low.sharding_of(0) == xla("devices=[2,1]0,1") and report.collective_bytes == 0
+
+
+def test_tuple_backward_pass():
+    """Results laid out one replicated, one split [2]: each operand as its result."""
+    low, report = _run(lambda a, b: (split(jnp.tanh(a), "devices=[1,2]0,1 last_tile_dim_replicate"),
+                                     split(jnp.tanh(b), "devices=[2]0,1")), rand(RNG, 1), rand(RNG, 4))
+    assert low.program.params[1].sharding == xla("devices=[2]0,1") and report.collective_bytes == 0
