@@ -5,10 +5,11 @@ compilation) and from XLA's `memory_analysis()` of the jax backend's compiled ex
 and with its parameters donated (the new parameters reuse their buffers).
 
 XLA:CPU schedules for concurrency by default (breadth first: everything ready runs as
-early as it can, which holds far more at once); the model assumes the memory-minimizing
-schedule accelerators use, so this script runs XLA with
---xla_cpu_enable_concurrency_optimized_scheduler=false (and prints the default's number
-too with --bfs).
+early as it can, which holds far more at once); accelerators schedule for memory. By
+default this script runs XLA with --xla_cpu_enable_concurrency_optimized_scheduler=false
+against the model's memory-minimizing schedule; with --bfs, XLA:CPU's default scheduler
+against the model's breadth-first one. (The flag is process-wide: XLA:CPU ignores it
+among a compilation's compiler_options.)
 
     python benchmarks/memory_vs_xla.py [--sizes small medium] [--cases mlp ...] [--no-donation] [--json] [--bfs]
 """
@@ -107,10 +108,10 @@ def xla_peak(low: gspmd.Lowered, donated: tuple[int, ...]) -> int:
     return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
 
 
-def measure(name: str, step, args, donate: bool) -> dict:
+def measure(name: str, step, args, donate: bool, breadth_first: bool = False) -> dict:
     low = gspmd.jit(step, backend="jax").lower(*args)
     donated = tuple(range(len(jax.tree_util.tree_leaves(args[0])))) if donate else ()
-    ours = memory.profile(low.spmd, memory.donation_aliases(low.spmd, donated)).peak_bytes
+    ours = memory.profile(low.spmd, memory.donation_aliases(low.spmd, donated), breadth_first=breadth_first).peak_bytes
     xla = xla_peak(low, donated)
     return {"case": name, "donated": donate, "ours": ours, "xla": xla, "ratio": ours / xla}
 
@@ -129,7 +130,7 @@ def main(argv=None) -> int:
             if args.cases and name not in args.cases:
                 continue
             for donate in (False,) if args.no_donation or name == "remat" else (False, True):
-                rows.append({"size": size, **measure(name, step, inputs, donate)})
+                rows.append({"size": size, **measure(name, step, inputs, donate, args.bfs)})
     if args.json:
         print(json.dumps(rows))
         return 0

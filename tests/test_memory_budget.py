@@ -39,7 +39,9 @@ def test_regathering_fits_a_limit_and_keeps_results_equal():
     for backend in BACKENDS:
         fitted = gspmd.jit(step, mesh=MESH, backend=backend, memory_limit=1)
         assert_close(fitted(*args), expected)
-    low = fitted.lower(*args)
+    # the sim backend's report: the jax backend's on CPU follows XLA:CPU's default schedule,
+    # which runs every gather as soon as it can (analysis/schedule.py), the gathers again too
+    low = gspmd.jit(step, mesh=MESH, memory_limit=1).lower(*args)
     report, choice = low.report(), low.memory_budget
     assert report.memory_budget is choice and choice.regathered and not choice.fits
     assert choice.peak_bytes_shared == shared.peak_memory_bytes

@@ -212,3 +212,83 @@ def test_tuple_backward_pass():
     low, report = _run(lambda a, b: (split(jnp.tanh(a), "devices=[1,2]0,1 last_tile_dim_replicate"),
                                      split(jnp.tanh(b), "devices=[2]0,1")), rand(RNG, 1), rand(RNG, 4))
     assert low.program.params[1].sharding == xla("devices=[2]0,1") and report.collective_bytes == 0
+
+
+# -- loops ----------------------------------------------------------------------------------------
+def _doubling_loop(x, inside: str, x_spec=None):
+    """While: a carry doubled 4 times, the doubled value annotated `inside` the body,
+    then multiplied with the loop's input."""
+    def body(_, acc):
+        return split(acc + acc, inside)
+    x = jnp.tanh(x) if x_spec is None else split(x, x_spec)
+    return lax.fori_loop(0, 4, body, x) * x
+
+
+def test_while_carry_takes_the_bodys_layout():
+    """While (from acc.1): a [2,1] split inside the body lays out the carry, the loop's
+    input and its result alike; nothing moves."""
+    low, report = _run(lambda x: _doubling_loop(x, "devices=[2,1]0,1"), rand(RNG, 10, 10))
+    assert low.sharding_of(0) == xla("devices=[2,1]0,1")
+    assert low.program.params[0].sharding == xla("devices=[2,1]0,1") and report.collective_bytes == 0
+
+
+def test_while_merges_the_inputs_and_the_bodys_partial_splits():
+    """While (merge): the body's rows split 2 ways and the input's columns over the other
+    device pairs: the carry is split [2,2]."""
+    low, report = _run(lambda x: _doubling_loop(x, "devices=[2,1,2]0,1,2,3 last_tile_dim_replicate",
+                                                "devices=[1,2,2]0,2,1,3 last_tile_dim_replicate"), rand(RNG, 10, 10))
+    loop = next(v for v in low.program.values() if v.producer is not None and v.producer.opcode == "while"
+                and v.shape == (10, 10))
+    assert loop.sharding == xla("devices=[2,2]0,1,2,3")
+
+
+# -- first-iteration pass-through (DoNotPassThrough...AtFirstIteration), on 8 devices ----------------
+def test_concatenate_takes_its_users_layout_not_its_operands():
+    """[8, 32, 24] split 2 ways (replicated 4), concatenated to [16, 32, 24] whose user is
+    split [4,1,2]: the concatenate is laid out as its user (the stronger split), not passed
+    its operand's on the first iteration."""
+    def f(x):
+        x = split(x, "devices=[2,1,1,4]0,2,4,6,1,3,5,7 last_tile_dim_replicate")
+        c = jnp.concatenate([x, x], axis=0)
+        return split(c + c, "devices=[4,1,2]0,1,2,3,4,5,6,7")
+    low, _ = _run(f, rand(RNG, 8, 32, 24))
+    assert _made_by(low, "concatenate", (16, 32, 24)) == xla("devices=[4,1,2]0,1,2,3,4,5,6,7")
+
+
+def test_dynamic_slice_takes_its_users_layout_not_its_operands():
+    def f(x, i):
+        x = split(x, "devices=[2,1,1,4]0,2,4,6,1,3,5,7 last_tile_dim_replicate")
+        d = lax.dynamic_slice_in_dim(x, i, 16, axis=0)
+        return split(d + d, "devices=[4,1,2]0,1,2,3,4,5,6,7")
+    low, _ = _run(f, rand(RNG, 32, 32, 24), np.int32(3))
+    assert _made_by(low, "dynamic-slice", (16, 32, 24)) == xla("devices=[4,1,2]0,1,2,3,4,5,6,7")
+
+
+# -- dots -------------------------------------------------------------------------------------------
+def test_dot_forward_and_backward():
+    """Dot: the lhs's M split 4 ways and the rhs's N 4 ways (the same devices) each reach
+    the products that keep them; a result split [1,2,2] lays out operands it alone reads."""
+    def f(a, b, v, a2, b2):
+        a, b = split(a, "devices=[1,4,1]0,1,2,3"), split(b, "devices=[1,1,4]0,1,2,3")
+        prop_rhs = jnp.einsum("bmk,bkn->bmn", jnp.tanh(a), b)
+        prop_lhs = jnp.einsum("bkn,bmk->bnm", b, jnp.tanh(a))
+        mat_vec = jnp.einsum("bmk,bk->bm", a, v)
+        back = split(jnp.einsum("bmk,bkn->bmn", jnp.tanh(a2), jnp.tanh(b2)), "devices=[1,2,2]0,1,2,3")
+        return prop_rhs, prop_lhs, mat_vec, back
+    args = [rand(RNG, 4, 16, 8), rand(RNG, 4, 8, 32), rand(RNG, 4, 8), rand(RNG, 4, 16, 8), rand(RNG, 4, 8, 32)]
+    low, _ = _run(f, *args)
+    assert low.sharding_of(0) == xla("devices=[1,1,4]0,1,2,3") and low.sharding_of(1) == xla("devices=[1,4,1]0,1,2,3")
+    assert low.sharding_of(2) == xla("devices=[1,4]0,1,2,3")
+    assert low.sharding_of(3) == xla("devices=[1,2,2]0,1,2,3")
+    assert low.program.params[3].sharding == xla("devices=[1,2,1,2]0,1,2,3 last_tile_dim_replicate")
+    assert low.program.params[4].sharding == xla("devices=[1,1,2,2]0,2,1,3 last_tile_dim_replicate")
+
+
+def test_dot_tiled_batch_dim():
+    """A batched product reshaped [8, 16, 8] -> [8, 128] split [2,2]: its lhs's producer
+    (an add) is split [2,2,1] (batch and M), the reshape's major factor reaching M."""
+    def f(x, w):
+        y = jnp.einsum("bmk,bkn->bmn", x + x, w)
+        return split(y.reshape(8, 128), "devices=[2,2]0,1,2,3")
+    low, report = _run(f, rand(RNG, 8, 16, 32), rand(RNG, 8, 32, 8))
+    assert _made_by(low, "add", (8, 16, 32)) == xla("devices=[2,2,1]0,1,2,3") and report.collective_bytes == 0

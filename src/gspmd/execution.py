@@ -15,6 +15,7 @@ from typing import Callable, Iterator, Optional
 import jax
 import numpy as np
 
+from gspmd.analysis import schedule
 from gspmd.analysis.report import Collective
 from gspmd.arguments import Signature, Template, is_array, is_static_key, leaf_key
 from gspmd.checks import describe
@@ -81,6 +82,13 @@ class Execution:
                            f"{self.label(v)}: assembled by the jax backend (uneven shards)", why=Why.RESHARD,
                            source=self.label(v))
                 for v, nbytes, groups in self.jax_executable().assembly_gathers()]
+
+    def runs_breadth_first(self) -> bool:
+        """Whether the compiled program runs in the order of XLA:CPU's default scheduler
+        (analysis/schedule.py): the jax backend's, on CPU devices, unless XLA_FLAGS turns
+        that scheduler off (XLA:CPU reads it from there alone, not from compiler_options)."""
+        return (self.backend == "jax" and self.mesh.has_jax_devices() and schedule.xla_cpu_breadth_first()
+                and self.mesh.to_jax().devices.flat[0].platform == "cpu")
 
     def _checked(self, args: tuple, kwargs: dict) -> list:
         """The call's leaves, checked against the signature this was lowered for."""

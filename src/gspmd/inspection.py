@@ -35,6 +35,7 @@ class Inspection:
     memory_budget: Optional[BudgetChoice]
     logical_axes: dict[Value, tuple]   # parameters' and results' logical axis names, as flax declares them
     backend_assembly: Callable[[], list]   # Execution's: the collectives the backend runs around the program
+    runs_breadth_first: Callable[[], bool]   # Execution's: whether XLA:CPU's concurrency scheduler runs it
 
     def describe(self, sharding: Sharding) -> str:
         """A sharding as a PartitionSpec over the user's mesh, next to XLA's form."""
@@ -74,9 +75,13 @@ class Inspection:
         jit(memory_limit=...). Collectives count as often as they run (x trip count in
         loops) and every branch of a conditional once, each saying the loop body or
         branch it is `within`; `.backend_collectives` are what the jax backend's compiled
-        program holds (each once, as its HLO text lists them: analysis.xla.hlo_collectives)."""
-        report = analyse(self.spmd, self.num_devices, hardware if hardware is not None else self.hardware,
-                         self.donated, self.backend_assembly())
+        program holds (each once, as its HLO text lists them: analysis.xla.hlo_collectives).
+        Memory follows the schedule the program runs in: on the jax backend on CPU
+        devices, given no hardware, XLA:CPU's default (breadth first, for concurrency);
+        else the memory-minimizing one accelerators use."""
+        hardware = hardware if hardware is not None else self.hardware
+        report = analyse(self.spmd, self.num_devices, hardware, self.donated, self.backend_assembly(),
+                         breadth_first=hardware is None and self.runs_breadth_first())
         report.memory_budget = self.memory_budget
         return report
 

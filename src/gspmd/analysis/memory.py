@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
 from gspmd import ops
+from gspmd.analysis import schedule
 from gspmd.ir import Instr, Program, Value
 from gspmd.ops.registry import Order, Storage, same_order
 from gspmd.sharding import Sharding
@@ -186,20 +187,22 @@ def made_by(instr: Instr) -> str:
 
 
 def profile(program: Program, aliases: Mapping[int, int] = {}, entry: bool = True,
-            kernel_scratch: bool = True) -> MemoryProfile:
+            kernel_scratch: bool = True, breadth_first: bool = False) -> MemoryProfile:
     """Buffers of the per-device `program` step by step. `aliases` maps a parameter's
     index to the index of the result that reuses its buffer (donated arguments, loop
     carries). `entry`: the executable's own program, whose results get allocations of
     their own (a loop body's results are its carry). `kernel_scratch`: count the scratch
-    of kernels XLA:CPU expands (gspmd.Hardware.kernel_scratch; accelerators have none)."""
-    return _Liveness(program, dict(aliases), entry, kernel_scratch).run()
+    of kernels XLA:CPU expands (gspmd.Hardware.kernel_scratch; accelerators have none).
+    `breadth_first`: in the order of XLA:CPU's default scheduler (analysis/schedule.py),
+    else in that of the memory-minimizing one."""
+    return _Liveness(program, dict(aliases), entry, kernel_scratch, breadth_first).run()
 
 
 def run_order(program: Program) -> tuple[dict[Value, int], dict[Value, int], set[Value]]:
     """How XLA runs `program`, for estimates that follow this model (gspmd.auto's): the
     step that makes each stored value, the last step that reads it, and the values loop
     fusion computes inside their readers instead of storing."""
-    live = _Liveness(program, {}, True, kernel_scratch=False)
+    live = _Liveness(program, {}, True, kernel_scratch=False, breadth_first=False)
     made = {o: s for s, step in enumerate(live.steps) for o in step.outputs}
     return made, dict(live.last_read), set(live.fused)
 
@@ -294,46 +297,6 @@ def _fused(steps: list[_Step], results: set[Value]) -> set[Value]:
     return fused
 
 
-def _xla_schedule(steps: list[_Step], results: list[Value], reads: dict[int, list[Value]]) -> list[_Step]:
-    """The order XLA's memory scheduler runs `steps` in: a depth-first post-order walk
-    from the results that visits first the operands with the most reused values behind
-    them, then those with the most bytes behind them."""
-    producer = {o: s for s in steps for o in s.outputs}
-    readers: dict[Value, int] = {}
-    for step in steps:
-        for v in set(reads[id(step)]):
-            readers[v] = readers.get(v, 0) + 1
-    behind: dict[int, tuple[int, int]] = {}   # (values read again, bytes) on the paths into a step
-    for step in steps:
-        reused = sum(max(readers.get(o, 0) - 1, 0) for o in step.outputs)
-        size = sum(o.nbytes for o in step.outputs)
-        for v in set(reads[id(step)]):
-            if v in producer:
-                r, b = behind[id(producer[v])]
-                reused, size = reused + r, size + b
-        behind[id(step)] = (min(reused, len(steps)), size)
-
-    def first(candidates) -> list[_Step]:
-        unique = {id(s): s for s in candidates}.values()
-        return sorted(unique, key=lambda s: (-behind[id(s)][0], -behind[id(s)][1], s.name))
-
-    order: list[_Step] = []
-    done: set[int] = set()
-    stack = [(s, False) for s in reversed(first(producer[v] for v in results if v in producer))]
-    while stack:
-        step, expanded = stack.pop()
-        if id(step) in done:
-            continue
-        if expanded:
-            done.add(id(step))
-            order.append(step)
-            continue
-        stack.append((step, True))
-        stack.extend((s, False) for s in reversed(first(producer[v] for v in reads[id(step)] if v in producer))
-                     if id(s) not in done)
-    return order + [s for s in steps if id(s) not in done]
-
-
 # -- liveness -------------------------------------------------------------------------------
 @dataclass(eq=False)
 class _Buffer:
@@ -357,15 +320,18 @@ class _Buffer:
 class _Liveness:
     """The buffers of one program: which values share one, and from which step to which."""
 
-    def __init__(self, program: Program, aliases: dict[int, int], entry: bool, kernel_scratch: bool):
+    def __init__(self, program: Program, aliases: dict[int, int], entry: bool, kernel_scratch: bool,
+                 breadth_first: bool):
         self.program, self.aliases, self.entry, self.kernel_scratch = program, aliases, entry, kernel_scratch
+        self.breadth_first = breadth_first
         every, self.stored = _steps(program, kernel_scratch)
         self.results = set(program.outputs)
         self.fused = _fused(every, self.results)
         self.producer = {o: step for step in every for o in step.outputs}
         stored = [s for s in every if not all(o in self.fused for o in s.outputs)]
         self.reads = {id(s): self._reads(s) for s in stored}
-        self.steps = _xla_schedule(stored, program.outputs, self.reads)
+        self.steps = (schedule.breadth_first(stored, self.reads, self.producer, program.params) if breadth_first
+                      else schedule.depth_first(stored, program.outputs, self.reads))
         self.last_read: dict[Value, int] = {}
         for s, step in enumerate(self.steps):
             for v in self.reads[id(step)]:
@@ -484,7 +450,8 @@ class _Liveness:
         that holds most. A loop body's results are its carry."""
         best: tuple[int, Optional[MemoryProfile]] = (0, None)
         for sub, _, aliases in (sub_programs(step.instr) if step.instr else ()):
-            prof = profile(sub, aliases, entry=False, kernel_scratch=self.kernel_scratch)
+            prof = profile(sub, aliases, entry=False, kernel_scratch=self.kernel_scratch,
+                           breadth_first=self.breadth_first)
             if best[1] is None or prof.peak_bytes - prof.arguments_bytes > best[0]:
                 best = (prof.peak_bytes - prof.arguments_bytes, prof)
         return max(best[0], 0), best[1]

@@ -169,11 +169,13 @@ def _groups_str(groups) -> str:
 
 
 def analyse(spmd: Program, num_devices: int, hardware: Union[None, str, Hardware] = None,
-            donated: Sequence[int] = (), assembly: Sequence[Collective] = ()) -> Report:
+            donated: Sequence[int] = (), assembly: Sequence[Collective] = (), breadth_first: bool = False) -> Report:
     """`donated`: indices of parameters whose buffers the results may reuse; `assembly`:
-    the collectives a backend runs around the program (Report.backend_collectives)."""
+    the collectives a backend runs around the program (Report.backend_collectives);
+    `breadth_first`: memory in the order of XLA:CPU's default scheduler."""
     hw = None if hardware is None else profile(hardware)
-    held = memory.profile(spmd, memory.donation_aliases(spmd, donated), kernel_scratch=hw is None or hw.kernel_scratch)
+    held = memory.profile(spmd, memory.donation_aliases(spmd, donated), kernel_scratch=hw is None or hw.kernel_scratch,
+                          breadth_first=breadth_first)
     report = Report(peak_memory_bytes=held.peak_bytes, memory=held, pipelines=list(spmd.schedules))
     if hw is not None:
         report.hardware = hw
