@@ -7,6 +7,7 @@ partitioned program then moves (none where the layouts agree)."""
 import jax.numpy as jnp
 from jax import lax
 import numpy as np
+import pytest
 
 from util import BYTES_RECEIVED, check, rand
 from xla_cases import layout as xla, split
@@ -292,3 +293,45 @@ def test_dot_tiled_batch_dim():
         return split(y.reshape(8, 128), "devices=[2,2]0,1,2,3")
     low, report = _run(f, rand(RNG, 8, 16, 32), rand(RNG, 8, 32, 8))
     assert _made_by(low, "add", (8, 16, 32)) == xla("devices=[2,2,1]0,1,2,3") and report.collective_bytes == 0
+
+
+def test_convolution_filter_split_on_in_and_out_features():
+    """ConvolutionFilterIFOFPartitionedInputPartialReplicate: the input's features split
+    2 ways (replicated 2), the filter's in and out features 2x2: the result keeps the out
+    features' split, over the devices that held each half of the filter's."""
+    def f(x, k):
+        x = split(x, "devices=[1,1,1,2,2]0,1,2,3 last_tile_dim_replicate")
+        k = split(k, "devices=[1,1,2,2]0,1,2,3")
+        return _conv(x, k, ("NHWC", "HWIO", "NHWC"), window_strides=(2, 2), padding=[(3, 3), (3, 3)])
+    low, report = _run(f, rand(RNG, 2, 8, 8, 12), rand(RNG, 7, 7, 12, 16))
+    assert low.sharding_of(0) == xla("devices=[1,1,1,2,2]0,2,1,3 last_tile_dim_replicate")
+    assert dict(report.counts()) == {"all-reduce": 1}     # the in features' partial sums
+
+
+@pytest.mark.xfail(strict=True, reason="an operand laid out over some of the devices (XLA's [2,1]1,2) is "
+                   "not a gspmd layout: the operands take the 3-way split and move 3x the bytes")
+def test_concatenate_operands_split_as_their_rows_of_a_user_split_unevenly():
+    """ConcatFromUserShardedDim: [16, 128] split 3 ways (6, 6, 4 rows) from its user.
+    XLA splits the first [8, 128] operand over devices 0, 1 and the second over 1, 2 (the
+    devices that hold their rows): only device 0's rows 4-5 move (1,024 B). gspmd carries
+    the 3-way split to both operands and moves 3,072 B (two collective-permutes)."""
+    def f(a, b):
+        return split(jnp.concatenate([jnp.tanh(a), jnp.tanh(b)], axis=0), "devices=[3,1]0,1,2")
+    low, report = _run(f, rand(RNG, 8, 128), rand(RNG, 8, 128))
+    assert low.program.params[0].sharding == xla("devices=[3,1]0,1,2")
+    assert dict(report.counts()) == {"collective-permute": 2}
+    assert report.collective_bytes <= 1024
+
+
+def test_conditional_branches_take_the_layouts_that_reach_them():
+    """Conditional (on 6 devices): the true branch transposes an operand split 2 ways on
+    its columns; the false branch returns one split 3 ways on its columns: the
+    conditional's result takes the false branch's layout, to which the true branch turns
+    its transpose (each device receives the other half of its column: 12 B), as XLA's."""
+    def f(p, a, b):
+        a = split(a, "devices=[1,2,3]0,1,2,3,4,5 last_tile_dim_replicate")
+        b = split(b, "devices=[1,3,2]0,1,2,3,4,5 last_tile_dim_replicate")
+        return lax.cond(p, lambda a, b: a.T * 2, lambda a, b: b, a, b)
+    low, report = _run(f, np.bool_(True), rand(RNG, 3, 6), rand(RNG, 6, 3))
+    assert low.sharding_of(0) == xla("devices=[1,3,2]0,1,2,3,4,5 last_tile_dim_replicate")
+    assert dict(report.counts()) == {"collective-permute": 1} and report.collective_bytes == 12
