@@ -335,3 +335,41 @@ def test_conditional_branches_take_the_layouts_that_reach_them():
     low, report = _run(f, np.bool_(True), rand(RNG, 3, 6), rand(RNG, 6, 3))
     assert low.sharding_of(0) == xla("devices=[1,3,2]0,1,2,3,4,5 last_tile_dim_replicate")
     assert dict(report.counts()) == {"collective-permute": 1} and report.collective_bytes == 12
+
+
+# -- einsums written as convolutions in XLA's tests, here as einsums ----------------------------------
+def test_einsum_output_batch_partitioned():
+    """EinsumOutputBatchPartitioned: the result's batch split reaches both operands."""
+    low, report = _run(lambda a, b: split(jnp.einsum("bmk,bnk->bmn", jnp.tanh(a), jnp.tanh(b)), "devices=[2,1,1]0,1"),
+                       rand(RNG, 4, 6, 8), rand(RNG, 4, 10, 8))
+    assert all(p.sharding == xla("devices=[2,1,1]0,1") for p in low.program.params) and report.collective_bytes == 0
+
+
+def test_einsum_lhs_and_output_non_contracting_partitioned():
+    """EinsumLHSNonContractingPartitioned and its Output twin: the lhs's M and J splits
+    [1,2,1,2] reach the result [1,2,1,2], and back."""
+    def forward(a, b):
+        return jnp.einsum("bmkj,bnk->bmnj", split(a, "devices=[1,2,1,2]0,1,2,3"), jnp.tanh(b))
+
+    def backward(a, b):
+        return split(jnp.einsum("bmkj,bnk->bmnj", jnp.tanh(a), jnp.tanh(b)), "devices=[1,2,1,2]0,1,2,3")
+    args = rand(RNG, 2, 6, 8, 4), rand(RNG, 2, 10, 8)
+    low, report = _run(forward, *args)
+    assert low.sharding_of(0) == xla("devices=[1,2,1,2]0,1,2,3") and report.collective_bytes == 0
+    low, report = _run(backward, *args)
+    assert low.program.params[0].sharding == xla("devices=[1,2,1,2]0,1,2,3") and report.collective_bytes == 0
+
+
+def test_einsum_rhs_and_output_non_contracting_partitioned():
+    """EinsumRHSNonContractingPartitioned and its Output twin: the rhs's N and J splits
+    reach the result [1,1,2,2], and back."""
+    def forward(a, b):
+        return jnp.einsum("bmk,bnkj->bmnj", jnp.tanh(a), split(b, "devices=[1,2,1,2]0,1,2,3"))
+
+    def backward(a, b):
+        return split(jnp.einsum("bmk,bnkj->bmnj", jnp.tanh(a), jnp.tanh(b)), "devices=[1,1,2,2]0,1,2,3")
+    args = rand(RNG, 2, 6, 8), rand(RNG, 2, 10, 8, 4)
+    low, report = _run(forward, *args)
+    assert low.sharding_of(0) == xla("devices=[1,1,2,2]0,1,2,3") and report.collective_bytes == 0
+    low, report = _run(backward, *args)
+    assert low.program.params[1].sharding == xla("devices=[1,2,1,2]0,1,2,3") and report.collective_bytes == 0
