@@ -373,3 +373,61 @@ def test_einsum_rhs_and_output_non_contracting_partitioned():
     assert low.sharding_of(0) == xla("devices=[1,1,2,2]0,1,2,3") and report.collective_bytes == 0
     low, report = _run(backward, *args)
     assert low.program.params[1].sharding == xla("devices=[1,2,1,2]0,1,2,3") and report.collective_bytes == 0
+
+
+# -- gathers ----------------------------------------------------------------------------------------
+def _rows(rng, high: int, *shape) -> np.ndarray:
+    return rng.randint(0, high, shape).astype(np.int32)
+
+
+def test_gather_from_index():
+    """GatherFromIndex: indices [2, 3, 4] (the index vector first) split on the 3: the
+    gathered [3, 4, 9] is split [2,1,1] (the table replicated: nothing moves)."""
+    def f(x, idx):
+        idx = split(idx, "devices=[1,2,1]0,1")
+        return x[idx[0], idx[1]]
+    low, report = _run(f, rand(RNG, 2, 2, 9), _rows(RNG, 2, 2, 3, 4))
+    assert low.sharding_of(0) == xla("devices=[2,1,1]0,1") and report.collective_bytes == 0
+
+
+def test_gather_from_index_partial_replicate():
+    low, report = _run(lambda x, i: x[split(i, "devices=[2,2]0,1,2,3 last_tile_dim_replicate")],
+                       rand(RNG, 2, 9), _rows(RNG, 2, 3))
+    assert low.sharding_of(0) == xla("devices=[2,1,2]0,1,2,3 last_tile_dim_replicate") and report.collective_bytes == 0
+
+
+def test_gather_from_data_operand_partial_replicate():
+    low, report = _run(lambda x, i: split(x, "devices=[1,2,2]0,1,2,3 last_tile_dim_replicate")[i],
+                       rand(RNG, 2, 9), _rows(RNG, 2, 3))
+    assert low.sharding_of(0) == xla("devices=[1,2,2]0,1,2,3 last_tile_dim_replicate") and report.collective_bytes == 0
+
+
+def test_gather_to_index_partial_replicate():
+    low, report = _run(lambda x, i: split(x[jnp.abs(i)], "devices=[2,1,2]0,1,2,3 last_tile_dim_replicate"),
+                       rand(RNG, 2, 9), _rows(RNG, 2, 3))
+    assert low.program.params[1].sharding == xla("devices=[2,2]0,1,2,3 last_tile_dim_replicate")
+    assert report.collective_bytes == 0
+
+
+def test_gather_to_index_of_two_index_dims():
+    """GatherToIndex2 / 3: [2, 40, 4] gathered at [2, 10] pairs of indices (the index
+    vector last, or in the middle), the result split on the 10: so are the indices."""
+    def last(x, idx):
+        idx = jnp.abs(idx)
+        return split(x[idx[..., 0], idx[..., 1]], "devices=[1,2,1]0,1")
+
+    def middle(x, idx):
+        idx = jnp.abs(idx)
+        return split(x[idx[:, 0], idx[:, 1]], "devices=[1,2,1]0,1")
+    x = rand(RNG, 2, 40, 4)
+    pairs = np.stack([_rows(RNG, 2, 2, 10), _rows(RNG, 40, 2, 10)], axis=-1)
+    low, report = _run(last, x, pairs)
+    assert low.program.params[1].sharding == xla("devices=[1,2,1]0,1") and report.collective_bytes == 0
+    low, report = _run(middle, x, np.moveaxis(pairs, -1, 1).copy())
+    assert low.program.params[1].sharding == xla("devices=[1,1,2]0,1") and report.collective_bytes == 0
+
+
+def test_gather_to_data_operand():
+    """GatherToDataOperand: the gathered rows split on their columns: so is the table."""
+    low, report = _run(lambda x, i: split(jnp.tanh(x)[i], "devices=[1,2]0,1"), rand(RNG, 2, 9), _rows(RNG, 2, 3))
+    assert low.program.params[0].sharding == xla("devices=[1,2]0,1") and report.collective_bytes == 0
