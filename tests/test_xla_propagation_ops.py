@@ -477,3 +477,38 @@ def test_partial_sharding_transpose_forward_and_backward():
                                        "devices=[1,2,2,2]0,1,2,3,4,5,6,7 last_tile_dim_replicate"), rand(RNG, 7, 11, 13))
     assert low.program.params[0].sharding == xla("devices=[2,1,2,2]0,1,4,5,2,3,6,7 last_tile_dim_replicate")
     assert report.collective_bytes == 0
+
+
+# -- gathers whose indices are iotas (parallel gathers) ------------------------------------------------
+ORDER8 = "0,1,4,5,2,3,6,7"
+
+
+def _parallel_gather(x):
+    """x[i, j] at every (i, j) of its two leading dims: XLA's concatenate of iotas as indices."""
+    return x[jnp.arange(x.shape[0])[:, None], jnp.arange(x.shape[1])[None, :]]
+
+
+def test_parallel_gather_from_operand_forward_pass():
+    """ParallelGatherFromOperandForwardPass (and its partial twin): the operand's split
+    of the gathered dim is the result's: nothing moves."""
+    for spec in [f"devices=[8,1,1,1]{ORDER8}", f"devices=[4,1,1,1,2]{ORDER8} last_tile_dim_replicate"]:
+        low, report = _run(lambda x, spec=spec: _parallel_gather(split(x, spec)), _rows(RNG, 9, 8, 4, 2, 2))
+        assert low.sharding_of(0) == xla(spec) and report.collective_bytes == 0, spec
+
+
+def test_parallel_gather_backward_pass():
+    """ParallelGatherBackwardPass (and its partial twin): the result's split reaches the operand."""
+    for spec in [f"devices=[8,1,1,1]{ORDER8}", f"devices=[4,1,1,1,2]{ORDER8} last_tile_dim_replicate"]:
+        low, report = _run(lambda x, spec=spec: split(_parallel_gather(x * 2), spec), _rows(RNG, 9, 8, 4, 2, 2))
+        assert low.program.params[0].sharding == xla(spec) and report.collective_bytes == 0, spec
+
+
+def test_parallel_gather_backward_pass_of_swapped_dims():
+    """ParallelGatherBackwardPass2: the result's dim 1 (the operand's dim 0, indexed by
+    the second iota) split 4 ways (devices 0,2,1,3: XLA's 0,1,4,5 are not ids 0..3): the
+    operand's dim 0 is split so."""
+    def f(x):
+        y = (x * 2)[jnp.arange(4)[None, :], jnp.arange(8)[:, None]]
+        return split(y, "devices=[1,4,1,1]0,2,1,3")
+    low, report = _run(f, _rows(RNG, 9, 4, 8, 2, 2))
+    assert low.program.params[0].sharding == xla("devices=[4,1,1,1]0,2,1,3") and report.collective_bytes == 0
