@@ -512,3 +512,29 @@ def test_parallel_gather_backward_pass_of_swapped_dims():
         return split(y, "devices=[1,4,1,1]0,2,1,3")
     low, report = _run(f, _rows(RNG, 9, 4, 8, 2, 2))
     assert low.program.params[0].sharding == xla("devices=[4,1,1,1]0,2,1,3") and report.collective_bytes == 0
+
+
+def _parallel_scatter_add(x, u):
+    """x.at[i, j] += u[i, j] at every (i, j) of their two leading dims."""
+    return x.at[jnp.arange(x.shape[0])[:, None], jnp.arange(x.shape[1])[None, :]].add(u)
+
+
+def test_parallel_scatter_from_operand_or_update_forward_pass():
+    """ParallelScatterFromOperandForwardPass / FromUpdateForwardPass (and their partial
+    twins): the operand's or the updates' split of the scattered dim is the result's."""
+    x, u = _rows(RNG, 9, 8, 4, 2, 2), _rows(RNG, 9, 8, 4, 2, 2)
+    for spec in [f"devices=[8,1,1,1]{ORDER8}", f"devices=[4,1,1,1,2]{ORDER8} last_tile_dim_replicate"]:
+        for which in (0, 1):
+            def f(x, u, spec=spec, which=which):
+                return _parallel_scatter_add(*(split(v, spec) if k == which else v * 2 for k, v in enumerate((x, u))))
+            low, report = _run(f, x, u)
+            assert low.sharding_of(0) == xla(spec) and report.collective_bytes == 0, (spec, which)
+
+
+def test_parallel_scatter_backward_pass():
+    """ParallelScatterBackwardPass (and its partial twin): the result's split reaches the
+    operand and the updates."""
+    for spec in [f"devices=[8,1,1,1]{ORDER8}", f"devices=[4,1,1,1,2]{ORDER8} last_tile_dim_replicate"]:
+        low, report = _run(lambda x, u, spec=spec: split(_parallel_scatter_add(x * 2, u * 2), spec),
+                           _rows(RNG, 9, 8, 4, 2, 2), _rows(RNG, 9, 8, 4, 2, 2))
+        assert all(p.sharding == xla(spec) for p in low.program.params) and report.collective_bytes == 0, spec
