@@ -8,7 +8,7 @@ from jax import lax
 import numpy as np
 import pytest
 
-from util import BYTES_RECEIVED, check, rand
+from util import BACKENDS, check_priced, rand
 from xla_cases import layout as xla, split
 
 RNG = np.random.RandomState(0)
@@ -18,11 +18,9 @@ def devices(n: int) -> str:
     return ",".join(map(str, range(n)))
 
 
-def _run(fn, *args, backends=None):
-    """check() priced by bytes received; 12-device meshes on the sim backend only (jax
-    has 8 CPU devices here)."""
-    low = check(fn, *args, hardware=BYTES_RECEIVED, **({} if backends is None else {"backends": backends}))
-    return low, low.report()
+def _run(fn, *args, backends=BACKENDS):
+    """check_priced(); 12-device meshes on the sim backend only (jax has 8 CPU devices here)."""
+    return check_priced(fn, *args, backends=backends)
 
 
 def _produced(low, opcode: str):

@@ -70,6 +70,12 @@ def check(fn, *args, mesh=None, rtol=1e-4, atol=1e-4, backends=BACKENDS, hardwar
     return partitioned.lower(*args)
 
 
+def check_priced(fn, *args, backends=BACKENDS):
+    """check() with the plan priced by the bytes each device receives: (Lowered, report)."""
+    low = check(fn, *args, hardware=BYTES_RECEIVED, backends=backends)
+    return low, low.report()
+
+
 def rand(rng: np.random.RandomState, *shape, dtype=np.float32):
     return rng.standard_normal(shape).astype(dtype)
 
