@@ -1,7 +1,8 @@
 """Sharding completion on XLA's per-op propagation tests (openxla/xla,
 xla/service/sharding_propagation_test.cc, the cases test_xla_propagation.py does not
-cover): element-wise ops, broadcasts, reductions, transposes, convolutions, slices and
-concatenates, each a JAX program with the annotations of the XLA test it is named after
+cover; gathers and scatters are test_xla_propagation_indexing.py's): element-wise ops,
+broadcasts, reductions, transposes, convolutions, dots and einsums, pads, slices and
+concatenates, loops, conditionals, manual regions and unspecified dims, each a JAX program with the annotations of the XLA test it is named after
 (shapes scaled down where large), asserting XLA's completed layout and the bytes the
 partitioned program then moves (none where the layouts agree)."""
 import jax.numpy as jnp
@@ -9,6 +10,7 @@ from jax import lax
 import numpy as np
 import pytest
 
+import gspmd
 from util import check_priced as _run, rand
 from xla_cases import layout as xla, split
 
@@ -368,3 +370,26 @@ def test_einsum_rhs_and_output_non_contracting_partitioned():
     assert low.sharding_of(0) == xla("devices=[1,1,2,2]0,1,2,3") and report.collective_bytes == 0
     low, report = _run(backward, *args)
     assert low.program.params[1].sharding == xla("devices=[1,2,1,2]0,1,2,3") and report.collective_bytes == 0
+
+
+# -- manual regions and unspecified dims --------------------------------------------------------------
+def test_simple_manual():
+    """SimpleManual: rows split [2,1] into a manual region that sums each row: the region's
+    result leaves split [2], and nothing moves."""
+    mesh = gspmd.Mesh(np.arange(2), ("x",))
+    row_sums = gspmd.manual(lambda x: jnp.sum(x, axis=1), mesh, in_specs=[["x", -1]], out_specs=["x"])
+    low, report = _run(lambda x: row_sums(gspmd.mesh_split(jnp.tanh(x), mesh, ["x", -1])), rand(RNG, 6, 3))
+    assert low.sharding_of(0) == xla("devices=[2]0,1") and report.collective_bytes == 0
+
+
+def test_refine_unspecified_dims():
+    """RefineUnspecifiedDims: columns split over one mesh axis, then an annotation that
+    splits the rows over the other and leaves the columns unspecified: the value after it
+    is split on both, [2,2]0,2,1,3."""
+    mesh = gspmd.Mesh(np.arange(4).reshape(2, 2), ("r", "c"))
+
+    def f(x):
+        y = gspmd.mesh_split(jnp.tanh(x), mesh, [-1, "r"])
+        return jnp.tanh(gspmd.mesh_split(y, mesh, ["c", gspmd.UNSPECIFIED]))
+    low, report = _run(f, rand(RNG, 6, 4))
+    assert low.sharding_of(0) == xla("devices=[2,2]0,2,1,3") and report.collective_bytes == 0
