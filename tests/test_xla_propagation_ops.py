@@ -393,3 +393,18 @@ def test_refine_unspecified_dims():
         return jnp.tanh(gspmd.mesh_split(y, mesh, ["c", gspmd.UNSPECIFIED]))
     low, report = _run(f, rand(RNG, 6, 4))
     assert low.sharding_of(0) == xla("devices=[2,2]0,2,1,3") and report.collective_bytes == 0
+
+
+def test_reshape_trivial_dim_partial_replicate():
+    """ReshapeTrivialDimPartialReplicate: [8, 128] -> [8, 1, 128] split [1,2,4] (the size-1
+    dim 2 ways). XLA gives the operand quarters of the 128 held by device pairs 0-1, 2-3,
+    ...; gspmd the quarters as the annotation holds them (devices j and 4 + j), a
+    documented alternative: nothing moves, where XLA's layout needs a collective-permute
+    of 1,024 B."""
+    target = "devices=[1,2,4]0,1,2,3,4,5,6,7"
+    low, report = _run(lambda x: split(jnp.tanh(x).reshape(8, 1, 128), target), rand(RNG, 8, 128))
+    assert low.program.params[0].sharding == xla("devices=[1,4,2]0,4,1,5,2,6,3,7 last_tile_dim_replicate")
+    assert report.collective_bytes == 0
+    xla_layout = "devices=[1,4,2]0,1,2,3,4,5,6,7 last_tile_dim_replicate"
+    _, theirs = _run(lambda x: split(split(jnp.tanh(x), xla_layout).reshape(8, 1, 128), target), rand(RNG, 8, 128))
+    assert dict(theirs.counts()) == {"collective-permute": 1} and theirs.collective_bytes == 1024
