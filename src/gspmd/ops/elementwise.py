@@ -24,7 +24,8 @@ from gspmd.ir import Builder, Instr, Value
 from gspmd.ir.reducer import ADD
 from gspmd.ops.convert import Conversion, Converter, convert_by_impl, is_key
 from gspmd.ops.registry import (ELEMENTWISE, Facets, Frontend, Memory, Rewrites, Rule, Semantics, Storage, Timing,
-                                elementwise_factors, elementwise_flops, jointly_linear, linear_in, register)
+                                counts_exactly, elementwise_factors, elementwise_flops, is_zero, jointly_linear,
+                                linear_in, register)
 from gspmd.sharding import UNSPECIFIED, Sharding, dims_mapping_from_spec
 from gspmd.spmd import factors as fx
 from gspmd.spmd import reshard as rs
@@ -381,13 +382,29 @@ def _evaluate_select(instr, args, device):
     return [np.where(pred, on_true, on_false).astype(instr.outputs[0].dtype, copy=False)]
 
 
+def _nonnegative_wrap(instr: Instr) -> Optional[Value]:
+    """x for jnp's wrap of negative indices, select(x < 0, x + n, x); None otherwise."""
+    pred, _, x = instr.operands
+    p = pred.producer
+    if p is None or p.opcode != "compare" or p.attrs["direction"] != "LT" or not is_zero(p.operands[1]):
+        return None
+    return x if p.operands[0] is x else None
+
+
+def _select_position(instr, fixed, below):
+    """An iota is never negative: jnp's wrap of negative indices picks it as it is."""
+    x = _nonnegative_wrap(instr)
+    return None if x is None else below(x, fixed)
+
+
 register("select",
          frontend=Frontend(converts={"select_n": _select_n}),
          semantics=Semantics(evaluate=_evaluate_select, lower=_lower_with(lax.select)),
          rule=Rule(factors=elementwise_factors, priority=ELEMENTWISE),
          timing=Timing(flops=elementwise_flops),
          memory=Memory(storage=Storage.ELEMENTWISE),
-         rewrites=Rewrites(linear=linear_in((1, 2))))
+         rewrites=Rewrites(linear=linear_in((1, 2))),
+         facets=Facets(position=_select_position))
 
 
 def _convert(b, eqn, args):
@@ -408,8 +425,14 @@ def _float_to_float(instr) -> list:
     return jointly_linear(instr) if is_floating(instr.operands[0].dtype) and is_floating(instr.outputs[0].dtype) else []
 
 
+def _convert_position(instr, fixed, below):
+    """An iota's positions, where the new dtype still counts them exactly."""
+    k, out = below(instr.operands[0], fixed), instr.outputs[0]
+    return k if k is not None and counts_exactly(out.dtype, out.shape[k]) else None
+
+
 elementwise("convert", None, lambda x: x, converts={"convert_element_type": _convert}, evaluate=_evaluate_convert,
-            expensive=_narrowing_float, linear=_float_to_float)
+            expensive=_narrowing_float, linear=_float_to_float, facets=Facets(position=_convert_position))
 
 
 # -- layout only: annotations and copies ---------------------------------------------------

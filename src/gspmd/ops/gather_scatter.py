@@ -24,8 +24,6 @@ from __future__ import annotations
 from functools import partial
 from typing import Optional
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
@@ -34,7 +32,7 @@ from gspmd.ir import Instr, Value
 from gspmd.ir.emit import concatenate, slice_dim
 from gspmd.ir.reducer import ADD, AND, MAX, MIN, MUL, OR, Reducer
 from gspmd.ops.convert import convert_by_impl
-from gspmd.ops.registry import (Facets, Frontend, LAYOUT, Memory, Rewrites, Rule, Semantics, Storage, Timing, is_zero,
+from gspmd.ops.registry import (Facets, Frontend, LAYOUT, Memory, Rewrites, Rule, Semantics, Storage, Timing,
                                 lookup, register, result_sized_bytes, update_sized_bytes)
 from gspmd.sharding import Sharding
 from gspmd.spmd import factors as fx
@@ -310,70 +308,19 @@ def _partition_with(factor_fn, emit):
 
 
 # -- index components that are iotas: batching dims --------------------------------
-def _reshaped_dim(source: tuple[int, ...], target: tuple[int, ...], dim: int) -> Optional[int]:
-    """The dim of a reshape's `target` shape that holds `source`'s dim `dim` unchanged
-    (same size, as many elements before it), if any."""
-    before = int(np.prod(source[:dim], dtype=np.int64))
-    for t, n in enumerate(target):
-        if n == source[dim] and int(np.prod(target[:t], dtype=np.int64)) == before:
-            return t
-    return None
-
-
-def _counts_exactly(dtype, n: int) -> bool:
-    """Whether `dtype` holds 0, 1, ..., n - 1 exactly (no wrap, no rounding)."""
-    if jax.dtypes.issubdtype(dtype, np.floating):
-        return n - 1 <= 2 ** (jnp.finfo(dtype).nmant + 1)
-    return np.dtype(dtype).kind in "iu" and n - 1 <= np.iinfo(dtype).max
-
-
-def _nonnegative_wrap(instr: Instr) -> Optional[Value]:
-    """x for jnp's wrap of negative indices, select(x < 0, x + n, x); None otherwise."""
-    pred, _, x = instr.operands
-    p = pred.producer
-    if p is None or p.opcode != "compare" or p.attrs["direction"] != "LT" or not is_zero(p.operands[1]):
-        return None
-    return x if p.operands[0] is x else None
-
-
 def _iota_dim(v: Value, fixed: dict[int, int]) -> Optional[int]:
     """The dim along which every element of `v` at the positions `fixed` ({dim: index})
-    equals its own position along that dim (an iota seen through broadcasts, reshapes,
-    converts, concatenates and jnp's wrap of negative indices); None when not known."""
+    equals its own position along that dim (an iota seen through the ops whose records'
+    `position` facet carries it: broadcasts, reshapes, converts, concatenates and jnp's
+    wrap of negative indices); None when not known."""
     fixed = {d: i for d, i in fixed.items() if v.shape[d] > 1}    # a dim of one fixes nothing
     p = v.producer
     if p is None:
         return None
-    if p.opcode == "iota":
-        k = p.attrs["dimension"]
-        return None if k in fixed or not _counts_exactly(v.dtype, v.shape[k]) else k
-    if p.opcode == "convert":
-        k = _iota_dim(p.operands[0], fixed)
-        return k if k is not None and _counts_exactly(v.dtype, v.shape[k]) else None
-    if lookup(p.opcode).facets.identity:
+    facets = lookup(p.opcode).facets
+    if facets.identity:
         return _iota_dim(p.operands[0], fixed)
-    if p.opcode == "select":
-        x = _nonnegative_wrap(p)    # an iota is never negative: the select picks x
-        return None if x is None else _iota_dim(x, fixed)
-    if p.opcode == "broadcast":
-        x, dims = p.operands[0], p.attrs["dims"]
-        whole = [x.shape[i] == v.shape[r] for i, r in enumerate(dims)]    # not widened from one
-        k = _iota_dim(x, {i: fixed[r] if whole[i] else 0 for i, r in enumerate(dims) if r in fixed})
-        return dims[k] if k is not None and whole[k] else None
-    if p.opcode == "reshape":
-        x = p.operands[0]
-        below = {_reshaped_dim(v.shape, x.shape, d): i for d, i in fixed.items()}
-        if None in below:
-            return None
-        k = _iota_dim(x, below)
-        return None if k is None else _reshaped_dim(x.shape, v.shape, k)
-    if p.opcode == "concatenate" and p.attrs["dimension"] in fixed:
-        dim, at = p.attrs["dimension"], fixed[p.attrs["dimension"]]
-        for piece in p.operands:
-            if at < piece.shape[dim]:
-                return _iota_dim(piece, {**fixed, dim: at})
-            at -= piece.shape[dim]
-    return None
+    return None if facets.position is None else facets.position(p, fixed, _iota_dim)
 
 
 def _without_columns(b, indices: Value, dropped: set[int]) -> Value:

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Collection, Hashable, Optional, Sequence, Union
 
+import jax
 import numpy as np
+from jax import numpy as jnp
 
 from gspmd.errors import ShardingError
 from gspmd.ir import Instr, Program, Value
@@ -207,6 +209,13 @@ class Facets:
     # the one dim a pad/slice/concatenate/reverse changes, and its result's segments
     # along it (ops/formatting.py)
     segments: Optional["SegmentRule"] = None
+    # position(instr, fixed, below) -> the dim along which every element of its result at
+    # the positions `fixed` ({dim: index}) equals its own index along that dim (an
+    # iota's; broadcasts, reshapes, converts... carry their operand's, asked of
+    # below(operand, fixed)); None when not known. Gathers read such index components as
+    # batching dims (ops/gather_scatter.py)
+    position: Optional[Callable[[Instr, dict[int, int], Callable[[Value, dict[int, int]], Optional[int]]],
+                                Optional[int]]] = None
 
 
 @dataclass(frozen=True)
@@ -424,6 +433,13 @@ def layouts_named(instr: Instr) -> list[Sharding]:
     """The layouts the user wrote in `instr` (annotations, manual regions' specs)."""
     fn = lookup(instr.opcode).facets.layouts_named
     return [] if fn is None else fn(instr)
+
+
+def counts_exactly(dtype, n: int) -> bool:
+    """Whether `dtype` holds 0, 1, ..., n - 1 exactly (no wrap, no rounding)."""
+    if jax.dtypes.issubdtype(dtype, np.floating):
+        return n - 1 <= 2 ** (jnp.finfo(dtype).nmant + 1)
+    return np.dtype(dtype).kind in "iu" and n - 1 <= np.iinfo(dtype).max
 
 
 def is_zero(v: Value) -> bool:

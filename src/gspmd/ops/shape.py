@@ -10,7 +10,7 @@ from jax import lax
 from jax import numpy as jnp
 
 from gspmd.ops.registry import (EXPAND, Facets, Frontend, Kernel, LAYOUT, Memory, Rewrites, Rule, Semantics, Storage,
-                                Timing, jointly_linear, register)
+                                Timing, counts_exactly, jointly_linear, register)
 from gspmd.sharding import Sharding
 from gspmd.spmd import cost as cm
 from gspmd.spmd import reshard as rs
@@ -360,6 +360,40 @@ def _lower_iota(instr, args, lc):
     return [lax.broadcasted_iota(out.dtype, out.shape, instr.attrs["dimension"])]
 
 
+# -- positions: which dim of a value counts its own index (Facets.position) -------------
+def _iota_position(instr, fixed, below):
+    k, out = instr.attrs["dimension"], instr.outputs[0]
+    return None if k in fixed or not counts_exactly(out.dtype, out.shape[k]) else k
+
+
+def _broadcast_position(instr, fixed, below):
+    """The operand's, where its dim is not widened from one."""
+    x, out, dims = instr.operands[0], instr.outputs[0], instr.attrs["dims"]
+    whole = [x.shape[i] == out.shape[r] for i, r in enumerate(dims)]
+    k = below(x, {i: fixed[r] if whole[i] else 0 for i, r in enumerate(dims) if r in fixed})
+    return dims[k] if k is not None and whole[k] else None
+
+
+def _reshaped_dim(source: tuple[int, ...], target: tuple[int, ...], dim: int) -> Optional[int]:
+    """The dim of a reshape's `target` shape that holds `source`'s dim `dim` unchanged
+    (same size, as many elements before it), if any."""
+    before = math.prod(source[:dim])
+    for t, n in enumerate(target):
+        if n == source[dim] and math.prod(target[:t]) == before:
+            return t
+    return None
+
+
+def _reshape_position(instr, fixed, below):
+    """The operand's, where the reshape keeps that dim (and the fixed ones) whole."""
+    x, out = instr.operands[0], instr.outputs[0]
+    below_fixed = {_reshaped_dim(out.shape, x.shape, d): i for d, i in fixed.items()}
+    if None in below_fixed:
+        return None
+    k = below(x, below_fixed)
+    return None if k is None else _reshaped_dim(x.shape, out.shape, k)
+
+
 register("broadcast",
          frontend=Frontend(converts={"broadcast_in_dim": _convert_broadcast_in_dim, "tile": _convert_tile}),
          semantics=Semantics(evaluate=_evaluate_broadcast, lower=_lower_broadcast),
@@ -367,7 +401,7 @@ register("broadcast",
          memory=Memory(storage=Storage.REPEATED),
          rewrites=Rewrites(linear=jointly_linear),
          facets=Facets(zero=lambda instr, is_zero: is_zero(instr.operands[0]),
-                       splat=lambda instr: instr.operands[0].rank == 0))
+                       splat=lambda instr: instr.operands[0].rank == 0, position=_broadcast_position))
 register("transpose",
          frontend=Frontend(converts={"transpose": _convert_transpose}),
          semantics=Semantics(evaluate=_evaluate_transpose, lower=_lower_transpose),
@@ -383,7 +417,8 @@ register("reshape",
                    priority=LAYOUT),
          timing=Timing(compute=ComputeKind.FREE),
          memory=Memory(storage=Storage.BITCAST),
-         rewrites=Rewrites(linear=jointly_linear))     # a bitcast
+         rewrites=Rewrites(linear=jointly_linear),     # a bitcast
+         facets=Facets(position=_reshape_position))
 def _platform_index(b, eqn, args):
     """lax.platform_dependent's branch index: which of its platforms jax runs on, asked
     of jax itself (outside any trace the primitive evaluates on the default device)."""
@@ -411,4 +446,5 @@ register("iota",
          frontend=Frontend(converts={"iota": _convert_iota}),
          semantics=Semantics(evaluate=_evaluate_iota, lower=_lower_iota),
          rule=Rule(partition=_iota_partition),
-         memory=Memory(storage=Storage.INDEXED))
+         memory=Memory(storage=Storage.INDEXED),
+         facets=Facets(position=_iota_position))

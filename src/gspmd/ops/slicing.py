@@ -480,10 +480,24 @@ def _lower_concatenate(instr, args, lc):
     return [lax.concatenate(args, instr.attrs["dimension"])]
 
 
+def _concatenate_position(instr, fixed, below):
+    """The position in the piece a fixed index along the concatenated dim falls in."""
+    dim = instr.attrs["dimension"]
+    if dim not in fixed:
+        return None
+    at = fixed[dim]
+    for piece in instr.operands:
+        if at < piece.shape[dim]:
+            return below(piece, {**fixed, dim: at})
+        at -= piece.shape[dim]
+    return None
+
+
 register("concatenate",
          frontend=Frontend(converts={"concatenate": _convert_concatenate, "stack": _convert_stack}),
          semantics=Semantics(evaluate=_evaluate_concatenate, lower=_lower_concatenate),
          rule=Rule(factors=_concatenate_factors, partition=in_one_step_or_by_factors, priority=LAYOUT),
          memory=Memory(storage=Storage.INDEXED),
          rewrites=Rewrites(linear=jointly_linear),
-         facets=Facets(segments=SegmentRule(lambda instr: instr.attrs["dimension"], _concatenate_segments)))
+         facets=Facets(segments=SegmentRule(lambda instr: instr.attrs["dimension"], _concatenate_segments),
+                       position=_concatenate_position))
