@@ -408,3 +408,34 @@ def test_reshape_trivial_dim_partial_replicate():
     xla_layout = "devices=[1,4,2]0,1,2,3,4,5,6,7 last_tile_dim_replicate"
     _, theirs = _run(lambda x: split(split(jnp.tanh(x), xla_layout).reshape(8, 1, 128), target), rand(RNG, 8, 128))
     assert dict(theirs.counts()) == {"collective-permute": 1} and theirs.collective_bytes == 1024
+
+
+def test_merge_compatible_tiles():
+    """MergeCompatibleTiles: an add of an operand split 8 ways and one split 4 ways
+    (replicated twice, quarters nesting the eighths): the second's copy takes the finer
+    split, so nothing moves."""
+    def f(a, b):
+        a = split(a, f"devices=[8,1]{','.join(map(str, range(8)))}")
+        c = split(b, f"devices=[4,1,2]{','.join(map(str, range(8)))} last_tile_dim_replicate") * 2
+        return split(a + c, f"devices=[8,1]{','.join(map(str, range(8)))}")
+    low, report = _run(f, rand(RNG, 16, 4), rand(RNG, 16, 4))
+    assert _made_by(low, "multiply", (16, 4)) == xla("devices=[8,1]0,1,2,3,4,5,6,7") and report.collective_bytes == 0
+
+
+def _argsort_rows(x, result_spec=None):
+    v = split(-x, "devices=[1,8]0,1,2,3,4,5,6,7")
+    out = lax.sort((v, lax.broadcasted_iota(jnp.int32, v.shape, 1)), dimension=1, num_keys=1)
+    return out if result_spec is None else tuple(split(o, result_spec) for o in out)
+
+
+def test_sort_operand_split_on_the_sort_dim():
+    """SortOperandShardedOnSortDim_RankTwo: values split 8 ways along the dim a sort (with
+    their iota: an argsort) runs along. XLA lays the sort and the iota out as the values;
+    gspmd moves the split to the other dim, where each row sorts whole (one all-to-all
+    of the values, 512 B), a documented alternative: XLA's layout moves the values there
+    and both results back (1,536 B)."""
+    low, report = _run(_argsort_rows, rand(RNG, 16, 64))
+    assert low.sharding_of(0) == low.sharding_of(1) == xla("devices=[8,1]0,1,2,3,4,5,6,7")
+    assert dict(report.counts()) == {"all-to-all": 1} and report.collective_bytes == 512
+    _, theirs = _run(lambda x: _argsort_rows(x, "devices=[1,8]0,1,2,3,4,5,6,7"), rand(RNG, 16, 64))
+    assert theirs.collective_bytes == 1536
