@@ -4,8 +4,8 @@ For each model available, both get the same annotations (ours: mesh_split; XLA's
 same calls as with_sharding_constraint via mesh_split_as) and the same input/output
 layouts, on 8 CPU devices. Printed per case: collective bytes per device (parsed from
 each compiled HLO text), step time (interleaved runs: medians, and the median ratio of
-back-to-back pairs), peak memory per device (compiled.memory_analysis(): arguments +
-outputs + temporaries - aliased). Then our
+back-to-back pairs; wall clock and the CPU time of all threads), peak memory per device
+(compiled.memory_analysis(): arguments + outputs + temporaries - aliased). Then our
 propagate+partition time for the same program at 8, 64, 512 and 2048 devices (abstract
 inputs, nothing executed; best of 5).
 
@@ -142,17 +142,21 @@ def _xla(case: Case, args, low: gspmd.Lowered, exe: jax_backend.Executable):
     return compiled, (lambda: compiled(*placed))
 
 
-def _step_times(runs: dict[str, Callable], repeats: int) -> dict[str, list[float]]:
+def _step_times(runs: dict[str, Callable], repeats: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Wall-clock and CPU seconds (all of the process's threads) of each run, interleaved so
+    that drift hits both alike. On a loaded machine the wall clock also counts the waits
+    for a core, which the CPU time leaves out."""
     for run in runs.values():
         for _ in range(3):
             jax.block_until_ready(run())
-    times = {name: [] for name in runs}
-    for _ in range(repeats):          # interleaved, so drift hits both alike
+    wall, cpu = {name: [] for name in runs}, {name: [] for name in runs}
+    for _ in range(repeats):
         for name, run in runs.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             jax.block_until_ready(run())
-            times[name].append(time.perf_counter() - start)
-    return times
+            wall[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
+    return wall, cpu
 
 
 def _peak(compiled) -> int:
@@ -171,7 +175,7 @@ def compare(case: Case, repeats: int) -> None:
     xla, run_xla = _xla(case, args, low, exe)
     ours_bytes = hlo_collective_bytes(exe.compiled.as_text())
     xla_bytes = hlo_collective_bytes(xla.as_text())
-    times = _step_times({"ours": run_ours, "xla": run_xla}, repeats)
+    times, cpu = _step_times({"ours": run_ours, "xla": run_xla}, repeats)
     diff = _max_difference(exe(jax.tree_util.tree_leaves(args)), jax.tree_util.tree_leaves(run_xla()))
     print(f"\n## {case.name} (8 devices, mesh {case.mesh_shapes[8]}; max |ours - XLA| = {diff:.1e})")
     print("| | gspmd | XLA | ratio |\n|---|---:|---:|---:|")
@@ -182,6 +186,9 @@ def compare(case: Case, repeats: int) -> None:
     # Ratio: median over back-to-back pairs, steadier than a ratio of medians under load.
     paired = statistics.median(a / b for a, b in zip(times["ours"], times["xla"]))
     print(f"| step time (ms, median) | {ours_ms:,.2f} | {xla_ms:,.2f} | {paired:.2f} |")
+    cpu_paired = statistics.median(a / b for a, b in zip(cpu["ours"], cpu["xla"]))
+    ours_cpu, xla_cpu = (statistics.median(cpu[k]) * 1e3 for k in ("ours", "xla"))
+    print(f"| CPU time per step (ms, median, all threads) | {ours_cpu:,.2f} | {xla_cpu:,.2f} | {cpu_paired:.2f} |")
     _row("peak memory / device (bytes)", _peak(exe.compiled), _peak(xla))
 
 
