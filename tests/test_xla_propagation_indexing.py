@@ -90,32 +90,6 @@ def test_scatter_update_to_index_partial_replicate():
     assert low.program.params[1].sharding == xla("devices=[2,2]0,1,2,3 last_tile_dim_replicate")
 
 
-# -- partial splits that combine ----------------------------------------------------------------------
-def test_partial_sharding_on_elementwise():
-    """PartialShardingOnElementwise (and 2): an add of operands split on different dims
-    over orthogonal device groups is split on both."""
-    for a_spec, b_spec, merged in [
-            ("devices=[1,2,2]0,1,2,3 last_tile_dim_replicate", "devices=[2,1,2]0,2,1,3 last_tile_dim_replicate",
-             "devices=[2,2]0,2,1,3"),
-            ("devices=[1,2,4]0,1,2,3,4,5,6,7 last_tile_dim_replicate",
-             "devices=[2,1,4]0,1,4,5,2,3,6,7 last_tile_dim_replicate",
-             "devices=[2,2,2]0,1,4,5,2,3,6,7 last_tile_dim_replicate")]:
-        low, report = _run(lambda a, b, a_spec=a_spec, b_spec=b_spec: split(a, a_spec) + split(b, b_spec),
-                           rand(RNG, 2, 9), rand(RNG, 2, 9))
-        assert low.sharding_of(0) == xla(merged) and report.collective_bytes == 0, merged
-
-
-def test_partial_sharding_transpose_forward_and_backward():
-    spec = "devices=[2,1,2,2]0,1,2,3,4,5,6,7 last_tile_dim_replicate"
-    low, report = _run(lambda x: jnp.transpose(split(x, spec), (1, 2, 0)), rand(RNG, 7, 11, 13))
-    assert low.sharding_of(0) == xla("devices=[1,2,2,2]0,1,4,5,2,3,6,7 last_tile_dim_replicate")
-    assert report.collective_bytes == 0
-    low, report = _run(lambda x: split(jnp.transpose(jnp.tanh(x), (1, 2, 0)),
-                                       "devices=[1,2,2,2]0,1,2,3,4,5,6,7 last_tile_dim_replicate"), rand(RNG, 7, 11, 13))
-    assert low.program.params[0].sharding == xla("devices=[2,1,2,2]0,1,4,5,2,3,6,7 last_tile_dim_replicate")
-    assert report.collective_bytes == 0
-
-
 # -- gathers whose indices are iotas (parallel gathers) ------------------------------------------------
 ORDER8 = "0,1,4,5,2,3,6,7"
 

@@ -2,9 +2,10 @@
 xla/service/sharding_propagation_test.cc, the cases test_xla_propagation.py does not
 cover; gathers and scatters are test_xla_propagation_indexing.py's): element-wise ops,
 broadcasts, reductions, transposes, convolutions, dots and einsums, pads, slices and
-concatenates, loops, conditionals, manual regions and unspecified dims, each a JAX program with the annotations of the XLA test it is named after
-(shapes scaled down where large), asserting XLA's completed layout and the bytes the
-partitioned program then moves (none where the layouts agree)."""
+concatenates, loops, conditionals, manual regions and unspecified dims, each a JAX
+program with the annotations of the XLA test it is named after (shapes scaled down where
+large), asserting XLA's completed layout and the bytes the partitioned program then
+moves (none where the layouts agree), or a documented alternative that moves less."""
 import jax.numpy as jnp
 from jax import lax
 import numpy as np
@@ -439,3 +440,29 @@ def test_sort_operand_split_on_the_sort_dim():
     assert dict(report.counts()) == {"all-to-all": 1} and report.collective_bytes == 512
     _, theirs = _run(lambda x: _argsort_rows(x, "devices=[1,8]0,1,2,3,4,5,6,7"), rand(RNG, 16, 64))
     assert theirs.collective_bytes == 1536
+
+
+# -- partial splits that combine ----------------------------------------------------------------------
+def test_partial_sharding_on_elementwise():
+    """PartialShardingOnElementwise (and 2): an add of operands split on different dims
+    over orthogonal device groups is split on both."""
+    for a_spec, b_spec, merged in [
+            ("devices=[1,2,2]0,1,2,3 last_tile_dim_replicate", "devices=[2,1,2]0,2,1,3 last_tile_dim_replicate",
+             "devices=[2,2]0,2,1,3"),
+            ("devices=[1,2,4]0,1,2,3,4,5,6,7 last_tile_dim_replicate",
+             "devices=[2,1,4]0,1,4,5,2,3,6,7 last_tile_dim_replicate",
+             "devices=[2,2,2]0,1,4,5,2,3,6,7 last_tile_dim_replicate")]:
+        low, report = _run(lambda a, b, a_spec=a_spec, b_spec=b_spec: split(a, a_spec) + split(b, b_spec),
+                           rand(RNG, 2, 9), rand(RNG, 2, 9))
+        assert low.sharding_of(0) == xla(merged) and report.collective_bytes == 0, merged
+
+
+def test_partial_sharding_transpose_forward_and_backward():
+    spec = "devices=[2,1,2,2]0,1,2,3,4,5,6,7 last_tile_dim_replicate"
+    low, report = _run(lambda x: jnp.transpose(split(x, spec), (1, 2, 0)), rand(RNG, 7, 11, 13))
+    assert low.sharding_of(0) == xla("devices=[1,2,2,2]0,1,4,5,2,3,6,7 last_tile_dim_replicate")
+    assert report.collective_bytes == 0
+    back = "devices=[1,2,2,2]0,1,2,3,4,5,6,7 last_tile_dim_replicate"
+    low, report = _run(lambda x: split(jnp.transpose(jnp.tanh(x), (1, 2, 0)), back), rand(RNG, 7, 11, 13))
+    assert low.program.params[0].sharding == xla("devices=[2,1,2,2]0,1,4,5,2,3,6,7 last_tile_dim_replicate")
+    assert report.collective_bytes == 0

@@ -20,7 +20,7 @@ def xla_cpu_breadth_first() -> bool:
     """Whether XLA:CPU compiles this process's programs with its breadth-first
     (concurrency) scheduler: its default, unless XLA_FLAGS turns it off."""
     flags = os.environ.get("XLA_FLAGS", "").split()
-    values = [f.split("=", 1)[1].lower() if "=" in f else "true" for f in flags if f.split("=", 1)[0] == CONCURRENCY_FLAG]
+    values = [f.partition("=")[2].lower() or "true" for f in flags if f.partition("=")[0] == CONCURRENCY_FLAG]
     return not values or values[-1] not in ("false", "0")
 
 
@@ -47,7 +47,7 @@ def depth_first(steps: Sequence, results: list[Value], reads: dict[int, list[Val
         unique = {id(s): s for s in candidates}.values()
         return sorted(unique, key=lambda s: (-behind[id(s)][0], -behind[id(s)][1], s.name))
 
-    order: list[_Step] = []
+    order: list = []
     done: set[int] = set()
     stack = [(s, False) for s in reversed(first(producer[v] for v in results if v in producer))]
     while stack:
@@ -67,8 +67,7 @@ def depth_first(steps: Sequence, results: list[Value], reads: dict[int, list[Val
 def breadth_first(steps: Sequence, reads: dict[int, list[Value]], producer: dict, arguments: Sequence[Value]) -> list:
     """The order XLA:CPU's concurrency scheduler runs `steps` in (its BFSMemoryScheduler, a
     first-in first-out topological order): the arguments first, then each step once the
-    last of the arguments and steps it reads has run (a step `producer` does not list
-    among `steps` reads nothing it waits for: a value fused into it)."""
+    last of the arguments and steps it reads has run."""
     scheduled = {id(s) for s in steps}
 
     def awaited(step) -> set[int]:
@@ -93,4 +92,5 @@ def breadth_first(steps: Sequence, reads: dict[int, list[Value]], producer: dict
             waits[id(reader)] -= 1
             if not waits[id(reader)]:
                 queue.append(id(reader))
-    return order + [s for s in steps if id(s) not in {id(o) for o in order}]
+    ran = {id(s) for s in order}
+    return order + [s for s in steps if id(s) not in ran]
