@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax import lax
-from util import assert_close, check, rand
+from util import assert_close, check, in_a_fresh_process, rand
 
 import gspmd
 from gspmd.frontend.annotation import unpartitioned
@@ -110,6 +110,46 @@ def test_xla_cpu_negative_padding_bug():
     exact = np.einsum("bio,boc->ci", np.pad(x[:, :, 2:], ((0, 0), (0, 0), (0, 2))), dy)[:, None, :]
     assert_close(reference(conv, x, dy), exact)
     assert_close(gspmd.jit(conv)(x, dy), exact)
+
+
+# A strided (2), rhs-dilated (2) convolution whose input gradient has a dim that reads one
+# input element per output (lhs_dilation 2 = window 2 = stride + 1, no padding) and a window
+# larger than its input: XLA:CPU's convolution operand swap aborts the process on it.
+SWAPPED = dict(window_strides=(2, 1), padding=((1, 1), (2, 2)), rhs_dilation=(1, 2))
+SWAPPED_SHAPES = (6, 1, 4, 1), (1, 1, 2, 3)
+
+
+def test_strided_rhs_dilated_conv_gradient_with_the_batch_split():
+    """The gradient runs on the jax backend (the convolution lowered with one element of
+    extra padding, its extra output sliced off) and equals one device by the NumPy
+    reference (plain jax.jit aborts on it, see the next test); the input gradient needs
+    no communication, the weight gradient one all-reduce over the split batch."""
+    rng = np.random.RandomState(0)
+    x, w = (rand(rng, *shape) for shape in SWAPPED_SHAPES)
+    mesh = gspmd.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
+
+    def loss(x, w):
+        x = gspmd.mesh_split(x, mesh, ["y", -1, -1, -1])
+        return jnp.sum(jnp.tanh(lax.conv_general_dilated(x, w, **SWAPPED)) ** 2)
+    grads = jax.grad(loss, (0, 1))
+    expected = reference(grads, x, w)
+    for backend in ("sim", "jax"):
+        assert_close(gspmd.jit(grads, mesh=mesh, backend=backend)(x, w), expected, 1e-4, 1e-4)
+    assert [c.kind for c in gspmd.jit(grads, mesh=mesh).lower(x, w).report().collectives] == ["all-reduce"]
+
+
+@pytest.mark.xfail(strict=False, reason="XLA:CPU (jax 0.10.2) aborts in its convolution operand swap; when this "
+                                        "passes, conv.py's _padding_xla_cpu_compiles can go")
+def test_xla_cpu_conv_operand_swap_bug():
+    """Plain jax on one device, in a process of its own (XLA aborts it)."""
+    run = in_a_fresh_process(f"""
+        import jax, jax.numpy as jnp, numpy as np
+        from jax import lax
+        x, w = (np.ones(shape, np.float32) for shape in {SWAPPED_SHAPES})
+        loss = lambda x, w: jnp.sum(lax.conv_general_dilated(x, w, **{SWAPPED}) ** 2)
+        jax.block_until_ready(jax.jit(jax.grad(loss))(x, w))
+    """)
+    assert run.returncode == 0, run.stderr[-2000:]
 
 
 @pytest.mark.slow

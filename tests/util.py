@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
+import sys
+import textwrap
 
 import jax
 import numpy as np
@@ -80,3 +83,16 @@ def rand(rng: np.random.RandomState, *shape, dtype=np.float32):
     return rng.standard_normal(shape).astype(dtype)
 
 
+
+
+def in_a_fresh_process(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Python `code` run in a process of its own (8 CPU devices, gspmd importable): for
+    XLA bugs that abort or hang the process, which must not take pytest with them."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+           "PYTHONPATH": os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"),
+                                          os.environ.get("PYTHONPATH", "")])}
+    try:
+        return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        return subprocess.CompletedProcess(e.cmd, returncode=-1, stdout=str(e.stdout), stderr=f"timed out after {timeout} s")

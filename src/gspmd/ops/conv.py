@@ -249,10 +249,32 @@ def _convert_conv(b, eqn, args):
 def _lower_conv(instr, args, lc):
     a, out = instr.attrs, instr.outputs[0]
     dims = lax.ConvDimensionNumbers(a["lhs_spec"], a["rhs_spec"], a["out_spec"])
-    return [lax.conv_general_dilated(
-        *args, a["window_strides"], a["padding"], a["lhs_dilation"], a["rhs_dilation"], dims,
+    padding = _padding_xla_cpu_compiles(a, args[1].shape)
+    y = lax.conv_general_dilated(
+        *args, a["window_strides"], padding, a["lhs_dilation"], a["rhs_dilation"], dims,
         feature_group_count=a["feature_group_count"], batch_group_count=a["batch_group_count"],
-        preferred_element_type=out.dtype)]
+        preferred_element_type=out.dtype)
+    if padding != tuple(map(tuple, a["padding"])):   # the outputs the extra padding added
+        y = lax.slice(y, (0,) * out.rank, out.shape)
+    return [y]
+
+
+def _padding_xla_cpu_compiles(a, kernel_shape) -> tuple:
+    """The padding, with one more element high on each spatial dim where a window reads
+    exactly one input element per output (lhs_dilation == window size == stride + 1, no
+    padding, no rhs dilation; the extra output, if any, is sliced off). XLA's
+    convolution operand swap (its algebraic simplifier, jax 0.10.2) copies such a dim
+    unchanged into the swapped convolution, whose kernel is the input: the window no
+    longer matches it and XLA aborts the process ("Window dimensions do not match RHS
+    shape"). Strided convolutions' input gradients are such convolutions, and XLA swaps
+    them where the window outgrows the input (rhs-dilated ones). tests/test_conv.py's
+    plain-jax reproducer says when this can go."""
+    if a["feature_group_count"] > 1 or a["batch_group_count"] > 1:   # XLA swaps no grouped convolution
+        return a["padding"]
+    windows = [kernel_shape[d] for d in a["rhs_spec"][2:]]
+    return tuple((lo, hi + 1) if (lo, hi) == (0, 0) and r == 1 and b == k == s + 1 else (lo, hi)
+                 for (lo, hi), k, s, b, r in zip(a["padding"], windows, a["window_strides"], a["lhs_dilation"],
+                                                 a["rhs_dilation"]))
 
 
 def _layout(instr) -> KernelOrders:
