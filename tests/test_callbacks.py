@@ -10,7 +10,7 @@ from jax.experimental import io_callback
 
 import gspmd
 from strategies import dims_mappings, meshes
-from util import BACKENDS, assert_close, rand
+from util import BACKENDS, assert_close, in_a_fresh_process, rand
 
 MESH = gspmd.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
 
@@ -64,6 +64,49 @@ def test_debug_callback_and_ordered_io_callback_run_once_in_order():
         for (_, got), (_, want) in zip(calls, reference[1]):
             assert_close(got, want)
         calls.clear()
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+def test_an_io_callback_that_raises_fails_the_call_as_under_jax_jit(ordered):
+    """Device 0 alone calls it and sends its results to the others; had its error stopped
+    device 0 alone, they would wait for them forever. Every device raises it instead: the
+    call fails as under jax.jit (a JaxRuntimeError holding the host's exception), and the
+    next call, whose callback does not raise, runs (but after an ordered one: jax's token
+    of the ordered effect, which the failed run returned, holds the error on the jax
+    backend, as in any multi-device program of jax's). In a process of its own, where a
+    hang is a timeout, not a stuck pytest."""
+    run = in_a_fresh_process(f"""
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.experimental import io_callback
+        import gspmd
+        mesh = gspmd.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
+
+        def check(v):
+            if v < 0:
+                raise ValueError("a negative total")
+            return v
+
+        def f(x):
+            x = gspmd.mesh_split(x, mesh, ["x", "y"])
+            total = io_callback(check, jax.ShapeDtypeStruct((), jnp.float32), x.sum(), ordered={ordered})
+            return x * total
+        x = np.arange(12, dtype=np.float32).reshape(3, 4)
+        for name, fn in [("jax.jit", jax.jit(f)), ("sim", gspmd.jit(f, mesh=mesh)),
+                         ("jax", gspmd.jit(f, mesh=mesh, backend="jax"))]:
+            try:
+                jax.block_until_ready(fn(-x))
+                print(name, "returned")
+            except Exception as e:
+                print(name, type(e).__name__, "a negative total" in str(e))
+            try:
+                print(name, np.array_equal(np.asarray(fn(x)), x * 66))
+            except Exception as e:
+                print(name, "next call", type(e).__name__)
+    """, timeout=240)
+    lines = run.stdout.splitlines()
+    for name in ("jax.jit", "sim", "jax"):
+        assert f"{name} JaxRuntimeError True" in lines, (run.stdout, run.stderr[-3000:])
+        assert f"{name} True" in lines or (ordered and name == "jax"), (run.stdout, run.stderr[-3000:])
 
 
 def test_pure_callback_results_split_without_communication():

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import io_callback
 
 from gspmd.errors import ShardingError
 from gspmd.ir.program import SIDE_EFFECT
@@ -69,15 +70,57 @@ def _lower(instr, args, lc):
             f"{instr.attrs['call']!r}(ordered=True) cannot run on the jax backend: JAX supports ordered debug "
             "effects on one device only. Pass ordered=False (the call still runs once, with the global value) "
             "or run with backend='sim', which keeps the order.")
-    def call():
-        return [jnp.asarray(r, o.dtype) for r, o in zip(instr.attrs["call"](*args), instr.outputs)]
     if _on_each_device(instr):
-        return call()
+        return [jnp.asarray(r, o.dtype) for r, o in zip(instr.attrs["call"](*args), instr.outputs)]
+    failure, outputs, call = _HostFailure(), instr.outputs, instr.attrs["call"]
+    if _sends_results(instr):
+        outputs, call = [*outputs, _FAILED], failure.guard(call)
+
+    def on_device_0():
+        return [jnp.asarray(r, o.dtype) for r, o in zip(call(*args), outputs)]
 
     def elsewhere():
-        return [jnp.zeros(o.shape, o.dtype) for o in instr.outputs]
-    results = lax.cond(lc.axis_index() == 0, call, elsewhere)
-    return [lax.all_gather(r, lc.axis)[0] for r in results]   # device 0's results, everywhere
+        return [jnp.zeros(o.shape, o.dtype) for o in outputs]
+    results = [lax.all_gather(r, lc.axis)[0] for r in lax.cond(lc.axis_index() == 0, on_device_0, elsewhere)]
+    if not _sends_results(instr):
+        return results
+    *results, failed = results
+    lax.cond(failed != 0, lambda: io_callback(failure.raise_again, None), lambda: None)
+    return results   # device 0's results, everywhere
+
+
+def _sends_results(instr) -> bool:
+    """An io_callback, whose results device 0 sends to every device after calling it."""
+    return "result_avals" in instr.attrs["call"].params
+
+
+class _HostFailure:
+    """What a host function that device 0 alone calls raised, raised again on every
+    device: had device 0 alone failed, the others would wait forever for its results."""
+    def __init__(self):
+        self.error: Optional[BaseException] = None
+
+    def guard(self, call: BoundPrimitive) -> BoundPrimitive:
+        """`call` whose host function never raises: it keeps the exception and returns
+        zeros instead, and one more result (_FAILED), 1 where it raised."""
+        callback, avals = call.params["callback"], call.params["result_avals"]
+
+        def guarded(*args):
+            try:
+                return [*callback(*args), np.int32(0)]
+            except Exception as e:
+                self.error = e
+                return [*(np.zeros(a.shape, a.dtype) for a in avals), np.int32(1)]
+        return BoundPrimitive(call.primitive, {**call.params, "callback": guarded,
+                                               "result_avals": (*avals, jax.core.ShapedArray((), np.int32))})
+
+    def raise_again(self) -> None:
+        if self.error is None:   # another process's device 0 failed
+            raise RuntimeError("a host callback raised on device 0, in another process")
+        raise self.error
+
+
+_FAILED = jax.ShapeDtypeStruct((), np.int32)   # the guarded call's flag: did the host function raise?
 
 
 def _on_each_device(instr) -> bool:
@@ -91,7 +134,8 @@ def _lowered_collectives(instr, num_devices: int) -> list[tuple[Pattern, int]]:
     device calls on its own."""
     if _on_each_device(instr):
         return []
-    return [(Pattern.ALL_GATHER, num_devices * o.nbytes) for o in instr.outputs]
+    flag = [_FAILED.dtype.itemsize] if _sends_results(instr) else []
+    return [(Pattern.ALL_GATHER, num_devices * nbytes) for nbytes in [*(o.nbytes for o in instr.outputs), *flag]]
 
 
 # -- jax.debug.inspect_array_sharding: the layout gspmd chose, at compile time ----------------
