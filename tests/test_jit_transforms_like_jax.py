@@ -132,15 +132,14 @@ EXPLICIT = jax.make_mesh((4, 2), ("x", "y"), axis_types=(jax.sharding.AxisType.E
 
 
 def explicit_side_by_side(fn, *args, backend):
-    """fn through gspmd.jit and jax.jit under jax.set_mesh(EXPLICIT): equal values and,
-    on the jax backend, equal result types (their layouts included)."""
+    """fn through gspmd.jit and jax.jit under jax.set_mesh(EXPLICIT): equal values and
+    equal result types (their layouts included), on both backends."""
     with jax.set_mesh(EXPLICIT):
         expected = fn(jax.jit, *args)
         ours = fn(lambda f: gspmd.jit(f, backend=backend), *args)
     assert_close(ours, expected, rtol=1e-5, atol=1e-6)
-    if backend == "jax":
-        for a, b in zip(jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(expected)):
-            assert jax.typeof(a) == jax.typeof(b), (jax.typeof(a), jax.typeof(b))
+    for a, b in zip(jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(expected)):
+        assert jax.typeof(a) == jax.typeof(b), (jax.typeof(a), jax.typeof(b))
 
 
 def _switch_drawing(key, x, i):
@@ -165,7 +164,8 @@ def test_vmap_of_a_switch_drawing_random_numbers_on_an_explicit_mesh(backend):
 
 def _grad_of_product(jit, x, y):
     product = jit(lambda a, b: a * b)
-    return (jax.grad(lambda a, b: jnp.sum(product(a, b)), argnums=(0, 1))(x, y),
+    return (product(x, y), jax.vmap(product)(x, y),
+            jax.grad(lambda a, b: jnp.sum(product(a, b)), argnums=(0, 1))(x, y),
             jax.vjp(product, x, y)[1](x),
             jax.jit(jax.grad(lambda a, b: jnp.sum(product(a, b)) ** 2, argnums=1))(x, y))
 

@@ -54,7 +54,8 @@ def jit(fn: Optional[Callable] = None, mesh=None, backend: str = "sim", *,
     `mesh`: a gspmd.Mesh or jax.sharding.Mesh (default: the annotations' mesh).
 
     Backends: "sim" (default) runs all devices in this process with NumPy and returns
-    NumPy arrays (padding is filled with NaN, so a missing mask shows); "jax" runs on
+    NumPy arrays (padding is filled with NaN, so a missing mask shows; in explicit
+    sharding mode, jax.Arrays typed with their layouts, as jax.jit's); "jax" runs on
     real jax devices as one jitted shard_map and returns jax.Arrays whose NamedShardings
     are the completed layouts over the mesh.
 

@@ -159,7 +159,11 @@ class Execution:
         """The sim backend; called with tracers (under grad, jit, vmap) it runs as a host
         callback inside the caller's computation."""
         if not any(isinstance(x, jax.core.Tracer) for x in arrays):
-            return self._run_sim(arrays)
+            results = self._run_sim(arrays)
+            if jax_backend.explicit_mode(self.mesh):   # typed with their layouts, as jax.jit's results
+                layouts = jax_backend.result_layouts(self.mesh, self.program.outputs)
+                return [jax.device_put(r, s) for r, s in zip(results, layouts)]
+            return results
         if self._host_program is None:
             shapes = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in self.program.outputs]
             layouts = jax_backend.result_layouts(self.mesh, self.program.outputs)
