@@ -77,13 +77,60 @@ def test_donated_and_static_arguments_with_in_shardings(donate):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_keyword_arguments_with_in_shardings_are_refused_as_by_jax(backend):
-    jit_kwargs = dict(static_argnums=2, in_shardings=(ROWS, None))
-    with pytest.raises(ValueError, match="kwargs"):
-        jax.jit(step, **jit_kwargs)(X, Y, 3, scale=2.0)
-    with pytest.raises(gspmd.ShardingError, match="keyword arguments.*in_shardings.*by position"):
-        gspmd.jit(step, backend=backend, **jit_kwargs)(X, Y, 3, scale=2.0)
-    side_by_side(step, X, Y, 3, scale=2.0, backend=backend, jit_kwargs=dict(static_argnums=2, out_shardings=(COLS, None)))
+@pytest.mark.parametrize("jit_kwargs, call_kwargs", [
+    (dict(static_argnums=2, in_shardings=(ROWS, None)), dict(n=3, scale=2.0)),     # a dynamic one by keyword
+    (dict(static_argnames="n", in_shardings=(ROWS, COLS)), dict(n=3)),              # a static one by keyword
+    (dict(static_argnums=2, in_shardings=(ROWS, COLS)), dict(n=3)),                 # static by number, given by name
+    (dict(static_argnames=("n", "scale"), in_shardings=ROWS), dict(n=3, scale=2.0)),
+    (dict(static_argnums=2, in_shardings=(None, None)), dict(n=3)),                 # all None is still given
+], ids=["dynamic", "static name", "static number by name", "one for all", "all None"])
+def test_any_keyword_argument_with_in_shardings_is_refused_as_by_jax(jit_kwargs, call_kwargs, backend):
+    """jax.jit refuses every keyword argument, static ones too, once in_shardings is
+    given (pjit's _trace_for_jit); in_shardings=None is not given."""
+    with pytest.raises(ValueError, match="kwargs when in_shardings"):
+        jax.jit(step, **jit_kwargs)(X, Y, **call_kwargs)
+    with pytest.raises(gspmd.ShardingError, match="keyword arguments.*in_shardings"):
+        gspmd.jit(step, backend=backend, **jit_kwargs)(X, Y, **call_kwargs)
+    side_by_side(step, X, Y, backend=backend, jit_kwargs=dict(jit_kwargs, in_shardings=None), **call_kwargs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("jit_kwargs", [
+    dict(static_argnums=2, out_shardings=(None, None)),
+    dict(static_argnums=2, out_shardings=(None, ROWS)),
+    dict(static_argnums=2, out_shardings=ROWS),
+    dict(static_argnames="n", in_shardings=[ROWS, None], out_shardings=(COLS, None)),
+], ids=["all None", "None and a sharding", "one for all", "a list in, a tuple out"])
+def test_out_shardings_with_none_entries_and_prefixes(jit_kwargs, backend):
+    side_by_side(step, X, Y, 3, backend=backend, jit_kwargs=jit_kwargs)
+
+
+@pytest.mark.parametrize("jit_kwargs", [
+    dict(static_argnums=2, out_shardings=[ROWS, None]),       # a list for a tuple of results
+    dict(static_argnums=2, out_shardings=(ROWS, None, None)),
+    dict(static_argnums=2, in_shardings=([ROWS], None)),     # a list for an array
+    dict(static_argnums=2, in_shardings=(ROWS,)),
+], ids=["out a list", "out too long", "in a nested list", "in too short"])
+def test_structures_jax_refuses_are_refused(jit_kwargs):
+    with pytest.raises(ValueError):
+        jax.jit(step, **jit_kwargs)(X, Y, 3)
+    with pytest.raises(gspmd.ShardingError, match="does not match the structure"):
+        gspmd.jit(step, **jit_kwargs)(X, Y, 3)
+
+
+@pytest.mark.parametrize("donate", [dict(donate_argnums=1), dict(donate_argnames="b")])
+def test_donation_by_number_or_name_with_static_arguments_and_out_shardings(donate):
+    """Donating b (given by position or by keyword without in_shardings): its buffer goes
+    to the results under both jits."""
+    jit_kwargs = dict(static_argnames="n", out_shardings=(ROWS, None), **donate)
+    results = []
+    for jit in (jax.jit, lambda f, **k: gspmd.jit(f, backend="jax", **k)):
+        b = jax.device_put(Y, ROWS)
+        results.append((jit(step, **jit_kwargs)(X, b=b, n=3) if "donate_argnames" in donate
+                        else jit(step, **jit_kwargs)(X, b, 3)))
+        assert b.is_deleted()
+    np.testing.assert_allclose(results[0][0], results[1][0])
+    assert results[1][0].sharding.is_equivalent_to(results[0][0].sharding, 2)
 
 
 def test_a_tuple_longer_than_the_non_static_arguments_is_a_mistake():
