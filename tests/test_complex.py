@@ -3,13 +3,15 @@ reference code), FFTs (jnp.fft: spectral layers, FNO), complex matmuls and sums,
 and backward, equal to one device on both backends on uneven splits. Element-wise and
 contraction ops partition as for real numbers; an FFT partitions along its batch dims,
 and over split transformed dims moves the splits onto dims it is done with."""
+import textwrap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import gspmd
-from util import check
+from util import assert_close, check, in_a_fresh_process
 
 MESH = gspmd.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
 RNG = np.random.RandomState(0)
@@ -98,6 +100,46 @@ def test_fft_over_split_dims_where_no_dim_can_take_the_split(name, fn, layout):
     """X (6 x 10 x 8) leaves the splits nowhere to go in some steps: those are gathered
     before the transform (real data, the smaller), every result equal to one device."""
     check(lambda x: fn(split(x, *layout)), X, mesh=MESH, rtol=1e-3, atol=1e-3)
+
+
+# An FFT whose result, through element-wise ops, is summed and scattered along an inner
+# dim (a shard_map's psum_scatter here): XLA:CPU lays the FFT's result out scatter-dim
+# major, and its FFT kernel fails a layout check (IsMonotonicWithDim0Major).
+SCATTERED_SPECTRUM = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+
+    def scattered_spectrum(x, mesh):
+        body = lambda v: lax.psum_scatter(jnp.abs(jnp.fft.fft(v, axis=-1)) * 2, "x", scatter_dimension=1, tiled=True)
+        return jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False)(x)
+""")
+exec(SCATTERED_SPECTRUM)
+
+
+def test_an_fft_result_scattered_along_an_inner_dim():
+    """The jax backend scatters (and gathers) along dim 0, the dim moved there and back,
+    so XLA:CPU leaves the FFT its own layout; equal to NumPy (plain jax.jit fails, see
+    the next test)."""
+    mesh = gspmd.Mesh(np.arange(4), ("x",))
+    x = RNG.standard_normal((8, 8, 8)).astype(np.float32)
+    summed = (np.abs(np.fft.fft(x, axis=-1)) * 2).reshape(4, 2, 8, 8).sum(0)     # over the 4 devices' blocks
+    expected = summed.reshape(2, 4, 2, 8).transpose(1, 0, 2, 3).reshape(8, 2, 8)   # device i keeps rows 2i, 2i+1
+    fn = lambda x: scattered_spectrum(x, mesh.to_jax())
+    for backend in ("sim", "jax"):
+        assert_close(gspmd.jit(fn, mesh=mesh, backend=backend)(x), expected, 1e-4, 1e-4)
+    assert collectives(gspmd.jit(fn, mesh=mesh).lower(x)) == ["reduce-scatter"]
+
+
+@pytest.mark.xfail(strict=False, reason="XLA:CPU (jax 0.10.2) gives an FFT a layout its kernel rejects; when this "
+                                        "passes, collectives.py's _along_dim_0 can go")
+def test_xla_cpu_fft_layout_bug():
+    """Plain jax, in a process of its own."""
+    run = in_a_fresh_process(SCATTERED_SPECTRUM + textwrap.dedent("""
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("x",))
+        jax.block_until_ready(jax.jit(lambda x: scattered_spectrum(x, mesh))(np.ones((8, 8, 8), np.float32)))
+    """))
+    assert run.returncode == 0, run.stderr[-2000:]
 
 
 def test_spectral_convolution_trains():

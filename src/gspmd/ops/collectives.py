@@ -279,21 +279,28 @@ def _lower_all_reduce(instr, args, lc):
     return [_all_reduce_value(instr, args[0], lc)]
 
 
+def _along_dim_0(collective: Callable, x, dim: int):
+    """collective(x with `dim` moved first) with that dim moved back: the copies XLA
+    makes anyway, but explicit, so that its CPU layout assignment does not hand the
+    `dim`-major layout it gives a gather or scatter along `dim` on to an FFT that made
+    the operand, through element-wise ops and reductions (XLA:CPU's FFT kernel then fails
+    a layout check, IsMonotonicWithDim0Major; tests/test_complex.py's plain-jax
+    reproducer says when this can go)."""
+    return jnp.moveaxis(collective(jnp.moveaxis(x, dim, 0)), 0, dim)
+
+
 def _lower_all_gather(instr, args, lc):
-    """Along the outermost dim, moved there and back: the copies XLA makes anyway, but
-    explicit, so that its CPU layout assignment does not hand the gathered dim-major
-    layout on to an FFT that made the operand (its FFT kernel then fails a layout check)."""
-    dim = instr.attrs["dim"]
-    x = jnp.moveaxis(args[0], dim, 0)
-    gathered = lax.all_gather(x, lc.axis, axis=0, axis_index_groups=_axis_groups(instr, lc), tiled=True)
-    return [jnp.moveaxis(gathered, 0, dim)]
+    groups = _axis_groups(instr, lc)
+    return [_along_dim_0(lambda x: lax.all_gather(x, lc.axis, axis=0, axis_index_groups=groups, tiled=True),
+                         args[0], instr.attrs["dim"])]
 
 
 def _lower_reduce_scatter(instr, args, lc):
     dim = instr.attrs["dim"]
     if instr.attrs["reducer"] is ADD:
-        return [lax.psum_scatter(args[0], lc.axis, scatter_dimension=dim, axis_index_groups=_axis_groups(instr, lc),
-                                 tiled=True)]
+        groups = _axis_groups(instr, lc)
+        return [_along_dim_0(lambda x: lax.psum_scatter(x, lc.axis, scatter_dimension=0, axis_index_groups=groups,
+                                                        tiled=True), args[0], dim)]
     # Other reducers: all-reduce, then keep this device's piece.
     size = instr.outputs[0].shape[dim]
     full = _all_reduce_value(instr, args[0], lc)
