@@ -8,7 +8,9 @@ from the interpreter with device 0's copy; the jax backend binds JAX's own primi
 inside the shard_map on device 0 only (an ordered io_callback keeps its order) and
 hands device 0's results to every device; but a pure_callback, which JAX may call any
 number of times, on every device, so that one that raises (equinox's error_if) fails
-everywhere instead of leaving the other devices waiting for device 0's results. Results
+everywhere instead of leaving the other devices waiting for device 0's results (an
+io_callback's host function that raises is caught on device 0, and a flag sent with its
+results has every device raise it again). Results
 are replicated values, split afterwards without communication where their users want
 them split.
 
