@@ -8,15 +8,17 @@ schedule, repeats, microbatches and the rematerialization policy:
    axis among them, schedules and their repeats, microbatches, strategies).
 2. Bound each in closed form from single-device plans of the model, one per remat
    policy: memory at least the parameters and optimizer state over the devices that
-   split them, plus a policy's activations over every device (which rules out the
-   policies that cannot fit); compute at least that of the least recompute that may fit
-   spread over every device, stretched by the schedule's bubble (1F1B: each layer
-   recomputed). Estimate its communication with the one cost model (spmd/cost.py) over
-   the mesh's device groups.
-3. Prune what cannot fit; partition the rest for real in the order of their estimates
-   (each with the least recompute that fits, planning.plan_to_fit), until the next
-   one's lower bound cannot beat the best found or the time budget is spent; the best
-   is planned again with each other policy that may fit, where one is faster.
+   split them; compute at least that of the least recompute spread over every device,
+   stretched by the schedule's bubble (1F1B: each layer recomputed). Expect each
+   policy's plan to hold its activations over every device too, and the step to take
+   the compute of the least recompute so expected to fit plus the communication the one
+   cost model (spmd/cost.py) gives over the mesh's device groups.
+3. Prune what cannot fit; partition the rest for real in the order of their
+   expectations, scaled by how far the plans so far fell from theirs (those expected
+   to fit first; each with the least recompute expected to fit, planning.plan_to_fit),
+   until the next one's lower bound cannot beat the best found or the time budget is
+   spent; the best is planned again with each other policy, where one fits and is
+   faster.
 
 The answer says what it chose, and for each runner-up what it costs more and why.
 """
@@ -89,7 +91,7 @@ class Candidate:
     lower_bound_s: float        # no plan of it can take less
     estimate_s: float           # the order plans are tried in
     memory_floor: float         # bytes per device no plan of it can hold less than
-    policies: list              # the remat policies that may fit, least recompute first
+    policies: list              # the remat policies to try, least recompute first
     held: dict                  # policy -> bytes per device its plan is expected to hold (uncalibrated)
     plan: Optional[planning.CasePlan] = None
 
@@ -194,8 +196,9 @@ def search(model: str, base: planning.Sizes, devices: int, hardware: Union[str, 
     floor = _Floor(model, base, hw, policies)
     candidates = []
     for config in filter(keep, configurations(spec.defaults, base, devices)):
-        bound, memory, may, held = floor.bounds(config)
-        candidates.append(Candidate(config, bound, bound + floor.communication(config), memory, may, held))
+        bound, expected, memory, held = floor.bounds(config)
+        candidates.append(Candidate(config, bound, expected + floor.communication(config), memory,
+                                    list(policies), held))
     if not candidates:
         raise ShardingError(f"No configuration of {model} over {devices} devices: check --devices (its "
                             "factorizations) against --layers, --heads and --batch.")
@@ -425,33 +428,32 @@ class _Floor:
         width = 2 if case.sizes.get("activation_dtype", "bfloat16") == "bfloat16" else 4
         self.activation_bytes = width * math.prod(case.sizes.get(k) or 1 for k in ("batch", "seq", "model_dim"))
 
-    def bounds(self, c: Config) -> tuple[float, float, list, dict]:
-        """(seconds, bytes per device, policies, held) for `c`: the remat policies that may fit
-        (the state over the devices that split it, megatron's not over the data axis, and
-        the policy's activations over every device, a microbatch's at a time under gradient
-        accumulation, every microbatch's in a GPipe or circular pipeline; 1F1B bounds its
-        activations itself); no plan can hold less than the bytes, nor take less than
-        the seconds: the compute of the least recompute that may fit spread over every
-        device (1F1B's recomputes each layer) and stretched by the bubble. `held`: each
-        policy's state and activations so spread (1F1B holding a stage's worth of
-        microbatches at a time), what a plan of it is expected to hold."""
+    def bounds(self, c: Config) -> tuple[float, float, float, dict]:
+        """(seconds, expected seconds, bytes per device, held) for `c`. No plan can hold
+        less than the bytes (the state over the devices that split it, megatron's not
+        over the data axis), nor take less than the seconds: the compute of the least
+        recompute spread over every device (1F1B's recomputes each layer), stretched by
+        the bubble. `held`: each policy's state and activations so spread (a microbatch's
+        at a time under gradient accumulation, every microbatch's in a GPipe or circular
+        pipeline, a stage's worth in 1F1B), what a plan of it is expected to hold -- not
+        a bound: fitting a plan to memory gathers and recomputes what it holds idle.
+        The expected seconds: the compute of the least recompute expected to fit."""
         n = math.prod(c.mesh)
         state = self.state_bytes / (n // c.x if c.strategy == "megatron" else n)
         m = c.microbatches or 1
-        # over how many shares a policy's activations spread: GPipe holds every microbatch's
         share = n * (m / c.stages if c.schedule == "1f1b" else 1 if c.pipelined else m)
         held = {p: state + self.transient[p] / share for p in self.policies}
         if c.schedule == "1f1b":
-            may = self.policies
-            compute = self.compute_s["nothing_saveable"]
+            least = expected = self.compute_s["nothing_saveable"]
         else:
-            may = [p for p in self.policies if held[p] <= self.hw.usable_bytes] or self.policies[-1:]
-            compute = min(self.compute_s[p] for p in may)
-        compute /= n
+            least = min(self.compute_s[p] for p in self.policies)
+            fitting = [p for p in self.policies if held[p] <= self.hw.usable_bytes] or self.policies[-1:]
+            expected = self.compute_s[fitting[0]]
+        stretch = 1.0
         if c.pipelined:
             slots = (c.microbatches or c.stages) * (c.repeats or 1)
-            compute *= (slots + c.stages - 1) / slots
-        return compute, state, may, held
+            stretch = (slots + c.stages - 1) / slots
+        return least * stretch / n, expected * stretch / n, state, held
 
     def communication(self, c: Config) -> float:
         """What the strategy's collectives take, estimated with the cost model over the
