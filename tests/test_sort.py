@@ -1,7 +1,11 @@
 """sort, argsort, top_k, approx_max_k/min_k, argmax/argmin: equal to one device (NaN,
 -0.0 and ties ordered as XLA orders them), local along whole dims, and along a split dim
 an all-to-all there and back (or, for top-k, a small gather of k candidates per shard)
-instead of gathering the tensor."""
+instead of gathering the tensor; where no other dim can take the split, sorted shards
+merged over the devices (rounds of collective-permutes) where that is cheaper or the
+whole dim would not fit a device."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,8 +15,9 @@ from hypothesis import strategies as st
 from jax import lax
 
 import gspmd
+from gspmd.ops import sort as sort_ops
 from strategies import dims_mappings, meshes
-from util import BANDWIDTH_BOUND, check
+from util import BANDWIDTH_BOUND, BYTES_RECEIVED, check
 
 MESH = gspmd.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
 LINE = gspmd.Mesh(np.arange(8), ("x",))
@@ -110,6 +115,76 @@ def test_sort_of_a_split_vector_gathers_it():
 
     low = check(f, special_values(7, 30), mesh=LINE)
     assert low.report().counts() == {"all-gather": 1}, low.report()   # no other dim to take the split
+
+
+def test_split_vector_whose_result_stays_split_merges_sorted_shards():
+    """Bitonic merge-splits over 8 devices: 6 rounds of one shard (2 KB) each against
+    the 14 KB a gather receives; integer keys need no positions to break ties."""
+    def f(x):
+        return split(jnp.sort(split(x, LINE, "x")), LINE, "x")
+
+    x = np.random.RandomState(9).randint(-50, 50, 4096).astype(np.int32)
+    report = check(f, x, mesh=LINE, hardware=BYTES_RECEIVED).report()
+    assert report.counts() == {"collective-permute": 6}, report
+    assert all(c.bytes == 512 * 4 for c in report.collectives), report
+
+
+def test_floats_merge_with_their_positions_where_that_moves_fewer_bytes():
+    """Stable float sorts carry each element's position (int16 here) to break ties of
+    -0.0/+0.0 and NaNs as one device does: over 32 devices 15 rounds of 6 bytes an
+    element against a 31-shard gather of 4; uneven (padding sorts after +NaN)."""
+    mesh = gspmd.Mesh(np.arange(32), ("x",))
+
+    def f(x):
+        return split(jnp.sort(split(x, mesh, "x")), mesh, "x")
+
+    report = check(f, special_values(10, 1000), mesh=mesh, hardware=BYTES_RECEIVED, backends=("sim",)).report()
+    assert report.counts() == {"collective-permute": 30}, report
+    assert sorted({c.bytes for c in report.collectives}) == [32 * 2, 32 * 4], report
+
+
+def test_sort_merges_where_the_whole_dim_would_not_fit_a_device():
+    """Priced on time alone a gather wins here; but 8 whole copies of x and the sorted x
+    do not fit in 48 KB a device: the merge holds two shards at a time."""
+    small = dataclasses.replace(gspmd.analysis.PROFILES["tpu-v3"], memory_bytes=48 << 10, reserved_bytes=0)
+
+    def f(x):
+        return split(jnp.sort(split(x, LINE, "x")), LINE, "x")
+
+    x = np.random.RandomState(13).standard_normal(8192).astype(np.float32)
+    assert check(f, x, mesh=LINE).report().counts() == {"all-gather": 1}
+    report = check(f, x, mesh=LINE, hardware=small).report()
+    assert report.counts() == {"collective-permute": 12}, report
+    assert sorted({c.bytes for c in report.collectives}) == [1024 * 2, 1024 * 4], report
+
+
+MERGE_CASES = [   # mesh shape, dims mapping, shape, op, permutes: rounds x tensors carried
+    ((8,), [0], (37,), "sort", 6 * 2),                  # x and its int16 positions
+    ((4,), [0], (16,), "argsort", 3 * 2),               # argsort's iota breaks ties itself
+    ((2,), [0], (5,), "sort", 1 * 2),
+    ((2, 4), [0, 1], (4, 30), "two_keys", 1 * 4),       # three operands and positions
+    ((4, 2), [None, 0], (3, 9), "unstable", 3 * 2),     # replicated over the other mesh dim
+    ((2, 2, 2), [(0, 2), None, 1], (7, 2, 6), "argsort", 3 * 2),
+    ((8,), [0], (5,), "int_pairs", 6 * 2),              # integer keys: no positions
+]
+
+
+@pytest.mark.parametrize("mesh_shape, mapping, shape, name, permutes", MERGE_CASES)
+def test_merged_sorts_equal_one_device(monkeypatch, mesh_shape, mapping, shape, name, permutes):
+    """The merge forced on every split sort (uneven dims, batch dims split, several
+    operands, ties, NaNs): nothing gathered, one permute per round per tensor carried."""
+    monkeypatch.setattr(sort_ops, "_merge_cost", lambda *args: -1.0)
+    mesh = gspmd.Mesh(np.arange(np.prod(mesh_shape)).reshape(mesh_shape), tuple("xyz"[:len(mesh_shape)]))
+    dim = next(d for d, m in enumerate(mapping) if m is not None)
+    op = _sort_op(name, dim, 1) if name != "int_pairs" else (
+        lambda x, y: lax.sort((x.astype(jnp.int8), y.astype(jnp.int32)), dimension=dim, num_keys=2))
+
+    def f(x, y):   # the results kept split as the operand is
+        return jax.tree.map(lambda r: gspmd.mesh_split(r, mesh, mapping), op(gspmd.mesh_split(x, mesh, mapping), y))
+
+    low = check(f, special_values(11, *shape), special_values(12, *shape), mesh=mesh)
+    kinds = low.report().counts()
+    assert kinds["collective-permute"] == permutes and "all-gather" not in kinds, low.report()
 
 
 def test_sort_gathers_only_the_sorted_dim_when_no_other_dim_can_take_its_split():

@@ -3,9 +3,12 @@ ordered lexicographically by the first `num_keys`; JAX's sort, jnp.sort, argsort
 `top-k` (the k largest, or smallest, elements along `axis` and their int32 indices;
 JAX's top_k, approx_max_k and approx_min_k).
 
-Both need their whole dim on one device. Where it is split, the split moves to another
+Both sort whole dims on one device. Where the dim is split, the split moves to another
 dim (one all-to-all, uneven dims padded to whole pieces) rather than everything being
-gathered; only where no other dim can take the split is that one dim gathered. A sort's
+gathered; where no other dim can take the split, that one dim is gathered, or a sort
+merges its sorted shards over the devices (rounds of collective-permutes of one shard;
+see "merge" below) where the cost model finds that cheaper or the gathered dim would not
+fit a device. A sort's
 results stay in the moved layout (propagation puts them there) unless a neighbour wants
 them back (a second all-to-all), whichever the cost model finds cheaper. A split top-k dim
 may instead keep its split: each device takes the top k of its own shard, one small
@@ -143,12 +146,21 @@ def _propagate_sort(instr: Instr, shardings: list[Optional[Sharding]], target: i
 def _partition_sort(ctx, instr: Instr, operands, targets) -> list[PartitionedValue]:
     """Sort where the sorted dim is whole (its split moved or gathered), or merge the
     sorted shards over the devices that split it: whichever the cost model finds cheaper."""
-    factors, space = _space_whole_along(instr, instr.attrs["dimension"], operands, targets, ctx.hardware)
-    whole = fx.cost(factors, space, operands, instr, targets, ctx.hardware)
-    merged = [(_merge_cost(instr, operands, s, targets, ctx.hardware), s) for s in _merge_layouts(instr, operands)]
-    if merged and cm.rounded(min(merged, key=lambda c: c[0])[0]) < cm.rounded(whole):
-        return _merge_sort(ctx, instr, operands, min(merged, key=lambda c: c[0])[1], targets)
+    hw = ctx.hardware
+    factors, space = _space_whole_along(instr, instr.attrs["dimension"], operands, targets, hw)
+    merges = [(_merge_cost(instr, operands, s, targets, hw), s) for s in _merge_layouts(instr, operands)]
+    if merges:
+        cost, layout = min(merges, key=lambda c: c[0])
+        whole = fx.cost(factors, space, operands, instr, targets, hw)
+        if cm.rounded(cost) < cm.rounded(whole) or not _fits(instr, space, hw):
+            return _merge_sort(ctx, instr, operands, layout, targets)
     return fx.run(ctx, instr, factors, space, operands, targets)
+
+
+def _fits(instr: Instr, space: Sharding, hw: cm.Hardware) -> bool:
+    """Whether a device can hold the sort's operands and results in layout `space`."""
+    held = sum(math.prod(space.shard_shape(v.shape)) * v.dtype.itemsize for v in [*instr.operands, *instr.outputs])
+    return held <= hw.usable_bytes
 
 
 # -- sort along a split dim: sorted shards merged over the devices -------------------------
@@ -187,6 +199,21 @@ def _ties_need_positions(instr: Instr) -> bool:
         is_floating(o.dtype) for o in instr.operands)
 
 
+def _given_positions(instr: Instr) -> Optional[int]:
+    """The operand (not a key) that holds each element's position along the sorted dim,
+    as argsort's iota does: it breaks ties, no positions need carrying beside it."""
+    a = instr.attrs
+    for t, o in enumerate(instr.operands[a["num_keys"]:], a["num_keys"]):
+        p = o.producer
+        if p is not None and p.opcode == "iota" and p.attrs["dimension"] == a["dimension"]:
+            return t
+    return None
+
+
+def _carries_positions(instr: Instr) -> bool:
+    return _ties_need_positions(instr) and _given_positions(instr) is None
+
+
 def _position_dtype(s: Sharding, instr: Instr) -> np.dtype:
     """The narrowest integer that holds every position, padding included."""
     dim = instr.attrs["dimension"]
@@ -198,7 +225,7 @@ def _merge_cost(instr: Instr, operands, s: Sharding, targets, hw: cm.Hardware) -
     """Operands to `s`, one permute per round per tensor carried, results to targets."""
     shard = math.prod(s.shard_shape(instr.operands[0].shape))
     itemsizes = [o.dtype.itemsize for o in instr.operands]
-    if _ties_need_positions(instr):
+    if _carries_positions(instr):
         itemsizes.append(_position_dtype(s, instr).itemsize)
     groups = groups_along(s, [instr.attrs["dimension"]])
     rounds = [cm.collective_seconds(cm.Pattern.PERMUTE, shard * size, _pairs(groups, partner), s.num_devices, hw)
@@ -226,13 +253,15 @@ def _merge_sort(ctx: DeviceContext, instr: Instr, operands, s: Sharding, targets
     """Padding set to sort after everything (its keys last in order, its positions the
     highest), each shard sorted, then the network's rounds; the results keep `s`."""
     a, dim = instr.attrs, instr.attrs["dimension"]
-    carried = [rs.reshard(ctx, o, s) for o in operands]
-    carried = [mask_padding(ctx, o, dim, _last_in_sort(o.dtype)) if t < a["num_keys"] else o
-               for t, o in enumerate(carried)]
-    num_keys = a["num_keys"]
-    if _ties_need_positions(instr):
+    carried, num_keys, given = [rs.reshard(ctx, o, s) for o in operands], a["num_keys"], _given_positions(instr)
+    if given is not None:
+        carried.insert(num_keys, carried.pop(given))
+        num_keys += 1
+    elif _carries_positions(instr):
         carried.insert(num_keys, _positions(ctx, carried[0], dim, _position_dtype(s, instr)))
         num_keys += 1
+    carried = [mask_padding(ctx, o, dim, _last_in_sort(o.dtype)) if t < num_keys else o
+               for t, o in enumerate(carried)]
     local = _sort_local(ctx, [c.local for c in carried], dim, num_keys, a["is_stable"])
     groups = groups_along(s, [dim])
     shard = local[0].shape[dim]
@@ -243,7 +272,9 @@ def _merge_sort(ctx: DeviceContext, instr: Instr, operands, s: Sharding, targets
                            num_keys, a["is_stable"])
         start = ctx.table_lookup(_half_starts(groups, partner, shard, s.num_devices))
         local = [_half(ctx, v, dim, start, shard) for v in both]
-    if _ties_need_positions(instr):
+    if given is not None:
+        local.insert(given, local.pop(a["num_keys"]))
+    elif _carries_positions(instr):
         del local[a["num_keys"]]
     return [rs.reshard(ctx, PartitionedValue(v, s, o.shape), t) for v, o, t in zip(local, instr.outputs, targets)]
 
