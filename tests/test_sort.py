@@ -291,3 +291,10 @@ def test_random_sorts(case):
 @given(sort_cases())
 def test_random_sorts_slow(case):
     _check_sort(case)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
+@given(sort_cases())
+def test_random_sorts_merged_wherever_they_can_be(monkeypatch, case):
+    monkeypatch.setattr(sort_ops, "_merge_cost", lambda *args: -1.0)
+    _check_sort(case)
