@@ -8,6 +8,7 @@ compiled HLO text, step time medians, peak memory per device).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import numpy as np
 from jax import lax
@@ -19,15 +20,25 @@ import gspmd  # noqa: E402
 ROWS, LONG = 64, 16384
 
 
-def _case(name: str, fn, *shapes) -> vs_xla.Case:
+# A device too small for the whole [ROWS * LONG] vector (and its sorted copy): 6 MiB.
+SMALL_DEVICE = dataclasses.replace(gspmd.analysis.PROFILES["tpu-v3"], name="tpu-v3 with 6 MiB",
+                                   memory_bytes=6 << 20, reserved_bytes=0)
+
+
+def _case(name: str, fn, *shapes, dtype=np.float32, hardware=None) -> vs_xla.Case:
     def inputs(n: int):
         rng = np.random.RandomState(0)
-        return tuple(rng.standard_normal(s).astype(np.float32) for s in shapes)
-    return vs_xla.Case(name, ("x",), fn, inputs, {8: (8,)})
+        return tuple((rng.standard_normal(s) * 1000).astype(dtype) for s in shapes)
+    return vs_xla.Case(name, ("x",), fn, inputs, {8: (8,)}, hardware)
 
 
 def _split_long(mesh, x):
     return gspmd.mesh_split(x, mesh, [-1, "x"])
+
+
+def _sorted_vector(mesh):
+    """A vector sorted along its split: no other dim can take the split."""
+    return lambda x: gspmd.mesh_split(jnp.sort(gspmd.mesh_split(x, mesh, ["x"])), mesh, ["x"])
 
 
 CASES = {
@@ -39,6 +50,11 @@ CASES = {
                     (ROWS, LONG)),
     "sort": _case(f"sort along the split dim of [{ROWS}, {LONG}]",
                   lambda mesh: lambda x: _split_long(mesh, jnp.sort(_split_long(mesh, x), axis=1)), (ROWS, LONG)),
+    "sort_1d": _case(f"sort of a split [{ROWS * LONG}] vector", _sorted_vector, (ROWS * LONG,)),
+    "sort_1d_small": _case(f"sort of a split [{ROWS * LONG}] vector, 6 MiB devices", _sorted_vector,
+                           (ROWS * LONG,), hardware=SMALL_DEVICE),
+    "sort_1d_int_small": _case(f"sort of a split [{ROWS * LONG}] int32 vector, 6 MiB devices", _sorted_vector,
+                               (ROWS * LONG,), dtype=np.int32, hardware=SMALL_DEVICE),
     "top_k": _case(f"top_k(k=2) along the split dim of [{ROWS}, {LONG}]",
                    lambda mesh: lambda x: lax.top_k(_split_long(mesh, x), 2), (ROWS, LONG)),
     "cond": _case(f"cond on a split [{ROWS}, {LONG}] (predicate from its sum)",

@@ -54,6 +54,7 @@ class Case:
     make_step: Callable[[gspmd.Mesh], Callable]      # the annotated step for a mesh
     inputs: Callable[[int], tuple]                    # arguments for a mesh of n devices
     mesh_shapes: dict = field(default_factory=lambda: MESHES_2D)
+    hardware: Optional[gspmd.Hardware] = None        # what our choices are priced on (None: tpu-v3)
 
 
 def _mlp() -> Case:
@@ -122,7 +123,7 @@ def _mesh(case: Case, n: int) -> gspmd.Mesh:
 # -- 8 devices: ours vs XLA --------------------------------------------------------------
 def _ours(case: Case, args):
     mesh = _mesh(case, 8)
-    low = gspmd.jit(case.make_step(mesh), mesh=mesh, backend="jax").lower(*args)
+    low = gspmd.jit(case.make_step(mesh), mesh=mesh, backend="jax", hardware=case.hardware).lower(*args)
     exe = low.jax_executable()
     placed = [jax.device_put(a, s) for a, s in zip(jax.tree_util.tree_leaves(args), exe.in_shardings)]
     return low, exe, (lambda: exe.jitted(*placed))
