@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional, Sequence
 
 import jax
@@ -148,6 +149,19 @@ class Mesh:
                     f"use 0..{self.ndim - 1} or an axis name from {self.axis_names}.")
             return int(axis)
         raise ShardingError(f"Mesh axis must be a name or an int, got {axis!r} for {self}.")
+
+    def factor_axis(self, axis, names: Sequence[str], sizes: Sequence[int]) -> "Mesh":
+        """This mesh with `axis` factored into axes `names` of `sizes` (major first), over
+        the same devices in the same order: annotations over it split a dim over a part
+        of the axis."""
+        k = self.axis_index(axis)
+        if math.prod(sizes) != self.shape[k] or len(names) != len(sizes):
+            raise ShardingError(f"Axis {self.axis_names[k]!r} of {self} has {self.shape[k]} devices, which "
+                                f"{dict(zip(names, sizes))} do not factor.")
+        shape = self.shape[:k] + tuple(sizes) + self.shape[k + 1:]
+        factored = Mesh(self.devices.reshape(shape), self.axis_names[:k] + tuple(names) + self.axis_names[k + 1:])
+        factored._jax_devices = self._jax_devices
+        return factored
 
     def _key(self):
         return (self.devices.shape, self.devices.tobytes(), self.axis_names, self._jax_devices)

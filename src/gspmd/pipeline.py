@@ -299,14 +299,45 @@ class _Pipeline:
         rest = jnp.shape(p)[1:]
         if self.in_stage_order:
             return self.split(jnp.reshape(self.split(p), (self.L, self.R) + rest))
+        if self.L % self.R == 0:
+            return self._by_stage_in_pieces(p)
         return self.split(jnp.swapaxes(jnp.reshape(self.split(p), (self.R, self.L) + rest), 0, 1))
 
     def from_stages(self, p):
         """Inverse of by_stage."""
         rest = jnp.shape(p)[2:]
+        if not self.in_stage_order and self.L % self.R == 0:
+            return self._from_stages_in_pieces(p)
         if not self.in_stage_order:
             p = jnp.swapaxes(p, 0, 1)
         return self.split(jnp.reshape(p, (self.L * self.R,) + rest))
+
+    # Where R divides L, stage s = a*(L/R) + g holds layers l = s*R + i = a*L + g*R + i of a
+    # layer-ordered stack: repeat a of stage t = g*R + i. Seen as [a, g, i], the move into
+    # stage order is one all-to-all (a's part of the stage axis moves from a onto i) and
+    # one collective-permute (devices relabelled: the holder of (g, i) is i*(L/R) + g).
+    # Written as those two steps, each one reshard the partitioner finds by itself.
+    def _pieces_mesh(self) -> Mesh:
+        """The mesh with the stage axis factored into (repeat part, group part)."""
+        return self.mesh.factor_axis(self.axis, self._pieces_axes(), (self.R, self.L // self.R))
+
+    def _pieces_axes(self) -> tuple[str, str]:
+        return f"{self.axis}/repeat", f"{self.axis}/group"
+
+    def _pieces(self, x, mapping):
+        return mesh_split(x, self._pieces_mesh(), list(mapping) + [UNSPECIFIED] * (jnp.ndim(x) - len(mapping)))
+
+    def _by_stage_in_pieces(self, p):
+        rest, (a, g) = jnp.shape(p)[1:], self._pieces_axes()
+        x = jnp.reshape(self.split(p), (self.R, self.L // self.R, self.R) + rest)    # [a, g, i]
+        x = jnp.transpose(self._pieces(x, [-1, g, a]), (1, 2, 0) + tuple(range(3, jnp.ndim(x))))
+        return self.split(jnp.reshape(x, (self.L, self.R) + rest))                   # [t = (g, i), a]
+
+    def _from_stages_in_pieces(self, p):
+        rest, (a, g) = jnp.shape(p)[2:], self._pieces_axes()
+        x = self._pieces(jnp.reshape(self.split(p), (self.L // self.R, self.R, self.R) + rest), [g, a, -1])
+        x = jnp.transpose(x, (2, 0, 1) + tuple(range(3, jnp.ndim(x))))              # [a, g, i]
+        return self.split(jnp.reshape(self._pieces(x, [a, g, -1]), (self.L * self.R,) + rest))
 
     def per_stage_buffer(self, xs):
         """[M, ...] -> [L, M, ...] split by stage: every stage holds the whole array, and
