@@ -111,9 +111,19 @@ class _Round:
 
 def _rounds(t: Transfers, num_devices: int) -> list[_Round]:
     remote, kept, colors = np.flatnonzero(t.remote), np.flatnonzero(~t.remote), t.colors
+    if len(remote) and len(kept) and _one_each(t):
+        # Devices relabelled, some in place: what they keep rides along in the permute
+        # (a device sending to itself), rather than being merged in after it by selects
+        # that hold the kept, the received and the merged value at once.
+        return [_round(t, np.arange(len(t.sender)), num_devices, local=False)]
     nth = _nth(t.receiver[kept])   # a device may keep several pieces (of several segments)
     local = [_round(t, kept[nth == k], num_devices, local=True) for k in range(nth.max(initial=-1) + 1)]
     return local + [_round(t, remote[colors == c], num_devices, local=False) for c in range(colors.max(initial=-1) + 1)]
+
+
+def _one_each(t: Transfers) -> bool:
+    """Whether every device sends at most one piece and receives at most one."""
+    return len(np.unique(t.sender)) == len(t.sender) and len(np.unique(t.receiver)) == len(t.receiver)
 
 
 def _round(t: Transfers, which: np.ndarray, num_devices: int, local: bool) -> _Round:
