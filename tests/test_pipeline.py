@@ -365,6 +365,22 @@ def test_layer_ordered_stacks_stay_split_by_stage(schedule, repeats, backends):
     assert reports[False].peak_memory_bytes - reports[True].peak_memory_bytes <= 1.05 * share
 
 
+@pytest.mark.parametrize("width", [16, 256])
+def test_circular_layer_ordered_stack_moves_by_an_all_to_all_and_a_permute(width):
+    """R = 2 divides L = 4: stage s = 2a + g holds layers 2s, 2s + 1, repeat a of stages
+    2g and 2g + 1. Into stage order (and the gradient back) that is one all-to-all and
+    one collective-permute of the stage's two layers each way, at any size: never the
+    replicate-then-slice fallback (at 16 x 16 two 'reshard fallback' all-gathers)."""
+    layers = jax.ShapeDtypeStruct((8, width, width), np.float32)
+    xs = jax.ShapeDtypeStruct((4, 4, width), np.float32)
+    report = gspmd.jit(_train_step("circular", 2), mesh=MESH).lower(layers, xs, xs).report()
+    share = 2 * width * width * 4
+    assert not [c for c in report.collectives if c.why.value == "reshard fallback"], report
+    assert "all-gather" not in report.counts(), report
+    moves = sorted(c.kind for c in report.collectives if c.bytes == share and c.kind != "all-reduce")
+    assert moves == ["all-to-all", "all-to-all", "collective-permute", "collective-permute"], report
+
+
 @pytest.mark.parametrize("schedule,repeats,microbatches", [
     ("gpipe", 1, 4), ("gpipe", 1, 8), ("circular", 2, 8), ("circular", 3, 4), ("circular", 2, 6), ("1f1b", 1, 4),
     ("1f1b", 2, 8), ("1f1b", 2, 5)])

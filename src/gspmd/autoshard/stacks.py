@@ -34,7 +34,8 @@ from gspmd.api import jit
 from gspmd.autoshard.model import Estimate
 from gspmd.frontend import mesh_split
 from gspmd.mesh import Mesh
-from gspmd.pipeline import pipeline, schedule_steps
+from gspmd.pipeline import pipeline
+from gspmd.pipeline_buffers import schedule_steps
 from gspmd.spmd import cost as cm
 
 STAGE_AXIS, DATA_AXIS = "stage", "x"
