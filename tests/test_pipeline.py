@@ -341,11 +341,12 @@ def test_scatter_axis_sends_each_devices_share_of_a_replicated_stage_output(sche
 
 
 @pytest.mark.parametrize("schedule,repeats,backends", [("circular", 2, BACKENDS), ("1f1b", 2, ("sim",)),
-                                                      ("circular", 4, ("sim",))])
+                                                      ("circular", 4, ("sim",)), ("circular", 3, ("sim",))])
 def test_layer_ordered_stacks_stay_split_by_stage(schedule, repeats, backends):
     """A layer-ordered stack, its gradient and its update are split by stage as a
-    stage-ordered one is: moved into stage order once each way (R | L: one-layer pieces;
-    L | R: an all-to-all), never gathered whole; values equal the stage-ordered run's."""
+    stage-ordered one is: moved into stage order once each way (R | L: an all-to-all and
+    a collective-permute; L | R: an all-to-all; else one-layer pieces), never gathered
+    whole at these sizes; values equal the stage-ordered run's."""
     rng = np.random.RandomState(3)
     ws, xs, ts = rand(rng, 4 * repeats, 8, 8) / 3, rand(rng, 4, 4, 8), rand(rng, 4, 4, 8)
     check(_train_step(schedule, repeats), ws, xs, ts, mesh=MESH, backends=backends)

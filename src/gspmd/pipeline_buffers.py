@@ -110,22 +110,39 @@ class StageBuffers:
         The stack is split in blocks over the stage axis. In stage order that is a local
         reshape; in layer order each stage's layers are exchanged: one all-to-all where L
         divides R, an all-to-all and a collective-permute where R divides L (below), else
-        a gather."""
+        one-layer pieces (`_in_order`)."""
         rest = jnp.shape(p)[1:]
         if self.in_stage_order:
             return self.split(jnp.reshape(self.split(p), (self.L, self.R) + rest))
         if self.L % self.R == 0:
             return self._by_stage_in_pieces(p)
-        return self.split(jnp.swapaxes(jnp.reshape(self.split(p), (self.R, self.L) + rest), 0, 1))
+        if self.R % self.L == 0:
+            return self.split(jnp.swapaxes(jnp.reshape(self.split(p), (self.R, self.L) + rest), 0, 1))
+        return self.split(jnp.reshape(self._in_order(self.split(p), _stage_major(self.L, self.R)),
+                                      (self.L, self.R) + rest))
 
     def from_stages(self, p):
         """Inverse of by_stage."""
         rest = jnp.shape(p)[2:]
-        if not self.in_stage_order and self.L % self.R == 0:
+        if self.in_stage_order:
+            return self.split(jnp.reshape(p, (self.L * self.R,) + rest))
+        if self.L % self.R == 0:
             return self._from_stages_in_pieces(p)
-        if not self.in_stage_order:
-            p = jnp.swapaxes(p, 0, 1)
-        return self.split(jnp.reshape(p, (self.L * self.R,) + rest))
+        if self.R % self.L == 0:
+            return self.split(jnp.reshape(jnp.swapaxes(p, 0, 1), (self.L * self.R,) + rest))
+        order = np.argsort(_stage_major(self.L, self.R))
+        return self.split(self._in_order(self.split(jnp.reshape(p, (self.L * self.R,) + rest)), order))
+
+    def _in_order(self, x, order):
+        """x[order] along its split leading dim, one layer a piece: the partitioner moves
+        only the layers that change device, in rounds of one-layer collective-permutes
+        (data formatting). Its gradient is the inverse reorder, not a sum of pads."""
+        @jax.custom_vjp
+        def reordered(x):
+            return _pieces_in_order(x, order)
+        reordered.defvjp(lambda x: (reordered(x), None),
+                         lambda _, ct: (self.split(_pieces_in_order(ct, np.argsort(order))),))
+        return self.split(reordered(x))
 
     # Where R divides L, stage s = a*(L/R) + g holds layers l = s*R + i = a*L + g*R + i of a
     # layer-ordered stack: repeat a of stage t = g*R + i. Seen as [a, g, i], the move into
@@ -244,3 +261,12 @@ def add_tree(a, b):
 def _leading(order: tuple[int, ...], x) -> tuple[int, ...]:
     """A transpose's permutation of x's leading dims in `order`, its other dims kept."""
     return order + tuple(range(len(order), jnp.ndim(x)))
+
+
+def _stage_major(stages: int, repeats: int) -> np.ndarray:
+    """The layer at each index of a stage-ordered stack: s*R + r holds layer r*L + s."""
+    return np.arange(stages * repeats).reshape(repeats, stages).T.ravel()
+
+
+def _pieces_in_order(x, order):
+    return jnp.concatenate([jax.lax.slice_in_dim(x, int(i), int(i) + 1) for i in order])
