@@ -302,6 +302,7 @@ def _half_starts(groups: np.ndarray, partner: np.ndarray, shard: int, num_device
 
 
 def _half(ctx: DeviceContext, x, dim: int, start, shard: int):
+    """This device's half of a merged pair: `shard` elements from `start` along dim."""
     zero = ctx.constant(0, INDEX_DTYPE)
     sizes = list(x.shape)
     sizes[dim] = shard
