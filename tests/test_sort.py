@@ -298,3 +298,11 @@ def test_random_sorts_slow(case):
 def test_random_sorts_merged_wherever_they_can_be(monkeypatch, case):
     monkeypatch.setattr(sort_ops, "_merge_cost", lambda *args: -1.0)
     _check_sort(case)
+
+
+@pytest.mark.slow
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(sort_cases())
+def test_random_sorts_merged_wherever_they_can_be_slow(monkeypatch, case):
+    monkeypatch.setattr(sort_ops, "_merge_cost", lambda *args: -1.0)
+    _check_sort(case)
