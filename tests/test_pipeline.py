@@ -366,6 +366,18 @@ def test_layer_ordered_stacks_stay_split_by_stage(schedule, repeats, backends):
     assert reports[False].peak_memory_bytes - reports[True].peak_memory_bytes <= 1.05 * share
 
 
+@pytest.mark.parametrize("schedule,repeats", [("gpipe", 1), ("circular", 2), ("circular", 3), ("circular", 4),
+                                              ("1f1b", 2), ("1f1b", 3)])
+@pytest.mark.parametrize("stage_major", [False, True])
+def test_no_schedule_reshards_by_the_fallback(schedule, repeats, stage_major):
+    """Small layers (16 x 16), where latency makes gathering cheap: whatever moves goes by
+    a planned reshard, never replicate-then-slice."""
+    layers = jax.ShapeDtypeStruct((4 * repeats, 16, 16), np.float32)
+    xs = jax.ShapeDtypeStruct((8, 4, 16), np.float32)
+    report = gspmd.jit(_train_step(schedule, repeats, stage_major), mesh=MESH).lower(layers, xs, xs).report()
+    assert not [c for c in report.collectives if c.why.value == "reshard fallback"], report
+
+
 @pytest.mark.parametrize("width", [16, 256])
 def test_circular_layer_ordered_stack_moves_by_an_all_to_all_and_a_permute(width):
     """R = 2 divides L = 4: stage s = 2a + g holds layers 2s, 2s + 1, repeat a of stages
