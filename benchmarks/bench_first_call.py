@@ -15,6 +15,12 @@ the per-pair ratios, then one sample's seconds per phase on each side.
 
     python benchmarks/bench_first_call.py [--cases 12 48 scan] [--pairs 3] [--d-model 64]
 
+Cases `lib:LIBRARY` (LIBRARY: penzai, jraph) run a library's own train step as
+tests/test_libraries.py builds it at its BENCHMARK size (issue 46: penzai's Llama-like
+transformer with its layer stack at Levanter's 4 layers, d=256, seq 128, batch 16; a jraph
+GCN), its arguments committed to their layouts on a data 2 x tensor 4 mesh, jax.jit
+taking those layouts as they are.
+
 Cases `maxtext:DECODER:scan|unrolled` (DECODER: llama2, mixtral, mixtral-dropless) run
 MaxText's own train step instead, as tests/test_maxtext.py builds it (its tiny config,
 12-axis mesh with data=2 x tensor=4, Python >= 3.12 with MaxText installed), with jax's
@@ -171,6 +177,12 @@ def first_call(case: str, side: str, d_model: int) -> float:
     """Seconds of one first call of `case` under `side` in this process."""
     if case.startswith("maxtext:"):
         return maxtext_first_call(case, side)
+    if case.startswith("lib:"):
+        step, args = library_step(case)
+        jitted = gspmd.jit(step, backend="jax") if side == "gspmd" else jax.jit(step)
+        start = time.perf_counter()
+        jax.block_until_ready(jitted(*args))
+        return time.perf_counter() - start
     cfg = config_of(case, d_model)
     args = example_inputs(cfg)
     if side == "gspmd":
@@ -186,10 +198,20 @@ def first_call(case: str, side: str, d_model: int) -> float:
         return time.perf_counter() - start
 
 
+def import_test_module(name: str):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    return __import__(name)
+
+
+def library_step(case: str) -> tuple[Callable, tuple]:
+    """A fresh train step of case `lib:LIBRARY` and its placed arguments."""
+    libraries = import_test_module("test_libraries")
+    return getattr(libraries, f"{case[4:]}_step")(libraries.BENCHMARK)
+
+
 def maxtext_first_call(case: str, side: str) -> float:
     """Seconds of one first call of MaxText's train step under `side` in this process."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-    from test_maxtext import Step
+    Step = import_test_module("test_maxtext").Step
     _, decoder, layers = case.split(":")
     step = Step(decoder, layers == "scan", tempfile.mkdtemp())
     from jax.experimental.compilation_cache import compilation_cache
@@ -219,20 +241,27 @@ def timed(phases: dict[str, float], owner, name: str, phase: str):
         setattr(owner, name, original)
 
 
-def gspmd_phases(cfg: Config) -> dict[str, float]:
-    """One first call of ours, by phase."""
-    args = example_inputs(cfg)
+def gspmd_phases(step: Callable, args: tuple) -> dict[str, float]:
+    """One first call of ours of a fresh `step`, by phase."""
     phases: dict[str, float] = {}
     with contextlib.ExitStack() as stack:
         for owner, name, phase in ((api, "_trace", "trace"), (propagation, "complete", "completion"),
                                    (api, "partition", "partition (with passes)"), (passes, "run", "passes")):
             stack.enter_context(timed(phases, owner, name, phase))
         start = time.perf_counter()
-        low = gspmd.jit(make_train_step(cfg), backend="jax").lower(*args)
+        low = gspmd.jit(step, backend="jax").lower(*args)
         phases["lower (all of the above)"] = time.perf_counter() - start
     exe = low.jax_executable()
     leaves = [jax.device_put(x, s) for x, s in zip(jax.tree_util.tree_leaves(args), exe.in_shardings)]
     _jax_phases(phases, exe.jitted, leaves)
+    return phases
+
+
+def library_jax_jit_phases(case: str) -> dict[str, float]:
+    """One first call of jax.jit's of a library's step, by phase."""
+    step, args = library_step(case)
+    phases: dict[str, float] = {}
+    _jax_phases(phases, jax.jit(step), args)
     return phases
 
 
@@ -299,10 +328,15 @@ def main() -> None:
         if case.startswith("maxtext:"):
             print_times(f"MaxText {case[8:]}", times)
             continue
-        cfg = config_of(case, args.d_model)
-        print_times(f"{cfg.layers} layers {'scanned' if cfg.scanned else 'unrolled'}, d_model {cfg.d_model}", times)
+        if case.startswith("lib:"):
+            print_times(case[4:], times)
+            phases = lambda: (gspmd_phases(*library_step(case)), library_jax_jit_phases(case))
+        else:
+            cfg = config_of(case, args.d_model)
+            print_times(f"{cfg.layers} layers {'scanned' if cfg.scanned else 'unrolled'}, d_model {cfg.d_model}", times)
+            phases = lambda: (gspmd_phases(make_train_step(cfg), example_inputs(cfg)), jax_jit_phases(cfg))
         if not args.no_phases:
-            ours, theirs = gspmd_phases(cfg), jax_jit_phases(cfg)
+            ours, theirs = phases()
             print("| phase | gspmd.jit | jax.jit |\n|---|---:|---:|")
             for phase in list(ours) + [p for p in theirs if p not in ours]:
                 fmt = lambda x: "" if x is None else (f"{x:d}" if isinstance(x, int) else f"{x:.3f} s")
