@@ -11,12 +11,14 @@ dim on "tensor". Layers are a Python loop (unrolled) or a lax.scan over stacked 
 jax.jit runs the same function with the annotations as with_sharding_constraint and our
 parameter and result layouts as in_shardings/out_shardings. Each first call runs in a
 fresh process, alternating between the two; printed are the medians and the median of
-the per-pair ratios, then one sample's seconds per phase on each side.
+the per-pair ratios, in wall-clock and in CPU seconds (the process's, all threads: on a
+machine others load, what the call itself costs), then one sample's seconds per phase
+on each side.
 
     python benchmarks/bench_first_call.py [--cases 12 48 scan] [--pairs 3] [--d-model 64]
 
 Cases `lib:LIBRARY` (LIBRARY: penzai, jraph) run a library's own train step as
-tests/test_libraries.py builds it at its BENCHMARK size (issue 46: penzai's Llama-like
+tests/test_libraries.py builds it at its BENCHMARK size (`lib:LIBRARY:small`: the tests' size) (issue 46: penzai's Llama-like
 transformer with its layer stack at Levanter's 4 layers, d=256, seq 128, batch 16; a jraph
 GCN), its arguments committed to their layouts on a data 2 x tensor 4 mesh, jax.jit
 taking those layouts as they are.
@@ -155,16 +157,17 @@ def reference_jit(fn: Callable, low: api.Lowered, args) -> Callable:
                    out_shardings=jax.tree_util.tree_unflatten(low.out_tree, exe.out_shardings))
 
 
-def fresh_first_calls(case: str, pairs: int, d_model: int) -> dict[str, list[float]]:
-    """Seconds of first calls of `case`, gspmd and jax.jit alternating, each in a fresh
-    process, as a user's first call after a change comes (within one process, jax's
-    tracing caches stay warm from call to call)."""
-    times: dict[str, list[float]] = {"gspmd": [], "jax.jit": []}
+def fresh_first_calls(case: str, pairs: int, d_model: int) -> dict[str, list[tuple[float, float]]]:
+    """Wall and CPU seconds of first calls of `case`, gspmd and jax.jit alternating, each
+    in a fresh process, as a user's first call after a change comes (within one process,
+    jax's tracing caches stay warm from call to call)."""
+    times: dict[str, list[tuple[float, float]]] = {"gspmd": [], "jax.jit": []}
     for _ in range(pairs):
         for side in times:
             out = subprocess.run([sys.executable, __file__, "--d-model", str(d_model), "--one", case, side],
                                  check=True, capture_output=True, text=True).stdout
-            times[side].append(float(out.split()[-1]))
+            wall, cpu = out.split()[-2:]
+            times[side].append((float(wall), float(cpu)))
     return times
 
 
@@ -173,29 +176,32 @@ def config_of(case: str, d_model: int) -> Config:
     return dataclasses.replace(cfg, d_model=d_model)
 
 
-def first_call(case: str, side: str, d_model: int) -> float:
-    """Seconds of one first call of `case` under `side` in this process."""
+def seconds_of(run: Callable[[], object]) -> tuple[float, float]:
+    """Wall-clock and CPU seconds (this process's, all its threads) of run() until its
+    results are ready. On a machine others load, the CPU seconds are what the call
+    itself costs; its wall-clock time also holds the waits for a core."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    jax.block_until_ready(run())
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def first_call(case: str, side: str, d_model: int) -> tuple[float, float]:
+    """Wall and CPU seconds of one first call of `case` under `side` in this process."""
     if case.startswith("maxtext:"):
         return maxtext_first_call(case, side)
     if case.startswith("lib:"):
         step, args = library_step(case)
         jitted = gspmd.jit(step, backend="jax") if side == "gspmd" else jax.jit(step)
-        start = time.perf_counter()
-        jax.block_until_ready(jitted(*args))
-        return time.perf_counter() - start
+        return seconds_of(lambda: jitted(*args))
     cfg = config_of(case, d_model)
     args = example_inputs(cfg)
     if side == "gspmd":
-        start = time.perf_counter()
-        jax.block_until_ready(gspmd.jit(make_train_step(cfg), backend="jax")(*args))
-        return time.perf_counter() - start
+        return seconds_of(lambda: gspmd.jit(make_train_step(cfg), backend="jax")(*args))
     # jax.jit gets our layouts, so our lowering runs first (it warms jax's caches of the
     # jnp functions' own traces a little, in jax.jit's favour).
     layouts = gspmd.jit(make_train_step(cfg), backend="jax").lower(*args)
     with mesh_split_as(xla.xla_constraint):
-        start = time.perf_counter()
-        jax.block_until_ready(reference_jit(make_train_step(cfg), layouts, args)(*args))
-        return time.perf_counter() - start
+        return seconds_of(lambda: reference_jit(make_train_step(cfg), layouts, args)(*args))
 
 
 def import_test_module(name: str):
@@ -204,13 +210,14 @@ def import_test_module(name: str):
 
 
 def library_step(case: str) -> tuple[Callable, tuple]:
-    """A fresh train step of case `lib:LIBRARY` and its placed arguments."""
+    """A fresh train step of case `lib:LIBRARY[:small]` and its placed arguments."""
     libraries = import_test_module("test_libraries")
-    return getattr(libraries, f"{case[4:]}_step")(libraries.BENCHMARK)
+    _, library, *small = case.split(":")
+    return getattr(libraries, f"{library}_step")(libraries.SMALL if small else libraries.BENCHMARK)
 
 
-def maxtext_first_call(case: str, side: str) -> float:
-    """Seconds of one first call of MaxText's train step under `side` in this process."""
+def maxtext_first_call(case: str, side: str) -> tuple[float, float]:
+    """Wall and CPU seconds of one first call of MaxText's train step under `side`."""
     Step = import_test_module("test_maxtext").Step
     _, decoder, layers = case.split(":")
     step = Step(decoder, layers == "scan", tempfile.mkdtemp())
@@ -218,9 +225,7 @@ def maxtext_first_call(case: str, side: str) -> float:
     jax.config.update("jax_compilation_cache_dir", None)     # MaxText's config set ~/jax_cache
     compilation_cache.reset_cache()
     jit = (lambda f, **kw: gspmd.jit(f, mesh=step.mesh, backend="jax", **kw)) if side == "gspmd" else jax.jit
-    start = time.perf_counter()
-    jax.block_until_ready(step.run(jit))
-    return time.perf_counter() - start
+    return seconds_of(lambda: step.run(jit))
 
 
 @contextlib.contextmanager
@@ -300,13 +305,15 @@ def _count_ops(text: str) -> int:
     return sum(1 for line in text.splitlines() if " = " in line and not line.lstrip().startswith(("//", "#")))
 
 
-def print_times(label: str, times: dict[str, list[float]]) -> None:
-    """Medians of both sides and of the per-pair ratios, and the pairs."""
-    ratio = statistics.median(a / b for a, b in zip(times["gspmd"], times["jax.jit"]))
-    print(f"\n### {label}: first call {statistics.median(times['gspmd']):.2f} s vs jax.jit "
-          f"{statistics.median(times['jax.jit']):.2f} s, ratio {ratio:.2f} "
-          f"(pairs {[f'{a:.2f}/{b:.2f}' for a, b in zip(times['gspmd'], times['jax.jit'])]}, "
-          f"load {os.getloadavg()[0]:.1f})", flush=True)
+def print_times(label: str, times: dict[str, list[tuple[float, float]]]) -> None:
+    """Medians of both sides and of the per-pair ratios, and the pairs: wall-clock, then
+    CPU seconds."""
+    print(f"\n### {label} (load {os.getloadavg()[0]:.1f})")
+    for k, clock in enumerate(("wall", "cpu")):
+        ours, theirs = [t[k] for t in times["gspmd"]], [t[k] for t in times["jax.jit"]]
+        ratio = statistics.median(a / b for a, b in zip(ours, theirs))
+        print(f"{clock}: first call {statistics.median(ours):.2f} s vs jax.jit {statistics.median(theirs):.2f} s, "
+              f"ratio {ratio:.2f} (pairs {[f'{a:.2f}/{b:.2f}' for a, b in zip(ours, theirs)]})", flush=True)
 
 
 def main() -> None:
@@ -319,7 +326,7 @@ def main() -> None:
     parser.add_argument("--one", nargs=2, metavar=("CASE", "SIDE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(first_call(*args.one, args.d_model))
+        print(*first_call(*args.one, args.d_model))
         return
     print(f"jax {jax.__version__}, {len(jax.devices())} {jax.devices()[0].platform} devices, "
           f"load average {os.getloadavg()[0]:.1f}")
