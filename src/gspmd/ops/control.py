@@ -27,6 +27,7 @@ from jax import numpy as jnp
 from gspmd.errors import ShardingError
 from gspmd.ir import Instr, Program, Value
 from gspmd.ir.dce import eliminate_dead_code
+from gspmd.ir.emit import concatenate, reshape, slice_dim
 from gspmd.ir.reducer import OR
 from gspmd.ops.convert import Conversion, physical_aval
 from gspmd.ops.loop_motion import (as_partial, defer_branch_reductions, defer_reductions, finish_reductions,
@@ -156,6 +157,8 @@ def _convert_scan(b: Conversion, eqn, args: list[Value]) -> list[Value]:
     ys = [b.broadcast_to(b.constant(0, dtype), (length, *shape)) for shape, dtype in y_types]
     if length == 0:   # and one that never runs it removes (its body's slices could not fit)
         return args[nconst:nconst + ncarry] + ys
+    if p.get("unroll", 1) >= length:      # unroll=True: jax.jit lowers it unrolled, so do we
+        return _unrolled_scan(b, args, nconst, ncarry, length, p["reverse"], jaxpr)
     carry = [b.constant(0, INDEX)] + args + ys
 
     def cond(sb, params):
@@ -183,6 +186,21 @@ def _convert_scan(b: Conversion, eqn, args: list[Value]) -> list[Value]:
 
     outs = emit_while(b, carry, cond, body, trip_count=length)
     return outs[1 + nconst:1 + nconst + ncarry] + outs[len(outs) - len(ys):]
+
+
+def _unrolled_scan(b: Conversion, args: list[Value], nconst: int, ncarry: int, length: int, reverse: bool,
+                   jaxpr) -> list[Value]:
+    """The body inlined once per step on static slices of the scanned inputs, its
+    per-step outputs stacked: the program jax.jit compiles for a scan it unrolls whole
+    (penzai's LayerStack scans so), with no loop of dynamic slices for XLA to compile.
+    Each step is completed and partitioned on its own, as jax.jit's partitioner does."""
+    consts, carry, xs = args[:nconst], args[nconst:nconst + ncarry], args[nconst + ncarry:]
+    ys_at: dict[int, list[Value]] = {}
+    for t in (reversed(range(length)) if reverse else range(length)):
+        x_t = [reshape(b, slice_dim(b, x, 0, t, t + 1), x.shape[1:]) for x in xs]
+        outs = b.inline(jaxpr, consts + carry + x_t)
+        carry, ys_at[t] = outs[:ncarry], [reshape(b, y, (1, *y.shape)) for y in outs[ncarry:]]
+    return carry + [concatenate(b, [ys_at[t][k] for t in range(length)], 0) for k in range(len(jaxpr.out_avals) - ncarry)]
 
 
 def _lower_while(instr, args, lc):
