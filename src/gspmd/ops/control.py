@@ -1,6 +1,7 @@
 """Control flow: `while` with cond and body sub-programs over one carried tuple
 (JAX's while_loop, fori_loop and scan all become it; scan as XLA lowers it: a counter,
-dynamic-slices of the scanned inputs, dynamic-update-slices of the stacked outputs), and
+dynamic-slices of the scanned inputs, dynamic-update-slices of the stacked outputs; a
+scan unrolled whole, `unroll=True`, as jax lowers it: its body once per step), and
 `conditional` (JAX's cond and switch): an int32 index picks one of several branch
 sub-programs, each taking the operands after the index and giving the same result types.
 
