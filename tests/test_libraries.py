@@ -2,7 +2,7 @@
 through gspmd.jit on both backends, equal to jax.jit in values and result layouts, over a
 data 2 x tensor 4 mesh whose layouts come from the arguments' committed shardings (as a
 user places them with the library's own helpers). benchmarks/bench_first_call.py times
-their first calls (cases `penzai`, `jraph`) from the builders here.
+their first calls (cases `lib:penzai`, `lib:jraph`, `:small` for this size) from the builders here.
 
 - penzai 0.2.5: its Llama-like transformer with its layer stack (`use_layer_stack`: the
   blocks under one scan), named axes placed by penzai's `name_to_name_device_put`,
