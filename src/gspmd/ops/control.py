@@ -150,16 +150,14 @@ def _convert_scan(b: Conversion, eqn, args: list[Value]) -> list[Value]:
     p = eqn.params
     (nconst, ncarry), length, jaxpr = scan_counts(p), p["length"], p["jaxpr"]
     nx = len(args) - nconst - ncarry
-    if length == 1:   # XLA's while-loop simplifier inlines a loop that runs once: so do we
-        x_0 = [b.add1("reshape", [x], x.shape[1:], x.dtype) for x in args[nconst + ncarry:]]
-        outs = b.inline(jaxpr, args[:nconst + ncarry] + x_0)
-        return outs[:ncarry] + [b.add1("reshape", [y], (1, *y.shape), y.dtype) for y in outs[ncarry:]]
+    # XLA's while-loop simplifier inlines a loop that runs once, jax's lowering unrolls a
+    # scan with unroll=True (penzai's LayerStack): so do we.
+    if 0 < length <= p.get("unroll", 1):     # (unroll >= 1: a scan of one step is always here)
+        return _unrolled_scan(b, args, nconst, ncarry, length, p["reverse"], jaxpr)
     y_types = [physical_aval(v.aval) for v in jaxpr.jaxpr.outvars[ncarry:]]
     ys = [b.broadcast_to(b.constant(0, dtype), (length, *shape)) for shape, dtype in y_types]
     if length == 0:   # and one that never runs it removes (its body's slices could not fit)
         return args[nconst:nconst + ncarry] + ys
-    if p.get("unroll", 1) >= length:      # unroll=True: jax.jit lowers it unrolled, so do we
-        return _unrolled_scan(b, args, nconst, ncarry, length, p["reverse"], jaxpr)
     carry = [b.constant(0, INDEX)] + args + ys
 
     def cond(sb, params):
