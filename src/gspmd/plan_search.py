@@ -217,14 +217,15 @@ def search(model: str, base: planning.Sizes, devices: int, hardware: Union[str, 
             queue = kept
         if not queue:
             break
-        if verified and (not clock.allows_another() or len(verified) == (max_plans or math.inf)):
-            unexplored = len(queue)
-            break
         calibration = _Calibration(verified, hw.usable_bytes)
         c = next((s for s in seeds if s in queue), None) or min(queue, key=calibration.order)
+        # (time kept for one more plan: the best's with the policies it did not try)
+        if verified and (not clock.allows(_family(c), plans=2) or len(verified) == (max_plans or math.inf)):
+            unexplored = len(queue)
+            break
         queue.remove(c)
         try:
-            with clock.timing():
+            with clock.timing(_family(c)):
                 c.plan = planning.plan_to_fit(model, c.config.sizes(base), hw, calibration.may_fit(c))
         except ShardingError:        # a configuration the recipe refuses (a split it needs even, say)
             refused += 1
@@ -241,25 +242,28 @@ def search(model: str, base: planning.Sizes, devices: int, hardware: Union[str, 
 
 class _Clock:
     """The search's time budget: another plan is started only where it would end within
-    the budget, were it to take half as long again as the longest so far (plans of
-    another family can take longer)."""
+    the budget, were it to take a fifth longer than the longest of its family so far
+    (strategy, pipelined or not), or half as long again as the longest of any where its
+    family has none (a pipeline's plans take longer)."""
 
     def __init__(self, budget_s: float):
-        self.budget_s, self.start, self.longest = budget_s, time.perf_counter(), 0.0
+        self.budget_s, self.start, self.longest = budget_s, time.perf_counter(), {}
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
 
-    def allows_another(self) -> bool:
-        return self.elapsed() + 1.5 * self.longest <= self.budget_s
+    def allows(self, family: tuple, plans: int = 1) -> bool:
+        """Whether `plans` more plans of `family` would end within the budget."""
+        guess = 1.2 * self.longest[family] if family in self.longest else 1.5 * max(self.longest.values(), default=0)
+        return self.elapsed() + plans * guess <= self.budget_s
 
     @contextlib.contextmanager
-    def timing(self):
+    def timing(self, family: tuple):
         started = time.perf_counter()
         try:
             yield
         finally:
-            self.longest = max(self.longest, time.perf_counter() - started)
+            self.longest[family] = max(self.longest.get(family, 0.0), time.perf_counter() - started)
 
 
 def _other_policies_if_faster(model: str, base: planning.Sizes, hw: Hardware, best: Candidate,
@@ -273,9 +277,9 @@ def _other_policies_if_faster(model: str, base: planning.Sizes, hw: Hardware, be
     for policy in best.policies:
         if policy in tried or planning.remat_refused(policy, sizes.schedule, sizes.repeats) is not None:
             continue
-        if not clock.allows_another():
+        if not clock.allows(_family(best)):
             return
-        with clock.timing():
+        with clock.timing(_family(best)):
             other = planning.plan(model, dataclasses.replace(sizes, remat=policy), hw)
         if other.report.fits_in_memory and other.report.step_seconds < best.step_s:
             best.plan = other
@@ -286,9 +290,11 @@ def _family(c: Candidate) -> tuple:
 
 
 class _Calibration:
-    """A candidate's estimates scaled by how far its family's fell from the plans
-    partitioned so far (the geometric mean of their ratios; all plans' where its family
-    has none yet): its step, and the bytes each remat policy's plan would hold."""
+    """A candidate's estimates scaled by how far those of the plans partitioned so far
+    nearest it fell from theirs (of its family, the geometric mean of their ratios; all
+    plans' where its family has none yet): its step, and the bytes each remat policy's
+    plan would hold. Nearest: the fewest doublings apart in mesh axes, microbatches and
+    repeats (the cost model's errors grow with a split, not across the board)."""
 
     def __init__(self, verified: list[Candidate], usable_bytes: float):
         self.usable = usable_bytes
@@ -301,8 +307,14 @@ class _Calibration:
         def mean(some: list[Candidate]) -> float:
             return math.exp(sum(math.log(ratio(c)) for c in some) / len(some)) if some else 1.0
         overall = mean(plans)
-        by_family = {f: mean([c for c in plans if _family(c) == f]) for f in {_family(c) for c in plans}}
-        return lambda c: by_family.get(_family(c), overall)
+
+        def scale(c: Candidate) -> float:
+            kin = [v for v in plans if _family(v) == _family(c)]
+            if not kin:
+                return overall
+            near = min(_doublings(c, v) for v in kin)
+            return mean([v for v in kin if _doublings(c, v) == near])
+        return scale
 
     def may_fit(self, c: Candidate) -> list:
         """The policies that may fit c, calibrated (its most recompute where none may)."""
@@ -312,6 +324,14 @@ class _Calibration:
         """Candidates expected to fit first, then by calibrated estimate."""
         fits = any(c.held[p] * self.held(c) <= self.usable for p in c.policies)
         return not fits, c.estimate_s * self.step(c)
+
+
+def _doublings(a: Candidate, b: Candidate) -> float:
+    """How many doublings apart two configurations of a family are (mesh axes,
+    microbatches, repeats)."""
+    def sizes(c: Candidate) -> tuple:
+        return (*c.config.mesh, c.config.microbatches or 1, c.config.repeats or 1)
+    return sum(abs(math.log2(x / y)) for x, y in zip(sizes(a), sizes(b)))
 
 
 def _chosen_policy(c: Candidate) -> Optional[str]:
