@@ -268,21 +268,27 @@ class _Clock:
 
 def _other_policies_if_faster(model: str, base: planning.Sizes, hw: Hardware, best: Candidate,
                               clock: _Clock) -> None:
-    """The best plan with each policy that may fit it and was not tried, where one is
-    faster (and time allows): first those recomputing less that the memory calibration
-    passed over (expectations err), then those recomputing more (recomputing an
-    element-wise op can cost less than writing it to memory and reading it back)."""
+    """The best plan with the policies it did not try, where one fits and is faster (and
+    time allows): first those recomputing less that the memory calibration passed over
+    (expectations err), the nearest first, down to the first that fits; then those
+    recomputing more (recomputing an element-wise op can cost less than writing it to
+    memory and reading it back)."""
     tried = {policy for policy, _ in best.plan.remat_tried}
+    chosen = best.policies.index(_chosen_policy(best)) if _chosen_policy(best) in best.policies else 0
     sizes = best.config.sizes(base)
-    for policy in best.policies:
-        if policy in tried or planning.remat_refused(policy, sizes.schedule, sizes.repeats) is not None:
-            continue
-        if not clock.allows(_family(best)):
-            return
-        with clock.timing(_family(best)):
-            other = planning.plan(model, dataclasses.replace(sizes, remat=policy), hw)
-        if other.report.fits_in_memory and other.report.step_seconds < best.step_s:
-            best.plan = other
+    less, more = best.policies[:chosen][::-1], best.policies[chosen + 1:]
+    for group in (less, more):
+        for policy in group:
+            if policy in tried or planning.remat_refused(policy, sizes.schedule, sizes.repeats) is not None:
+                continue
+            if not clock.allows(_family(best)):
+                return
+            with clock.timing(_family(best)):
+                other = planning.plan(model, dataclasses.replace(sizes, remat=policy), hw)
+            if other.report.fits_in_memory and other.report.step_seconds < best.step_s:
+                best.plan = other
+            if group is less and not other.report.fits_in_memory:
+                break       # recomputing less still, it would hold more
 
 
 def _family(c: Candidate) -> tuple:
