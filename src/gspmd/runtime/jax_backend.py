@@ -165,8 +165,6 @@ class Executable:
         jit = functools.partial(jax.jit, wrap(self._program), in_shardings=tuple(self.in_shardings),
                                 out_shardings=tuple(self.out_shardings), donate_argnums=tuple(donate))
         self.jitted = jit(compiler_options=self.compiler_options or None)
-        # inside a caller's trace (grad, jit, vmap) XLA's options are the outermost jit's to give
-        self._nested = jit() if self.compiler_options else self.jitted
         self._compiled = None
         self.multiprocess = jax.process_count() > 1
 
@@ -280,29 +278,35 @@ class Executable:
     def __call__(self, flat_args: Sequence) -> list[jax.Array]:
         if self.multiprocess:    # jax.jit takes no NumPy inputs for shardings spanning processes
             flat_args = self.place(flat_args) or flat_args
-        traced = any(isinstance(x, jax.core.Tracer) for x in flat_args)
+        if any(isinstance(x, jax.core.Tracer) for x in flat_args):
+            return list(self._for_traced()(*flat_args))
         try:
-            return list((self._for_traced() if traced else self.jitted)(*flat_args))
+            return list(self.jitted(*flat_args))
         except ValueError:
-            if traced:
-                return list(self._unplaced(*flat_args))
             placed = self.place(flat_args)
             if placed is None:     # not a layout mismatch
                 raise
             return list(self.jitted(*placed))
 
     @functools.cached_property
-    def _unplaced(self) -> Callable:
-        """The program for traced arguments in other layouts than its own (under grad or
-        vmap, committed arrays whose layouts jax's batching carries over as they are):
-        jitted without input layouts, so XLA moves them into the shard_map's."""
-        return jax.jit(self._wrap(self._program), out_shardings=tuple(self.out_shardings))
+    def _nested(self) -> Callable:
+        """The program inside a caller's trace (grad, jit, vmap): jitted without input or
+        output layouts, its results constrained inside instead. jax transposes a jit's
+        out_shardings into its pullback's in_shardings, which then refuse the committed
+        cotangents of an eager grad in any other layout; and jax's batching carries
+        committed arrays over in their own layouts (XLA moves them into the shard_map's).
+        XLA's options are the outermost jit's to give."""
+        program = self._wrap(self._program)
+
+        def constrained(*args):
+            return jax.lax.with_sharding_constraint(program(*args), tuple(self.out_shardings))
+        return jax.jit(constrained)
 
     def place(self, flat_args: Sequence) -> list | None:
         """The arguments with every jax.Array in another layout moved to its input
         sharding (one device_put each), and in multi-process runs every NumPy array
         made a global jax.Array from this process's shards; None if nothing moved or the
-    arguments are traced (see `_unplaced`)."""
+    arguments are traced (see `_nested`)."""
         if any(isinstance(x, jax.core.Tracer) for x in flat_args):
             return None
         moved = [not x.sharding.is_equivalent_to(s, x.ndim) if isinstance(x, jax.Array) else self.multiprocess
