@@ -258,3 +258,31 @@ def test_mirrored_reverse_moves_nothing():
     report = check(lambda x: gspmd.mesh_split(lax.rev(gspmd.mesh_split(x, mesh, ["a", -1]), (0,)), mirrored,
                                               ["a", -1]), x, mesh=mesh).report()
     assert not report.collectives, str(report)
+
+
+def _nested_dynamic_slices(x, a, b):
+    """A dynamic slice of a dynamic slice, the second start out of range (clamped)."""
+    return lax.dynamic_slice_in_dim(lax.dynamic_slice_in_dim(x, a, 4, 0), b, 3, 0)
+
+
+@pytest.mark.xfail(strict=True, reason="XLA:CPU folds the two dynamic slices into one and clamps the sum of "
+                                       "the starts against x, not against the first slice (jax 0.10.2)")
+def test_xla_clamps_nested_dynamic_slices_against_the_outer_operand():
+    """Found by the fuzzer (seed 60021 of its --families run): jax.jit gives x[3:6], eager
+    jax and the NumPy reference x[1:4]. Kept so the fuzzer's reference can be trusted
+    again for such programs when XLA is fixed."""
+    x, a, b = np.arange(6, dtype=np.float32), np.int32(0), np.int32(5)
+    np.testing.assert_array_equal(jax.jit(_nested_dynamic_slices)(x, a, b), _nested_dynamic_slices(x, a, b))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nested_dynamic_slices_clamp_each_against_its_operand(backend):
+    mesh = gspmd.Mesh(np.arange(5), ("x",))
+
+    def f(x, a, b):
+        return _nested_dynamic_slices(gspmd.mesh_split(x, mesh, ["x"]), a, b)
+
+    x = np.arange(6, dtype=np.float32)
+    for a, b in [(0, 5), (2, 1), (-1, 0)]:
+        np.testing.assert_array_equal(gspmd.jit(f, mesh=mesh, backend=backend)(x, np.int32(a), np.int32(b)),
+                                      _nested_dynamic_slices(x, np.int32(a), np.int32(b)))
