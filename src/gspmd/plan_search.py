@@ -218,7 +218,8 @@ def search(model: str, base: planning.Sizes, devices: int, hardware: Union[str, 
         if not queue:
             break
         calibration = _Calibration(verified, hw.usable_bytes)
-        c = next((s for s in seeds if s in queue), None) or min(queue, key=calibration.order)
+        c = next((s for s in seeds if s in queue), None) or _neighbour(best, queue, calibration) \
+            or min(queue, key=calibration.order)
         # (time kept for one more plan: the best's with the policies it did not try)
         if verified and (not clock.allows(_family(c), plans=2) or len(verified) == (max_plans or math.inf)):
             unexplored = len(queue)
@@ -299,14 +300,17 @@ class _Calibration:
     """A candidate's estimates scaled by how far those of the plans partitioned so far
     nearest it fell from theirs (of its family, the geometric mean of their ratios; all
     plans' where its family has none yet): its step, and the bytes each remat policy's
-    plan would hold. Nearest: the fewest doublings apart in mesh axes, microbatches and
-    repeats (the cost model's errors grow with a split, not across the board)."""
+    plan would hold (by the plans with that policy). Nearest: the fewest doublings apart in mesh axes, microbatches and
+    repeats, up to NEAR (the cost model's errors vary with a split); farther, the mean
+    of its family's."""
 
     def __init__(self, verified: list[Candidate], usable_bytes: float):
         self.usable = usable_bytes
         self.step = self._ratios(verified, lambda c: c.step_s / c.estimate_s)
-        held = [c for c in verified if _chosen_policy(c) in c.held]
-        self.held = self._ratios(held, lambda c: c.plan.report.peak_memory_bytes / c.held[_chosen_policy(c)])
+        # (per policy: what a plan holds beyond its expectation differs with what it saves)
+        self.held = {policy: self._ratios([c for c in verified if _chosen_policy(c) == policy],
+                                          lambda c: c.plan.report.peak_memory_bytes / c.held[_chosen_policy(c)])
+                     for policy in {_chosen_policy(c) for c in verified}}
 
     @staticmethod
     def _ratios(plans: list[Candidate], ratio: Callable[[Candidate], float]) -> Callable[[Candidate], float]:
@@ -316,20 +320,43 @@ class _Calibration:
 
         def scale(c: Candidate) -> float:
             kin = [v for v in plans if _family(v) == _family(c)]
-            if not kin:
-                return overall
-            near = min(_doublings(c, v) for v in kin)
-            return mean([v for v in kin if _doublings(c, v) == near])
+            near = [v for v in kin if _doublings(c, v) <= NEAR]
+            if not near:
+                return mean(kin) if kin else overall
+            nearest = min(_doublings(c, v) for v in near)
+            return mean([v for v in near if _doublings(c, v) == nearest])
         return scale
+
+    def holds(self, c: Candidate, policy: Optional[str]) -> float:
+        """The bytes c's plan with `policy` is expected to hold, calibrated by the plans
+        with that policy (uncalibrated where none has it)."""
+        return c.held[policy] * (self.held[policy](c) if policy in self.held else 1.0)
 
     def may_fit(self, c: Candidate) -> list:
         """The policies that may fit c, calibrated (its most recompute where none may)."""
-        return [p for p in c.policies if c.held[p] * self.held(c) <= self.usable] or c.policies[-1:]
+        return [p for p in c.policies if self.holds(c, p) <= self.usable] or c.policies[-1:]
 
     def order(self, c: Candidate) -> tuple:
         """Candidates expected to fit first, then by calibrated estimate."""
-        fits = any(c.held[p] * self.held(c) <= self.usable for p in c.policies)
+        fits = any(self.holds(c, p) <= self.usable for p in c.policies)
         return not fits, c.estimate_s * self.step(c)
+
+
+NEAR = 2              # doublings apart within which plans calibrate a candidate by themselves
+NEIGHBOURHOOD = 1.1   # a neighbour of the best is tried first where expected within 10% of it
+
+
+def _neighbour(best: Optional[Candidate], queue: list[Candidate], calibration: _Calibration) -> Optional[Candidate]:
+    """The best plan's nearest kin still queued (its family, one axis halved and another
+    doubled, or its microbatches or repeats doubled or halved), the most promising
+    first, where expected within NEIGHBOURHOOD of it: the estimates' errors vary with
+    the mesh's shape, so a step from the best so far is worth more than a far one
+    ranked a little better."""
+    if best is None or not best.plan.report.fits_in_memory:
+        return None
+    near = [c for c in queue if _family(c) == _family(best) and _doublings(c, best) <= 2
+            and calibration.order(c)[1] <= NEIGHBOURHOOD * best.step_s and not calibration.order(c)[0]]
+    return min(near, key=calibration.order, default=None)
 
 
 def _doublings(a: Candidate, b: Candidate) -> float:
