@@ -197,8 +197,9 @@ def search(model: str, base: planning.Sizes, devices: int, hardware: Union[str, 
     candidates = []
     for config in filter(keep, configurations(spec.defaults, base, devices)):
         bound, expected, memory, held = floor.bounds(config)
+        allowed = [p for p in policies if planning.remat_refused(p, config.schedule, config.repeats) is None]
         candidates.append(Candidate(config, bound, expected + floor.communication(config), memory,
-                                    list(policies), held))
+                                    allowed or list(policies), held))
     if not candidates:
         raise ShardingError(f"No configuration of {model} over {devices} devices: check --devices (its "
                             "factorizations) against --layers, --heads and --batch.")

@@ -132,7 +132,10 @@ def plan_to_fit(model: str, sizes: Sizes = Sizes(), hardware: Union[str, Hardwar
     was chosen, remat_tried what each tried one held; its planning time counts them all."""
     start = time.perf_counter()
     tried = []
-    for policy in [p for p in policies if remat_refused(p, sizes.schedule, sizes.repeats) is None]:
+    allowed = [p for p in policies if remat_refused(p, sizes.schedule, sizes.repeats) is None]
+    if not allowed:
+        raise ShardingError(remat_refused(policies[0], sizes.schedule, sizes.repeats))
+    for policy in allowed:
         chosen = plan(model, dataclasses.replace(sizes, remat=policy), hardware)
         tried.append((policy, int(chosen.report.peak_memory_bytes)))
         if chosen.report.fits_in_memory:
