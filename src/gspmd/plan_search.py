@@ -352,9 +352,9 @@ def _neighbour(best: Optional[Candidate], queue: list[Candidate], calibration: _
     ranked a little better."""
     if best is None or not best.plan.report.fits_in_memory:
         return None
-    near = [c for c in queue if _family(c) == _family(best) and _doublings(c, best) <= 2
-            and calibration.order(c)[1] <= NEIGHBOURHOOD * best.step_s and not calibration.order(c)[0]]
-    return min(near, key=calibration.order, default=None)
+    ranked = [(calibration.order(c), c) for c in queue if _family(c) == _family(best) and _doublings(c, best) <= 2]
+    near = [(rank, c) for rank, c in ranked if not rank[0] and rank[1] <= NEIGHBOURHOOD * best.step_s]
+    return min(near, key=lambda pair: pair[0], default=(None, None))[1]
 
 
 def _doublings(a: Candidate, b: Candidate) -> float:
