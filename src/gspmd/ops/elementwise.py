@@ -469,7 +469,8 @@ def annotate(b: Conversion, x: Value, sharding, unconstrained=(), only_named: bo
 
 
 def _sharding_constraint(b, eqn, args):
-    return [annotate(b, args[0], eqn.params["sharding"], eqn.params["unconstrained_dims"])]
+    # jax >= 0.12.1 writes unconstrained dims into the spec (P.UNCONSTRAINED), not a param
+    return [annotate(b, args[0], eqn.params["sharding"], eqn.params.get("unconstrained_dims", ()))]
 
 
 def _reshard(b, eqn, args):

@@ -259,8 +259,9 @@ def _same_key_data(b: Conversion, eqn, args: list[Value]) -> list[Value]:
 def _random_gamma(b: Conversion, eqn, args: list[Value]) -> list[Value]:
     """jax.random.gamma (beta, dirichlet): the computation JAX lowers the primitive to on
     every platform (a key per element, rejection sampling vectorized over them), inlined."""
-    from jax._src.random.core import _gamma_impl   # how JAX lowers random_gamma
-    sample = functools.partial(_gamma_impl, log_space=eqn.params["log_space"], use_vmap=True)
+    from jax._src.random import core   # how JAX lowers random_gamma (renamed in jax 0.12.1)
+    impl = getattr(core, "_gamma_impl", None) or core._gamma_impl_local
+    sample = functools.partial(impl, log_space=eqn.params["log_space"], use_vmap=True)
     closed = jax.make_jaxpr(sample)(*(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars))
     return b.inline(closed, args)
 
