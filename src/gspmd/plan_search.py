@@ -169,7 +169,12 @@ def _step_by_cause(report) -> dict[str, float]:
 
 def _remat(plan: planning.CasePlan) -> str:
     """The --remat value of a plan."""
-    return plan.case.sizes.get("remat") or "none"
+    return _policy_of(plan) or "none"
+
+
+def _policy_of(plan: planning.CasePlan) -> Optional[str]:
+    """The remat policy a plan chose (None: no rematerialization)."""
+    return plan.case.sizes.get("remat")
 
 
 def search(model: str, base: planning.Sizes, devices: int, hardware: Union[str, Hardware] = "tpu-v3",
@@ -273,7 +278,8 @@ def _other_policies_if_faster(model: str, base: planning.Sizes, hw: Hardware, be
     recomputing more (recomputing an element-wise op can cost less than writing it to
     memory and reading it back)."""
     tried = {policy for policy, _ in best.plan.remat_tried}
-    chosen = best.policies.index(_chosen_policy(best)) if _chosen_policy(best) in best.policies else 0
+    policy = _policy_of(best.plan)
+    chosen = best.policies.index(policy) if policy in best.policies else 0
     sizes = best.config.sizes(base)
     less, more = best.policies[:chosen][::-1], best.policies[chosen + 1:]
     for group in (less, more):
@@ -306,9 +312,9 @@ class _Calibration:
         self.usable = usable_bytes
         self.step = self._ratios(verified, lambda c: c.step_s / c.estimate_s)
         # (per policy: what a plan holds beyond its expectation differs with what it saves)
-        self.held = {policy: self._ratios([c for c in verified if _chosen_policy(c) == policy],
-                                          lambda c: c.plan.report.peak_memory_bytes / c.held[_chosen_policy(c)])
-                     for policy in {_chosen_policy(c) for c in verified}}
+        self.held = {policy: self._ratios([c for c in verified if _policy_of(c.plan) == policy],
+                                          lambda c: c.plan.report.peak_memory_bytes / c.held[_policy_of(c.plan)])
+                     for policy in {_policy_of(c.plan) for c in verified}}
 
     @staticmethod
     def _ratios(plans: list[Candidate], ratio: Callable[[Candidate], float]) -> Callable[[Candidate], float]:
@@ -363,10 +369,6 @@ def _doublings(a: Candidate, b: Candidate) -> float:
     def sizes(c: Candidate) -> tuple:
         return (*c.config.mesh, c.config.microbatches or 1, c.config.repeats or 1)
     return sum(abs(math.log2(x / y)) for x, y in zip(sizes(a), sizes(b)))
-
-
-def _chosen_policy(c: Candidate) -> Optional[str]:
-    return c.plan.case.sizes.get("remat")
 
 
 def _rank(c: Candidate) -> tuple:
