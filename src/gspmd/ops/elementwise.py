@@ -66,6 +66,12 @@ def _evaluate_with(fn: Callable, params: Sequence[str] = ()) -> Callable:
     return evaluate
 
 
+def _keeping_nan(fn: Callable) -> Callable:
+    """fn with NaN elements of its one operand returned as they are (the sign of a NaN
+    decides where sorts and top_k put it)."""
+    return lambda x: np.where(np.isnan(x), x, fn(x))
+
+
 def _evaluate_eagerly(lax_fn: Callable, params: Sequence[str] = ()) -> Callable:
     """The reference of ops NumPy lacks (erf, lgamma, ...): jax's own kernel, eagerly (it
     computes narrow floats as XLA does; NaN in the padding stays there)."""
@@ -98,15 +104,18 @@ def elementwise(opcode: str, numpy_fn: Optional[Callable], lax_fn: Callable, pri
                 evaluate: Optional[Callable] = None, partition: Optional[Callable] = None,
                 flops: Optional[Callable] = elementwise_flops, compute: ComputeKind = ComputeKind.MEMORY,
                 storage: Storage = Storage.ELEMENTWISE, expensive: Union[bool, Callable] = False,
-                linear: Optional[Callable] = None, facets: Optional[Facets] = None, fuses: bool = True) -> None:
+                linear: Optional[Callable] = None, facets: Optional[Facets] = None, fuses: bool = True,
+                keeps_nan: bool = False) -> None:
     """Register element-wise `opcode`: each JAX primitive in `primitives` becomes it
     (more converters in `converts`, and in `converts_keys` those that see typed PRNG keys
     as their key data), its `params` becoming attributes that numpy_fn and
     lax_fn take by name; numpy_fn None: the reference runs lax_fn eagerly (or is
     `evaluate`, a whole reference of its own). One operation per element unless `flops`
-    says otherwise."""
+    says otherwise. `keeps_nan`: XLA returns a NaN operand as it is, sign included, where
+    NumPy's kernel returns +NaN."""
     if evaluate is None:
-        evaluate = _evaluate_eagerly(lax_fn, params) if numpy_fn is None else _evaluate_with(numpy_fn, params)
+        evaluate = _evaluate_eagerly(lax_fn, params) if numpy_fn is None else \
+            _evaluate_with(_keeping_nan(numpy_fn) if keeps_nan else numpy_fn, params)
     register(opcode,
              frontend=Frontend(converts={**{p: convert_as(opcode, params) for p in primitives}, **(converts or {})},
                                converts_keys=converts_keys or {}),
@@ -262,9 +271,9 @@ elementwise("xor", np.bitwise_xor, lax.bitwise_xor, ["xor"])
 # Unary ops.
 elementwise("not", np.invert, lax.bitwise_not, ["not"])
 elementwise("negate", np.negative, lax.neg, ["neg"], linear=jointly_linear)
-elementwise("exponential", np.exp, lax.exp, ["exp"], expensive=True)
-elementwise("log", np.log, lax.log, ["log"], converts={"log2": _log2}, expensive=True)
-elementwise("tanh", np.tanh, lax.tanh, ["tanh"], expensive=True)
+elementwise("exponential", np.exp, lax.exp, ["exp"], expensive=True, keeps_nan=True)
+elementwise("log", np.log, lax.log, ["log"], converts={"log2": _log2}, expensive=True, keeps_nan=True)
+elementwise("tanh", np.tanh, lax.tanh, ["tanh"], expensive=True, keeps_nan=True)
 elementwise("logistic", _logistic, lax.logistic, ["logistic"], expensive=True)
 elementwise("rsqrt", lambda x: 1 / np.sqrt(x), lax.rsqrt, ["rsqrt"], expensive=True)
 elementwise("sqrt", np.sqrt, lax.sqrt, ["sqrt"], expensive=True)
@@ -272,8 +281,8 @@ elementwise("abs", np.abs, lax.abs, ["abs"])
 elementwise("sign", np.sign, lax.sign, ["sign"])
 elementwise("floor", np.floor, lax.floor, ["floor"])
 elementwise("ceil", np.ceil, lax.ceil, ["ceil"])
-elementwise("cosine", np.cos, lax.cos, ["cos"])
-elementwise("sine", np.sin, lax.sin, ["sin"])
+elementwise("cosine", np.cos, lax.cos, ["cos"], keeps_nan=True)
+elementwise("sine", np.sin, lax.sin, ["sin"], keeps_nan=True)
 elementwise("exponential-minus-one", np.expm1, lax.expm1, ["expm1"], expensive=True)
 elementwise("log-plus-one", np.log1p, lax.log1p, ["log1p"], expensive=True)
 elementwise("is-finite", np.isfinite, lax.is_finite, ["is_finite"])
