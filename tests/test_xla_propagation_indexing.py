@@ -4,6 +4,7 @@ the indices, the updates and the result, and the parallel gathers and scatters w
 indices are iotas. Each case is a JAX program with the annotations of the XLA test it
 is named after, asserting XLA's completed layout and that nothing moves."""
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 from util import check_priced as _run, rand
@@ -123,6 +124,26 @@ def test_parallel_gather_backward_pass_of_swapped_dims():
         return split(y, "devices=[1,4,1,1]0,2,1,3")
     low, report = _run(f, _rows(RNG, 9, 4, 8, 2, 2))
     assert low.program.params[0].sharding == xla("devices=[4,1,1,1]0,2,1,3") and report.collective_bytes == 0
+
+
+def test_parallel_gathers_and_scatters_with_iotas_made_outside_a_loop_or_branch():
+    """The iotas made once outside and read inside a fori_loop, a scan or a cond's branch
+    (jax passes them in as operands): made again inside, as XLA's while-loop constant
+    sinking does, the gathers and scatters there stay parallel: nothing moves."""
+    spec = f"devices=[8,1,1,1]{ORDER8}"
+
+    def gathers_in(loop):
+        def f(x, u):
+            rows, cols = jnp.arange(x.shape[0])[:, None], jnp.arange(x.shape[1])[None, :]
+            x, u = split(x, spec), split(u, spec)
+            return loop(lambda c: c.at[rows, cols].add(x[rows, cols] * u[rows, cols]), jnp.zeros_like(x))
+        return f
+    loops = {"fori_loop": lambda step, c: lax.fori_loop(0, 3, lambda i, c: step(c), c),
+             "scan": lambda step, c: lax.scan(lambda c, _: (step(c), None), c, None, length=3)[0],
+             "cond": lambda step, c: lax.cond(True, step, lambda c: c, c)}
+    for name, loop in loops.items():
+        low, report = _run(gathers_in(loop), _rows(RNG, 9, 8, 4, 2, 2), _rows(RNG, 9, 8, 4, 2, 2))
+        assert low.sharding_of(0) == xla(spec) and report.collective_bytes == 0, name
 
 
 def _parallel_scatter_add(x, u):

@@ -115,7 +115,8 @@ def _convert_while(b: Conversion, eqn, args: list[Value]) -> list[Value]:
     batched = bool(p["cond_jaxpr"].out_avals[0].shape)
 
     def holds(sb, params) -> Value:
-        return sb.inline(p["cond_jaxpr"], params[:nc] + params[fixed:])[0]
+        consts = [sb.invariant(a, c) for a, c in zip(args[:nc], params[:nc])]
+        return sb.inline(p["cond_jaxpr"], consts + params[fixed:])[0]
 
     def cond(sb, params):
         pred = holds(sb, params)
@@ -125,7 +126,8 @@ def _convert_while(b: Conversion, eqn, args: list[Value]) -> list[Value]:
 
     def body(sb, params):
         carry = params[fixed:]
-        stepped = sb.inline(p["body_jaxpr"], params[nc:fixed] + carry)
+        consts = [sb.invariant(a, c) for a, c in zip(args[nc:fixed], params[nc:fixed])]
+        stepped = sb.inline(p["body_jaxpr"], consts + carry)
         if batched:
             pred = holds(sb, params)
             stepped = [sb.add1("select", [sb.add1("broadcast", [pred], x.shape, np.bool_, dims=tuple(range(pred.rank))),
@@ -164,7 +166,7 @@ def _convert_scan(b: Conversion, eqn, args: list[Value]) -> list[Value]:
         return [sb.add1("compare", [params[0], sb.constant(length, INDEX)], (), np.bool_, direction="LT")]
 
     def body(sb, params):
-        i, consts = params[0], params[1:1 + nconst]
+        i, consts = params[0], [sb.invariant(a, c) for a, c in zip(args[:nconst], params[1:1 + nconst])]
         c = params[1 + nconst:1 + nconst + ncarry]
         xs = params[1 + nconst + ncarry:1 + nconst + ncarry + nx]
         bufs = params[1 + nconst + ncarry + nx:]
@@ -374,13 +376,13 @@ def _partition_conditional(ctx, instr: Instr, operands: list[PartitionedValue], 
 def _convert_cond(b: Conversion, eqn, args: list[Value]) -> list[Value]:
     """JAX's cond (lax.cond, lax.switch): the index, then the branches' operands."""
     operands = args[1:]
-    branches = tuple(b.subprogram(f"branch{k}", operands, partial(_inline_branch, jaxpr), hint="arg")
+    branches = tuple(b.subprogram(f"branch{k}", operands, partial(_inline_branch, jaxpr, operands), hint="arg")
                      for k, jaxpr in enumerate(eqn.params["branches"]))
     return b.add("conditional", args, [b.out_aval(eqn, i) for i in range(len(eqn.outvars))], branches=branches)
 
 
-def _inline_branch(jaxpr, sb: Conversion, params: list[Value]) -> list[Value]:
-    return sb.inline(jaxpr, params)
+def _inline_branch(jaxpr, operands: list[Value], sb: Conversion, params: list[Value]) -> list[Value]:
+    return sb.inline(jaxpr, [sb.invariant(a, p) for a, p in zip(operands, params)])
 
 
 def _lower_conditional(instr, args, lc):

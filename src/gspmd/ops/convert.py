@@ -16,7 +16,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from gspmd.ir import Builder, Program, Value
+from gspmd.ir import Builder, Instr, Program, Value
 from gspmd.mesh import Mesh, concrete_mesh
 
 # convert(conversion, jaxpr equation, operand values) -> result values
@@ -90,6 +90,23 @@ class Conversion(Builder):
         sub.outputs = build(sb, [sb.param(v.shape, v.dtype, hint=hint) for v in params])
         return sub
 
+    def invariant(self, outer: Value, param: Value) -> Value:
+        """What a sub-program (a loop's body or condition, a branch) reads for an operand
+        that stays the same over it (`param`, its parameter for `outer`): an index
+        expression of iotas and scalar constants (jnp.arange, its broadcasts, reshapes and
+        wraps of negative indices) made again inside, as XLA's while-loop constant sinking
+        does, so that the rules reading iotas there (parallel gathers) see one; any other
+        operand, `param`."""
+        cone = _index_expression(outer)
+        if cone is None:
+            return param
+        copies: dict[Value, Value] = {}
+        for instr in cone:
+            made = self.add(instr.opcode, [copies[v] for v in instr.operands],
+                            [(v.shape, v.dtype) for v in instr.outputs], **instr.attrs)
+            copies.update(zip(instr.outputs, made))
+        return copies[outer]
+
     def constant(self, value, dtype=None) -> Value:
         value = np.asarray(value, dtype)
         return self.add1("constant", [], value.shape, value.dtype, value=value)
@@ -105,6 +122,33 @@ class Conversion(Builder):
     def out_aval(eqn, i: int = 0) -> tuple[tuple[int, ...], np.dtype]:
         """Shape and dtype of the equation's i-th result (of its key data for keys)."""
         return physical_aval(eqn.outvars[i].aval)
+
+
+INDEX_EXPRESSION_UP_TO = 16    # instructions an index expression may take to be made again
+
+
+def _index_expression(v: Value) -> Optional[list[Instr]]:
+    """The instructions computing integer `v` from iotas and scalar constants alone, in
+    order (None: it reads anything else, has a side effect or a sub-program, or takes
+    more than INDEX_EXPRESSION_UP_TO)."""
+    cone: list[Instr] = []
+
+    def visit(v: Value) -> bool:
+        p = v.producer
+        if p is None or not (np.issubdtype(v.dtype, np.integer) or v.dtype == np.bool_):
+            return False
+        if p in cone:
+            return True
+        if p.has_side_effect or any(isinstance(x, Program) for a in p.attrs.values()
+                                    for x in (a if isinstance(a, tuple) else (a,))):
+            return False
+        if not p.operands and not (p.opcode == "iota" or (p.opcode == "constant" and v.shape == ())):
+            return False
+        if not all(visit(o) for o in p.operands) or len(cone) >= INDEX_EXPRESSION_UP_TO:
+            return False
+        cone.append(p)
+        return True
+    return cone if visit(v) else None
 
 
 @dataclass(frozen=True, eq=False)
