@@ -260,6 +260,20 @@ def test_mirrored_reverse_moves_nothing():
     assert not report.collectives, str(report)
 
 
+def test_reverse_of_a_split_dim_keeps_it_split_mirrored():
+    """With no layout asked for, a reversed split dim stays split, its device order
+    mirrored (XLA's ReverseSharding): nothing moves where the dim divides, a halo of the
+    padding's width where it does not (10 over 4: shards of 3, the padding 2)."""
+    mesh = gspmd.Mesh(np.arange(4), ("a",))
+    for rows, moved in [(12, 0), (10, 2 * 2 * 4)]:
+        x = rand(np.random.RandomState(8), rows, 2)
+        low = check(lambda x: jnp.flip(gspmd.mesh_split(x, mesh, ["a", -1]), 0) * 2, x, mesh=mesh)
+        report = low.report()
+        assert report.collective_bytes == moved and set(report.counts()) <= {"collective-permute"}, str(report)
+        assert low.sharding_of(0) == gspmd.Sharding.from_mesh(gspmd.Mesh(np.arange(4)[::-1], ("a",)), ["a", -1],
+                                                               x.shape)
+
+
 def _nested_dynamic_slices(x, a, b):
     """A dynamic slice of a dynamic slice, the second start out of range (clamped)."""
     return lax.dynamic_slice_in_dim(lax.dynamic_slice_in_dim(x, a, 4, 0), b, 3, 0)

@@ -328,6 +328,16 @@ def _reverse_factors(instr):
             for d, n in enumerate(instr.operands[0].shape)]
 
 
+def _propagate_reverse(instr, shardings, target):
+    """The other tensor's layout with its device order mirrored along the reversed dims
+    (XLA's ReverseSharding): each device then holds the elements it held before,
+    reversed, so a split reversed dim stays split and the reverse moves nothing (on an
+    uneven dim a halo, the padding having come first)."""
+    dims = instr.attrs["dims"]
+    return [Sharding(np.flip(s.tile_assignment, dims)) for t, s in enumerate(shardings)
+            if t != target and s is not None]
+
+
 def _reverse_changed_dim(instr) -> Optional[int]:
     dims = instr.attrs["dims"]
     return dims[0] if len(dims) == 1 else None
@@ -480,7 +490,8 @@ def _lower_select_and_gather_add(instr, args, lc):
 register("reverse",
          frontend=Frontend(converts={"rev": _convert_rev}),
          semantics=Semantics(evaluate=_evaluate_reverse, lower=_lower_reverse),
-         rule=Rule(factors=_reverse_factors, partition=_partition_reverse, priority=LAYOUT),
+         rule=Rule(factors=_reverse_factors, propagate=_propagate_reverse, partition=_partition_reverse,
+                   priority=LAYOUT),
          memory=Memory(storage=Storage.INDEXED),
          facets=Facets(segments=SegmentRule(_reverse_changed_dim, _reverse_segments)))
 register("reduce-window",
