@@ -21,7 +21,7 @@ from util import BANDWIDTH_BOUND, BYTES_RECEIVED, check
 
 MESH = gspmd.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
 LINE = gspmd.Mesh(np.arange(8), ("x",))
-SMALL_MESHES = [(2,), (4,), (8,), (3,), (2, 2), (2, 4), (4, 2), (3, 2), (2, 2, 2)]
+SMALL_MESHES = [(2,), (4,), (8,), (3,), (5,), (6,), (2, 2), (2, 4), (4, 2), (3, 2), (2, 2, 2)]
 SPECIAL = np.array([0.0, -0.0, 1.0, -1.0, 2.0, 0.5, np.nan, -np.nan, np.inf, -np.inf], np.float32)
 
 
@@ -109,12 +109,35 @@ def test_sort_whose_result_keeps_the_split_moves_it_there_and_back():
     assert low.sharding_of(0) == gspmd.Sharding.from_mesh(LINE, [-1, "x"], x.shape)
 
 
-def test_sort_of_a_split_vector_gathers_it():
+def test_sort_of_a_split_vector_gathers_it_and_keeps_its_result_split():
+    """No other dim can take the split: over 8 devices (30 elements: latency) one
+    gather beats 6 merge rounds; nothing asks for another layout, so each device keeps
+    its slice of the sorted vector, as the operand was split."""
     def f(x):
-        return jnp.sort(split(x, LINE, "x"))
+        return jnp.sort(split(x, LINE, "x")), jnp.argsort(split(x, LINE, "x"))
 
     low = check(f, special_values(7, 30), mesh=LINE)
-    assert low.report().counts() == {"all-gather": 1}, low.report()   # no other dim to take the split
+    report = low.report()
+    assert report.counts() == {"all-gather": 1} and not report.fallbacks, report   # argsort's iota: made whole
+    assert [c.bytes for c in report.collectives] == [32 * 4], report
+    assert low.sharding_of(0) == low.sharding_of(1) == gspmd.Sharding.from_mesh(LINE, ["x"], (30,))
+
+
+def test_sort_of_a_split_vector_merges_with_no_layout_asked_for_its_result():
+    """Where merging is the cheaper (integer keys over 12 devices, priced by the bytes
+    each receives: 10 rounds of bitonic's network, run as over 16 devices, against 11
+    shards gathered), a result nobody gives a layout stays split, merged."""
+    mesh = gspmd.Mesh(np.arange(12), ("x",))
+
+    def f(x):
+        return jnp.sort(split(x, mesh, "x"))
+
+    x = np.random.RandomState(14).randint(-9, 9, 1200).astype(np.int32)
+    low = check(f, x, mesh=mesh, hardware=BYTES_RECEIVED, backends=("sim",))
+    report = low.report()
+    assert report.counts() == {"collective-permute": 10} and not report.fallbacks, report
+    assert {c.bytes for c in report.collectives} == {100 * 4}, report
+    assert low.sharding_of(0) == gspmd.Sharding.from_mesh(mesh, ["x"], x.shape)
 
 
 def test_split_vector_whose_result_stays_split_merges_sorted_shards():
@@ -166,6 +189,16 @@ MERGE_CASES = [   # mesh shape, dims mapping, shape, op, permutes: rounds x tens
     ((4, 2), [None, 0], (3, 9), "unstable", 3 * 2),     # replicated over the other mesh dim
     ((2, 2, 2), [(0, 2), None, 1], (7, 2, 6), "argsort", 3 * 2),
     ((8,), [0], (5,), "int_pairs", 6 * 2),              # integer keys: no positions
+    # Not a power of 2: odd-even transposition (P rounds) or bitonic's network run as
+    # over the next power of 2, whichever is cheaper (3: 3 rounds either, 5: 5, 6: 6).
+    ((3,), [0], (17,), "sort", 3 * 2),                  # uneven: 6, 6, 5
+    ((5,), [0], (23,), "argsort", 5 * 2),
+    ((6,), [0], (31,), "two_keys", 6 * 4),
+    ((6,), [0], (4,), "unstable", 6 * 2),               # two shards all padding
+    ((5,), [0], (9,), "int_pairs", 5 * 2),
+    ((3, 2), [0, 1], (13, 2), "sort", 3 * 2),           # 2 columns cannot take the 3-way split
+    ((2, 3), [None, 1], (3, 10), "by_key", 3 * 3),      # values and positions carried
+    ((6,), [0], (20,), "sort_descending", 6 * 2 + 1),   # sort, then a mirrored reverse
 ]
 
 
@@ -183,8 +216,71 @@ def test_merged_sorts_equal_one_device(monkeypatch, mesh_shape, mapping, shape, 
         return jax.tree.map(lambda r: gspmd.mesh_split(r, mesh, mapping), op(gspmd.mesh_split(x, mesh, mapping), y))
 
     low = check(f, special_values(11, *shape), special_values(12, *shape), mesh=mesh)
-    kinds = low.report().counts()
-    assert kinds["collective-permute"] == permutes and "all-gather" not in kinds, low.report()
+    report = low.report()
+    kinds = report.counts()
+    assert kinds["collective-permute"] == permutes and "all-gather" not in kinds and not report.fallbacks, report
+    shard = np.prod(gspmd.Sharding.from_mesh(mesh, mapping, shape).shard_shape(shape))   # a shard's elements
+    permuted = {c.bytes for c in report.collectives if c.kind == "collective-permute"}
+    assert permuted <= {shard * n for n in (1, 2, 4)}, report
+
+
+@pytest.mark.parametrize("devices", [3, 5, 6])
+def test_sort_over_devices_not_a_power_of_2_merges_where_the_dim_would_not_fit(devices):
+    """As over 8 devices: 32 KB of floats and their sorted copy do not fit in 40 KB a
+    device, so the sorted shards merge (3, 5 and 6 rounds of the shard and its int16
+    positions), the result kept split with no layout asked for it."""
+    small = dataclasses.replace(gspmd.analysis.PROFILES["tpu-v3"], memory_bytes=40 << 10, reserved_bytes=0)
+    mesh = gspmd.Mesh(np.arange(devices), ("x",))
+
+    def f(x):
+        return jnp.sort(split(x, mesh, "x"))
+
+    x = special_values(15, 8000)
+    low = check(f, x, mesh=mesh, hardware=small)
+    report = low.report()
+    assert report.counts() == {"collective-permute": 2 * devices} and not report.fallbacks, report
+    shard = -(-8000 // devices)
+    assert sorted({c.bytes for c in report.collectives}) == [shard * 2, shard * 4], report
+    assert low.sharding_of(0) == gspmd.Sharding.from_mesh(mesh, ["x"], x.shape)
+
+
+def test_networks_sort_blocks_over_any_number_of_devices():
+    """Each network, its comparators merge-splits of blocks, sorts every input over 2
+    to 19 positions (the 0-1 principle's inputs of one element a block, and random
+    blocks with ties); bitonic's run as over the next power of 2 skips comparators
+    with the missing positions."""
+    rng = np.random.RandomState(16)
+    for p in range(2, 20):
+        bitonic, odd_even = sort_ops._networks(p)
+        assert len(odd_even) == p - (p == 2) and len(bitonic) == len(sort_ops._network_rounds(1 << (p - 1).bit_length()))
+        for rounds in (bitonic, odd_even):
+            assert all(np.array_equal(r[r], np.arange(p)) for r in rounds)   # pairs: partners of each other
+            inputs = [np.array([[(m >> i) & 1] for i in range(p)]) for m in range(1 << min(p, 10))]
+            inputs += [rng.randint(0, 4, (p, rng.randint(1, 4))) for _ in range(20)]
+            for x in inputs:
+                blocks = [np.sort(b) for b in x]
+                for partner in rounds:
+                    merged = [np.sort(np.concatenate([blocks[i], blocks[j]])) for i, j in enumerate(partner)]
+                    n = x.shape[1]
+                    blocks = [blocks[i] if j == i else m[:n] if i < j else m[n:]
+                              for i, (j, m) in enumerate(zip(partner, merged))]
+                assert np.array_equal(np.concatenate(blocks), np.sort(x.ravel())), (p, x)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.sampled_from([3, 5, 6, 7]), st.integers(1, 40),
+       st.sampled_from(["sort", "argsort", "descending", "sort_descending", "two_keys", "by_key", "unstable"]),
+       st.integers(0, 99))
+def test_random_vectors_merged_over_devices_not_a_power_of_2(monkeypatch, devices, size, name, seed):
+    """Vectors of any length (shorter than the mesh too) split over 3 to 7 devices,
+    merged, the results given no layout: equal to one device, nothing gathered."""
+    monkeypatch.setattr(sort_ops, "_merge_cost", lambda *args: -1.0)
+    mesh = gspmd.Mesh(np.random.RandomState(seed).permutation(devices), ("x",))
+    op = _sort_op(name, 0, 1)
+    low = check(lambda x, y: op(split(x, mesh, "x"), y), special_values(seed, size), special_values(seed + 1, size),
+                mesh=mesh)
+    report = low.report()
+    assert set(report.counts()) == {"collective-permute"} and not report.fallbacks, report
 
 
 def test_sort_gathers_only_the_sorted_dim_when_no_other_dim_can_take_its_split():
@@ -266,6 +362,10 @@ def _sort_op(name: str, dim: int, k: int):
         return lambda x, y: jnp.argsort(x, axis=dim, descending=True)
     if name == "two_keys":
         return lambda x, y: lax.sort((x, y, x * 2), dimension=dim, num_keys=2)
+    if name == "by_key":
+        return lambda x, y: lax.sort((x, y), dimension=dim, num_keys=1)
+    if name == "sort_descending":
+        return lambda x, y: jnp.sort(x, axis=dim, descending=True)
     if name == "top_k":
         return lambda x, y: lax.top_k(x, k, axis=dim)
     if name == "argmax":

@@ -7,13 +7,14 @@ Both sort whole dims on one device. Where the dim is split, the split moves to a
 dim (one all-to-all, uneven dims padded to whole pieces) rather than everything being
 gathered; where no other dim can take the split, that one dim is gathered, or a sort
 merges its sorted shards over the devices (rounds of collective-permutes of one shard;
-see "merge" below) where the cost model finds that cheaper or the gathered dim would not
-fit a device. A sort's
-results stay in the moved layout (propagation puts them there) unless a neighbour wants
-them back (a second all-to-all), whichever the cost model finds cheaper. A split top-k dim
-may instead keep its split: each device takes the top k of its own shard, one small
-all-gather brings every shard's k candidates together and a second top-k picks among
-them (the one that moves fewer bytes is chosen).
+see "merge" below; over any number of devices) where the cost model finds that cheaper
+or the gathered dim would not fit a device. A sort's results stay in the moved layout
+(propagation puts them there) unless a neighbour wants them back (a second all-to-all),
+whichever the cost model finds cheaper; a split no other dim can take (a vector's) stays
+on the results, merged or sliced from the gathered sort, unless a neighbour asks
+otherwise. A split top-k dim may instead keep its split: each device takes the top k of
+its own shard, one small all-gather brings every shard's k candidates together and a
+second top-k picks among them (the one that moves fewer bytes is chosen).
 
 Order, as XLA has it: `sort` compares floats after mapping -0.0 to +0.0 and every NaN to
 +NaN (-inf < ... < 0 < ... < inf < NaN; complex by real, then imaginary part), equal keys
@@ -128,19 +129,26 @@ def _space_whole_along(instr: Instr, dim: int, operands, targets, hw: cm.Hardwar
     return factors, fx.choose_space(instr, factors, operands, targets, hw, candidates=moved)
 
 
-def _split_moved_off(s: Sharding, dim: int, shape) -> Sharding:
-    """Where a sort along `dim` leaves a layout's split of it: on another dim that can
-    take it (one that is not split yet first), else nowhere (gathered)."""
-    gathered, *moved = whole_along(s, dim, shape)
-    return min(moved, key=lambda m: -sum(t > 1 for t in m.tiles), default=gathered)
-
-
 def _propagate_sort(instr: Instr, shardings: list[Optional[Sharding]], target: int) -> list[Sharding]:
     """Every tensor shares every dim, the sorted one whole: its split moves to another
     dim, so that the sort's operands arrive there by one all-to-all and its results stay
-    (where no neighbour wants them otherwise) instead of moving back."""
-    dim, shape = instr.attrs["dimension"], instr.operands[0].shape
-    return [_split_moved_off(s, dim, shape) for t, s in enumerate(shardings) if t != target and s is not None]
+    (where no neighbour wants them otherwise) instead of moving back. A split no other
+    dim can take (a vector's) stays on the results as it is, but goes neither back from
+    a result onto the operands nor onto the other operands (the rule makes them whole or
+    slices them, free, where they have none): the partition rule then merges the sorted
+    shards or gathers the dim and keeps its own slice of the results, whichever is
+    cheaper, where a gathered result would be whole on every device."""
+    dim, shape, n_in = instr.attrs["dimension"], instr.operands[0].shape, len(instr.operands)
+    proposals = []
+    for t, s in enumerate(shardings):
+        if t == target or s is None:
+            continue
+        gathered, *moved = whole_along(s, dim, shape)
+        if s.tiles[dim] > 1 and not moved and target >= n_in:
+            proposals.append(s)
+        else:
+            proposals.append(min(moved, key=lambda m: -sum(n > 1 for n in m.tiles), default=gathered))
+    return proposals
 
 
 def _partition_sort(ctx, instr: Instr, operands, targets) -> list[PartitionedValue]:
@@ -168,11 +176,20 @@ def _fits(instr: Instr, space: Sharding, hw: cm.Hardware) -> bool:
 # merge-splits (Baudet & Stevenson: any sorting network sorts blocks so): two partners
 # swap their shards (one collective-permute), sort the two together and keep the low
 # or the high half. No device ever holds more than two shards and shapes stay static.
-# Bitonic's network, in the form whose comparators all keep the low half on the lower
-# position, takes log P (log P + 1) / 2 rounds of one shard each: over P = 8 devices 6
-# shards' bytes against the 7 a gather takes (P a power of 2; other P gather).
+# Two networks, the cheaper on the hardware chosen (their rounds priced as the permutes
+# they are):
+# - Bitonic's, in the form whose comparators all keep the low half on the lower
+#   position: log P (log P + 1) / 2 rounds of one shard each (over P = 8 devices 6
+#   shards' bytes against the 7 a gather takes). Where P is not a power of 2 it runs as
+#   over the next power of 2, the missing positions holding blocks that sort after
+#   everything: a comparator of a real block with such a block leaves both as they are
+#   (it keeps the low half on the lower position, the real one), so it is skipped and
+#   its device sits the round out.
+# - Odd-even transposition: P rounds, neighbours merged in turn at even and odd
+#   positions, each partner one step away; as few rounds as the padded bitonic network
+#   over 3 or 6 devices, fewer over 5 (5 against 6) or 9 (9 against 10).
 def _network_rounds(p: int) -> list[np.ndarray]:
-    """Each round's partner of every position 0..p-1 (p a power of 2)."""
+    """Each round's partner of every position 0..p-1 in bitonic's network (p a power of 2)."""
     pos, rounds, k = np.arange(p), [], 2
     while k <= p:
         rounds.append(pos ^ (k - 1))                  # mirror within each block of k
@@ -185,11 +202,48 @@ def _halvings(j: int) -> list[int]:
     return [j >> i for i in range(j.bit_length())]
 
 
+def _bitonic(p: int) -> list[np.ndarray]:
+    """Bitonic's rounds over p positions, as over the next power of 2 (a partner past
+    p: the position sits the round out, its partner itself)."""
+    pos = np.arange(p)
+    rounds = [np.where(partner[:p] < p, partner[:p], pos) for partner in _network_rounds(1 << (p - 1).bit_length())]
+    return [r for r in rounds if np.any(r != pos)]
+
+
+def _odd_even(p: int) -> list[np.ndarray]:
+    """Odd-even transposition's p rounds: (i, i + 1) for i even, then odd, and so on."""
+    pos, rounds = np.arange(p), []
+    for r in range(p):
+        lower = pos % 2 == r % 2
+        partner = np.where(lower, pos + 1, pos - 1)
+        rounds.append(np.where((partner >= 0) & (partner < p), partner, pos))
+    return [r for r in rounds if np.any(r != pos)]
+
+
+def _networks(p: int) -> list[list[np.ndarray]]:
+    return [_bitonic(p), _odd_even(p)]
+
+
+def _network(s: Sharding, instr: Instr, hw: cm.Hardware) -> tuple[cm.Cost, list[np.ndarray]]:
+    """The cheaper network over the devices splitting the sorted dim, and what its
+    rounds' permutes cost: one per round per tensor carried, each of one shard."""
+    shard = math.prod(s.shard_shape(instr.operands[0].shape))
+    itemsizes = [o.dtype.itemsize for o in instr.operands]
+    if _carries_positions(instr):
+        itemsizes.append(_position_dtype(s, instr).itemsize)
+    groups = groups_along(s, [instr.attrs["dimension"]])
+
+    def cost(rounds: list[np.ndarray]) -> cm.Cost:
+        return cm.add_costs(*(cm.collective_seconds(cm.Pattern.PERMUTE, shard * size, _pairs(groups, partner),
+                                                    s.num_devices, hw)
+                              for partner in rounds for size in itemsizes))
+    return min(((cost(n), n) for n in _networks(groups.shape[1])), key=lambda c: (cm.rounded(c[0]), len(c[1])))
+
+
 def _merge_layouts(instr: Instr, operands) -> list[Sharding]:
-    """The operands' layouts a merge can run in: the sorted dim split a power of 2 ways."""
+    """The operands' layouts a merge can run in: those splitting the sorted dim."""
     dim = instr.attrs["dimension"]
-    splits = {o.sharding for o in operands if o.sharding.tiles[dim] > 1}
-    return sorted((s for s in splits if s.tiles[dim] & (s.tiles[dim] - 1) == 0), key=Sharding.order_key)
+    return sorted({o.sharding for o in operands if o.sharding.tiles[dim] > 1}, key=Sharding.order_key)
 
 
 def _ties_need_positions(instr: Instr) -> bool:
@@ -222,22 +276,18 @@ def _position_dtype(s: Sharding, instr: Instr) -> np.dtype:
 
 
 def _merge_cost(instr: Instr, operands, s: Sharding, targets, hw: cm.Hardware) -> cm.Cost:
-    """Operands to `s`, one permute per round per tensor carried, results to targets."""
-    shard = math.prod(s.shard_shape(instr.operands[0].shape))
-    itemsizes = [o.dtype.itemsize for o in instr.operands]
-    if _carries_positions(instr):
-        itemsizes.append(_position_dtype(s, instr).itemsize)
-    groups = groups_along(s, [instr.attrs["dimension"]])
-    rounds = [cm.collective_seconds(cm.Pattern.PERMUTE, shard * size, _pairs(groups, partner), s.num_devices, hw)
-              for partner in _network_rounds(groups.shape[1]) for size in itemsizes]
+    """Operands to `s`, the network's rounds, results to targets."""
+    rounds, _ = _network(s, instr, hw)
     costs = [rs.cost(o.sharding, s, o.shape, o.dtype.itemsize, hw) for o in operands]
     costs += [rs.cost(s, t, o.shape, o.dtype.itemsize, hw) for o, t in zip(instr.outputs, targets)]
-    return cm.add_costs(*rounds, *costs)
+    return cm.add_costs(rounds, *costs)
 
 
 def _pairs(groups: np.ndarray, partner: np.ndarray) -> np.ndarray:
-    """(source, target) device pairs: every member sends to its partner in its group."""
-    return np.stack([groups, groups[:, partner]], axis=-1).reshape(-1, 2)
+    """(source, target) device pairs: every member sends to its partner in its group
+    (none where the partner is itself: it sits the round out)."""
+    moving = partner != np.arange(len(partner))
+    return np.stack([groups[:, moving], groups[:, partner[moving]]], axis=-1).reshape(-1, 2)
 
 
 def _last_in_sort(dtype) -> np.ndarray:
@@ -265,13 +315,13 @@ def _merge_sort(ctx: DeviceContext, instr: Instr, operands, s: Sharding, targets
     local = _sort_local(ctx, [c.local for c in carried], dim, num_keys, a["is_stable"])
     groups = groups_along(s, [dim])
     shard = local[0].shape[dim]
-    for partner in _network_rounds(groups.shape[1]):
+    for partner in _network(s, instr, ctx.hardware)[1]:
         pairs = _pairs(groups, partner)
         theirs = [ctx.collective_permute(v, pairs, Why.PARTIAL_RESULTS, "sorted shards merged") for v in local]
         both = _sort_local(ctx, [emit.concatenate(ctx.b, [v, t], dim) for v, t in zip(local, theirs)], dim,
                            num_keys, a["is_stable"])
         start = ctx.table_lookup(_half_starts(groups, partner, shard, s.num_devices))
-        local = [_half(ctx, v, dim, start, shard) for v in both]
+        local = _kept(ctx, groups, partner, s.num_devices, local, [_half(ctx, v, dim, start, shard) for v in both])
     if given is not None:
         local.insert(given, local.pop(a["num_keys"]))
     elif _carries_positions(instr):
@@ -297,8 +347,20 @@ def _sort_local(ctx: DeviceContext, values, dim: int, num_keys: int, is_stable: 
 def _half_starts(groups: np.ndarray, partner: np.ndarray, shard: int, num_devices: int) -> np.ndarray:
     """Where each device's half of a merged pair starts: the lower position keeps the low."""
     starts = np.zeros(num_devices, np.int64)
-    starts[groups] = np.where(np.arange(groups.shape[1]) < partner, 0, shard)
+    starts[groups] = np.where(np.arange(groups.shape[1]) <= partner, 0, shard)   # idle: its own, first
     return starts
+
+
+def _kept(ctx: DeviceContext, groups: np.ndarray, partner: np.ndarray, num_devices: int, mine: list,
+          merged: list) -> list:
+    """The merged halves, or on a device that sat the round out its own shard again."""
+    idle = partner == np.arange(len(partner))
+    if not idle.any():
+        return merged
+    flags = np.zeros(num_devices, np.int64)
+    flags[groups] = idle
+    sits_out = emit.compare(ctx.b, ctx.table_lookup(flags), ctx.constant(0, INDEX_DTYPE), "NE")
+    return [emit.select(ctx.b, emit.broadcast(ctx.b, sits_out, v.shape), v, m) for v, m in zip(mine, merged)]
 
 
 def _half(ctx: DeviceContext, x, dim: int, start, shard: int):
