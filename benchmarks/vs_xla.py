@@ -20,6 +20,7 @@ partitioner given the same shardings.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -117,7 +118,8 @@ def available_cases() -> dict[str, Case]:
 
 
 def _mesh(case: Case, n: int) -> gspmd.Mesh:
-    return gspmd.Mesh(np.arange(n).reshape(case.mesh_shapes[n]), case.axes)
+    shape = case.mesh_shapes[n]   # over the first of the n devices where it holds fewer
+    return gspmd.Mesh(np.arange(math.prod(shape)).reshape(shape), case.axes)
 
 
 # -- 8 devices: ours vs XLA --------------------------------------------------------------
@@ -178,7 +180,8 @@ def compare(case: Case, repeats: int) -> None:
     xla_bytes = hlo_collective_bytes(xla.as_text())
     times, cpu = _step_times({"ours": run_ours, "xla": run_xla}, repeats)
     diff = _max_difference(exe(jax.tree_util.tree_leaves(args)), jax.tree_util.tree_leaves(run_xla()))
-    print(f"\n## {case.name} (8 devices, mesh {case.mesh_shapes[8]}; max |ours - XLA| = {diff:.1e})")
+    shape = case.mesh_shapes[8]
+    print(f"\n## {case.name} ({math.prod(shape)} devices, mesh {shape}; max |ours - XLA| = {diff:.1e})")
     print("| | gspmd | XLA | ratio |\n|---|---:|---:|---:|")
     _row("collective bytes / device", sum(ours_bytes.values()), sum(xla_bytes.values()))
     for kind in sorted(set(ours_bytes) | set(xla_bytes)):
