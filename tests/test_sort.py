@@ -2,8 +2,8 @@
 -0.0 and ties ordered as XLA orders them), local along whole dims, and along a split dim
 an all-to-all there and back (or, for top-k, a small gather of k candidates per shard)
 instead of gathering the tensor; where no other dim can take the split, sorted shards
-merged over the devices (rounds of collective-permutes) where that is cheaper or the
-whole dim would not fit a device."""
+merged over the devices, however many (rounds of collective-permutes), where that is
+cheaper or the whole dim would not fit a device, the results keeping the split."""
 import dataclasses
 
 import jax
