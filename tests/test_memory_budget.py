@@ -85,8 +85,8 @@ def test_paper_scale_2d_transformer_keeps_long_lived_tensors_sharded_under_tpu_m
     peak, shared_peak = tight.report().peak_memory_bytes, shared.report().peak_memory_bytes
     assert peak < 0.4 * shared_peak
     assert sum(_gathers_held_idle_at_peak(shared)) > 0.4 * shared_peak
-    # no gathered activation (2 GiB each) is held idle at the peak: only weights' gathers (8-32 MiB)
-    assert max(_gathers_held_idle_at_peak(tight)) <= 32 * 2 ** 20
+    # no gathered activation (2 GiB each) is held idle at the peak: weights' gathers (8-32 MiB) at most
+    assert max(_gathers_held_idle_at_peak(tight), default=0) <= 32 * 2 ** 20
 
 
 @pytest.mark.parametrize("limit", [0, -5, 1.5, "16GB"])

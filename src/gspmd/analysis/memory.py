@@ -257,7 +257,8 @@ def _steps(program: Program, kernel_scratch: bool) -> tuple[list[_Step], dict[Va
             operands[index].sharding = v.sharding
             steps.append(_Step(None, [v], [operands[index]], Storage.REPEATED if n > 1 else Storage.ELEMENTWISE,
                                False, f"{n} masked copies of %{v.name} for {made_by(instr)}", source=instr.source))
-        for index, wanted in enumerate(kernel.operands if kernel else ()):
+        wants = () if kernel is None else kernel.cpu_operands if kernel_scratch and kernel.cpu_operands else kernel.operands
+        for index, wanted in enumerate(wants):
             v = operands[index]
             if index in expanded or wanted is None or any(same_order(v.shape, stored.get(v), w) for w in wanted):
                 continue

@@ -88,10 +88,14 @@ def _lower_dot(instr, args, lc):
 
 
 def _layout(instr) -> KernelOrders:
-    """XLA's CPU matmuls read row-major operands whose dims run [batch, free,
-    contracting] or [batch, contracting, free]; another operand is transposed into the
-    first (lhs) or the second (rhs) first."""
-    a, wanted = instr.attrs, []
+    """XLA's matmuls read row-major operands whose dims run [batch, free, contracting]
+    or [batch, contracting, free]; another operand is transposed into the first (lhs) or
+    the second (rhs) first. XLA:CPU reads them in place only where the dot is canonical,
+    each operand with its batch dims leading, one contracting dim and at most one free
+    dim (size-1 dims counted); otherwise its DotDecomposer transposes both, the lhs into
+    [batch, free, contracting] and the rhs into [batch, contracting, free] (a copy
+    unless only size-1 dims move)."""
+    a, wanted, dims = instr.attrs, [], []
     for index, (batch, contracting) in enumerate([(a["lhs_batch"], a["lhs_contracting"]),
                                                   (a["rhs_batch"], a["rhs_contracting"])]):
         x = instr.operands[index]
@@ -99,7 +103,17 @@ def _layout(instr) -> KernelOrders:
         orders = [(*batch, *free, *contracting), (*batch, *contracting, *free)]
         row_major = tuple(range(x.rank))
         wanted.append((row_major,) if any(same_order(x.shape, row_major, o) for o in orders) else (orders[index],))
-    return KernelOrders(tuple(wanted))
+        dims.append((tuple(batch), tuple(contracting), tuple(free), orders[index], row_major))
+    if all(_canonical(b, c, f) for b, c, f, _, _ in dims):
+        cpu = tuple((row_major,) for *_, row_major in dims)
+    else:
+        cpu = tuple((decomposed,) for *_, decomposed, _ in dims)
+    return KernelOrders(tuple(wanted), cpu_operands=cpu)
+
+
+def _canonical(batch, contracting, free) -> bool:
+    """Whether XLA's DotDecomposer leaves a dot operand with these dims as it is."""
+    return len(contracting) == 1 and len(free) <= 1 and tuple(batch) == tuple(range(len(batch)))
 
 
 register("dot",
@@ -285,10 +299,26 @@ def _expanded_ragged_operands(instr) -> dict[int, int]:
     return {0: instr.outputs[0].shape[0], 1: instr.outputs[0].shape[0]}
 
 
+def _ragged_layout(instr) -> KernelOrders:
+    """Off TPU, JAX's dense product over the masked copies (written in the order the
+    kernel wants) contracts the groups along with the contracting dims where the ragged
+    dim is free: XLA:CPU's DotDecomposer transposes the weights into [batch, contracting,
+    group, free] first (no copy where that is their order)."""
+    a = instr.attrs
+    cpu: list = [None] * len(instr.operands)
+    if a["rhs_group"] is not None:
+        rhs = instr.operands[1]
+        contracting = (*a["rhs_contracting"], a["rhs_group"])
+        free = tuple(d for d in range(rhs.rank) if d not in a["rhs_batch"] and d not in contracting)
+        cpu[1] = ((*a["rhs_batch"], *contracting, *free),)
+    return KernelOrders((None,) * len(instr.operands), cpu_operands=tuple(cpu))
+
+
 register("ragged-dot",
          frontend=Frontend(converts={"ragged_dot_general": _convert_ragged_dot}),
          semantics=Semantics(evaluate=_evaluate_ragged_dot, lower=_lower_ragged_dot),
          rule=Rule(factors=_ragged_dot_factors, partition=_partition_ragged_dot, priority=CONTRACTION),
          timing=Timing(flops=_ragged_dot_flops, compute=ComputeKind.MATMUL),
          memory=Memory(expanded=_expanded_ragged_operands),
+         kernel=Kernel(orders=_ragged_layout),
          rewrites=Rewrites(linear=linear_in((0,), (1,))))

@@ -251,6 +251,9 @@ class KernelOrders:
     the first, once for every op that wants that order), and the order it writes."""
     operands: tuple[Optional[tuple[Order, ...]], ...]
     result: Optional[Order] = None    # None: row-major
+    # XLA:CPU's, where it expands the kernel into copies and a simpler kernel (a dot that
+    # its DotDecomposer canonicalizes); None: `operands`
+    cpu_operands: Optional[tuple[Optional[tuple[Order, ...]], ...]] = None
 
 
 def same_order(shape: Sequence[int], stored: Optional[Order], wanted: Order) -> bool:
