@@ -9,10 +9,13 @@ What the model follows (each op's record in ops/ says how the op stores its resu
   ones (transcendentals, reductions) fuse only into one user that reads each element once.
 - Kernel layouts: where a kernel wants an operand laid out otherwise (a batched dot's
   batch dims leading, a convolution's channels last, a collective's dim outermost), a
-  transposed copy is made, once for all instructions that want it; some kernels hold
-  scratch while they run (an all-to-all's per-destination pieces). XLA:CPU runs a
+  transposed copy is made, once for all instructions that want it (XLA:CPU transposes
+  both operands of a dot that is not canonical: several contracting or free dims); some
+  kernels hold scratch while they run (an all-to-all's per-destination pieces). XLA:CPU runs a
   grouped matmul as a dense product over masked per-group copies of an operand, which
   a loop fusion writes right before it (its element-wise producers fused into it).
+- Combined all-reduces: XLA:CPU runs independent all-reduces of one kind as one, which
+  holds all their operands until the last is ready and all their results from then on.
 - Order: XLA's memory scheduler (depth first from the results, operands feeding the
   most reused values first). XLA:CPU's default concurrency scheduler (breadth first)
   holds more; accelerators schedule for memory.
@@ -191,8 +194,10 @@ def profile(program: Program, aliases: Mapping[int, int] = {}, entry: bool = Tru
     """Buffers of the per-device `program` step by step. `aliases` maps a parameter's
     index to the index of the result that reuses its buffer (donated arguments, loop
     carries). `entry`: the executable's own program, whose results get allocations of
-    their own (a loop body's results are its carry). `kernel_scratch`: count the scratch
-    of kernels XLA:CPU expands (gspmd.Hardware.kernel_scratch; accelerators have none).
+    their own (a loop body's results are its carry). `kernel_scratch`: XLA:CPU's program
+    (gspmd.Hardware.kernel_scratch; accelerators have none): count the scratch of the
+    kernels it expands, the copies its dot canonicalization makes, and combine its
+    all-reduces.
     `breadth_first`: in the order of XLA:CPU's default scheduler (analysis/schedule.py),
     else in that of the memory-minimizing one."""
     return _Liveness(program, dict(aliases), entry, kernel_scratch, breadth_first).run()
@@ -232,6 +237,7 @@ class _Step:
     origin: str
     scratch: int = 0
     source: str = ""   # the user's line (a layout copy: its reader's)
+    combined: tuple = ()   # the further instructions it runs (all-reduces XLA:CPU combines)
 
     @property
     def name(self) -> str:
@@ -275,6 +281,85 @@ def _steps(program: Program, kernel_scratch: bool) -> tuple[list[_Step], dict[Va
         if kernel is not None and kernel.result is not None:
             stored.update((out, kernel.result) for out in instr.outputs)
     return steps, stored
+
+
+def _combine_all_reduces(steps: list[_Step]) -> list[_Step]:
+    """XLA:CPU's all-reduce combiner: all-reduces over the same groups with the same
+    reducer and dtype, none of which reads another's result, run as one (no size limit,
+    at most 256), which holds all their operands until the last is ready and all their
+    results from then on. As XLA, greedily in program order: each group starts at the
+    first all-reduce left and takes the next ones of its kind until one reads (through
+    any path) an all-reduce in it."""
+    def kind(step: _Step):
+        i = step.instr
+        if i is None or i.opcode != "all-reduce" or len(step.operands) != 1 or len(step.outputs) != 1:
+            return None
+        return repr(i.attrs.get("groups")), i.attrs.get("reducer"), step.outputs[0].dtype
+
+    left = [s for s in steps if kind(s) is not None]
+    while len(left) > 1:
+        behind = _all_reduces_behind(steps, {id(s) for s in left})
+        group = [left[0]]
+        for step in left[1:]:
+            if len(group) >= 256:
+                break
+            if kind(step) != kind(group[0]):
+                continue
+            if behind[id(step)] & {id(g) for g in group}:
+                break
+            group.append(step)
+        left = [s for s in left if all(s is not g for g in group)]
+        if len(group) > 1:
+            first = group[0]
+            merged = dataclasses.replace(first, operands=[v for g in group for v in g.operands],
+                                         outputs=[v for g in group for v in g.outputs],
+                                         scratch=sum(g.scratch for g in group),
+                                         combined=tuple(g.instr for g in group[1:]))
+            merged.origin = f"{first.origin} (combined with {len(group) - 1} more all-reduces)"
+            members = {id(g) for g in group}
+            steps = _topological([merged if s is first else s for s in steps
+                                  if id(s) not in members or s is first])
+    return steps
+
+
+def _all_reduces_behind(steps: list[_Step], wanted: set[int]) -> dict[int, set[int]]:
+    """For each step, the steps in `wanted` that it reads through some path."""
+    producer = {o: s for s in steps for o in s.outputs}
+    behind: dict[int, set[int]] = {}
+    for step in _topological(steps):
+        acc: set[int] = set()
+        for v in step.operands:
+            p = producer.get(v)
+            if p is not None and id(p) in behind:
+                acc |= behind[id(p)]
+                if id(p) in wanted:
+                    acc.add(id(p))
+        behind[id(step)] = acc
+    return behind
+
+
+def _topological(steps: list[_Step]) -> list[_Step]:
+    """`steps` in an order where each comes after the steps it reads, otherwise as given."""
+    import heapq
+    producer = {o: s for s in steps for o in s.outputs}
+    index = {id(s): i for i, s in enumerate(steps)}
+    waits = {id(s): len({id(producer[v]) for v in s.operands if v in producer and producer[v] is not s})
+             for s in steps}
+    readers: dict[int, list[_Step]] = {}
+    for s in steps:
+        for p in {id(producer[v]) for v in s.operands if v in producer and producer[v] is not s}:
+            readers.setdefault(p, []).append(s)
+    ready = [index[id(s)] for s in steps if not waits[id(s)]]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        step = steps[heapq.heappop(ready)]
+        order.append(step)
+        for r in readers.get(id(step), ()):
+            waits[id(r)] -= 1
+            if not waits[id(r)]:
+                heapq.heappush(ready, index[id(r)])
+    return order + [s for s in steps if all(s is not o for o in order)]
 
 
 def _fused(steps: list[_Step], results: set[Value]) -> set[Value]:
@@ -326,6 +411,8 @@ class _Liveness:
         self.program, self.aliases, self.entry, self.kernel_scratch = program, aliases, entry, kernel_scratch
         self.breadth_first = breadth_first
         every, self.stored = _steps(program, kernel_scratch)
+        if kernel_scratch:
+            every = _combine_all_reduces(every)
         self.results = set(program.outputs)
         self.fused = _fused(every, self.results)
         self.producer = {o: step for step in every for o in step.outputs}
@@ -505,8 +592,8 @@ class _Liveness:
                 if id(computed) in seen:
                     continue
                 seen.add(id(computed))
-                if computed.instr is not None:
-                    at.setdefault(id(computed.instr), s)
+                for instr in (computed.instr, *computed.combined) if computed.instr is not None else ():
+                    at.setdefault(id(instr), s)
                 pending += [self.producer[v] for v in computed.operands if v in self.fused]
         return at
 

@@ -159,8 +159,10 @@ class Hardware:
     # the (8, 32) mesh ~30% fast). Other profiles share it.
     overlap: float = 0.4
     # The compiler expands some kernels into steps that hold scratch memory: XLA:CPU runs
-    # select-and-scatter as iotas, a reduce-window and a scatter, and an all-to-all
-    # through per-destination pieces. Accelerators run each as one kernel.
+    # select-and-scatter as iotas, a reduce-window and a scatter, an all-to-all through
+    # per-destination pieces, and a dot that is not canonical after transposing both
+    # operands; and it combines independent all-reduces into one. Accelerators run each
+    # as one kernel (the memory model leaves their all-reduces apart).
     kernel_scratch: bool = False
     # The compiler recomputes values to fit a program in memory (XLA's rematerialization
     # pass on accelerators, given the device's memory); XLA:CPU has no memory limit.
