@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import heapq
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
@@ -340,7 +341,6 @@ def _all_reduces_behind(steps: list[_Step], wanted: set[int]) -> dict[int, set[i
 
 def _topological(steps: list[_Step]) -> list[_Step]:
     """`steps` in an order where each comes after the steps it reads, otherwise as given."""
-    import heapq
     producer = {o: s for s in steps for o in s.outputs}
     index = {id(s): i for i, s in enumerate(steps)}
     waits = {id(s): len({id(producer[v]) for v in s.operands if v in producer and producer[v] is not s})
