@@ -281,3 +281,12 @@ def test_cli_memory_lists_the_peak_and_plots(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "largest buffers held at the peak" in text and "argument" in text
     assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_xla_cpu_stores_a_concatenate_of_more_than_eight_operands():
+    """XLA:CPU fuses no concatenate of more than 8 operands into its reader."""
+    def stored(n):
+        low = gspmd.jit(lambda *xs: jnp.concatenate(xs, axis=0) * 2.0).lower(*[spec(2, 8)] * n)
+        value = next(i.output for i in low.spmd.instrs if i.opcode == "concatenate")
+        return value not in low.report().memory.fused
+    assert stored(9) and not stored(8)

@@ -362,19 +362,28 @@ def _topological(steps: list[_Step]) -> list[_Step]:
     return order + [s for s in steps if all(s is not o for o in order)]
 
 
-def _fused(steps: list[_Step], results: set[Value]) -> set[Value]:
-    """Values XLA's loop fusion computes inside their users instead of storing."""
+def _fused(steps: list[_Step], results: set[Value], cpu: bool = False) -> set[Value]:
+    """Values XLA's loop fusion computes inside their users instead of storing (`cpu`:
+    as XLA:CPU's, which fuses no concatenate of more than 8 operands).
+
+    Not followed: XLA:CPU also fuses a concatenate into one fusion only (read by two, it
+    stores it; measured, benchmarks/RESULTS.md issue 45): with that, the U-Net's BFS
+    report comes within 3% of XLA's but its memory-minimizing one 15% over."""
     readers: dict[Value, list[_Step]] = {}
     for step in steps:
         for v in step.operands:
             readers.setdefault(v, []).append(step)
+    def fusible(step: _Step) -> bool:   # XLA:CPU fuses no concatenate of more than 8 operands
+        return step.storage in FUSIBLE and not (cpu and step.instr is not None and step.instr.opcode == "concatenate"
+                                                and len(step.operands) > 8)
+
     fused: set[Value] = set()
     for step in steps:
-        if step.storage not in FUSIBLE:
+        if not fusible(step):
             continue
         for v in step.outputs:   # several: threefry's two words, each fused where it is read
             users = readers.get(v, [])
-            if v in results or not users or not all(u.storage in FUSIBLE for u in users):
+            if v in results or not users or not all(fusible(u) for u in users):
                 continue
             if step.expensive and (len(users) > 1 or users[0].operands.count(v) > 1
                                    or users[0].storage is Storage.REPEATED):
@@ -414,7 +423,7 @@ class _Liveness:
         if kernel_scratch:
             every = _combine_all_reduces(every)
         self.results = set(program.outputs)
-        self.fused = _fused(every, self.results)
+        self.fused = _fused(every, self.results, kernel_scratch)
         self.producer = {o: step for step in every for o in step.outputs}
         stored = [s for s in every if not all(o in self.fused for o in s.outputs)]
         self.reads = {id(s): self._reads(s) for s in stored}
