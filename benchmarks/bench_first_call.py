@@ -17,7 +17,7 @@ on each side.
 
     python benchmarks/bench_first_call.py [--cases 12 48 scan] [--pairs 3] [--d-model 64]
 
-Cases `lib:LIBRARY` (LIBRARY: penzai, jraph) run a library's own train step as
+Cases `lib:LIBRARY` (LIBRARY: penzai, jraph, diffrax, keras) run a library's own train step as
 tests/test_libraries.py builds it at its BENCHMARK size (`lib:LIBRARY:small`: the tests' size) (issue 46: penzai's Llama-like
 transformer with its layer stack at Levanter's 4 layers, d=256, seq 128, batch 16; a jraph
 GCN), its arguments committed to their layouts on a data 2 x tensor 4 mesh, jax.jit

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_libraries import heat_initial, heat_solve
 from util import BACKENDS, assert_close, check, rand
 
 import gspmd
@@ -94,29 +95,18 @@ def test_noinline_and_guarded_identities():
         assert not report.collectives, str(report)
 
 
-# A 1-D heat equation u_t = kappa u_xx (method of lines, reflecting ends) on a grid of 30
+# A 1-D heat equation u_t = kappa u_xx (test_libraries.heat_solve) on a grid of 30
 # points split 8 ways (uneven), solved by diffrax.
 GRID = 30
 
 
 def _heat(kappa, u0, adaptive: bool):
-    diffrax = pytest.importorskip("diffrax")
-    u0 = gspmd.mesh_split(u0, LINE, ["x"])
-
-    def rhs(t, u, kappa):
-        u_xx = jnp.concatenate([u[1:2] - u[:1], u[2:] - 2 * u[1:-1] + u[:-2], u[-2:-1] - u[-1:]])
-        return kappa * u_xx * (GRID - 1) ** 2
-    if adaptive:
-        solver, dt0, controller = diffrax.Tsit5(), 1e-3, diffrax.PIDController(rtol=1e-4, atol=1e-6)
-    else:
-        solver, dt0, controller = diffrax.Euler(), 5e-4, diffrax.ConstantStepSize()
-    solution = diffrax.diffeqsolve(diffrax.ODETerm(rhs), solver, 0.0, 0.01, dt0, u0, args=kappa,
-                                   saveat=diffrax.SaveAt(t1=True), stepsize_controller=controller)
-    return solution.ys[-1]
+    pytest.importorskip("diffrax")
+    return heat_solve(kappa, gspmd.mesh_split(u0, LINE, ["x"]), adaptive)
 
 
 def _initial():
-    return jnp.sin(jnp.linspace(0, 3, GRID)) + 0.1 * jnp.cos(jnp.linspace(0, 17, GRID))
+    return jnp.asarray(heat_initial(GRID))
 
 
 def test_diffrax_heat_equation_fixed_steps():

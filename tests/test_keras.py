@@ -11,9 +11,7 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 os.environ.setdefault("KERAS_BACKEND", "jax")   # before keras is imported
 keras = pytest.importorskip("keras")
@@ -23,6 +21,7 @@ if keras.backend.backend() != "jax":
 
 import gspmd  # noqa: E402
 from gspmd.frontend.annotation import unpartitioned  # noqa: E402
+from test_libraries import SMALL, keras_backbone_step, keras_step  # noqa: E402
 from util import assert_close  # noqa: E402
 
 
@@ -38,44 +37,19 @@ BATCH_GROUPS = ((0, 4), (1, 5), (2, 6), (3, 7))   # devices that differ along "b
 MODEL_GROUPS = ((0, 1, 2, 3), (4, 5, 6, 7))       # ... along "model" only
 
 
-def sgd_train_step(model):
-    """One SGD step on a backbone's mean squared output: loss and new trainable values."""
-    def loss(trainable, non_trainable, inputs):
-        outputs, _ = model.stateless_call(trainable, non_trainable, inputs)   # an encoder's: a dict
-        return sum(jnp.mean(jnp.square(o.astype(jnp.float32))) for o in jax.tree.leaves(outputs))
-
-    def step(trainable, non_trainable, inputs):
-        value, grads = jax.value_and_grad(loss)(trainable, non_trainable, inputs)
-        return value, [w - 0.1 * g for w, g in zip(trainable, grads)]
-    return step
-
-
 def check_backbone(backbone_class, batch: int, **config) -> gspmd.Lowered:
-    """The backbone built under its own layout map (variables committed to their
-    layouts on the keras mesh; replicated where it has none, inputs then committed over
-    "batch"), stepped by gspmd.jit on the same mesh on both backends, on the inputs it
-    names: token ids, segment ids, padding masks of 8-16 of 16 tokens."""
-    mesh = device_mesh()
-    layout_map = backbone_class.get_layout_map(mesh) if hasattr(backbone_class, "get_layout_map") else None
-    distribution = keras.distribution.ModelParallel(layout_map=layout_map or keras.distribution.LayoutMap(mesh),
-                                                    batch_dim_name="batch")
-    with distribution.scope():
-        model = backbone_class(**config)
-    trainable = [v.value for v in model.trainable_variables]
-    non_trainable = [v.value for v in model.non_trainable_variables]
-    rng = np.random.default_rng(0)
-    bounds = {"token_ids": config["vocabulary_size"], "segment_ids": 2, "padding_mask": 1}
-    lengths = rng.integers(8, 17, (batch, 1))     # padded sequences of 8-16 tokens
-    inputs = {name: (rng.integers(0, bounds[name], (batch, 16)) if name != "padding_mask"
-                     else np.arange(16) < lengths).astype(np.int32) for name in model.input}
-    if layout_map is None:      # data parallel, as keras's distribution splits a dataset's batches
-        inputs = jax.device_put(inputs, NamedSharding(mesh.backend_mesh, P("batch")))
-    step = sgd_train_step(model)
-    expected = jax.jit(step)(trainable, non_trainable, inputs)
+    """The backbone's SGD step as test_libraries.keras_backbone_step builds it (under its
+    own layout map, or data parallel), by gspmd.jit on the keras mesh on both backends."""
+    return check_step(*keras_backbone_step(backbone_class, batch, **config))
+
+
+def check_step(step, args) -> gspmd.Lowered:
+    expected = jax.jit(step)(*args)
+    mesh = device_mesh().backend_mesh
     for backend in ("jax", "sim"):
-        partitioned = gspmd.jit(step, mesh=mesh.backend_mesh, backend=backend)
-        assert_close(partitioned(trainable, non_trainable, inputs), expected)
-    return partitioned.lower(trainable, non_trainable, inputs)
+        partitioned = gspmd.jit(step, mesh=mesh, backend=backend)
+        assert_close(partitioned(*args), expected)
+    return partitioned.lower(*args)
 
 
 def keras_hub_models():
@@ -83,8 +57,9 @@ def keras_hub_models():
 
 
 def test_llama_backbone_with_its_layout_map():
-    lowered = check_backbone(keras_hub_models().LlamaBackbone, batch=4, vocabulary_size=128, num_layers=2,
-                             num_query_heads=4, num_key_value_heads=2, hidden_dim=32, intermediate_dim=64)
+    """The step of benchmarks/bench_first_call.py's case lib:keras:small."""
+    keras_hub_models()
+    lowered = check_step(*keras_step(SMALL))
     # Data parallel: weight gradients summed over "batch"; tensor parallel (the layout
     # map splits heads and the MLP over "model"): partial sums over "model".
     assert BATCH_GROUPS in collective_groups(lowered, "all-reduce")

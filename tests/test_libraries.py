@@ -10,6 +10,12 @@ their first calls (cases `lib:penzai`, `lib:jraph`, `:small` for this size) from
 - jraph 0.0.6.dev0: a two-layer GCN (`jraph.GraphConvolution`, symmetric normalisation,
   self edges) on one graph, nodes over "data" and features over "tensor", node
   classification by softmax cross-entropy, optax.adam.
+- diffrax 0.7.2: a 1-D heat equation (method of lines) solved by diffeqsolve (Tsit5, PID
+  step sizes), its diffusivity and initial condition fitted by jax.grad through the solve
+  (diffrax's checkpointed adjoint) and optax.adam, the grid over both mesh axes.
+- keras-hub 0.32.0 (Keras 3.15): a LlamaBackbone built under its own `get_layout_map`
+  (keras.distribution.ModelParallel) and one SGD step of it; tests/test_keras.py tests it,
+  and other backbones, from `keras_backbone_step`.
 
 Not here, because they do not install beside jax 0.10.2 (benchmarks/RESULTS.md, "First
 calls on real libraries"): Levanter 1.1 (its haliax imports `jax._src.tree_util.
@@ -18,6 +24,7 @@ and its import needs PyTorch), recurrentgemma 1.0.1 (numpy < 2.4, absl-py < 2)."
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections import Counter
 from typing import Callable
 
@@ -32,6 +39,7 @@ import gspmd
 from util import assert_close
 
 MESH_SHAPE, MESH_AXES = (2, 4), ("data", "tensor")
+os.environ.setdefault("KERAS_BACKEND", "jax")      # for keras_backbone_step, before keras is imported
 
 
 def jax_mesh() -> jax.sharding.Mesh:
@@ -51,12 +59,13 @@ class Size:
     nodes: int = 60            # jraph: a graph whose nodes do not divide the mesh
     edges: int = 240
     classes: int = 8
+    grid: int = 32             # diffrax: points of the heat equation's grid
 
 
 SMALL = Size()
 # Levanter's configuration in issue 46: 4 layers, d=256, seq 128, batch 16.
 BENCHMARK = Size(layers=4, d_model=256, hidden=1024, vocab=1024, batch=16, seq=128,
-                 nodes=2000, edges=16000, classes=16)
+                 nodes=2000, edges=16000, classes=16, grid=256)
 
 
 # -- penzai --------------------------------------------------------------------------------
@@ -136,6 +145,94 @@ def jraph_step(size: Size = SMALL) -> tuple[Callable, tuple]:
     return step, (params, opt_state, graph, place(labels, "data"))
 
 
+# -- diffrax --------------------------------------------------------------------------------
+def heat_solve(kappa, u0, adaptive: bool = True):
+    """u at t=0.01 of the 1-D heat equation u_t = kappa u_xx on u0's grid over [0, 1]
+    (method of lines, reflecting ends), solved by diffrax: Tsit5 with a PID controller
+    (adaptive) or Euler's fixed steps."""
+    import diffrax
+
+    def rhs(t, u, kappa):
+        u_xx = jnp.concatenate([u[1:2] - u[:1], u[2:] - 2 * u[1:-1] + u[:-2], u[-2:-1] - u[-1:]])
+        return kappa * u_xx * (u.shape[0] - 1) ** 2
+    if adaptive:
+        solver, dt0, controller = diffrax.Tsit5(), 1e-3, diffrax.PIDController(rtol=1e-4, atol=1e-6)
+    else:
+        solver, dt0, controller = diffrax.Euler(), 5e-4, diffrax.ConstantStepSize()
+    solution = diffrax.diffeqsolve(diffrax.ODETerm(rhs), solver, 0.0, 0.01, dt0, u0, args=kappa,
+                                   saveat=diffrax.SaveAt(t1=True), stepsize_controller=controller)
+    return solution.ys[-1]
+
+
+def heat_initial(grid: int) -> np.ndarray:
+    return (np.sin(np.linspace(0, 3, grid)) + 0.1 * np.cos(np.linspace(0, 17, grid))).astype(np.float32)
+
+
+def diffrax_step(size: Size = SMALL) -> tuple[Callable, tuple]:
+    """One adam step fitting the diffusivity and the initial condition of heat_solve to an
+    observed end state; the grid over both mesh axes."""
+    optimizer = optax.adam(1e-2)
+
+    def step(params, opt_state, observed):
+        def loss(params):
+            return jnp.mean((heat_solve(params["kappa"], params["u0"]) - observed) ** 2)
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return value, optax.apply_updates(params, updates), opt_state
+
+    grid = NamedSharding(jax_mesh(), P(MESH_AXES))
+    observed = jax.device_put(0.8 * np.sin(np.linspace(0, 3, size.grid, dtype=np.float32)), grid)
+    params = {"kappa": jax.device_put(np.float32(0.5), NamedSharding(jax_mesh(), P())),
+              "u0": jax.device_put(heat_initial(size.grid) * 0.9, grid)}
+    opt_state = jax.jit(optimizer.init)(params)
+    return step, (params, opt_state, observed)
+
+
+# -- keras ---------------------------------------------------------------------------------
+def keras_backbone_step(backbone_class, batch: int, seq: int = 16, **config) -> tuple[Callable, tuple]:
+    """A keras-hub backbone built under its own layout map (variables committed to their
+    layouts on a batch 2 x model 4 keras mesh; replicated where it has none, inputs then
+    committed over "batch", as keras's distribution splits a dataset's batches) and one
+    SGD step on its mean squared output, on the inputs it names: token ids, segment ids,
+    padding masks of seq/2 to seq tokens."""
+    import keras
+
+    mesh = keras.distribution.DeviceMesh(MESH_SHAPE, ["batch", "model"], keras.distribution.list_devices())
+    layout_map = backbone_class.get_layout_map(mesh) if hasattr(backbone_class, "get_layout_map") else None
+    distribution = keras.distribution.ModelParallel(layout_map=layout_map or keras.distribution.LayoutMap(mesh),
+                                                    batch_dim_name="batch")
+    with distribution.scope():
+        model = backbone_class(**config)
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+    rng = np.random.default_rng(0)
+    bounds = {"token_ids": config["vocabulary_size"], "segment_ids": 2, "padding_mask": 1}
+    lengths = rng.integers(seq // 2, seq + 1, (batch, 1))     # padded sequences
+    inputs = {name: (rng.integers(0, bounds[name], (batch, seq)) if name != "padding_mask"
+                     else np.arange(seq) < lengths).astype(np.int32) for name in model.input}
+    if layout_map is None:
+        inputs = jax.device_put(inputs, NamedSharding(mesh.backend_mesh, P("batch")))
+
+    def loss(trainable, non_trainable, inputs):
+        outputs, _ = model.stateless_call(trainable, non_trainable, inputs)   # an encoder's: a dict
+        return sum(jnp.mean(jnp.square(o.astype(jnp.float32))) for o in jax.tree.leaves(outputs))
+
+    def step(trainable, non_trainable, inputs):
+        value, grads = jax.value_and_grad(loss)(trainable, non_trainable, inputs)
+        return value, [w - 0.1 * g for w, g in zip(trainable, grads)]
+    return step, (trainable, non_trainable, inputs)
+
+
+def keras_step(size: Size = SMALL) -> tuple[Callable, tuple]:
+    """keras-hub's LlamaBackbone (grouped queries: half as many key/value heads) under its
+    layout map, one SGD step."""
+    from keras_hub.models import LlamaBackbone
+    return keras_backbone_step(LlamaBackbone, size.batch, size.seq, vocabulary_size=size.vocab,
+                               num_layers=size.layers, num_query_heads=size.heads,
+                               num_key_value_heads=size.heads // 2, hidden_dim=size.d_model,
+                               intermediate_dim=size.hidden)
+
+
 # -- the checks ----------------------------------------------------------------------------
 def check_like_jax_jit(step: Callable, args: tuple) -> gspmd.Lowered:
     """gspmd.jit's step equals jax.jit's on both backends; on the jax backend its results
@@ -167,3 +264,10 @@ def test_jraph_gcn_train_step():
     # Messages pass between nodes on other devices: the gathers of sender features and
     # the segment sums over receivers move data across "data"; the weight gradients sum.
     assert kinds["all-reduce"] >= 1, kinds
+
+
+def test_diffrax_heat_equation_train_step():
+    pytest.importorskip("diffrax", reason="diffrax is not installed")
+    lowered = check_like_jax_jit(*diffrax_step())
+    # The grid stays split: its halos move, the error norms and the loss are sums.
+    assert "all-gather" not in Counter(c.kind for c in lowered.report().collectives)
