@@ -482,3 +482,14 @@ def test_printed_form_is_consistent_with_equality(case):
         body = body.replace(" last_tile_dim_replicate", "")
         flat = _parse_devices(body, s.num_devices)
         assert Sharding(flat.reshape(s.tile_assignment.shape)) == s
+
+
+def test_from_coords_built_once_per_coords():
+    """Reshard searches build the same layouts from coordinates again and again: equal
+    coordinates (any int dtype, any array) give the one layout; uneven tilings give None."""
+    s = Sharding(np.arange(8).reshape(2, 4, 1))
+    again = Sharding.from_coords(s.coords().astype(np.int64).copy(), s.tiles)
+    assert again == s and again is Sharding.from_coords(list(map(list, s.coords())), [2, 4])
+    assert Sharding.from_coords(s.coords().astype(np.int32), s.tiles) == s
+    assert Sharding.from_coords(np.zeros((8, 2), np.int64), (2, 4)) is None     # one tile, held by all
+    assert Sharding.from_coords(np.zeros((8, 0), np.int64), ()) == Sharding.replicated(0, 8)

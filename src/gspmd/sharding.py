@@ -85,16 +85,8 @@ class Sharding:
     def from_coords(cls, coords: np.ndarray, tiles: Sequence[int]) -> Optional["Sharding"]:
         """Sharding in which device d holds tile coords[d]; None when tiles are not all
         held by the same number of devices (no valid layout)."""
-        coords, tiles = np.asarray(coords), tuple(int(t) for t in tiles)
-        n = coords.shape[0]
-        ntiles = math.prod(tiles)
-        if n % ntiles:
-            return None
-        linear = np.ravel_multi_index(tuple(coords.T), tiles) if tiles else np.zeros(n, np.int64)
-        if not np.all(np.bincount(linear, minlength=ntiles) == n // ntiles):
-            return None
-        order = np.argsort(linear, kind="stable")   # by tile, then by device id
-        return cls._of(order.reshape(tiles + (n // ntiles,)))
+        coords = np.ascontiguousarray(coords)
+        return _from_coords(coords.tobytes(), coords.shape, coords.dtype.str, tuple(int(t) for t in tiles))
 
     @classmethod
     def from_mesh(cls, mesh, dims_mapping, shape: Sequence[int]) -> "Sharding":
@@ -354,6 +346,22 @@ def merge_on(a: Sharding, b: Sharding, shape: tuple[int, ...]) -> Optional[Shard
     ints of the layouts' rank already): propagation merges far too often to check it."""
     return _merge(a, b, shape)
 _remap = functools.lru_cache(maxsize=65536)(Sharding._remap)
+
+
+@functools.lru_cache(maxsize=65536)
+def _from_coords(data: bytes, shape: tuple, dtype: str, tiles: tuple[int, ...]) -> Optional[Sharding]:
+    # Reshard-plan searches build the same few layouts from coordinates over and over
+    # (each move of each layout they expand, in every search): built once each.
+    coords = np.frombuffer(data, dtype).reshape(shape)
+    n = coords.shape[0]
+    ntiles = math.prod(tiles)
+    if n % ntiles:
+        return None
+    linear = np.ravel_multi_index(tuple(coords.T), tiles) if tiles else np.zeros(n, np.int64)
+    if not np.all(np.bincount(linear, minlength=ntiles) == n // ntiles):
+        return None
+    order = np.argsort(linear, kind="stable")   # by tile, then by device id
+    return Sharding._of(order.reshape(tiles + (n // ntiles,)))
 
 
 @functools.lru_cache(maxsize=256)     # asked for every unsplit value and constant
