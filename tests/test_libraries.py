@@ -65,7 +65,7 @@ class Size:
 SMALL = Size()
 # Levanter's configuration in issue 46: 4 layers, d=256, seq 128, batch 16.
 BENCHMARK = Size(layers=4, d_model=256, hidden=1024, vocab=1024, batch=16, seq=128,
-                 nodes=2000, edges=16000, classes=16, grid=256)
+                 nodes=2000, edges=16000, classes=16, grid=128)
 
 
 # -- penzai --------------------------------------------------------------------------------
