@@ -17,12 +17,12 @@ on each side.
 
     python benchmarks/bench_first_call.py [--cases 12 48 scan] [--pairs 3] [--d-model 64]
 
-Cases `lib:LIBRARY` (LIBRARY: penzai, jraph, diffrax, keras) run a library's own train step as
-tests/test_libraries.py builds it at its BENCHMARK size (`lib:LIBRARY:small`: the tests' size) (issue 46: penzai's Llama-like
-transformer with its layer stack at Levanter's 4 layers, d=256, seq 128, batch 16; a jraph
-GCN; diffrax's heat-equation solve fitted by jax.grad; keras-hub's LlamaBackbone under its
-layout map), its arguments committed to their layouts on a data 2 x tensor 4 mesh, jax.jit
-taking those layouts as they are.
+Cases `lib:LIBRARY` (LIBRARY: penzai, jraph, diffrax, keras) run a library's own train step
+as tests/test_libraries.py builds it at its BENCHMARK size (`lib:LIBRARY:small`: the tests'
+size) (issue 46: penzai's Llama-like transformer with its layer stack at Levanter's 4
+layers, d=256, seq 128, batch 16; a jraph GCN; diffrax's heat-equation solve fitted by
+jax.grad; keras-hub's LlamaBackbone under its layout map), its arguments committed to
+their layouts on a data 2 x tensor 4 mesh, jax.jit taking those layouts as they are.
 
 Cases `maxtext:DECODER:scan|unrolled` (DECODER: llama2, mixtral, mixtral-dropless) run
 MaxText's own train step instead, as tests/test_maxtext.py builds it (its tiny config,
