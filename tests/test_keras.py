@@ -11,6 +11,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 os.environ.setdefault("KERAS_BACKEND", "jax")   # before keras is imported

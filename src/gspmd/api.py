@@ -29,7 +29,6 @@ from gspmd.frontend.keys import KeyData
 from gspmd.partitioner import partition
 from gspmd.passes.fit_memory import fit_memory
 from gspmd.runtime import jax_backend
-from gspmd.sharding import Sharding
 from gspmd.spmd.cost import profile
 
 BACKENDS = ("sim", "jax")

@@ -31,17 +31,15 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import heapq
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
 from gspmd import ops
 from gspmd.analysis import schedule
+from gspmd.analysis.xla_steps import Step, combine_all_reduces, fused_values, program_steps
 from gspmd.ir import Instr, Program, Value
-from gspmd.ops.registry import Order, Storage, same_order
+from gspmd.ops.registry import Storage, same_order
 from gspmd.sharding import Sharding
-
-FUSIBLE = (Storage.ELEMENTWISE, Storage.INDEXED, Storage.REPEATED, Storage.IN_PLACE, Storage.BITCAST)
 
 
 class BufferKind(str, enum.Enum):
@@ -66,7 +64,7 @@ class LiveTensor:
     dtype: str
     nbytes: int
     sharding: Optional[Sharding]  # the layout of the global value it is a shard of
-    origin: str                   # what made it (see made_by)
+    origin: str                   # what made it (see xla_steps.made_by)
     kind: BufferKind
     where: str = ""               # "" at top level, else the loop it lives in
     source: str = ""              # the user's line that made it ("train.py:12 (loss)"), or an argument's pytree path
@@ -184,12 +182,6 @@ class BudgetChoice:
                 f"peak {self.peak_bytes_shared:,} -> {self.peak_bytes:,} bytes, {verdict}")
 
 
-def made_by(instr: Instr) -> str:
-    """Where a value came from: the instruction and rule that made it. The one place to
-    add the Python source line once instructions carry it."""
-    return instr.origin or instr.opcode
-
-
 def profile(program: Program, aliases: Mapping[int, int] = {}, entry: bool = True,
             kernel_scratch: bool = True, breadth_first: bool = False) -> MemoryProfile:
     """Buffers of the per-device `program` step by step. `aliases` maps a parameter's
@@ -226,172 +218,6 @@ def donation_aliases(program: Program, donated: Sequence[int]) -> dict[int, int]
     return aliases
 
 
-# -- the program as XLA runs it -------------------------------------------------------------
-@dataclass(eq=False)
-class _Step:
-    """One instruction as XLA runs it: the original, or a layout copy (instr None)."""
-    instr: Optional[Instr]
-    operands: list[Value]
-    outputs: list[Value]
-    storage: Storage
-    expensive: bool
-    origin: str
-    scratch: int = 0
-    source: str = ""   # the user's line (a layout copy: its reader's)
-    combined: tuple = ()   # the further instructions it runs (all-reduces XLA:CPU combines)
-
-    @property
-    def name(self) -> str:
-        return self.outputs[0].name if self.outputs else ""
-
-
-def _steps(program: Program, kernel_scratch: bool) -> tuple[list[_Step], dict[Value, Order]]:
-    """The program with the layout copies that kernels want, each made before the first
-    instruction that reads it, and the operands XLA:CPU expands, each right before its
-    reader; and the values not laid out row-major, with their order."""
-    steps: list[_Step] = []
-    copies: dict[tuple[Value, Order], Value] = {}
-    stored: dict[Value, Order] = {}   # values not laid out row-major
-    for instr in program.instrs:
-        op = ops.lookup(instr.opcode).memory
-        orders = ops.lookup(instr.opcode).kernel.orders
-        kernel = orders(instr) if orders else None
-        operands = list(instr.operands)
-        expanded = op.expanded(instr) if op.expanded and kernel_scratch else {}
-        for index, n in expanded.items():   # written in the layout the kernel wants: no copy
-            v = operands[index]
-            operands[index] = Value(f"{v.name}.expanded", (n, *v.shape), v.dtype)
-            operands[index].sharding = v.sharding
-            steps.append(_Step(None, [v], [operands[index]], Storage.REPEATED if n > 1 else Storage.ELEMENTWISE,
-                               False, f"{n} masked copies of %{v.name} for {made_by(instr)}", source=instr.source))
-        wants = () if kernel is None else kernel.cpu_operands if kernel_scratch and kernel.cpu_operands else kernel.operands
-        for index, wanted in enumerate(wants):
-            v = operands[index]
-            if index in expanded or wanted is None or any(same_order(v.shape, stored.get(v), w) for w in wanted):
-                continue
-            order = next((w for w in wanted if (v, w) in copies), wanted[0])
-            if (v, order) not in copies:
-                copy = copies[v, order] = Value(f"{v.name}.layout", v.shape, v.dtype)
-                copy.sharding, stored[copy] = v.sharding, order
-                steps.append(_Step(None, [v], [copy], Storage.INDEXED, False,
-                                   f"layout copy of %{v.name} for {made_by(instr)}", source=instr.source))
-            operands[index] = copies[v, order]
-        expensive = op.expensive(instr) if callable(op.expensive) else op.expensive
-        steps.append(_Step(instr, operands, list(instr.outputs), ops.storage(instr), expensive, made_by(instr),
-                           op.scratch(instr) if op.scratch and kernel_scratch else 0, instr.source))
-        if kernel is not None and kernel.result is not None:
-            stored.update((out, kernel.result) for out in instr.outputs)
-    return steps, stored
-
-
-def _combine_all_reduces(steps: list[_Step]) -> list[_Step]:
-    """XLA:CPU's all-reduce combiner: all-reduces over the same groups with the same
-    reducer and dtype, none of which reads another's result, run as one (no size limit,
-    at most 256), which holds all their operands until the last is ready and all their
-    results from then on. As XLA, greedily in program order: each group starts at the
-    first all-reduce left and takes the next ones of its kind until one reads (through
-    any path) an all-reduce in it."""
-    def kind(step: _Step):
-        i = step.instr
-        if i is None or i.opcode != "all-reduce" or len(step.operands) != 1 or len(step.outputs) != 1:
-            return None
-        return repr(i.attrs.get("groups")), i.attrs.get("reducer"), step.outputs[0].dtype
-
-    left = [s for s in steps if kind(s) is not None]
-    while len(left) > 1:
-        behind = _all_reduces_behind(steps, {id(s) for s in left})
-        group = [left[0]]
-        for step in left[1:]:
-            if len(group) >= 256:
-                break
-            if kind(step) != kind(group[0]):
-                continue
-            if behind[id(step)] & {id(g) for g in group}:
-                break
-            group.append(step)
-        left = [s for s in left if all(s is not g for g in group)]
-        if len(group) > 1:
-            first = group[0]
-            merged = dataclasses.replace(first, operands=[v for g in group for v in g.operands],
-                                         outputs=[v for g in group for v in g.outputs],
-                                         scratch=sum(g.scratch for g in group),
-                                         combined=tuple(g.instr for g in group[1:]))
-            merged.origin = f"{first.origin} (combined with {len(group) - 1} more all-reduces)"
-            members = {id(g) for g in group}
-            steps = _topological([merged if s is first else s for s in steps
-                                  if id(s) not in members or s is first])
-    return steps
-
-
-def _all_reduces_behind(steps: list[_Step], wanted: set[int]) -> dict[int, set[int]]:
-    """For each step, the steps in `wanted` that it reads through some path."""
-    producer = {o: s for s in steps for o in s.outputs}
-    behind: dict[int, set[int]] = {}
-    for step in _topological(steps):
-        acc: set[int] = set()
-        for v in step.operands:
-            p = producer.get(v)
-            if p is not None and id(p) in behind:
-                acc |= behind[id(p)]
-                if id(p) in wanted:
-                    acc.add(id(p))
-        behind[id(step)] = acc
-    return behind
-
-
-def _topological(steps: list[_Step]) -> list[_Step]:
-    """`steps` in an order where each comes after the steps it reads, otherwise as given."""
-    producer = {o: s for s in steps for o in s.outputs}
-    index = {id(s): i for i, s in enumerate(steps)}
-    waits = {id(s): len({id(producer[v]) for v in s.operands if v in producer and producer[v] is not s})
-             for s in steps}
-    readers: dict[int, list[_Step]] = {}
-    for s in steps:
-        for p in {id(producer[v]) for v in s.operands if v in producer and producer[v] is not s}:
-            readers.setdefault(p, []).append(s)
-    ready = [index[id(s)] for s in steps if not waits[id(s)]]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        step = steps[heapq.heappop(ready)]
-        order.append(step)
-        for r in readers.get(id(step), ()):
-            waits[id(r)] -= 1
-            if not waits[id(r)]:
-                heapq.heappush(ready, index[id(r)])
-    return order + [s for s in steps if all(s is not o for o in order)]
-
-
-def _fused(steps: list[_Step], results: set[Value], cpu: bool = False) -> set[Value]:
-    """Values XLA's loop fusion computes inside their users instead of storing (`cpu`:
-    as XLA:CPU's, which fuses no concatenate of more than 8 operands).
-
-    Not followed: XLA:CPU also fuses a concatenate into one fusion only (read by two, it
-    stores it; measured, benchmarks/RESULTS.md issue 45): with that, the U-Net's BFS
-    report comes within 3% of XLA's but its memory-minimizing one 15% over."""
-    readers: dict[Value, list[_Step]] = {}
-    for step in steps:
-        for v in step.operands:
-            readers.setdefault(v, []).append(step)
-    def fusible(step: _Step) -> bool:   # XLA:CPU fuses no concatenate of more than 8 operands
-        return step.storage in FUSIBLE and not (cpu and step.instr is not None and step.instr.opcode == "concatenate"
-                                                and len(step.operands) > 8)
-
-    fused: set[Value] = set()
-    for step in steps:
-        if not fusible(step):
-            continue
-        for v in step.outputs:   # several: threefry's two words, each fused where it is read
-            users = readers.get(v, [])
-            if v in results or not users or not all(fusible(u) for u in users):
-                continue
-            if step.expensive and (len(users) > 1 or users[0].operands.count(v) > 1
-                                   or users[0].storage is Storage.REPEATED):
-                continue   # XLA would compute it in several places: it stores it once instead
-            fused.add(v)
-    return fused
-
-
 # -- liveness -------------------------------------------------------------------------------
 @dataclass(eq=False)
 class _Buffer:
@@ -419,11 +245,11 @@ class _Liveness:
                  breadth_first: bool):
         self.program, self.aliases, self.entry, self.kernel_scratch = program, aliases, entry, kernel_scratch
         self.breadth_first = breadth_first
-        every, self.stored = _steps(program, kernel_scratch)
+        every, self.stored = program_steps(program, kernel_scratch)
         if kernel_scratch:
-            every = _combine_all_reduces(every)
+            every = combine_all_reduces(every)
         self.results = set(program.outputs)
-        self.fused = _fused(every, self.results, kernel_scratch)
+        self.fused = fused_values(every, self.results, kernel_scratch)
         self.producer = {o: step for step in every for o in step.outputs}
         stored = [s for s in every if not all(o in self.fused for o in s.outputs)]
         self.reads = {id(s): self._reads(s) for s in stored}
@@ -435,12 +261,12 @@ class _Liveness:
                 self.last_read[v] = s
         self.aliased_param = {program.outputs[j]: program.params[i] for i, j in aliases.items()}
 
-    def _reads(self, step: _Step) -> list[Value]:
+    def _reads(self, step: Step) -> list[Value]:
         """The stored values `step` reads, through the fused values it computes itself."""
         return self._stored_behind(step)
 
-    def _stored_behind(self, step: _Step, wanted: Callable[[Value], bool] = lambda v: True,
-                       enters: Callable[[_Step], bool] = lambda producer: True) -> list[Value]:
+    def _stored_behind(self, step: Step, wanted: Callable[[Value], bool] = lambda v: True,
+                       enters: Callable[[Step], bool] = lambda producer: True) -> list[Value]:
         """The stored values behind `step`'s operands, in order, through the fused values
         whose producer `enters`; each once (fused values share operands: a dropout mask's
         hash reads its key words along many paths). A value not `wanted` is passed over."""
@@ -457,7 +283,7 @@ class _Liveness:
                 pending.extend(reversed(self.producer[v].operands))
         return out
 
-    def _in_place_candidates(self, step: _Step, index: int) -> list[Value]:
+    def _in_place_candidates(self, step: Step, index: int) -> list[Value]:
         """Stored operands whose buffer output `index` of `step` may overwrite."""
         if step.storage is Storage.CARRIED:
             return [step.operands[index]]
@@ -467,7 +293,7 @@ class _Liveness:
             return self._elementwise_reads(step, step.outputs[0].shape)
         return []
 
-    def _elementwise_reads(self, step: _Step, shape) -> list[Value]:
+    def _elementwise_reads(self, step: Step, shape) -> list[Value]:
         """Stored values `step` reads element for element (through fused element-wise ops)."""
         return self._stored_behind(step, lambda v: v.shape == shape, lambda p: p.storage is Storage.ELEMENTWISE)
 
@@ -508,7 +334,7 @@ class _Liveness:
                 buf.kind = RESULT
         return buffers, extra
 
-    def _viewed(self, step: _Step, index: int) -> Optional[Value]:
+    def _viewed(self, step: Step, index: int) -> Optional[Value]:
         """The stored value whose buffer output `index` of `step` is, if any: an
         optimization barrier's or a loop's unchanged carry's operand, or what a stored
         bitcast (a reshape, say) reinterprets, through the fused bitcasts before it, when
@@ -523,7 +349,7 @@ class _Liveness:
             return step.operands[index]
         return None
 
-    def _reuse(self, step: _Step, index: int, out: Value, s: int, holding) -> Optional[_Buffer]:
+    def _reuse(self, step: Step, index: int, out: Value, s: int, holding) -> Optional[_Buffer]:
         """The buffer `out` takes over: a dying operand's, or its donated argument's."""
         param = self.aliased_param.get(out)
         if param is not None:
@@ -541,7 +367,7 @@ class _Liveness:
                 return buf
         return None
 
-    def _loop_temporaries(self, step: _Step) -> tuple[int, Optional[MemoryProfile]]:
+    def _loop_temporaries(self, step: Step) -> tuple[int, Optional[MemoryProfile]]:
         """What a step's sub-programs (a loop's body and condition, a conditional's
         branches) hold beyond their parameters while it runs, and the profile of the one
         that holds most. A loop body's results are its carry."""
@@ -638,7 +464,7 @@ def sub_programs(instr: Instr) -> list[tuple[Program, int, dict[int, int]]]:
             for sub, count in ops.runs(instr)]
 
 
-def _passed_through(step: _Step) -> set[int]:
+def _passed_through(step: Step) -> set[int]:
     """Carried values a loop's body returns unchanged: the loop reads them in place, whoever
     else still does (XLA copies no read-only carry)."""
     body = _carried_body(step.instr)
@@ -669,6 +495,6 @@ def _pack_into_results(temporaries: list[_Buffer], results: list[_Buffer]) -> li
     return heap
 
 
-def _stored_bytes(v: Value, step: _Step) -> int:
+def _stored_bytes(v: Value, step: Step) -> int:
     """Constants live in the executable, not in the buffers."""
     return 0 if step.storage is Storage.LITERAL else v.nbytes

@@ -487,6 +487,7 @@ register("all-reduce",
                              lowered_collectives=_lowered_as(lambda instr: _reduced_as(instr, instr.operands[0]))),
          rule=Rule(factors=elementwise_factors),
          timing=Timing(collective=Pattern.ALL_REDUCE),
+         memory=Memory(combined_as=lambda instr: (repr(instr.attrs.get("groups")), instr.attrs.get("reducer"))),
          facets=Facets(uniform=_uniform_within_groups))
 register("all-gather",
          frontend=Frontend(converts={"all_gather": _convert_all_gather, "all_gather_invariant": _convert_all_gather}),

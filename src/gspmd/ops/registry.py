@@ -160,6 +160,12 @@ class Memory:
     # fusion that writes n masked copies of each, one per group (a grouped matmul run as
     # one dense product); their element-wise producers fuse into it
     expanded: Optional[Callable[[Instr], dict[int, int]]] = None
+    # combined_as(instr) -> a key: XLA:CPU's combiner runs independent instructions of one
+    # key as one (all-reduces over the same groups by the same reducer)
+    combined_as: Optional[Callable[[Instr], Hashable]] = None
+    # cpu_unfused(instr) -> whether XLA:CPU stores a result other compilers fuse (a
+    # concatenate of more than 8 operands)
+    cpu_unfused: Optional[Callable[[Instr], bool]] = None
 
 
 @dataclass

@@ -497,7 +497,7 @@ register("concatenate",
          frontend=Frontend(converts={"concatenate": _convert_concatenate, "stack": _convert_stack}),
          semantics=Semantics(evaluate=_evaluate_concatenate, lower=_lower_concatenate),
          rule=Rule(factors=_concatenate_factors, partition=in_one_step_or_by_factors, priority=LAYOUT),
-         memory=Memory(storage=Storage.INDEXED),
+         memory=Memory(storage=Storage.INDEXED, cpu_unfused=lambda instr: len(instr.operands) > 8),
          rewrites=Rewrites(linear=jointly_linear),
          facets=Facets(segments=SegmentRule(lambda instr: instr.attrs["dimension"], _concatenate_segments),
                        position=_concatenate_position))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Mapping, NamedTuple, Optional
 
 from gspmd import ops
-from gspmd.analysis import memory
+from gspmd.analysis import memory, xla_steps
 from gspmd.ir import Builder, Instr, Program, Value
 from gspmd.ops.registry import Storage
 from gspmd.spmd import cost as cm
@@ -199,7 +199,7 @@ def _repeatable(instr: Instr, recompute_any: bool) -> bool:
     if op.rewrites.repeat is not None:
         return True
     return (recompute_any and op.timing.collective is None and op.timing.runs is None and not instr.has_side_effect
-            and ops.storage(instr) in memory.FUSIBLE + (Storage.MATERIALIZED, Storage.UPDATED))
+            and ops.storage(instr) in xla_steps.FUSIBLE + (Storage.MATERIALIZED, Storage.UPDATED))
 
 
 def _kept_alive(v, held: memory.MemoryProfile) -> int:
