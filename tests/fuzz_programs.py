@@ -10,16 +10,20 @@ mesh dropped while it still fails the same way).
     python tests/fuzz_programs.py --n 10000 --seed 0 --backend sim [--shrink]
 
 prints the counts of each outcome: ok, mismatch, nan, crash, refused (a ShardingError
-where jax.jit runs the program: a failure too), invalid (jax.jit itself refuses)."""
+where jax.jit runs the program: a failure too), invalid (jax.jit itself refuses). The
+programs run in a child process, which the run replaces where a compile aborts it (XLA's
+check failures do: seed 6976's convolution aborts jax.jit's own compile)."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import os
+import subprocess
 import sys
 import time
 import traceback
-from typing import Callable, Optional
+from functools import partial
+from typing import Callable, Optional, Sequence
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -201,18 +205,21 @@ def transformed(spec: Spec, program: Program) -> tuple[Callable, list]:
     return (lambda f, *a: f(*a)), args
 
 
-def run(spec: Spec, backend: str) -> tuple[str, str]:
-    """(outcome, detail) of one program on one backend."""
+def run(spec: Spec, backend: str, phase: Callable[[str], None] = lambda name: None) -> tuple[str, str]:
+    """(outcome, detail) of one program on one backend; `phase` hears "reference" and
+    "gspmd" as each starts (where a process that aborts was)."""
     program = build(spec)
     if program is None:
         return "invalid", "a step does not apply"
     wrap, args = transformed(spec, program)
+    phase("reference")
     try:
         with unpartitioned():
             expected = wrap(jax.jit(program.fn), *args)
         expected = jax.tree_util.tree_map(np.asarray, expected)
     except Exception as e:   # noqa: BLE001 - jax.jit refuses: not a program to compare
         return "invalid", f"jax.jit: {type(e).__name__}: {str(e)[:200]}"
+    phase("gspmd")
     try:
         actual = wrap(gspmd.jit(program.fn, mesh=program.mesh, backend=backend), *args)
         actual = jax.tree_util.tree_map(np.asarray, actual)
@@ -282,13 +289,15 @@ def shrink(spec: Spec, backend: str, outcome: str) -> Spec:
 
 
 def fuzz(n: int, seed: int, backend: str, shrink_failures: bool = False, log=None,
-         families: Optional[list[str]] = None) -> dict:
-    """Runs programs seed..seed+n-1; the counts of each outcome. Failures print to `log`."""
+         families: Optional[list[str]] = None, progress: Callable[[int, str], None] = lambda i, what: None) -> dict:
+    """Runs programs seed..seed+n-1; the counts of each outcome. Failures print to `log`;
+    `progress(seed, what)` hears each program's phases and then its outcome."""
     counts = dict.fromkeys(OUTCOMES, 0)
     started = time.time()
     for i in range(seed, seed + n):
         spec = random_spec(i, families)
-        outcome, detail = run(spec, backend)
+        outcome, detail = run(spec, backend, partial(progress, i))
+        progress(i, f"done {outcome}")
         counts[outcome] += 1
         if outcome not in ("ok", "invalid") and log:
             found = shrink(spec, backend, outcome) if shrink_failures else spec
@@ -301,6 +310,36 @@ def fuzz(n: int, seed: int, backend: str, shrink_failures: bool = False, log=Non
     return counts
 
 
+def fuzz_isolated(n: int, seed: int, backend: str, options: Sequence[str] = (), log=sys.stdout) -> dict:
+    """fuzz() in child processes, so that a program whose compile aborts the process (an
+    XLA check failure takes Python with it) is counted -- invalid where jax.jit's own
+    compile aborted (XLA's bug, as any other error of jax.jit), a crash where ours did --
+    and the run goes on from the next seed. `options`: more command-line flags."""
+    counts = dict.fromkeys(OUTCOMES, 0)
+    start, end = seed, seed + n
+    while start < end:
+        child = subprocess.Popen([sys.executable, __file__, "--child", "--n", str(end - start), "--seed",
+                                  str(start), "--backend", backend, *options], stdout=subprocess.PIPE, text=True)
+        last = (start, "reference")
+        for line in child.stdout:
+            if not line.startswith("@"):
+                print(line, end="", file=log, flush=True)
+                continue
+            i, what = line[1:].split(" ", 1)
+            last = (int(i) + 1, "reference") if what.startswith("done") else (int(i), what.strip())
+            if what.startswith("done"):
+                counts[what.split()[1]] += 1
+        if child.wait() == 0:
+            break
+        aborted, where = last
+        outcome = "invalid" if where == "reference" else "crash"
+        counts[outcome] += 1
+        print(f"\n#{aborted} {outcome}: the process aborted in {'jax.jit' if outcome == 'invalid' else 'gspmd.jit'}"
+              f" (exit {child.returncode})\n", file=log, flush=True)
+        start = aborted + 1
+    return counts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=1000)
@@ -308,9 +347,20 @@ def main() -> None:
     parser.add_argument("--backend", choices=["sim", "jax"], default="sim")
     parser.add_argument("--shrink", action="store_true", help="shrink each failure before printing it")
     parser.add_argument("--families", nargs="*", choices=sorted(FAMILIES), help="draw ops from these alone")
+    parser.add_argument("--in-process", action="store_true",
+                        help="no child processes (an aborting compile then ends the run)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)   # fuzz_isolated's
     args = parser.parse_args()
     np.seterr(all="ignore")   # the sim backend's NaN padding, and what programs compute on it
-    counts = fuzz(args.n, args.seed, args.backend, args.shrink, log=sys.stdout, families=args.families)
+    if args.child:
+        fuzz(args.n, args.seed, args.backend, args.shrink, log=sys.stdout, families=args.families,
+             progress=lambda i, what: print(f"@{i} {what}", flush=True))
+        return
+    if args.in_process:
+        counts = fuzz(args.n, args.seed, args.backend, args.shrink, log=sys.stdout, families=args.families)
+    else:
+        options = (["--shrink"] if args.shrink else []) + (["--families", *args.families] if args.families else [])
+        counts = fuzz_isolated(args.n, args.seed, args.backend, options)
     print(f"backend={args.backend} seeds {args.seed}..{args.seed + args.n - 1}: {counts}", flush=True)
 
 

@@ -4,7 +4,7 @@ with -m slow. A failing seed reproduces with fuzz_programs.run(random_spec(seed)
 and shrinks with fuzz_programs.shrink."""
 import pytest
 
-from fuzz_programs import fuzz, random_spec, run
+from fuzz_programs import fuzz_isolated, random_spec, run
 
 SIM_SEEDS = range(100)
 JAX_SEEDS = range(100, 140)
@@ -29,5 +29,5 @@ def test_fuzzed_program_on_jax(seed):
 @pytest.mark.slow
 @pytest.mark.parametrize("backend, n", [("sim", 3000), ("jax", 1000)])
 def test_thousands_of_fuzzed_programs(backend, n):
-    counts = fuzz(n, seed=10_000, backend=backend)
+    counts = fuzz_isolated(n, seed=10_000, backend=backend)
     assert counts["ok"] + counts["invalid"] == n, counts
