@@ -2,9 +2,14 @@
 programs by default, on both backends, each compared with jax.jit on one device; thousands
 with -m slow. A failing seed reproduces with fuzz_programs.run(random_spec(seed), backend)
 and shrinks with fuzz_programs.shrink."""
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
 
-from fuzz_programs import fuzz_isolated, random_spec, run
+from fuzz_programs import Spec, Step, fuzz_isolated, random_spec, run
 
 SIM_SEEDS = range(100)
 JAX_SEEDS = range(100, 140)
@@ -31,3 +36,30 @@ def test_fuzzed_program_on_jax(seed):
 def test_thousands_of_fuzzed_programs(backend, n):
     counts = fuzz_isolated(n, seed=10_000, backend=backend)
     assert counts["ok"] + counts["invalid"] == n, counts
+
+
+# -- failures the fuzzer found, shrunk ------------------------------------------------------
+def test_an_all_to_all_of_a_padded_transpose_compiles():
+    """Seed 22381 (jax backend), shrunk: a reshard by all-to-all of a transposed value
+    padded along the split dim, which XLA:CPU (jaxlib 0.10.2) simplified into operand
+    pieces laid out differently and then rejected; gspmd's lowering keeps the operand
+    whole behind an optimization barrier."""
+    spec = Spec(devices=(0, 1, 2, 3, 4, 5, 6, 7), mesh_shape=(2, 4), shape=(1, 3, 5, 1), dtype="float32",
+                steps=(Step("merge_or_split", 1930243621, True), Step("transpose", 1362644301, False),
+                       Step("sort_by_key", 574243266, True)), wrap="plain", seed=1274580688)
+    for backend in ("sim", "jax"):
+        assert run(spec, backend)[0] == "ok", backend
+
+
+@pytest.mark.xfail(jax.__version_info__ < (0, 12), raises=jax.errors.JaxRuntimeError, strict=True,
+                   reason="XLA:CPU of jaxlib 0.10 rejects the all-to-all it simplified (fixed by 0.12.1)")
+def test_xla_compiles_an_all_to_all_of_a_padded_transpose():
+    """jax's own program of the case above: when this passes on the pinned jax, the
+    barrier in ops/collectives.py's _lower_all_to_all can go."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("x",))
+
+    def body(v):
+        padded = jnp.pad(jnp.transpose(v, (2, 1, 0)), ((0, 0), (0, 0), (0, 3)))
+        return lax.all_to_all(padded, "x", 2, 0, tiled=True)
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(None, None, "x"), out_specs=P("x")))
+    assert f(np.arange(16, dtype=np.float32).reshape(1, 2, 8)).shape == (32, 2, 1)
