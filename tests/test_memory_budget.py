@@ -13,10 +13,10 @@ from util import BACKENDS, assert_close
 MESH = gspmd.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
 
 
-def _gathers_held_idle_at_peak(low) -> list[int]:
+def _gathers_held_idle_at_peak(low, hardware=None) -> list[int]:
     """Bytes of the gathered values (or their kernels' layout copies) held at the peak
-    though nothing reads them there."""
-    prof = low.report().memory
+    though nothing reads them there (on `hardware`, default the report's)."""
+    prof = low.report(hardware).memory
     peak, idle = prof.peak_step, []
     for instr in low.spmd.instrs:
         if instr.why is None or len(instr.outputs) != 1 or instr.output.nbytes <= instr.operands[0].nbytes:
@@ -68,7 +68,8 @@ def test_paper_scale_2d_transformer_keeps_long_lived_tensors_sharded_under_tpu_m
     """Table 1's finalized 2D strategy at 2048 devices: with the hardware's memory as the
     budget, as many activations all-gathered over Y as needed are gathered again for the
     backward pass; with a tighter budget all of them, so that every tensor held across
-    the peak is held sharded, as the paper intends."""
+    the peak is held sharded, as the paper intends. Every peak on the TPU's profile (the
+    CPU's adds XLA:CPU's copies of non-canonical dot operands)."""
     mesh = gspmd.Mesh(np.arange(2048).reshape(32, 64), ("x", "y"))
     cfg = T.Config(batch=2048, seq=1024, model=8192, heads=128, head_dim=128, hidden=65536, layers=2)
     step = T.make_train_step(T.gspmd_annotate(mesh), cfg)
@@ -78,13 +79,14 @@ def test_paper_scale_2d_transformer_keeps_long_lived_tensors_sharded_under_tpu_m
     choice = fitted.memory_budget
     usable = fitted.report().hardware.usable_bytes
     assert choice.limit_bytes == usable == 16 * 2 ** 30 - 530 * 2 ** 20 and choice.fits   # the runtime keeps 530 MiB
-    assert shared.report().peak_memory_bytes > 20 * 2 ** 30 > usable >= fitted.report().peak_memory_bytes
+    shared_peak = shared.report("tpu-v3").peak_memory_bytes
+    assert shared_peak > 20 * 2 ** 30 > usable >= fitted.report().peak_memory_bytes
     assert fitted.report().hardware.name == "tpu-v3"   # jit(hardware=) is the report's default
-    assert len(_gathers_held_idle_at_peak(shared)) > len(_gathers_held_idle_at_peak(fitted))
-    tight = gspmd.jit(step, mesh=mesh, memory_limit=8 * 2 ** 30).lower(*args)
-    peak, shared_peak = tight.report().peak_memory_bytes, shared.report().peak_memory_bytes
+    assert len(_gathers_held_idle_at_peak(shared, "tpu-v3")) > len(_gathers_held_idle_at_peak(fitted))
+    tight = gspmd.jit(step, mesh=mesh, hardware="tpu-v3", memory_limit=8 * 2 ** 30).lower(*args)
+    peak = tight.report().peak_memory_bytes
     assert peak < 0.4 * shared_peak
-    assert sum(_gathers_held_idle_at_peak(shared)) > 0.4 * shared_peak
+    assert sum(_gathers_held_idle_at_peak(shared, "tpu-v3")) > 0.4 * shared_peak
     # no gathered activation (2 GiB each) is held idle at the peak: weights' gathers (8-32 MiB) at most
     assert max(_gathers_held_idle_at_peak(tight), default=0) <= 32 * 2 ** 20
 
