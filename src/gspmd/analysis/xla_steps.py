@@ -93,19 +93,21 @@ def combine_all_reduces(steps: list[Step]) -> list[Step]:
             return None
         return combined_as(i), step.outputs[0].dtype
 
-    left = [s for s in steps if kind(s) is not None]
+    kinds = {id(s): k for s in steps if (k := kind(s)) is not None}
+    left = [s for s in steps if id(s) in kinds]
+    behind = _all_reduces_behind(steps, set(kinds))
     while len(left) > 1:
-        behind = _all_reduces_behind(steps, {id(s) for s in left})
-        group = [left[0]]
+        group, members = [left[0]], {id(left[0])}
         for step in left[1:]:
             if len(group) >= 256:
                 break
-            if kind(step) != kind(group[0]):
+            if kinds[id(step)] != kinds[id(group[0])]:
                 continue
-            if behind[id(step)] & {id(g) for g in group}:
+            if behind[id(step)] & members:
                 break
             group.append(step)
-        left = [s for s in left if all(s is not g for g in group)]
+            members.add(id(step))
+        left = [s for s in left if id(s) not in members]
         if len(group) > 1:
             first = group[0]
             merged = dataclasses.replace(first, operands=[v for g in group for v in g.operands],
@@ -113,17 +115,19 @@ def combine_all_reduces(steps: list[Step]) -> list[Step]:
                                          scratch=sum(g.scratch for g in group),
                                          combined=tuple(g.instr for g in group[1:]))
             merged.origin = f"{first.origin} (combined with {len(group) - 1} more all-reduces)"
-            members = {id(g) for g in group}
+            kinds[id(merged)] = kinds[id(first)]
             steps = _topological([merged if s is first else s for s in steps
                                   if id(s) not in members or s is first])
+            behind = _all_reduces_behind(steps, {id(s) for s in left})   # the merged step reads more
     return steps
 
 
 def _all_reduces_behind(steps: list[Step], wanted: set[int]) -> dict[int, set[int]]:
-    """For each step, the steps in `wanted` that it reads through some path."""
+    """For each step (`steps` in a topological order), the steps in `wanted` that it
+    reads through some path."""
     producer = {o: s for s in steps for o in s.outputs}
     behind: dict[int, set[int]] = {}
-    for step in _topological(steps):
+    for step in steps:
         acc: set[int] = set()
         for v in step.operands:
             p = producer.get(v)
