@@ -115,8 +115,7 @@ def _convert_while(b: Conversion, eqn, args: list[Value]) -> list[Value]:
     batched = bool(p["cond_jaxpr"].out_avals[0].shape)
 
     def holds(sb, params) -> Value:
-        consts = [sb.invariant(a, c) for a, c in zip(args[:nc], params[:nc])]
-        return sb.inline(p["cond_jaxpr"], consts + params[fixed:])[0]
+        return sb.inline(p["cond_jaxpr"], sb.invariants(args[:nc], params[:nc]) + params[fixed:])[0]
 
     def cond(sb, params):
         pred = holds(sb, params)
@@ -126,8 +125,7 @@ def _convert_while(b: Conversion, eqn, args: list[Value]) -> list[Value]:
 
     def body(sb, params):
         carry = params[fixed:]
-        consts = [sb.invariant(a, c) for a, c in zip(args[nc:fixed], params[nc:fixed])]
-        stepped = sb.inline(p["body_jaxpr"], consts + carry)
+        stepped = sb.inline(p["body_jaxpr"], sb.invariants(args[nc:fixed], params[nc:fixed]) + carry)
         if batched:
             pred = holds(sb, params)
             stepped = [sb.add1("select", [sb.add1("broadcast", [pred], x.shape, np.bool_, dims=tuple(range(pred.rank))),
@@ -166,7 +164,7 @@ def _convert_scan(b: Conversion, eqn, args: list[Value]) -> list[Value]:
         return [sb.add1("compare", [params[0], sb.constant(length, INDEX)], (), np.bool_, direction="LT")]
 
     def body(sb, params):
-        i, consts = params[0], [sb.invariant(a, c) for a, c in zip(args[:nconst], params[1:1 + nconst])]
+        i, consts = params[0], sb.invariants(args[:nconst], params[1:1 + nconst])
         c = params[1 + nconst:1 + nconst + ncarry]
         xs = params[1 + nconst + ncarry:1 + nconst + ncarry + nx]
         bufs = params[1 + nconst + ncarry + nx:]
@@ -382,7 +380,7 @@ def _convert_cond(b: Conversion, eqn, args: list[Value]) -> list[Value]:
 
 
 def _inline_branch(jaxpr, operands: list[Value], sb: Conversion, params: list[Value]) -> list[Value]:
-    return sb.inline(jaxpr, [sb.invariant(a, p) for a, p in zip(operands, params)])
+    return sb.inline(jaxpr, sb.invariants(operands, params))
 
 
 def _lower_conditional(instr, args, lc):

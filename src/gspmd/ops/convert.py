@@ -90,16 +90,19 @@ class Conversion(Builder):
         sub.outputs = build(sb, [sb.param(v.shape, v.dtype, hint=hint) for v in params])
         return sub
 
-    def invariant(self, outer: Value, param: Value) -> Value:
-        """What a sub-program (a loop's body or condition, a branch) reads for an operand
-        that stays the same over it (`param`, its parameter for `outer`): an index
+    def invariants(self, outer: Sequence[Value], params: Sequence[Value]) -> list[Value]:
+        """What a sub-program (a loop's body or condition, a branch) reads for operands
+        that stay the same over it (`params`, its parameters for `outer`): an index
         expression of iotas and scalar constants (jnp.arange, its broadcasts, reshapes and
         wraps of negative indices) made again inside, as XLA's while-loop constant sinking
         does, so that the rules reading iotas there (parallel gathers) see one; any other
-        operand, `param`."""
+        operand, its parameter."""
+        return [self._made_again(v) or p for v, p in zip(outer, params)]
+
+    def _made_again(self, outer: Value) -> Optional[Value]:
         cone = _index_expression(outer)
         if cone is None:
-            return param
+            return None
         copies: dict[Value, Value] = {}
         for instr in cone:
             made = self.add(instr.opcode, [copies[v] for v in instr.operands],
