@@ -346,8 +346,8 @@ def _lower_all_to_all(instr, args, lc):
     # a padded transpose's pieces became a transpose laid out otherwise and broadcasts,
     # which its verifier rejects (tests/test_fuzz.py has jax's own reproducer).
     a = instr.attrs
-    return [lax.all_to_all(lax.optimization_barrier(args[0]), lc.axis, a["split_dim"], a["concat_dim"], axis_index_groups=_axis_groups(instr, lc),
-                           tiled=True)]
+    return [lax.all_to_all(lax.optimization_barrier(args[0]), lc.axis, a["split_dim"], a["concat_dim"],
+                           axis_index_groups=_axis_groups(instr, lc), tiled=True)]
 
 
 def _lower_ragged_all_to_all(instr, args, lc):

@@ -95,7 +95,7 @@ def _layout(instr) -> KernelOrders:
     dim (size-1 dims counted); otherwise its DotDecomposer transposes both, the lhs into
     [batch, free, contracting] and the rhs into [batch, contracting, free] (a copy
     unless only size-1 dims move)."""
-    a, wanted, dims = instr.attrs, [], []
+    a, wanted, decomposed, canonical = instr.attrs, [], [], True
     for index, (batch, contracting) in enumerate([(a["lhs_batch"], a["lhs_contracting"]),
                                                   (a["rhs_batch"], a["rhs_contracting"])]):
         x = instr.operands[index]
@@ -103,11 +103,9 @@ def _layout(instr) -> KernelOrders:
         orders = [(*batch, *free, *contracting), (*batch, *contracting, *free)]
         row_major = tuple(range(x.rank))
         wanted.append((row_major,) if any(same_order(x.shape, row_major, o) for o in orders) else (orders[index],))
-        dims.append((tuple(batch), tuple(contracting), tuple(free), orders[index], row_major))
-    if all(_canonical(b, c, f) for b, c, f, _, _ in dims):
-        cpu = tuple((row_major,) for *_, row_major in dims)
-    else:
-        cpu = tuple((decomposed,) for *_, decomposed, _ in dims)
+        decomposed.append((orders[index],))
+        canonical = canonical and _canonical(batch, contracting, free)
+    cpu = tuple((tuple(range(x.rank)),) for x in instr.operands) if canonical else tuple(decomposed)
     return KernelOrders(tuple(wanted), cpu_operands=cpu)
 
 
