@@ -129,10 +129,9 @@ def test_parallel_gather_backward_pass_of_swapped_dims():
 def test_parallel_gathers_and_scatters_with_iotas_made_outside_a_loop_or_branch():
     """The iotas made once outside and read inside a fori_loop, a scan or a cond's branch
     (jax passes them in as operands): made again inside, as XLA's while-loop constant
-    sinking does, the gathers and scatters there stay parallel: nothing moves."""
-    spec = f"devices=[8,1,1,1]{ORDER8}"
-
-    def gathers_in(loop):
+    sinking does, the gathers and scatters there stay parallel: nothing moves (8 rows
+    over 8 devices, and 6 over 4, uneven)."""
+    def gathers_in(loop, spec):
         def f(x, u):
             rows, cols = jnp.arange(x.shape[0])[:, None], jnp.arange(x.shape[1])[None, :]
             x, u = split(x, spec), split(u, spec)
@@ -141,9 +140,10 @@ def test_parallel_gathers_and_scatters_with_iotas_made_outside_a_loop_or_branch(
     loops = {"fori_loop": lambda step, c: lax.fori_loop(0, 3, lambda i, c: step(c), c),
              "scan": lambda step, c: lax.scan(lambda c, _: (step(c), None), c, None, length=3)[0],
              "cond": lambda step, c: lax.cond(True, step, lambda c: c, c)}
-    for name, loop in loops.items():
-        low, report = _run(gathers_in(loop), _rows(RNG, 9, 8, 4, 2, 2), _rows(RNG, 9, 8, 4, 2, 2))
-        assert low.sharding_of(0) == xla(spec) and report.collective_bytes == 0, name
+    for rows, spec in [(8, f"devices=[8,1,1,1]{ORDER8}"), (6, "devices=[4,1,1,1]0,1,2,3")]:
+        for name, loop in loops.items():
+            low, report = _run(gathers_in(loop, spec), _rows(RNG, 9, rows, 4, 2, 2), _rows(RNG, 9, rows, 4, 2, 2))
+            assert low.sharding_of(0) == xla(spec) and report.collective_bytes == 0, (rows, name)
 
 
 def _parallel_scatter_add(x, u):
