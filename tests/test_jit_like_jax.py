@@ -226,6 +226,22 @@ def test_jax_array_inputs_in_any_layout(layout):
     assert_close(f(explicit, W), reference(loss, X, W))
 
 
+def test_arrays_typed_by_an_explicit_mesh_without_set_mesh():
+    """Arrays placed over jax.make_mesh's mesh (Explicit axes) carry their layouts in their
+    types even where no jax.set_mesh is in effect: an element-wise update of a replicated
+    weight by a gradient split over "x" runs, and comes back typed as jax.jit's result."""
+    jmesh = jax.make_mesh((2, 4), ("x", "y"))
+    w = jax.device_put(np.ones(8, np.float32), NamedSharding(jmesh, P()))
+    x = jax.device_put(np.arange(8 * 16 * 8, dtype=np.float32).reshape(8, 16, 8) / 100,
+                       NamedSharding(jmesh, P(None, None, "x")))
+
+    def f(w, x):
+        return w - 0.1 * jax.grad(lambda w: ((x * w) ** 2).sum())(w)
+    ours, theirs = gspmd.jit(f, backend="jax")(w, x), jax.jit(f)(w, x)
+    assert_close(ours, theirs, rtol=1e-5)
+    assert ours.sharding.is_equivalent_to(theirs.sharding, 1) and jax.typeof(ours) == jax.typeof(theirs)
+
+
 # -- ahead of time: lower, compile, eval_shape, clear_cache -----------------------------------
 def step(w, x):
     """A donated weight updated by a data-parallel gradient (MaxText's train loop

@@ -115,12 +115,20 @@ def explicit_mode(mesh: Mesh) -> bool:
 
 
 def typed_results(run: Callable, mesh: Mesh, layouts: Sequence[NamedSharding]) -> Callable:
-    """`run`, whose results, traced in explicit mode over the mesh, are typed with
-    `layouts` as jax's are (it runs in automatic mode inside; jitted, for jax runs no
-    auto_axes of a host callback eagerly)."""
-    if not explicit_mode(mesh):
-        return run
-    return jax.jit(jax.sharding.auto_axes(run, out_sharding=tuple(layouts)))
+    """`run`, whose results, traced in explicit mode over the mesh or from arguments
+    typed with Explicit axes (arrays placed over a jax.make_mesh mesh, no jax.set_mesh
+    needed), are typed with `layouts` as jax's are (it runs in automatic mode inside;
+    jitted, for jax runs no auto_axes of a host callback eagerly)."""
+    def call(*args):
+        if not (explicit_mode(mesh) or any(_explicitly_typed(x) for x in args)):
+            return run(*args)
+        return jax.jit(jax.sharding.auto_axes(run, out_sharding=tuple(layouts)))(*args)
+    return call
+
+
+def _explicitly_typed(x) -> bool:
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    return sharding is not None and has_explicit_axes(sharding.mesh)
 
 
 class Executable:
