@@ -220,6 +220,8 @@ def _search(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int,
             nxt = step.result(cur)
             exchange = isinstance(step, ExchangeStep)
             seconds = so_far[0] + (step.bound if exchange else step.cost)(shape, itemsize, cur, hw)
+            if rounded(seconds) > bound:   # dearer than the incumbent already: never taken
+                continue
             resplit = isinstance(step, GatherStep) and dst.tiles[step.dim] > nxt.tiles[step.dim]
             total = (rounded(seconds), so_far[1] + resplit,
                      so_far[2] + (transfers(cur, nxt, shape).rounds() if exchange else 0))

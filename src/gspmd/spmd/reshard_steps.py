@@ -207,23 +207,26 @@ def transfers(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> Optional[
     tile_lo = dst.coords() * m
     tile_hi = np.minimum(tile_lo + m, size)
     first = tile_lo // n
-    count = np.where(tile_hi > tile_lo, -(-tile_hi // n) - first, 0)
-    if np.prod(count, axis=1).max() > MAX_ROUNDS + 1:
-        return None
-    # Every combination of the overlapped source tiles along each dim: [N, C, rank].
-    offsets = np.stack(np.meshgrid(*[np.arange(max(1, c)) for c in count.max(axis=0)], indexing="ij"), -1)
-    offsets = offsets.reshape(-1, src.rank)
-    tile = first[:, None, :] + offsets[None]
-    valid = np.all(offsets[None] < count[:, None, :], axis=-1)
-    lo = np.maximum(tile_lo[:, None], tile * n)
-    hi = np.minimum(tile_hi[:, None], (tile + 1) * n)
-    receiver = np.broadcast_to(np.arange(dst.num_devices)[:, None], valid.shape)
-    tile, lo, hi, receiver = tile[valid], lo[valid], hi[valid], receiver[valid]
-    kept = np.all(tile == src.coords()[receiver], axis=1)
+    count = np.where(tile_hi > tile_lo, -(-tile_hi // n) - first, 0)   # source tiles overlapped per dim
+    most = count.max(axis=0)
+    if most.max(initial=0) <= 1:    # the common case: one piece per (non-empty) tile
+        receiver = np.flatnonzero(np.all(count == 1, axis=1))
+        tile, lo, hi = first[receiver], tile_lo[receiver], tile_hi[receiver]
+    else:
+        if np.prod(count, axis=1).max() > MAX_ROUNDS + 1:
+            return None
+        # Every combination of the overlapped source tiles along each dim.
+        offsets = np.indices(np.maximum(most, 1)).reshape(src.rank, -1).T
+        receiver, which = np.nonzero(np.all(offsets[None] < count[:, None, :], axis=-1))
+        tile = first[receiver] + offsets[which]
+        lo = np.maximum(tile_lo[receiver], tile * n)
+        hi = np.minimum(tile_hi[receiver], (tile + 1) * n)
+    coords = src.coords()
+    kept = np.all(tile == coords[receiver], axis=1)
     sender = receiver.copy()
     sender[~kept] = pieces.holders_in_turn(src, tile[~kept])
-    return pieces.Transfers(sender, receiver, lo - src.coords()[sender] * n, lo - tile_lo[receiver], hi - lo,
-                            (lo == tile_lo[receiver]) & (hi == tile_hi[receiver]))
+    at = lo - tile_lo[receiver]
+    return pieces.Transfers(sender, receiver, lo - coords[sender] * n, at, hi - lo, (at == 0) & (hi == tile_hi[receiver]))
 
 
 @dataclass(frozen=True)
