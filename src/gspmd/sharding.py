@@ -43,7 +43,7 @@ class Sharding:
     ids, shape (*tiles per dim, replicas). Build one with Sharding.from_mesh(mesh,
     dims_mapping, shape) or Sharding.from_named(named_sharding, shape); read it in a
     mesh's terms with .spec(mesh) / .describe(mesh). Printed in XLA's notation."""
-    __slots__ = ("tile_assignment", "_coords", "_key", "_hash", "is_replicated")
+    __slots__ = ("tile_assignment", "tiles", "_coords", "_key", "_hash", "is_replicated")
 
     def __init__(self, tile_assignment):
         self._set(_tile_assignment(tile_assignment))
@@ -62,6 +62,7 @@ class Sharding:
         arr = np.sort(arr, axis=-1)
         arr.setflags(write=False)
         self.tile_assignment = arr
+        self.tiles: tuple[int, ...] = arr.shape[:-1]     # read by every layout computation
         self._coords = None
         # Layouts are compared and hashed far more often than made (plan caches, merges).
         self._key = (arr.shape, arr.tobytes())
@@ -118,10 +119,6 @@ class Sharding:
         return _from_named(named, _shape(shape))
 
     # -- basic properties ---------------------------------------------------------
-    @property
-    def tiles(self) -> tuple[int, ...]:
-        return self.tile_assignment.shape[:-1]
-
     @property
     def rank(self) -> int:
         return self.tile_assignment.ndim - 1

@@ -395,22 +395,48 @@ def _convert_as_is(opcode: str):
     return convert
 
 
-def _clamped(starts, shape, sizes) -> list:
+def _clamped(instr: Instr, first: int, starts, shape, sizes, lc) -> list:
     """Starts clamped into bounds explicitly, as HLO defines (lax would first wrap negative
     ones from the end, and XLA:CPU folds nested dynamic-slices into one at the summed
-    start without clamping the inner one)."""
-    return [lax.clamp(np.asarray(0, s.dtype), s, np.asarray(n - k, s.dtype)) for s, n, k in zip(starts, shape, sizes)]
+    start without clamping the inner one), but for those known to lie in bounds (the
+    constants and partition-id offset tables of partitioned programs: clamping them
+    would be a third of such a program's ops)."""
+    out = []
+    for v, s, n, k in zip(instr.operands[first:], starts, shape, sizes):
+        known = _start_bounds(v, lc.axis_size())
+        inside = known is not None and 0 <= known[0] and known[1] <= n - k
+        out.append(s if inside else lax.clamp(np.asarray(0, s.dtype), s, np.asarray(n - k, s.dtype)))
+    return out
+
+
+def _start_bounds(v: Value, num_devices: int) -> Optional[tuple[int, int]]:
+    """The least and greatest value a start index can take, where constants and
+    partition-id (0..num_devices-1) alone make it (through reshapes and lookups in a
+    constant table); None where data does."""
+    p = v.producer
+    if p is None:
+        return None
+    if p.opcode == "constant":
+        table = np.asarray(p.attrs["value"])
+        return (int(table.min()), int(table.max())) if table.size else None
+    if p.opcode == "partition-id":
+        return 0, num_devices - 1
+    if p.opcode == "reshape":
+        return _start_bounds(p.operands[0], num_devices)
+    if p.opcode == "dynamic-slice":    # a lookup: any element of the table
+        return _start_bounds(p.operands[0], num_devices)
+    return None
 
 
 def _lower_dynamic_slice(instr, args, lc):
     x, *starts = args
     sizes = instr.outputs[0].shape
-    return [lax.dynamic_slice(x, _clamped(starts, x.shape, sizes), sizes, allow_negative_indices=False)]
+    return [lax.dynamic_slice(x, _clamped(instr, 1, starts, x.shape, sizes, lc), sizes, allow_negative_indices=False)]
 
 
 def _lower_dynamic_update_slice(instr, args, lc):
     x, update, *starts = args
-    return [lax.dynamic_update_slice(x, update, _clamped(starts, x.shape, update.shape),
+    return [lax.dynamic_update_slice(x, update, _clamped(instr, 2, starts, x.shape, update.shape, lc),
                                      allow_negative_indices=False)]
 
 

@@ -207,7 +207,13 @@ class Hardware:
         return self.memory_bytes - self.reserved_bytes
 
     def network(self, num_devices: int) -> Network:
-        return self.interconnect.network(num_devices)
+        return _network(self.interconnect, num_devices)
+
+
+@functools.lru_cache(maxsize=1024)
+def _network(interconnect, num_devices: int) -> Network:
+    # Asked of every layout a reshard search prices: built once per device count.
+    return interconnect.network(num_devices)
 
 
 PROFILES = {h.name: h for h in [
