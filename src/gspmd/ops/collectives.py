@@ -279,14 +279,16 @@ def _lower_all_reduce(instr, args, lc):
     return [_all_reduce_value(instr, args[0], lc)]
 
 
-def _along_dim_0(collective: Callable, x, dim: int):
-    """collective(x with `dim` moved first) with that dim moved back: the copies XLA
-    makes anyway, but explicit, so that its CPU layout assignment does not hand the
-    `dim`-major layout it gives a gather or scatter along `dim` on to an FFT that made
-    the operand, through element-wise ops and reductions (XLA:CPU's FFT kernel then fails
-    a layout check, IsMonotonicWithDim0Major; tests/test_complex.py's plain-jax
-    reproducer says when this can go)."""
-    return _moved(collective(_moved(x, dim, 0)), 0, dim)
+def _collective_along(collective: Callable, x, dim: int, lc):
+    """collective(x, dim); in a program with a row-major-only kernel (an FFT), along dim 0
+    with `dim` moved there and back: the copies XLA makes anyway, but explicit, so that
+    its CPU layout assignment does not hand the `dim`-major layout it gives a gather or
+    scatter along `dim` on to an FFT that made the operand, through element-wise ops and
+    reductions (XLA:CPU's FFT kernel then fails a layout check, IsMonotonicWithDim0Major;
+    tests/test_complex.py's plain-jax reproducer says when this can go)."""
+    if not lc.row_major:
+        return collective(x, dim)
+    return _moved(collective(_moved(x, dim, 0), 0), 0, dim)
 
 
 def _moved(x, source: int, destination: int):
@@ -301,16 +303,16 @@ def _moved(x, source: int, destination: int):
 
 def _lower_all_gather(instr, args, lc):
     groups = _axis_groups(instr, lc)
-    return [_along_dim_0(lambda x: lax.all_gather(x, lc.axis, axis=0, axis_index_groups=groups, tiled=True),
-                         args[0], instr.attrs["dim"])]
+    gather = lambda x, d: lax.all_gather(x, lc.axis, axis=d, axis_index_groups=groups, tiled=True)
+    return [_collective_along(gather, args[0], instr.attrs["dim"], lc)]
 
 
 def _lower_reduce_scatter(instr, args, lc):
     dim = instr.attrs["dim"]
     if instr.attrs["reducer"] is ADD:
         groups = _axis_groups(instr, lc)
-        return [_along_dim_0(lambda x: lax.psum_scatter(x, lc.axis, scatter_dimension=0, axis_index_groups=groups,
-                                                        tiled=True), args[0], dim)]
+        scatter = lambda x, d: lax.psum_scatter(x, lc.axis, scatter_dimension=d, axis_index_groups=groups, tiled=True)
+        return [_collective_along(scatter, args[0], dim, lc)]
     # Other reducers: all-reduce, then keep this device's piece.
     size = instr.outputs[0].shape[dim]
     full = _all_reduce_value(instr, args[0], lc)

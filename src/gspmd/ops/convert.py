@@ -197,10 +197,12 @@ class LowerContext:
     its axis index); `ids[p]` is the device id at position p (None: p itself). Lowerings
     of ops with sub-programs run them through `run`."""
 
-    def __init__(self, axis, run: Callable[[Program, Sequence], list], ids: Optional[np.ndarray] = None):
+    def __init__(self, axis, run: Callable[[Program, Sequence], list], ids: Optional[np.ndarray] = None,
+                 row_major: bool = False):
         self.axis = axis
         self.run = run
         self.ids = ids
+        self.row_major = row_major   # the program has a kernel that takes only row-major layouts
 
     def axis_index(self):
         """This device's position in the mesh."""

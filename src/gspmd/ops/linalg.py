@@ -16,7 +16,7 @@ from typing import Optional
 from jax.lax import FftType
 
 from gspmd.ops.convert import BoundPrimitive, call_eagerly
-from gspmd.ops.registry import Frontend, Rule, Semantics, Timing, register
+from gspmd.ops.registry import Frontend, Kernel, Rule, Semantics, Timing, register
 from gspmd.spmd import factors as fx
 from gspmd.spmd import cost as cm
 from gspmd.spmd import reshard as rs
@@ -187,4 +187,5 @@ register("linalg",
                              "custom_linear_solve": _convert_linear_solve}),
          semantics=Semantics(evaluate=lambda instr, args, device: call_eagerly(instr, args), lower=_lower),
          rule=Rule(factors=_propagated_factors, partition=_partition),
-         timing=Timing(flops=_flops, compute=ComputeKind.MATMUL))
+         timing=Timing(flops=_flops, compute=ComputeKind.MATMUL),
+         kernel=Kernel(row_major=_is_fft))

@@ -173,6 +173,9 @@ class Kernel:
     """How XLA's kernel for the op orders dims in memory."""
     orders: Optional[Callable[[Instr], "KernelOrders"]] = None
     transposes: bool = False      # only permutes dims: layout assignment can absorb it into its producer
+    # row_major(instr): XLA:CPU's kernel rejects operands and results laid out otherwise
+    # (its FFT's layout check), so that collectives along inner dims must not hand it theirs
+    row_major: Optional[Callable[[Instr], bool]] = None
 
 
 @dataclass
@@ -310,6 +313,16 @@ def tensors(instr: Instr) -> list[Value]:
     """The values whose layouts `instr` relates: operands, outputs, then tied values."""
     tied = lookup(instr.opcode).rule.tied
     return instr.operands + instr.outputs + (tied(instr) if tied else [])
+
+
+def wants_row_major(program: Program) -> bool:
+    """Whether some op of `program` (or of a program nested in it) has an XLA:CPU kernel
+    that takes only row-major layouts."""
+    for instr in program.all_instrs():
+        row_major = lookup(instr.opcode).kernel.row_major
+        if row_major is not None and row_major(instr):
+            return True
+    return False
 
 
 def storage(instr: Instr) -> Storage:

@@ -272,7 +272,8 @@ class Executable:
         return [k for k in self.epilogue.arguments if self.params[k].nbytes]
 
     def _body(self, *fed):
-        lc = LowerContext(self.jax_mesh.axis_names, lambda program, args: _run_body(program, args, lc), self._ids)
+        lc = LowerContext(self.jax_mesh.axis_names, lambda program, args: _run_body(program, args, lc), self._ids,
+                          ops.wants_row_major(self.epilogue.core))
         blocks = dict(zip(self._fed, fed))
         local = [jnp.zeros(p.shape, p.dtype) if k not in blocks     # zero-size: nothing to feed
                  else blocks[k] if self._coarse_in[k] is None

@@ -226,7 +226,8 @@ def transfers(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> Optional[
     sender = receiver.copy()
     sender[~kept] = pieces.holders_in_turn(src, tile[~kept])
     at = lo - tile_lo[receiver]
-    return pieces.Transfers(sender, receiver, lo - coords[sender] * n, at, hi - lo, (at == 0) & (hi == tile_hi[receiver]))
+    whole = (at == 0) & (hi == tile_hi[receiver])
+    return pieces.Transfers(sender, receiver, lo - coords[sender] * n, at, hi - lo, whole)
 
 
 @dataclass(frozen=True)
