@@ -56,6 +56,10 @@ class Sharding:
         sharding._set(arr.astype(np.int64, copy=False))
         return sharding
 
+    def __reduce__(self):
+        # Pickled as its tile assignment: what _set derives is derived again.
+        return Sharding._of, (self.tile_assignment,)
+
     def _set(self, arr: np.ndarray) -> None:
         # Devices inside one replication group are interchangeable: keep them sorted so
         # equal layouts compare equal.
