@@ -36,6 +36,10 @@ class Transfers:
 
     def rounds(self) -> int:
         """Collective-permutes needed: the most pieces one device sends or receives."""
+        return self._rounds
+
+    @functools.cached_property
+    def _rounds(self) -> int:    # asked three times of each exchange a reshard search weighs
         remote = self.remote
         if not remote.any():
             return 0
