@@ -1,7 +1,9 @@
 """A differential fuzzer: random programs from the op pool of tests/fuzz_ops.py, random
 annotations (dims mappings, PartitionSpecs, UNSPECIFIED dims, the devices' order, subsets
-of the devices) on meshes of 1-3 axes over 2-8 devices, uneven dims, and jax.grad,
-jax.jvp or jax.vmap around gspmd.jit; each compared with jax.jit on one device.
+of the devices) on meshes of 1-3 axes over 2-8 devices, uneven dims, inputs as NumPy
+arrays or jax arrays placed over the mesh (Auto axes, Explicit axes, Explicit under
+jax.set_mesh), and jax.grad, jax.jvp or jax.vmap around gspmd.jit; each compared with
+jax.jit given the same inputs (on one device where they are NumPy arrays).
 
 A program is a Spec: plain data, rebuilt exactly from its seeds, so a failure prints as
 a Spec to paste into a test, and shrinks (steps, annotations, the transformation, the
@@ -16,6 +18,7 @@ check failures do: seed 6976's convolution aborts jax.jit's own compile)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import subprocess
@@ -43,6 +46,10 @@ DIMS = [1, 2, 3, 4, 5, 6, 7, 8]
 MAX_ELEMENTS = 512
 WRAPS = ["plain"] * 4 + ["grad"] * 3 + ["jvp"] * 2 + ["vmap"] * 2
 OUTCOMES = ("ok", "mismatch", "nan", "crash", "refused", "invalid")
+# How the inputs arrive: NumPy arrays; jax arrays placed over the mesh with Auto axes, or
+# with Explicit axes (jax.make_mesh's: layouts in the types, no jax.set_mesh needed), or
+# with Explicit axes under jax.set_mesh (explicit sharding mode).
+PLACEMENTS = ["numpy"] * 5 + ["auto"] * 2 + ["explicit"] * 2 + ["set_mesh"] * 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +68,7 @@ class Spec:
     steps: tuple            # of Step
     wrap: str               # plain, grad, jvp or vmap
     seed: int               # annotations of the input and the params, the transformation's choices
+    placement: str = "numpy"   # one of PLACEMENTS; jax arrays' layouts drawn from `seed`
 
 
 @dataclasses.dataclass
@@ -69,6 +77,7 @@ class Program:
     fn: Callable
     args: list
     mesh: jax.sharding.Mesh
+    annotated: bool     # whether it calls mesh_split (jax.jit's reference does not)
 
 
 def random_spec(seed: int, families: Optional[list[str]] = None) -> Spec:
@@ -87,7 +96,8 @@ def random_spec(seed: int, families: Optional[list[str]] = None) -> Spec:
     for _ in range(r.int(1, 5)):
         step, aval = _next_step(r, aval, sorted(families or FAMILIES))
         steps.append(step)
-    return Spec(devices, mesh_shape, shape, dtype, tuple(steps), r.pick(WRAPS), r.int(0, 2 ** 31 - 1))
+    return Spec(devices, mesh_shape, shape, dtype, tuple(steps), r.pick(WRAPS), r.int(0, 2 ** 31 - 1),
+                r.pick(PLACEMENTS))
 
 
 def _next_step(r: Draw, aval, families: list[str]):
@@ -131,10 +141,14 @@ def _mapping(r: Draw, axes: tuple, rank: int):
     return entries
 
 
+def _as_is(x):
+    return x
+
+
 def _annotator(r: Draw, mesh, p: float) -> Callable:
-    """x -> x, or x annotated at random (decided now, so the program is fixed)."""
+    """x -> x (_as_is), or x annotated at random (decided now, so the program is fixed)."""
     if not r.coin(p):
-        return lambda x: x
+        return _as_is
     seed = r.int(0, 2 ** 31 - 1)
     return lambda x: gspmd.mesh_split(x, mesh, _mapping(Draw(seed), mesh.axis_names, jnp.ndim(x)))
 
@@ -143,7 +157,9 @@ def _annotator(r: Draw, mesh, p: float) -> Callable:
 def build(spec: Spec) -> Optional[Program]:
     """The Spec's program, or None where a step no longer applies (a shrunk Spec)."""
     names = ("x", "y", "z")[: len(spec.mesh_shape)]
-    mesh = jax.sharding.Mesh(np.asarray(jax.devices())[list(spec.devices)].reshape(spec.mesh_shape), names)
+    axis_type = jax.sharding.AxisType.Auto if spec.placement in ("numpy", "auto") else jax.sharding.AxisType.Explicit
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices())[list(spec.devices)].reshape(spec.mesh_shape), names,
+                             axis_types=(axis_type,) * len(names))
     r = Draw(spec.seed)
     x = Draw(spec.seed + 1).normal(spec.shape, jnp.dtype(spec.dtype))
     aval = jax.ShapeDtypeStruct(spec.shape, x.dtype)
@@ -166,7 +182,37 @@ def build(spec: Spec) -> Optional[Program]:
             v = note(v) if note else v
         return v
 
-    return Program(program, args, mesh)
+    annotated = any(note is not _as_is for note in notes) or any(note for _, _, note in fns)
+    return Program(program, args, mesh, annotated)
+
+
+def place(spec: Spec, mesh: jax.sharding.Mesh, args: Sequence[np.ndarray]) -> list:
+    """The inputs as the Spec's placement has them: as they are (NumPy), or each
+    device_put over `mesh` (whose axis types build() chose) in a random layout that
+    splits its dims evenly."""
+    if spec.placement == "numpy":
+        return list(args)
+    r = Draw(spec.seed + 5)
+    placed = []
+    for a in args:
+        per_dim: list = [[] for _ in range(a.ndim)]
+        for axis in r.rng.permutation(mesh.axis_names):
+            d = r.int(-1, a.ndim - 1)
+            if d >= 0 and a.shape[d] % (np.prod([mesh.shape[n] for n in per_dim[d]]) * mesh.shape[axis]) == 0:
+                per_dim[d].append(str(axis))
+        layout = P(*[tuple(n) if len(n) > 1 else n[0] if n else None for n in per_dim])
+        placed.append(jax.device_put(a, jax.sharding.NamedSharding(mesh, layout)))
+    return placed
+
+
+def _mode(spec: Spec, mesh: jax.sharding.Mesh) -> contextlib.AbstractContextManager:
+    """Explicit sharding mode over `mesh` where the Spec asks for it."""
+    return jax.set_mesh(mesh) if spec.placement == "set_mesh" else contextlib.nullcontext()
+
+
+def _placed_like(t: np.ndarray, primal):
+    """A tangent laid out as its primal (jax.jvp wants their types equal)."""
+    return jax.device_put(t, primal.sharding) if isinstance(primal, jax.Array) else t
 
 
 def transformed(spec: Spec, program: Program) -> tuple[Callable, list]:
@@ -179,9 +225,9 @@ def transformed(spec: Spec, program: Program) -> tuple[Callable, list]:
     if spec.wrap == "grad":
         weights = Draw(spec.seed + 3).normal((MAX_ELEMENTS,), np.float32)
 
-        def loss(f, *a):
-            out = f(*a).astype(jnp.float32).ravel()
-            return jnp.sum(jnp.tanh(out) * weights[: out.size])
+        def loss(f, *a):   # no ravel: explicit sharding mode refuses reshapes of split dims
+            out = f(*a).astype(jnp.float32)
+            return jnp.sum(jnp.tanh(out) * weights[: out.size].reshape(out.shape))
 
         return (lambda f, *a: jax.grad(loss, argnums=tuple(i + 1 for i in chosen))(f, *a)), args
     if spec.wrap == "jvp":
@@ -193,7 +239,8 @@ def transformed(spec: Spec, program: Program) -> tuple[Callable, list]:
                 for i, v in zip(chosen, c):
                     full[i] = v
                 return f(*full)
-            return jax.jvp(of_chosen, [a[i] for i in chosen], tangents)
+            placed = [_placed_like(t, a[i]) for t, i in zip(tangents, chosen)]
+            return jax.jvp(of_chosen, [a[i] for i in chosen], placed)
 
         return jvp, args
     if spec.wrap == "vmap":
@@ -212,22 +259,33 @@ def run(spec: Spec, backend: str, phase: Callable[[str], None] = lambda name: No
     if program is None:
         return "invalid", "a step does not apply"
     wrap, args = transformed(spec, program)
+    try:
+        args = place(spec, program.mesh, args)
+    except Exception as e:   # noqa: BLE001 - jax refuses the layout: not a program to compare
+        return "invalid", f"device_put: {type(e).__name__}: {str(e)[:200]}"
     phase("reference")
     try:
-        with unpartitioned():
-            expected = wrap(jax.jit(program.fn), *args)
-        expected = jax.tree_util.tree_map(np.asarray, expected)
+        with unpartitioned(), _mode(spec, program.mesh):
+            theirs = wrap(jax.jit(program.fn), *args)
+        expected = jax.tree_util.tree_map(np.asarray, theirs)
     except Exception as e:   # noqa: BLE001 - jax.jit refuses: not a program to compare
         return "invalid", f"jax.jit: {type(e).__name__}: {str(e)[:200]}"
     phase("gspmd")
     try:
-        actual = wrap(gspmd.jit(program.fn, mesh=program.mesh, backend=backend), *args)
-        actual = jax.tree_util.tree_map(np.asarray, actual)
+        with _mode(spec, program.mesh):
+            ours = wrap(gspmd.jit(program.fn, mesh=program.mesh, backend=backend), *args)
+        actual = jax.tree_util.tree_map(np.asarray, ours)
     except gspmd.ShardingError as e:
         return "refused", str(e)[:2000]
     except Exception as e:   # noqa: BLE001 - every other error is a crash to report
         return "crash", "".join(traceback.format_exception(e))[-3000:]
-    return compare(actual, expected)
+    outcome = compare(actual, expected)
+    # Explicit axes type every value, and jax.jit's result layouts are its types: ours must
+    # be the same where the program is the same one (no mesh_split, which jax.jit's
+    # reference drops). Elsewhere XLA's propagation and gspmd's completion may differ.
+    if outcome[0] == "ok" and backend == "jax" and spec.placement in ("explicit", "set_mesh") and not program.annotated:
+        return compare_layouts(ours, theirs)
+    return outcome
 
 
 def tolerance(dtype) -> float:
@@ -257,6 +315,13 @@ def compare(actual, expected) -> tuple[str, str]:
     return "ok", ""
 
 
+def compare_layouts(ours, theirs) -> tuple[str, str]:
+    for a, e in zip(jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(theirs)):
+        if not a.sharding.is_equivalent_to(e.sharding, e.ndim):
+            return "mismatch", f"layout {a.sharding} != jax.jit's {e.sharding}"
+    return "ok", ""
+
+
 # -- shrinking -----------------------------------------------------------------------------
 def smaller(spec: Spec):
     """Specs one step simpler than `spec`, simplest first."""
@@ -268,6 +333,8 @@ def smaller(spec: Spec):
         if s.annotate:
             yield dataclasses.replace(spec, steps=spec.steps[:i] + (dataclasses.replace(s, annotate=False),)
                                       + spec.steps[i + 1:])
+    if spec.placement != "numpy":
+        yield dataclasses.replace(spec, placement="numpy")
     if spec.devices != tuple(range(len(spec.devices))):
         yield dataclasses.replace(spec, devices=tuple(range(len(spec.devices))))
     for i, d in enumerate(spec.shape):
@@ -297,11 +364,12 @@ def fuzz(n: int, seed: int, backend: str, shrink_failures: bool = False, log=Non
     for i in range(seed, seed + n):
         spec = random_spec(i, families)
         outcome, detail = run(spec, backend, partial(progress, i))
-        progress(i, f"done {outcome}")
+        progress(i, f"done {outcome} {spec.placement}")
         counts[outcome] += 1
         if outcome not in ("ok", "invalid") and log:
             found = shrink(spec, backend, outcome) if shrink_failures else spec
-            print(f"\n#{i} {outcome}: {[s.family for s in spec.steps]} {spec.wrap}\n{found!r}\n{detail}\n",
+            print(f"\n#{i} {outcome}: {[s.family for s in spec.steps]} {spec.wrap} {spec.placement}\n{found!r}\n"
+                  f"{detail}\n",
                   file=log, flush=True)
         if i % 50 == 49:
             jax.clear_caches()
@@ -316,6 +384,7 @@ def fuzz_isolated(n: int, seed: int, backend: str, options: Sequence[str] = (), 
     compile aborted (XLA's bug, as any other error of jax.jit), a crash where ours did --
     and the run goes on from the next seed. `options`: more command-line flags."""
     counts = dict.fromkeys(OUTCOMES, 0)
+    placements: dict = {}   # the completed programs' outcomes per placement, printed at the end
     start, end = seed, seed + n
     while start < end:
         child = subprocess.Popen([sys.executable, __file__, "--child", "--n", str(end - start), "--seed",
@@ -328,7 +397,9 @@ def fuzz_isolated(n: int, seed: int, backend: str, options: Sequence[str] = (), 
             i, what = line[1:].split(" ", 1)
             last = (int(i) + 1, "reference") if what.startswith("done") else (int(i), what.strip())
             if what.startswith("done"):
-                counts[what.split()[1]] += 1
+                _, outcome, placement = what.split()
+                counts[outcome] += 1
+                placements.setdefault(placement, dict.fromkeys(OUTCOMES, 0))[outcome] += 1
         if child.wait() == 0:
             break
         aborted, where = last
@@ -337,6 +408,8 @@ def fuzz_isolated(n: int, seed: int, backend: str, options: Sequence[str] = (), 
         print(f"\n#{aborted} {outcome}: the process aborted in {'jax.jit' if outcome == 'invalid' else 'gspmd.jit'}"
               f" (exit {child.returncode})\n", file=log, flush=True)
         start = aborted + 1
+    for placement, of_placement in sorted(placements.items()):
+        print(f"{placement}: {of_placement}", file=log, flush=True)
     return counts
 
 
