@@ -252,12 +252,16 @@ class Executable:
 
         def call(*args):
             traced = any(isinstance(x, jax.core.Tracer) for x in args)
-            return (self._for_traced() if traced else self.jitted)(*args)
+            return (self._for_traced(args) if traced else self.jitted)(*args)
         return call
 
-    def _for_traced(self) -> Callable:
-        """The program inside a caller's trace (grad, jit, vmap)."""
-        return self._typed if explicit_mode(self.mesh) else self._nested
+    def _for_traced(self, args: Sequence) -> Callable:
+        """The program inside a caller's trace (grad, jit, vmap): typed where the arguments'
+        types hold their layouts, in explicit mode or over a mesh of Explicit axes without
+        jax.set_mesh (_nested's sharding constraints are refused there: vmap adds an
+        UNCONSTRAINED batch dim, which a mesh of no Auto axes cannot hold)."""
+        typed = explicit_mode(self.mesh) or any(_explicitly_typed(x) for x in args)
+        return self._typed if typed else self._nested
 
     @functools.cached_property
     def _typed(self) -> Callable:
@@ -288,7 +292,7 @@ class Executable:
         if self.multiprocess:    # jax.jit takes no NumPy inputs for shardings spanning processes
             flat_args = self.place(flat_args) or flat_args
         if any(isinstance(x, jax.core.Tracer) for x in flat_args):
-            return list(self._for_traced()(*flat_args))
+            return list(self._for_traced(flat_args)(*flat_args))
         try:
             return list(self.jitted(*flat_args))
         except ValueError:
