@@ -242,6 +242,35 @@ def test_arrays_typed_by_an_explicit_mesh_without_set_mesh():
     assert ours.sharding.is_equivalent_to(theirs.sharding, 1) and jax.typeof(ours) == jax.typeof(theirs)
 
 
+def _explicitly_placed():
+    """A jax.make_mesh mesh (Explicit axes) and two arrays placed over it, no jax.set_mesh."""
+    jmesh = jax.make_mesh((2, 4), ("x", "y"))
+    v = jax.device_put(np.arange(32, dtype=np.float32).reshape(4, 8), NamedSharding(jmesh, P()))
+    u = jax.device_put(np.ones((2, 2), np.float32), NamedSharding(jmesh, P()))
+    return jmesh, v, u
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("transform", ["jvp_of_one", "jvp_of_the_other", "vmap"])
+def test_transforms_of_arrays_typed_by_an_explicit_mesh_without_set_mesh(transform, backend):
+    """Fuzzer, seed 30103 shrunk: jvp (or vmap) perturbs one argument and holds the other,
+    both typed by an Explicit mesh. The traced argument keeps its type (so does the
+    derived tangent program's trace), else jax refuses an update typed otherwise than its
+    operand; the derived programs run over the jit's mesh, which no traced type names."""
+    _, v, u = _explicitly_placed()
+
+    def f(v, u):
+        return jax.lax.dynamic_update_slice(v, u, (1, 2))
+    call = {"jvp_of_one": lambda g: jax.jvp(lambda u: g(v, u), (u,), (u,)),
+            "jvp_of_the_other": lambda g: jax.jvp(lambda v: g(v, u), (v,), (v,)),
+            "vmap": lambda g: jax.vmap(g, (0, None))(jnp.stack([v, v]), u)}[transform]
+    ours, theirs = call(gspmd.jit(f, backend=backend)), call(jax.jit(f))
+    assert_close(ours, theirs)
+    if backend == "jax":
+        for a, b in zip(jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(theirs)):
+            assert a.sharding.is_equivalent_to(b.sharding, b.ndim)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_vmap_of_an_array_typed_by_an_explicit_mesh_without_set_mesh(backend):
     """Fuzzer, seed 29 shrunk: under vmap the jax backend constrained its results with the
@@ -254,6 +283,16 @@ def test_vmap_of_an_array_typed_by_an_explicit_mesh_without_set_mesh(backend):
     assert_close(ours, theirs)
     if backend == "jax":
         assert ours.sharding.is_equivalent_to(theirs.sharding, 3)
+
+
+def test_traced_arguments_typed_by_an_explicit_mesh_need_a_known_mesh():
+    """Where every argument is traced and typed by an abstract mesh, and neither
+    gspmd.jit(mesh=...) nor jax.set_mesh says which devices it stands for, a clear error
+    (jax.jit finds them in the eager arrays under the tracers)."""
+    jmesh = jax.make_mesh((2, 4), ("x", "y"))
+    x = jax.device_put(np.ones((2, 4, 8), np.float32), NamedSharding(jmesh, P(None, "y", "x")))
+    with pytest.raises(gspmd.ShardingError, match="set_mesh"):
+        jax.vmap(gspmd.jit(lambda a: a * 2, backend="jax"))(x)
 
 
 # -- ahead of time: lower, compile, eval_shape, clear_cache -----------------------------------

@@ -388,8 +388,12 @@ class Lowered(Execution, Inspection):
         self._ready_to_run()
         # its derivatives and batched forms, partitioned when jax asks for them
         def partitioned_alike(fn: Callable) -> Partitioned:
-            return Partitioned(fn, partitioned.mesh, self.backend, compiler_options=self.compiler_options)
-        self.transforms = Transforms(self.flat_fn, _avals(self.program.params), _avals(self.program.outputs),
+            # over this program's mesh: the derived programs may see traced arguments only, whose
+            # types name an abstract mesh (Explicit axes, no jax.set_mesh), not its devices
+            return Partitioned(fn, partitioned.mesh or mesh, self.backend, compiler_options=self.compiler_options)
+        # the arguments' avals as traced: over a mesh of Explicit axes their types hold their layouts,
+        # which the derived programs' traces must keep (jax's type rules refuse typed and untyped operands)
+        self.transforms = Transforms(self.flat_fn, self.keys.avals, _avals(self.program.outputs),
                                      signature.name, partitioned_alike, mesh)
 
 
@@ -425,13 +429,15 @@ def _meant_as_array(e: Exception, leaves: list, names: list[str]) -> Optional[tu
 
 def _jit_mesh(mesh: Optional[Mesh], committed: list) -> Optional[Mesh]:
     """The jit's mesh: jit(mesh=...), else jax.set_mesh's, else the first committed
-    argument's (jax.jit runs where its arguments are)."""
+    argument's (jax.jit runs where its arguments are; a traced one's type may name an
+    abstract mesh only)."""
     if mesh is not None:
         return mesh
     context = jax_context_mesh()
     if context is not None:
         return Mesh.from_jax(context)
-    return next((Mesh.from_jax(c.mesh) for c in committed if c is not None), None)
+    return next((Mesh.from_jax(c.mesh) for c in committed if c is not None and isinstance(c.mesh, jax.sharding.Mesh)),
+                None)
 
 
 def _input_layout(committed: Optional[NamedSharding], rank: int, donated: bool) -> Optional[tuple]:

@@ -55,13 +55,17 @@ def committed_layout(x) -> Optional[NamedSharding]:
 
 
 def _typed_layout(aval) -> Optional[NamedSharding]:
-    """A traced value's layout, where its type holds one (explicit sharding mode under
-    jax.set_mesh): over the concrete mesh that the type's abstract mesh stands for."""
+    """A traced value's layout, where its type holds one (Explicit axes): over the
+    concrete mesh jax.set_mesh gives; without one (jax.grad, jvp or vmap of arrays placed
+    over a jax.make_mesh mesh), over the type's abstract mesh, which mesh_split resolves
+    (to gspmd.jit's mesh). Tracing without it would mix untyped tracers with the other
+    arguments' typed values, which jax's type rules refuse."""
     sharding, mesh = getattr(aval, "sharding", None), jax_context_mesh()
-    if (mesh is None or not isinstance(sharding, NamedSharding) or sharding.mesh != mesh.abstract_mesh
-            or not has_explicit_axes(mesh)):
+    if not isinstance(sharding, NamedSharding) or not has_explicit_axes(sharding.mesh):
         return None
-    return NamedSharding(mesh, sharding.spec)
+    if mesh is None:
+        return sharding
+    return NamedSharding(mesh, sharding.spec) if sharding.mesh == mesh.abstract_mesh else None
 
 
 def key_layout(key: tuple) -> Optional[NamedSharding]:
