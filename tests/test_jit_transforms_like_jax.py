@@ -178,6 +178,22 @@ def test_gradient_of_explicitly_sharded_inputs(backend):
     explicit_side_by_side(_grad_of_product, x, y, backend=backend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_eager_grad_of_an_argument_committed_over_the_mesh(backend):
+    """Fuzzer, seed 40184 shrunk (sim backend): under an eager jax.grad the sim's host
+    callback ran on an array committed to 8 devices, and jax laid its result out on
+    device 0 alone (a maximal GSPMDSharding) that the loss's next op refused. The
+    callback's results are laid out over the mesh, as the jax backend's."""
+    m = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
+    x = jax.device_put(np.arange(8, dtype=np.float32), jax.sharding.NamedSharding(m, P("y")))
+
+    def loss(f, a):
+        return jnp.sum(jnp.sin(f(a)).astype(jnp.float32))
+
+    grad = jax.grad(loss, argnums=1)
+    assert_close(grad(gspmd.jit(lambda a: a * a, mesh=m, backend=backend), x), grad(jax.jit(lambda a: a * a), x))
+
+
 def test_eager_grad_takes_cotangents_committed_in_another_layout():
     """Found by the fuzzer: under an eager jax.grad, the cotangent of a result laid out
     P(None, 'y') came back committed replicated (through ravel), and the pullback, as the

@@ -14,6 +14,7 @@ from typing import Callable, Iterator, Optional
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 from gspmd.analysis import schedule
 from gspmd.analysis.report import Collective
@@ -168,9 +169,20 @@ class Execution:
             shapes = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in self.program.outputs]
             layouts = jax_backend.result_layouts(self.mesh, self.program.outputs)
 
+
+            def call(*ys):
+                return tuple(jax.pure_callback(lambda *hs: self._run_sim(hs), shapes, *ys))
+            # Laid out as the jax backend's results (over the mesh's Auto axes where untyped), in one
+            # jit with the callback: jax lays a callback's results out on device 0 alone (a maximal
+            # GSPMDSharding) where its operands are on several devices, which no later eager jax op
+            # takes (jax.jit(callback)(x) + 1 fails alike), nor an eager constraint.
+            laid_out = jax.jit(call, out_shardings=tuple(NamedSharding(self.mesh.to_jax(auto=True), s.spec)
+                                                         for s in layouts))
+
             def on_host(*xs):   # results typed with their layouts in explicit mode, as the jax backend's
-                return jax_backend.typed_results(lambda *ys: tuple(jax.pure_callback(
-                    lambda *hs: self._run_sim(hs), shapes, *ys)), self.mesh, layouts)(*xs)
+                if jax_backend.typed(self.mesh, xs):
+                    return jax_backend.typed_results(call, self.mesh, layouts)(*xs)
+                return laid_out(*xs)
             self._host_program = self.transforms.wrap(on_host)
         return self._host_program(*arrays)
 

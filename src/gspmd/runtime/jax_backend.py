@@ -120,10 +120,16 @@ def typed_results(run: Callable, mesh: Mesh, layouts: Sequence[NamedSharding]) -
     needed), are typed with `layouts` as jax's are (it runs in automatic mode inside;
     jitted, for jax runs no auto_axes of a host callback eagerly)."""
     def call(*args):
-        if not (explicit_mode(mesh) or any(_explicitly_typed(x) for x in args)):
+        if not typed(mesh, args):
             return run(*args)
         return jax.jit(jax.sharding.auto_axes(run, out_sharding=tuple(layouts)))(*args)
     return call
+
+
+def typed(mesh: Mesh, args: Sequence) -> bool:
+    """Whether jax's types hold the layouts of a call's arguments and results: in
+    explicit mode over the mesh, or where an argument is typed by Explicit axes."""
+    return explicit_mode(mesh) or any(_explicitly_typed(x) for x in args)
 
 
 def _explicitly_typed(x) -> bool:
@@ -260,8 +266,7 @@ class Executable:
         types hold their layouts, in explicit mode or over a mesh of Explicit axes without
         jax.set_mesh (_nested's sharding constraints are refused there: vmap adds an
         UNCONSTRAINED batch dim, which a mesh of no Auto axes cannot hold)."""
-        typed = explicit_mode(self.mesh) or any(_explicitly_typed(x) for x in args)
-        return self._typed if typed else self._nested
+        return self._typed if typed(self.mesh, args) else self._nested
 
     @functools.cached_property
     def _typed(self) -> Callable:
