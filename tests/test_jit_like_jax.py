@@ -285,6 +285,25 @@ def test_vmap_of_an_array_typed_by_an_explicit_mesh_without_set_mesh(backend):
         assert ours.sharding.is_equivalent_to(theirs.sharding, 3)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_vmap_over_a_dim_split_by_an_explicit_axis_the_function_splits_by(backend):
+    """Fuzzer, seed 30637 shrunk: vmap batches a dim split over Explicit "x" and the
+    function splits another dim over "x". jax leaves "x" out of a shard_map traced inside
+    that vmap, and the jax backend's shard_map read its position ("unbound axis name:
+    x"); the program's shard_map now keeps every mesh axis."""
+    jmesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+    x = jax.device_put(np.arange(16, dtype=np.float32).reshape(2, 2, 4), NamedSharding(jmesh, P("x")))
+
+    def f(a):
+        return gspmd.mesh_split(a, jmesh, [None, "x"]) * 2
+    ours = jax.vmap(gspmd.jit(f, mesh=jmesh, backend=backend))(x)
+    with unpartitioned():
+        theirs = jax.vmap(jax.jit(f))(x)
+    assert_close(ours, theirs)
+    if backend == "jax":
+        assert ours.sharding.is_equivalent_to(theirs.sharding, 3)
+
+
 def test_traced_arguments_typed_by_an_explicit_mesh_need_a_known_mesh():
     """Where every argument is traced and typed by an abstract mesh, and neither
     gspmd.jit(mesh=...) nor jax.set_mesh says which devices it stands for, a clear error

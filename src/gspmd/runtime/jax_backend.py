@@ -21,6 +21,7 @@ import jax
 import numpy as np
 from jax import lax
 from jax import numpy as jnp
+from jax._src.core import remove_explicit_mesh_axis_names   # jax's own, as vmap's shard_map rule uses it
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from gspmd import ops
@@ -242,7 +243,12 @@ class Executable:
         out_specs = tuple(P() if coarse is not None else self._named(g).spec for g, coarse in self._core_out)
 
         def run(*args):
-            with jax.sharding.use_abstract_mesh(self.jax_mesh.abstract_mesh):   # whatever jax.set_mesh says outside
+            # whatever jax.set_mesh says outside; and all axes the shard_map's, also where a vmap
+            # outside batches a dim split over an Explicit axis (jax leaves such axes out of a
+            # shard_map traced inside that vmap; this trace of one example's program only feeds
+            # our custom vmap rule, Transforms._vmap_rule, which runs the batched program instead)
+            with (jax.sharding.use_abstract_mesh(self.jax_mesh.abstract_mesh),
+                  remove_explicit_mesh_axis_names(self.jax_mesh.axis_names)):
                 results = jax.shard_map(self._body, mesh=self.jax_mesh, in_specs=in_specs, out_specs=out_specs,
                                         check_vma=False)(*[args[k] for k in self._fed])
                 # element-wise lowerings read nothing of a device: no LowerContext
