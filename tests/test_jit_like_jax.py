@@ -304,6 +304,21 @@ def test_vmap_over_a_dim_split_by_an_explicit_axis_the_function_splits_by(backen
         assert ours.sharding.is_equivalent_to(theirs.sharding, 3)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_jvp_of_a_sort_of_an_array_typed_by_an_explicit_mesh(backend):
+    """Fuzzer, seed 40577 shrunk: under the context mesh gspmd traced with (the arguments'
+    Explicit mesh), jax's jvp of argsort types the iota it sorts along replicated and
+    its sort refuses operands typed otherwise; jax.jit runs it, and gspmd now traces as
+    jax.jit does where jax refuses its context."""
+    jmesh = jax.make_mesh((8,), ("x",))
+    x = jax.device_put(rand(np.random.RandomState(0), 8, 3), NamedSharding(jmesh, P("x")))
+
+    def f(a):
+        return jnp.take_along_axis(a, jnp.argsort(a, axis=1), axis=1)
+    ours = jax.jvp(gspmd.jit(f, mesh=jmesh, backend=backend), (x,), (x,))
+    assert_close(ours, jax.jvp(jax.jit(f), (x,), (x,)))
+
+
 def test_traced_arguments_typed_by_an_explicit_mesh_need_a_known_mesh():
     """Where every argument is traced and typed by an abstract mesh, and neither
     gspmd.jit(mesh=...) nor jax.set_mesh says which devices it stands for, a clear error

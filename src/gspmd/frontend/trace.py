@@ -10,6 +10,7 @@ from typing import Callable, Optional
 
 import jax
 import numpy as np
+from jax._src.core import ShardingTypeError   # jax's type rules' refusal (no public name)
 from jax.extend import core as jcore
 from jax.sharding import AxisType, NamedSharding
 
@@ -78,8 +79,8 @@ def trace(fn, flat_avals, name: str = "main", mesh: Optional[Mesh] = None,
 def jaxpr_of(fn: Callable, flat_avals, mesh: Optional[Mesh] = None):
     """fn's closed jaxpr, traced as gspmd.jit traces it (for analyses of the function
     itself, such as which outputs vmap batches)."""
-    with tracing(mesh), _as_jax_context(mesh, flat_avals):
-        return jax.make_jaxpr(fn)(*flat_avals)
+    with tracing(mesh):
+        return _jaxpr(fn, flat_avals, mesh)[0]
 
 
 # What jax.shard_map says when the context mesh is not the abstract mesh of the mesh it is given.
@@ -87,19 +88,26 @@ _SHARD_MAP_REFUSES_CONTEXT = "should match the mesh passed to shard_map"
 
 
 def _jaxpr(fn, flat_avals, mesh: Optional[Mesh]):
-    """fn's closed jaxpr and output shapes, traced under _as_jax_context. Where a
-    jax.shard_map in fn is given a mesh whose axis types differ from that context's (a
-    jax.make_mesh mesh inside gspmd.jit(mesh=<Auto axes>), or the other way round), which
-    jax refuses under any other context mesh, fn is traced as jax.jit traces it: without
-    a context mesh (one the user set with jax.set_mesh stays, and so does jax's error)."""
-    context = _as_jax_context(mesh, flat_avals)
+    """fn's closed jaxpr and output shapes, traced under _as_jax_context. Where jax
+    refuses fn under the context mesh gspmd chose, fn is traced as jax.jit traces it:
+    without a context mesh (one the user set with jax.set_mesh stays, and so does jax's
+    error). jax refuses a jax.shard_map given a mesh whose axis types differ from that
+    context's (a jax.make_mesh mesh inside gspmd.jit(mesh=<Auto axes>), or the other way
+    round); and some of jax's own rules under a context mesh of Explicit axes, which
+    arguments typed by a jax.make_mesh mesh make the context (sort's jvp types the iota it
+    adds replicated, unlike the sorted operand: 'Arguments to sort must have equal
+    shardings'), where jax.jit runs fn."""
+    context, recorded = _as_jax_context(mesh, flat_avals), _schedules.get()
+    start = 0 if recorded is None else len(recorded)
     try:
         with context:
             return jax.make_jaxpr(fn, return_shape=True)(*flat_avals)
-    except ValueError as e:
-        if isinstance(context, contextlib.nullcontext) or _SHARD_MAP_REFUSES_CONTEXT not in str(e):
+    except (ValueError, ShardingTypeError) as e:
+        refused = isinstance(e, ShardingTypeError) or _SHARD_MAP_REFUSES_CONTEXT in str(e)
+        if isinstance(context, contextlib.nullcontext) or not refused:
             raise
-    _schedules.get().clear()   # what the refused trace recorded
+    if recorded is not None:
+        del recorded[start:]   # what the refused trace recorded
     return jax.make_jaxpr(fn, return_shape=True)(*flat_avals)
 
 
