@@ -300,3 +300,31 @@ def test_nested_dynamic_slices_clamp_each_against_its_operand(backend):
     for a, b in [(0, 5), (2, 1), (-1, 0)]:
         np.testing.assert_array_equal(gspmd.jit(f, mesh=mesh, backend=backend)(x, np.int32(a), np.int32(b)),
                                       _nested_dynamic_slices(x, np.int32(a), np.int32(b)))
+
+
+def _clamped_slice_times(v, k, g):
+    """A dynamic slice whose start is out of range (clamped), times a value split over the mesh."""
+    return lax.dynamic_slice_in_dim(v, k, 6, 0) * g
+
+
+@pytest.mark.xfail(strict=True, reason="XLA's SPMD partitioner clamps each device's start of a dynamic slice "
+                                       "split along the sliced dim against its own piece (jax 0.10.2)")
+def test_xla_clamps_a_split_dynamic_slice_per_device():
+    """Found by the fuzzer's placed inputs (seed 40484, shrunk): with g split over 2
+    devices, jax.jit gives [4, 5, 6, 4, 5, 6] for x[1:7] (start 6 clamped to 1); NumPy
+    inputs, eager jax and gspmd give [1, ..., 6]. Kept so the fuzzer's reference can be
+    trusted again for such programs when XLA is fixed."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
+    x, k, g = np.arange(7, dtype=np.float32), np.int32(6), np.ones(6, np.float32)
+    placed = jax.device_put(g, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x")))
+    np.testing.assert_array_equal(jax.jit(_clamped_slice_times)(x, k, placed), _clamped_slice_times(x, k, g))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_clamped_dynamic_slice_times_a_split_value(backend):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
+    x, g = np.arange(7, dtype=np.float32), np.ones(6, np.float32)
+    placed = jax.device_put(g, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x")))
+    f = gspmd.jit(_clamped_slice_times, mesh=mesh, backend=backend)
+    for k in (6, 1, -1):
+        np.testing.assert_array_equal(f(x, np.int32(k), placed), _clamped_slice_times(x, np.int32(k), g))
