@@ -1,7 +1,9 @@
 """The differential fuzzer (tests/fuzz_programs.py) in the suites: a fixed slice of its
 programs by default, on both backends, each compared with jax.jit on one device; thousands
-with -m slow. A failing seed reproduces with fuzz_programs.run(random_spec(seed), backend)
-and shrinks with fuzz_programs.shrink."""
+with -m slow. Each seed draws its inputs' placement too (NumPy arrays in half of them; jax
+arrays over the mesh with Auto axes, with Explicit axes, or under jax.set_mesh in the
+rest: about 25 of each kind in the default slice). A failing seed reproduces with
+fuzz_programs.run(random_spec(seed), backend) and shrinks with fuzz_programs.shrink."""
 import jax
 import jax.numpy as jnp
 import numpy as np
