@@ -40,6 +40,23 @@ def test_grad_of_argnums_subsets(argnums, backend):
     side_by_side(lambda f: jax.grad(f, argnums=argnums), layer, X, W, B, backend=backend)
 
 
+def _vmapped_over_two(f):
+    return lambda x, *a: jax.vmap(f, in_axes=(0, None, None))(np.stack([x, -x]), *a)
+
+
+@pytest.mark.parametrize("transform", [jax.grad, _vmapped_over_two,
+                                       lambda f: lambda *a: jax.jvp(f, a, tuple(np.ones_like(x) for x in a))])
+def test_the_sim_backend_simulates_more_devices_than_jax_has(transform):
+    """16 simulated devices on jax's 8: under a transformation the program runs as a host
+    callback whose results stay where jax puts them (no mesh of jax devices to lay them on)."""
+    mesh = gspmd.Mesh(np.arange(16).reshape(4, 4), ("x", "y"))
+
+    def wide(x, w, b):
+        return jnp.sum(jnp.tanh(gspmd.mesh_split(x, mesh, ["x", "y"]) @ w + b) ** 2)
+    expected = transform(jax.jit(wide))(X, W, B)
+    assert_close(transform(gspmd.jit(wide, backend="sim"))(X, W, B), expected, rtol=1e-3, atol=1e-4)
+
+
 def test_the_backward_program_computes_the_requested_cotangents_only():
     f = gspmd.jit(layer, mesh=MESH)
     jax.grad(f, argnums=2)(X, W, B)

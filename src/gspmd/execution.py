@@ -167,11 +167,13 @@ class Execution:
             return results
         if self._host_program is None:
             shapes = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in self.program.outputs]
-            layouts = jax_backend.result_layouts(self.mesh, self.program.outputs)
-
 
             def call(*ys):
                 return tuple(jax.pure_callback(lambda *hs: self._run_sim(hs), shapes, *ys))
+            if not self.mesh.has_jax_devices():   # more devices simulated than jax has: nowhere to lay them
+                self._host_program = self.transforms.wrap(call)
+                return self._host_program(*arrays)
+            layouts = jax_backend.result_layouts(self.mesh, self.program.outputs)
             # Laid out as the jax backend's results (over the mesh's Auto axes where untyped), in one
             # jit with the callback: jax lays a callback's results out on device 0 alone (a maximal
             # GSPMDSharding) where its operands are on several devices, which no later eager jax op
