@@ -329,6 +329,17 @@ def test_traced_arguments_typed_by_an_explicit_mesh_need_a_known_mesh():
         jax.vmap(gspmd.jit(lambda a: a * 2, backend="jax"))(x)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_repeat_along_a_dim_split_over_an_explicit_axis(backend):
+    """Fuzzer seed 60305, shrunk: jnp.repeat asks for an out_sharding to repeat a dim split
+    over an Explicit axis under a context mesh; jax.jit traces without one and runs it,
+    and so does gspmd.jit."""
+    jmesh = jax.make_mesh((2, 4), ("x", "y"))
+    x = jax.device_put(np.arange(24, dtype=np.float32).reshape(4, 6), NamedSharding(jmesh, P("x")))
+    f = lambda x: jnp.repeat(x, 2, axis=0) * 2
+    assert_close(gspmd.jit(f, backend=backend)(x), jax.jit(f)(x))
+
+
 # -- ahead of time: lower, compile, eval_shape, clear_cache -----------------------------------
 def step(w, x):
     """A donated weight updated by a data-parallel gradient (MaxText's train loop

@@ -83,8 +83,10 @@ def jaxpr_of(fn: Callable, flat_avals, mesh: Optional[Mesh] = None):
         return _jaxpr(fn, flat_avals, mesh)[0]
 
 
-# What jax.shard_map says when the context mesh is not the abstract mesh of the mesh it is given.
-_SHARD_MAP_REFUSES_CONTEXT = "should match the mesh passed to shard_map"
+# What jax says refusing fn under the context mesh: jax.shard_map given a mesh that is not
+# the context's; jnp functions (repeat, ...) asked to split a dim split over an Explicit
+# axis of the context, without an out_sharding to say how.
+_REFUSALS_UNDER_CONTEXT = ("should match the mesh passed to shard_map", "via `out_sharding`")
 
 
 def _jaxpr(fn, flat_avals, mesh: Optional[Mesh]):
@@ -96,14 +98,14 @@ def _jaxpr(fn, flat_avals, mesh: Optional[Mesh]):
     round); and some of jax's own rules under a context mesh of Explicit axes, which
     arguments typed by a jax.make_mesh mesh make the context (sort's jvp types the iota it
     adds replicated, unlike the sorted operand: 'Arguments to sort must have equal
-    shardings'), where jax.jit runs fn."""
+    shardings'; jnp.repeat along a split dim asks for an out_sharding), where jax.jit runs fn."""
     context, recorded = _as_jax_context(mesh, flat_avals), _schedules.get()
     start = 0 if recorded is None else len(recorded)
     try:
         with context:
             return jax.make_jaxpr(fn, return_shape=True)(*flat_avals)
     except (ValueError, ShardingTypeError) as e:
-        refused = isinstance(e, ShardingTypeError) or _SHARD_MAP_REFUSES_CONTEXT in str(e)
+        refused = isinstance(e, ShardingTypeError) or any(r in str(e) for r in _REFUSALS_UNDER_CONTEXT)
         if isinstance(context, contextlib.nullcontext) or not refused:
             raise
     if recorded is not None:
