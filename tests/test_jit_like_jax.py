@@ -237,9 +237,11 @@ def test_arrays_typed_by_an_explicit_mesh_without_set_mesh():
 
     def f(w, x):
         return w - 0.1 * jax.grad(lambda w: ((x * w) ** 2).sum())(w)
-    ours, theirs = gspmd.jit(f, backend="jax")(w, x), jax.jit(f)(w, x)
-    assert_close(ours, theirs, rtol=1e-5)
-    assert ours.sharding.is_equivalent_to(theirs.sharding, 1) and jax.typeof(ours) == jax.typeof(theirs)
+    theirs = jax.jit(f)(w, x)
+    for backend in BACKENDS:     # the simulator's results typed as jax.jit's too
+        ours = gspmd.jit(f, backend=backend)(w, x)
+        assert_close(ours, theirs, rtol=1e-5)
+        assert ours.sharding.is_equivalent_to(theirs.sharding, 1) and jax.typeof(ours) == jax.typeof(theirs)
 
 
 def _explicitly_placed():

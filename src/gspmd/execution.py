@@ -161,7 +161,7 @@ class Execution:
         callback inside the caller's computation."""
         if not any(isinstance(x, jax.core.Tracer) for x in arrays):
             results = self._run_sim(arrays)
-            if jax_backend.explicit_mode(self.mesh):   # typed with their layouts, as jax.jit's results
+            if jax_backend.typed(self.mesh, arrays):   # typed with their layouts, as jax.jit's results
                 layouts = jax_backend.result_layouts(self.mesh, self.program.outputs)
                 return [jax.device_put(r, s) for r, s in zip(results, layouts)]
             return results
