@@ -14,7 +14,6 @@ from typing import Callable, Iterator, Optional
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
 
 from gspmd.analysis import schedule
 from gspmd.analysis.report import Collective
@@ -178,8 +177,8 @@ class Execution:
             # jit with the callback: jax lays a callback's results out on device 0 alone (a maximal
             # GSPMDSharding) where its operands are on several devices, which no later eager jax op
             # takes (jax.jit(callback)(x) + 1 fails alike), nor an eager constraint.
-            laid_out = jax.jit(call, out_shardings=tuple(NamedSharding(self.mesh.to_jax(auto=True), s.spec)
-                                                         for s in layouts))
+            laid_out = jax.jit(call, out_shardings=tuple(jax_backend.result_layouts(self.mesh, self.program.outputs,
+                                                                                    auto=True)))
 
             def on_host(*xs):   # results typed with their layouts in explicit mode, as the jax backend's
                 if jax_backend.typed(self.mesh, xs):

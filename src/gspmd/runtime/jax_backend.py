@@ -103,10 +103,11 @@ def even_spec(mesh: Mesh, sharding: Sharding, shape: Sequence[int]) -> P:
     return spec_of([axes if axes and n % t == 0 else None for axes, n, t in zip(mapping, shape, sharding.tiles)])
 
 
-def result_layouts(mesh: Mesh, outputs: Sequence[Value]) -> list[NamedSharding]:
+def result_layouts(mesh: Mesh, outputs: Sequence[Value], auto: bool = False) -> list[NamedSharding]:
     """The layouts a program's results come back in, over the user's jax mesh (whose
-    axes may be Explicit), so that jax code can combine them with its own arrays."""
-    return [NamedSharding(mesh.to_jax(), even_spec(mesh, v.sharding, v.shape)) for v in outputs]
+    axes may be Explicit), so that jax code can combine them with its own arrays; with
+    `auto`, over its twin of Auto axes (for untyped results)."""
+    return [NamedSharding(mesh.to_jax(auto=auto), even_spec(mesh, v.sharding, v.shape)) for v in outputs]
 
 
 def explicit_mode(mesh: Mesh) -> bool:
