@@ -187,7 +187,10 @@ def _fits(instr: Instr, space: Sharding, hw: cm.Hardware) -> bool:
 #   its device sits the round out.
 # - Odd-even transposition: P rounds, neighbours merged in turn at even and odd
 #   positions, each partner one step away; as few rounds as the padded bitonic network
-#   over 3 or 6 devices, fewer over 5 (5 against 6) or 9 (9 against 10).
+#   over 3 or 6 devices, fewer over 5 (5 against 6) or 9 (9 against 10). Its merges
+#   are of neighbours only, so it is stable as it is; bitonic's (from 4 devices on)
+#   carries each element's position to order equal keys (floats' -0.0/+0.0 and NaNs,
+#   or keys with values): over 8 devices odd-even's 8 shards beat bitonic's 6 twice.
 def _network_rounds(p: int) -> list[np.ndarray]:
     """Each round's partner of every position 0..p-1 in bitonic's network (p a power of 2)."""
     pos, rounds, k = np.arange(p), [], 2
@@ -224,20 +227,28 @@ def _networks(p: int) -> list[list[np.ndarray]]:
     return [_bitonic(p), _odd_even(p)]
 
 
-def _network(s: Sharding, instr: Instr, hw: cm.Hardware) -> tuple[cm.Cost, list[np.ndarray]]:
-    """The cheaper network over the devices splitting the sorted dim, and what its
-    rounds' permutes cost: one per round per tensor carried, each of one shard."""
+def _network(s: Sharding, instr: Instr, hw: cm.Hardware) -> tuple[cm.Cost, list[np.ndarray], bool]:
+    """The cheaper network over the devices splitting the sorted dim, what its rounds'
+    permutes cost (one per round per tensor carried, each of one shard), and whether it
+    carries positions."""
     shard = math.prod(s.shard_shape(instr.operands[0].shape))
-    itemsizes = [o.dtype.itemsize for o in instr.operands]
-    if _carries_positions(instr):
-        itemsizes.append(_position_dtype(s, instr).itemsize)
     groups = groups_along(s, [instr.attrs["dimension"]])
 
-    def cost(rounds: list[np.ndarray]) -> cm.Cost:
-        return cm.add_costs(*(cm.collective_seconds(cm.Pattern.PERMUTE, shard * size, _pairs(groups, partner),
+    def priced(rounds: list[np.ndarray]) -> tuple[cm.Cost, list[np.ndarray], bool]:
+        positions = _carries_positions(instr) and not _neighbours_only(rounds)
+        itemsizes = [o.dtype.itemsize for o in instr.operands] + [_position_dtype(s, instr).itemsize] * positions
+        cost = cm.add_costs(*(cm.collective_seconds(cm.Pattern.PERMUTE, shard * size, _pairs(groups, partner),
                                                     s.num_devices, hw)
                               for partner in rounds for size in itemsizes))
-    return min(((cost(n), n) for n in _networks(groups.shape[1])), key=lambda c: (cm.rounded(c[0]), len(c[1])))
+        return cost, rounds, positions
+    return min(map(priced, _networks(groups.shape[1])), key=lambda c: (cm.rounded(c[0]), len(c[1])))
+
+
+def _neighbours_only(rounds: list[np.ndarray]) -> bool:
+    """Whether every merge is of neighbouring blocks. Each merge then stably re-sorts a
+    contiguous run of the vector (the lower block first), which never reorders equal
+    keys: the network is stable with no positions carried (odd-even transposition's)."""
+    return all(np.all(np.abs(partner - np.arange(len(partner))) <= 1) for partner in rounds)
 
 
 def _merge_layouts(instr: Instr, operands) -> list[Sharding]:
@@ -277,7 +288,7 @@ def _position_dtype(s: Sharding, instr: Instr) -> np.dtype:
 
 def _merge_cost(instr: Instr, operands, s: Sharding, targets, hw: cm.Hardware) -> cm.Cost:
     """Operands to `s`, the network's rounds, results to targets."""
-    rounds, _ = _network(s, instr, hw)
+    rounds = _network(s, instr, hw)[0]
     costs = [rs.cost(o.sharding, s, o.shape, o.dtype.itemsize, hw) for o in operands]
     costs += [rs.cost(s, t, o.shape, o.dtype.itemsize, hw) for o, t in zip(instr.outputs, targets)]
     return cm.add_costs(rounds, *costs)
@@ -301,32 +312,56 @@ def _last_in_sort(dtype) -> np.ndarray:
 
 def _merge_sort(ctx: DeviceContext, instr: Instr, operands, s: Sharding, targets) -> list[PartitionedValue]:
     """Padding set to sort after everything (its keys last in order, its positions the
-    highest), each shard sorted, then the network's rounds; the results keep `s`."""
+    highest), each shard sorted, then the network's rounds; the results keep `s`. Each
+    merged pair is the lower position's shard, then the upper's: both partners sort
+    the same sequence, stably, and keep their halves."""
     a, dim = instr.attrs, instr.attrs["dimension"]
     carried, num_keys, given = [rs.reshard(ctx, o, s) for o in operands], a["num_keys"], _given_positions(instr)
+    _, rounds, positions = _network(s, instr, ctx.hardware)
     if given is not None:
         carried.insert(num_keys, carried.pop(given))
         num_keys += 1
-    elif _carries_positions(instr):
+    elif positions:
         carried.insert(num_keys, _positions(ctx, carried[0], dim, _position_dtype(s, instr)))
         num_keys += 1
     carried = [mask_padding(ctx, o, dim, _last_in_sort(o.dtype)) if t < num_keys else o
                for t, o in enumerate(carried)]
-    local = _sort_local(ctx, [c.local for c in carried], dim, num_keys, a["is_stable"])
+    stable = a["is_stable"] or not positions
+    local = _sort_local(ctx, [c.local for c in carried], dim, num_keys, stable)
     groups = groups_along(s, [dim])
     shard = local[0].shape[dim]
-    for partner in _network(s, instr, ctx.hardware)[1]:
+    for partner in rounds:
         pairs = _pairs(groups, partner)
         theirs = [ctx.collective_permute(v, pairs, Why.PARTIAL_RESULTS, "sorted shards merged") for v in local]
-        both = _sort_local(ctx, [emit.concatenate(ctx.b, [v, t], dim) for v, t in zip(local, theirs)], dim,
-                           num_keys, a["is_stable"])
+        lower = _is_lower(ctx, groups, partner, s.num_devices)
+        both = _sort_local(ctx, [emit.concatenate(ctx.b, _in_order(ctx, lower, v, t), dim)
+                                 for v, t in zip(local, theirs)], dim, num_keys, stable)
         start = ctx.table_lookup(_half_starts(groups, partner, shard, s.num_devices))
         local = _kept(ctx, groups, partner, s.num_devices, local, [_half(ctx, v, dim, start, shard) for v in both])
     if given is not None:
         local.insert(given, local.pop(a["num_keys"]))
-    elif _carries_positions(instr):
+    elif positions:
         del local[a["num_keys"]]
     return [rs.reshard(ctx, PartitionedValue(v, s, o.shape), t) for v, o, t in zip(local, instr.outputs, targets)]
+
+
+def _is_lower(ctx: DeviceContext, groups: np.ndarray, partner: np.ndarray, num_devices: int):
+    """Whether this device holds the lower position of its pair (a device sitting the
+    round out counts as lower: it keeps its own shard, first)."""
+    return _device_flag(ctx, groups, np.arange(groups.shape[1]) <= partner, num_devices)
+
+
+def _device_flag(ctx: DeviceContext, groups: np.ndarray, per_position: np.ndarray, num_devices: int):
+    """This device's entry of a flag given per position in its group."""
+    flags = np.zeros(num_devices, np.int64)
+    flags[groups] = per_position
+    return emit.compare(ctx.b, ctx.table_lookup(flags), ctx.constant(0, INDEX_DTYPE), "NE")
+
+
+def _in_order(ctx: DeviceContext, lower, mine, theirs) -> list:
+    """A pair's two shards, the lower position's first."""
+    first = emit.broadcast(ctx.b, lower, mine.shape)
+    return [emit.select(ctx.b, first, mine, theirs), emit.select(ctx.b, first, theirs, mine)]
 
 
 def _positions(ctx: DeviceContext, like: PartitionedValue, dim: int, dtype) -> PartitionedValue:
@@ -357,9 +392,7 @@ def _kept(ctx: DeviceContext, groups: np.ndarray, partner: np.ndarray, num_devic
     idle = partner == np.arange(len(partner))
     if not idle.any():
         return merged
-    flags = np.zeros(num_devices, np.int64)
-    flags[groups] = idle
-    sits_out = emit.compare(ctx.b, ctx.table_lookup(flags), ctx.constant(0, INDEX_DTYPE), "NE")
+    sits_out = _device_flag(ctx, groups, idle, num_devices)
     return [emit.select(ctx.b, emit.broadcast(ctx.b, sits_out, v.shape), v, m) for v, m in zip(mine, merged)]
 
 
