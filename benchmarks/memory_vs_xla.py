@@ -21,9 +21,6 @@ import os
 import sys
 
 SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
-if "--bfs" not in sys.argv:
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {SCHEDULER_FLAG}"
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -124,6 +121,11 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON list instead of a table")
     parser.add_argument("--bfs", action="store_true", help="leave XLA:CPU's default (concurrency) scheduler on")
     args = parser.parse_args(argv)
+    # Set in main, not on import (tests import cases()): XLA reads XLA_FLAGS when jax makes
+    # its CPU devices, which cases() does first.
+    flags = [] if args.bfs else [SCHEDULER_FLAG]
+    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *flags,
+                                        "--xla_force_host_platform_device_count=8"])
     rows = []
     for size in args.sizes:
         for name, (step, inputs) in cases(size).items():

@@ -238,6 +238,28 @@ def test_xla_cpu_combines_independent_all_reduces():
     assert any("combined with 2 more all-reduces" in label for label in held.labels)
 
 
+def test_combined_all_reduces_never_wait_on_each_other(monkeypatch):
+    """Adafactor's step: merging two all-reduces puts a third behind a later fourth (the
+    merge reads what the second read), so the combiner checks both ways round before
+    merging those two; the steps stay in an order where each follows what it reads,
+    which the memory-minimizing order needs (it raised KeyError under
+    --xla_cpu_enable_concurrency_optimized_scheduler=false)."""
+    from gspmd.analysis import xla_steps
+    from gspmd.models.optimizers import Adafactor
+    cfg = T.Config(dtype=jnp.bfloat16)
+    params, x, target = T.example_inputs(cfg)
+    state = Adafactor().init(params)
+    step = T.make_train_step(T.gspmd_annotate(gspmd.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))), cfg,
+                             optimizer=Adafactor())
+    low = gspmd.jit(step, backend="jax").lower(params, state, x, target)
+    steps = xla_steps.combine_all_reduces(xla_steps.program_steps(low.spmd, True)[0])
+    made = {id(o): i for i, s in enumerate(steps) for o in s.outputs}
+    assert any(s.combined for s in steps)
+    assert all(made.get(id(v), -1) < i for i, s in enumerate(steps) for v in s.operands)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_concurrency_optimized_scheduler=false")
+    assert low.report().peak_memory_bytes > 0
+
+
 def test_breadth_first_schedule_is_xla_cpus_unless_xla_flags_turn_it_off(monkeypatch):
     from gspmd.analysis import schedule
     for flags, expected in [("", True), ("--xla_cpu_enable_concurrency_optimized_scheduler=false", False),

@@ -85,7 +85,7 @@ def combine_all_reduces(steps: list[Step]) -> list[Step]:
     at most 256), which holds all their operands until the last is ready and all their
     results from then on. As XLA, greedily in program order: each group starts at the
     first all-reduce left and takes the next ones of its kind until one reads (through
-    any path) an all-reduce in it."""
+    any path) an all-reduce in it, or one in it reads that one."""
     def kind(step: Step):
         i = step.instr
         combined_as = None if i is None else ops.lookup(i.opcode).memory.combined_as
@@ -103,7 +103,9 @@ def combine_all_reduces(steps: list[Step]) -> list[Step]:
                 break
             if kinds[id(step)] != kinds[id(group[0])]:
                 continue
-            if behind[id(step)] & members:
+            # Either way round: an earlier group's merge may have put a member behind
+            # a later all-reduce (it now reads what another part of the merge reads).
+            if behind[id(step)] & members or any(id(step) in behind[id(g)] for g in group):
                 break
             group.append(step)
             members.add(id(step))
