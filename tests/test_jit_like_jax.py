@@ -321,14 +321,28 @@ def test_jvp_of_a_sort_of_an_array_typed_by_an_explicit_mesh(backend):
     assert_close(ours, jax.jvp(jax.jit(f), (x,), (x,)))
 
 
-def test_traced_arguments_typed_by_an_explicit_mesh_need_a_known_mesh():
-    """Where every argument is traced and typed by an abstract mesh, and neither
-    gspmd.jit(mesh=...) nor jax.set_mesh says which devices it stands for, a clear error
-    (jax.jit finds them in the eager arrays under the tracers)."""
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_eager_transforms_of_arrays_typed_by_an_explicit_mesh_find_its_devices(backend):
+    """vmap and jvp trace over the arrays they are given; with neither gspmd.jit(mesh=...)
+    nor jax.set_mesh, every argument traced and typed by an abstract mesh, gspmd.jit runs
+    over the mesh of the arrays under the tracers, as jax.jit does."""
+    jmesh = jax.make_mesh((2, 4), ("x", "y"))
+    x = jax.device_put(np.arange(64, dtype=np.float32).reshape(2, 4, 8), NamedSharding(jmesh, P(None, "y", "x")))
+    f = lambda a: jnp.sin(a) * 2 + a.sum(0, keepdims=True)
+    ours, theirs = jax.vmap(gspmd.jit(f, backend=backend))(x), jax.vmap(jax.jit(f))(x)
+    assert_close(ours, theirs)
+    assert ours.sharding.is_equivalent_to(theirs.sharding, 3), (ours.sharding, theirs.sharding)
+    assert_close(jax.jvp(gspmd.jit(f, backend=backend), (x,), (x,)), jax.jvp(jax.jit(f), (x,), (x,)))
+
+
+def test_staged_arguments_typed_by_an_explicit_mesh_need_a_known_mesh():
+    """Inside another jax.jit's trace the tracers hold no arrays: with neither
+    gspmd.jit(mesh=...) nor jax.set_mesh to say which devices the abstract mesh stands
+    for, a clear error (jax.jit takes them from the outer call's arguments)."""
     jmesh = jax.make_mesh((2, 4), ("x", "y"))
     x = jax.device_put(np.ones((2, 4, 8), np.float32), NamedSharding(jmesh, P(None, "y", "x")))
     with pytest.raises(gspmd.ShardingError, match="set_mesh"):
-        jax.vmap(gspmd.jit(lambda a: a * 2, backend="jax"))(x)
+        jax.jit(lambda a: gspmd.jit(lambda b: b * 2, backend="jax")(a))(x)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -46,7 +46,7 @@ def committed_layout(x) -> Optional[NamedSharding]:
     a committed jax.Array (or of a ShapeDtypeStruct given one) over several devices.
     NumPy arrays and uncommitted or single-device jax.Arrays bring none."""
     if isinstance(x, jax.core.Tracer):
-        return _typed_layout(x.aval)
+        return _typed_layout(x)
     sharding = getattr(x, "sharding", None)
     if (not isinstance(sharding, NamedSharding) or sharding.num_devices == 1
             or (isinstance(x, jax.Array) and not getattr(x, "_committed", True))):
@@ -54,18 +54,30 @@ def committed_layout(x) -> Optional[NamedSharding]:
     return sharding
 
 
-def _typed_layout(aval) -> Optional[NamedSharding]:
+def _typed_layout(x: jax.core.Tracer) -> Optional[NamedSharding]:
     """A traced value's layout, where its type holds one (Explicit axes): over the
-    concrete mesh jax.set_mesh gives; without one (jax.grad, jvp or vmap of arrays placed
-    over a jax.make_mesh mesh), over the type's abstract mesh, which mesh_split resolves
-    (to gspmd.jit's mesh). Tracing without it would mix untyped tracers with the other
-    arguments' typed values, which jax's type rules refuse."""
-    sharding, mesh = getattr(aval, "sharding", None), jax_context_mesh()
+    concrete mesh jax.set_mesh gives, else over that of the array the tracer holds
+    (jax.grad, jvp or vmap of arrays placed over a jax.make_mesh mesh), else over the
+    type's abstract mesh, which mesh_split resolves (to gspmd.jit's mesh). Tracing
+    without it would mix untyped tracers with the other arguments' typed values, which
+    jax's type rules refuse."""
+    sharding, mesh = getattr(x.aval, "sharding", None), jax_context_mesh() or _mesh_under(x)
     if not isinstance(sharding, NamedSharding) or not has_explicit_axes(sharding.mesh):
         return None
     if mesh is None:
         return sharding
     return NamedSharding(mesh, sharding.spec) if sharding.mesh == mesh.abstract_mesh else None
+
+
+def _mesh_under(x: jax.core.Tracer) -> Optional[jax.sharding.Mesh]:
+    """The concrete mesh of the array under a tracer of an eager transformation (vmap's
+    `val`, jvp's and linearize's `primal`; a staged trace, jax.jit's, holds none), as
+    jax.jit, dispatched on those arrays, runs over it."""
+    while isinstance(x, jax.core.Tracer):
+        x = next((getattr(x, name) for name in ("primal", "val") if hasattr(x, name)), None)
+    sharding = getattr(x, "sharding", None)
+    return sharding.mesh if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, jax.sharding.Mesh) \
+        else None
 
 
 def key_layout(key: tuple) -> Optional[NamedSharding]:
