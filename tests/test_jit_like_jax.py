@@ -335,6 +335,23 @@ def test_eager_transforms_of_arrays_typed_by_an_explicit_mesh_find_its_devices(b
     assert_close(jax.jvp(gspmd.jit(f, backend=backend), (x,), (x,)), jax.jvp(jax.jit(f), (x,), (x,)))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inside_another_jit_with_no_mesh_named_it_runs_inline(backend):
+    """gspmd.jit of a function that names no mesh, called inside a jax.jit whose
+    arguments are placed over 8 devices (Auto axes): nothing to partition, and the
+    devices are the outer computation's, so it runs inline as a nested jax.jit does
+    (it pinned its program to device 0, which jax refused), under jax.grad too."""
+    jmesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
+    x = jax.device_put(np.arange(64, dtype=np.float32).reshape(2, 4, 8), NamedSharding(jmesh, P(None, "y", "x")))
+    f = lambda a: jnp.sin(a) * 2 + a.sum(0, keepdims=True)
+    g = gspmd.jit(f, backend=backend)
+    ours, theirs = jax.jit(lambda a: g(a) * 3)(x), jax.jit(lambda a: jax.jit(f)(a) * 3)(x)
+    assert_close(ours, theirs)
+    assert ours.sharding.is_equivalent_to(theirs.sharding, 3), (ours.sharding, theirs.sharding)
+    loss = lambda h: jax.jit(jax.grad(lambda a: h(a).sum()))(x)
+    assert_close(loss(g), loss(jax.jit(f)))
+
+
 def test_staged_arguments_typed_by_an_explicit_mesh_need_a_known_mesh():
     """Inside another jax.jit's trace the tracers hold no arrays: with neither
     gspmd.jit(mesh=...) nor jax.set_mesh to say which devices the abstract mesh stands

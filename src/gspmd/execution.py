@@ -47,6 +47,8 @@ class Execution:
     out_tree: object
     compiler_options: dict
     transforms: Transforms
+    meshes: list[Mesh]       # every mesh the function names (none: nothing to partition)
+    flat_fn: Callable        # the function on the flat arguments (typed PRNG keys as key data)
     _signature: Signature
     _template: Template
     _leaf_names: list[str]
@@ -129,7 +131,20 @@ class Execution:
 
     def _run(self, leaves: list, execute: Optional[Callable[[list], list]] = None):
         arrays = self.keys.args(self._template.dynamic_leaves(leaves))
+        if execute is None and self._inlined(arrays):
+            execute = self._inline
         return jax.tree_util.tree_unflatten(self.out_tree, self.keys.results((execute or self._execute)(arrays)))
+
+    def _inlined(self, arrays: list) -> bool:
+        """Called inside a caller's trace (another jax.jit's, grad, vmap) with no mesh
+        named anywhere (no mesh=, jax.set_mesh, placed argument or annotation): there is
+        nothing to partition, and the devices are the enclosing computation's, which
+        only jax knows, so the function runs inline in that trace, as a jax.jit nested
+        in another does (a program for one device would pin it to device 0)."""
+        return not self.meshes and any(isinstance(x, jax.core.Tracer) for x in arrays)
+
+    def _inline(self, arrays: list) -> list:
+        return jax.tree_util.tree_leaves(self.flat_fn(*arrays))
 
     def _first_execute(self, arrays: list) -> list:
         with gc_paused():   # the jax backend builds its executable, traces and compiles here
@@ -139,9 +154,9 @@ class Execution:
     @property
     def fast_call(self) -> Optional[tuple]:
         """(output structure, compiled program taking the flat arrays) when a call can
-        go straight to the compiled program: jax backend, every leaf an array (no typed
-        PRNG keys), one process."""
-        if (self._jax is None or self._template.dynamic is not None or self._jax.multiprocess
+        go straight to the compiled program: jax backend, a mesh named (see _inlined),
+        every leaf an array (no typed PRNG keys), one process."""
+        if (self._jax is None or not self.meshes or self._template.dynamic is not None or self._jax.multiprocess
                 or any(self.keys.key_args) or any(self.keys.key_results)):
             return None
         return self.out_tree, self._jax.fast
