@@ -288,10 +288,9 @@ def _position_dtype(s: Sharding, instr: Instr) -> np.dtype:
 
 def _merge_cost(instr: Instr, operands, s: Sharding, targets, hw: cm.Hardware) -> cm.Cost:
     """Operands to `s`, the network's rounds, results to targets."""
-    rounds = _network(s, instr, hw)[0]
     costs = [rs.cost(o.sharding, s, o.shape, o.dtype.itemsize, hw) for o in operands]
     costs += [rs.cost(s, t, o.shape, o.dtype.itemsize, hw) for o, t in zip(instr.outputs, targets)]
-    return cm.add_costs(rounds, *costs)
+    return cm.add_costs(_network(s, instr, hw)[0], *costs)
 
 
 def _pairs(groups: np.ndarray, partner: np.ndarray) -> np.ndarray:
