@@ -352,14 +352,25 @@ def test_inside_another_jit_with_no_mesh_named_it_runs_inline(backend):
     assert_close(loss(g), loss(jax.jit(f)))
 
 
-def test_staged_arguments_typed_by_an_explicit_mesh_need_a_known_mesh():
-    """Inside another jax.jit's trace the tracers hold no arrays: with neither
-    gspmd.jit(mesh=...) nor jax.set_mesh to say which devices the abstract mesh stands
-    for, a clear error (jax.jit takes them from the outer call's arguments)."""
-    jmesh = jax.make_mesh((2, 4), ("x", "y"))
-    x = jax.device_put(np.ones((2, 4, 8), np.float32), NamedSharding(jmesh, P(None, "y", "x")))
-    with pytest.raises(gspmd.ShardingError, match="set_mesh"):
-        jax.jit(lambda a: gspmd.jit(lambda b: b * 2, backend="jax")(a))(x)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("f", [lambda b: b * 2, lambda b: jnp.sin(b) * 2 + b.sum(1, keepdims=True)],
+                         ids=["scale", "reduce-split-dim"])
+def test_staged_arguments_typed_by_an_explicit_mesh_run_over_its_devices(backend, f):
+    """Inside another jax.jit's trace the tracers hold no arrays and their types name an
+    abstract mesh only: with neither gspmd.jit(mesh=...) nor jax.set_mesh, the program
+    runs over that mesh, on the devices jax takes from the outer call's arguments (here
+    in reverse order), as a jax.jit nested in it does; under jax.grad too."""
+    jmesh = jax.make_mesh((2, 4), ("x", "y"), devices=jax.devices()[::-1])
+    x = jax.device_put(np.arange(64, dtype=np.float32).reshape(2, 4, 8), NamedSharding(jmesh, P(None, "y", "x")))
+    out = jax.jit(lambda a: gspmd.jit(f, backend=backend)(a))(x)
+    expected = jax.jit(lambda a: jax.jit(f)(a))(x)
+    assert_close(out, expected)
+    assert out.sharding == expected.sharding
+    grad = jax.jit(jax.grad(lambda a: gspmd.jit(f, backend=backend)(a).sum()))(x)
+    with jax.set_mesh(jmesh):   # jax's own grad of an Explicit-typed sum wants a context mesh
+        expected_grad = jax.jit(jax.grad(lambda a: jax.jit(f)(a).sum()))(x)
+    assert_close(grad, expected_grad)
+    assert grad.sharding == expected_grad.sharding
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -429,15 +429,18 @@ def _meant_as_array(e: Exception, leaves: list, names: list[str]) -> Optional[tu
 
 def _jit_mesh(mesh: Optional[Mesh], committed: list) -> Optional[Mesh]:
     """The jit's mesh: jit(mesh=...), else jax.set_mesh's, else the first committed
-    argument's (jax.jit runs where its arguments are; a traced one's type may name an
-    abstract mesh only)."""
+    argument's (jax.jit runs where its arguments are; a staged one's type names an
+    abstract mesh only, whose devices are the outer call's)."""
     if mesh is not None:
         return mesh
     context = jax_context_mesh()
     if context is not None:
         return Mesh.from_jax(context)
-    return next((Mesh.from_jax(c.mesh) for c in committed if c is not None and isinstance(c.mesh, jax.sharding.Mesh)),
-                None)
+    layouts = [c for c in committed if c is not None]
+    concrete = [c.mesh for c in layouts if isinstance(c.mesh, jax.sharding.Mesh)]
+    if concrete:
+        return Mesh.from_jax(concrete[0])
+    return Mesh.of_abstract(layouts[0].mesh) if layouts else None
 
 
 def _input_layout(committed: Optional[NamedSharding], rank: int, donated: bool) -> Optional[tuple]:

@@ -89,8 +89,10 @@ class Execution:
         """Whether the compiled program runs in the order of XLA:CPU's default scheduler
         (analysis/schedule.py): the jax backend's, on CPU devices, unless XLA_FLAGS turns
         that scheduler off (XLA:CPU reads it from there alone, not from compiler_options)."""
-        return (self.backend == "jax" and self.mesh.has_jax_devices() and schedule.xla_cpu_breadth_first()
-                and self.mesh.to_jax().devices.flat[0].platform == "cpu")
+        if not (self.backend == "jax" and self.mesh.has_jax_devices() and schedule.xla_cpu_breadth_first()):
+            return False
+        device = self.mesh.abstract().abstract_device   # also an abstract mesh's (Mesh.of_abstract)
+        return device is not None and device.platform == "cpu"
 
     def _checked(self, args: tuple, kwargs: dict) -> list:
         """The call's leaves, checked against the signature this was lowered for."""
@@ -154,10 +156,11 @@ class Execution:
     @property
     def fast_call(self) -> Optional[tuple]:
         """(output structure, compiled program taking the flat arrays) when a call can
-        go straight to the compiled program: jax backend, a mesh named (see _inlined),
-        every leaf an array (no typed PRNG keys), one process."""
-        if (self._jax is None or not self.meshes or self._template.dynamic is not None or self._jax.multiprocess
-                or any(self.keys.key_args) or any(self.keys.key_results)):
+        go straight to the compiled program: jax backend, a mesh named (see _inlined) over
+        devices of its own (one over an abstract mesh runs in staged traces only), every
+        leaf an array (no typed PRNG keys), one process."""
+        if (self._jax is None or not self.meshes or self.mesh.is_abstract or self._template.dynamic is not None
+                or self._jax.multiprocess or any(self.keys.key_args) or any(self.keys.key_results)):
             return None
         return self.out_tree, self._jax.fast
 

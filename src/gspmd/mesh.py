@@ -50,7 +50,8 @@ class Mesh:
         self.axis_names = axis_names
         # The jax mesh this one came from (its axis types: jax.make_mesh makes Explicit
         # axes), which functions are traced under and results laid out over; None: Auto axes.
-        self._jax_mesh: Optional[jax.sharding.Mesh] = None
+        # An abstract one (Mesh.of_abstract) names no devices: a staged trace's arguments do.
+        self._jax_mesh: Optional[jax.sharding.Mesh | jax.sharding.AbstractMesh] = None
 
     # -- jax interop ----------------------------------------------------------------
     @classmethod
@@ -65,11 +66,26 @@ class Mesh:
                                 "an abstract mesh has no device order: set a concrete one with jax.set_mesh.")
         return _from_jax(mesh)
 
-    def to_jax(self, auto: bool = False) -> jax.sharding.Mesh:
+    @classmethod
+    def of_abstract(cls, mesh: jax.sharding.AbstractMesh) -> "Mesh":
+        """The mesh an abstract one stands for in a staged trace (another jax.jit's) whose
+        arguments are typed over it: its positions as device ids. Programs over it run
+        in that trace only, where jax takes the devices from the outer call's arguments."""
+        return _from_abstract(mesh)
+
+    @property
+    def is_abstract(self) -> bool:
+        """Whether the mesh stands for an abstract one (Mesh.of_abstract): no devices of its own."""
+        return isinstance(self._jax_mesh, jax.sharding.AbstractMesh)
+
+    def to_jax(self, auto: bool = False) -> jax.sharding.Mesh | jax.sharding.AbstractMesh:
         """This mesh as a `jax.sharding.Mesh` over its jax devices: the one it came from
-        (Mesh.from_jax, with that mesh's axis types), else (or with `auto`) one of Auto axes."""
+        (Mesh.from_jax, with that mesh's axis types), else (or with `auto`) one of Auto
+        axes; for an abstract mesh (Mesh.of_abstract), that mesh or its twin of Auto axes."""
         if self._jax_mesh is not None and not auto:
             return self._jax_mesh
+        if self.is_abstract:
+            return self._jax_mesh.update_axis_types(dict.fromkeys(self.axis_names, jax.sharding.AxisType.Auto))
         return self._jax_mesh_over(self.jax_devices())
 
     def _jax_mesh_over(self, devices: Sequence) -> jax.sharding.Mesh:
@@ -176,7 +192,7 @@ class Mesh:
         axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
         order = "" if np.array_equal(self.devices.ravel(), np.arange(self.size)) else \
             f", devices={_listed(self.devices.ravel())}"
-        where = "" if self._jax_devices is None else \
+        where = ", abstract" if self.is_abstract else "" if self._jax_devices is None else \
             f", jax devices {_listed(np.array([d.id for d in self._jax_devices]))}"
         return f"Mesh({axes}{order}{where})"
 
@@ -304,6 +320,13 @@ def concrete_mesh(abstract: jax.sharding.AbstractMesh, within: Optional[Mesh] = 
 @functools.lru_cache(maxsize=256)
 def _from_jax(mesh: jax.sharding.Mesh) -> Mesh:
     ours = Mesh(mesh.devices, mesh.axis_names)
+    ours._jax_mesh = mesh
+    return ours
+
+
+@functools.lru_cache(maxsize=256)
+def _from_abstract(mesh: jax.sharding.AbstractMesh) -> Mesh:
+    ours = Mesh(np.arange(mesh.size).reshape(mesh.axis_sizes), mesh.axis_names)
     ours._jax_mesh = mesh
     return ours
 

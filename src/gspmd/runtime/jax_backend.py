@@ -195,7 +195,8 @@ class Executable:
 
     def _coarse(self, named: NamedSharding, value: Value) -> Sharding | None:
         """The layout `named` gives value, when coarser than value's own (None: the same)."""
-        coarse = Sharding.from_named(named, value.shape) if value.rank else value.sharding
+        # read over our mesh, not named's jax mesh: an abstract one names no devices
+        coarse = Sharding.from_mesh(self.mesh, named.spec, value.shape) if value.rank else value.sharding
         return None if coarse == value.sharding else coarse
 
     def assembly_gathers(self) -> list[tuple[Value, int, np.ndarray]]:
