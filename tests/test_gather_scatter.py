@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import gspmd
 from strategies import dims_mappings, meshes
-from util import check, rand
+from util import BACKENDS, check, rand
 
 MESH = gspmd.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
 TABLE_LAYOUTS = [["x", -1], [-1, "y"], [("x", "y"), -1], ["y", "x"], [-1, -1]]
@@ -465,3 +465,30 @@ def test_an_iota_inside_a_stacked_index_array_is_cut_out():
     low = check(f, x, i, j, mesh=MESH)
     assert low.report().collectives == [], str(low.report())
     assert low.sharding_of("result") == gspmd.Sharding.from_mesh(MESH, [("x", "y")], (ROWS,))
+
+
+def _rows_cut_at(a, k):
+    """Each row's 6 elements from k, k out of range (clipped): vmap makes it a gather."""
+    return jax.vmap(lambda r: jax.lax.dynamic_slice_in_dim(r, k, 6, 0))(a)
+
+
+@pytest.mark.xfail(jax.__version_info__ < (0, 12), strict=True,
+                   reason="XLA:CPU folds a dynamic slice of a clipping gather into the gather and clamps the summed "
+                          "start against the slice (jaxlib 0.10.2; fixed by 0.12.1)")
+def test_xla_clamps_a_sliced_clipping_gather_against_the_slice():
+    """Found by the fuzzer (seed 96298, shrunk; NumPy inputs): jax.jit gives [6, 13]
+    where eager jax gives [1, 8]. A partitioned program slices each device's columns out
+    of such a gather: the jax backend clamps clipping starts itself."""
+    f = lambda a, k, j: jax.lax.dynamic_slice_in_dim(_rows_cut_at(a, k), j, 1, 1)
+    a = np.arange(14, dtype=np.float32).reshape(2, 7)
+    np.testing.assert_array_equal(jax.jit(f)(a, np.int32(8), np.int32(0)), f(a, np.int32(8), np.int32(0)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_clipping_gather_split_over_the_devices(backend):
+    mesh = gspmd.Mesh(np.arange(6).reshape(3, 2), ("x", "y"))
+    f = lambda a, k: gspmd.mesh_split(_rows_cut_at(a, k), mesh, [None, ("y", "x")])
+    a = np.arange(14, dtype=np.float32).reshape(2, 7)
+    for k in (8, 1, 0, -3):
+        np.testing.assert_array_equal(gspmd.jit(f, mesh=mesh, backend=backend)(a, np.int32(k)),
+                                      _rows_cut_at(a, np.int32(k)))

@@ -437,8 +437,19 @@ def _lower_gather(instr, args, lc):
                                     start_index_map=a["start_index_map"],
                                     operand_batching_dims=a["operand_batching_dims"],
                                     start_indices_batching_dims=a["start_indices_batching_dims"])
-    return [lax.gather(args[0], args[1], dn, a["slice_sizes"], mode=_LAX_MODES[a["mode"]],
+    indices = _clamped_starts(args[1], a, args[0].shape) if a["mode"] == CLIP else args[1]
+    return [lax.gather(args[0], indices, dn, a["slice_sizes"], mode=_LAX_MODES[a["mode"]],
                        fill_value=a["fill_value"])]
+
+
+def _clamped_starts(indices, a: dict, operand_shape):
+    """A clipping gather's starts clamped into bounds explicitly: XLA:CPU (jaxlib 0.10.2)
+    folds a dynamic slice of such a gather into the gather at the summed start and
+    clamps that against the slice's smaller size (what a partitioned program's per-device
+    slice of a replicated gather is; plain jax's reproducer in test_gather_scatter.py)."""
+    highest = np.array([operand_shape[d] - a["slice_sizes"][d] for d in a["start_index_map"]], indices.dtype)
+    return lax.clamp(lax.full_like(indices, 0), indices,
+                     lax.broadcast_in_dim(highest, indices.shape, (indices.ndim - 1,)))
 
 
 _LAX_SCATTERS = {None: lax.scatter, ADD: lax.scatter_add, MUL: lax.scatter_mul, MIN: lax.scatter_min,
