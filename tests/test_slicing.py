@@ -363,3 +363,31 @@ def test_a_clamped_dynamic_slice_times_a_split_value(backend):
     f = gspmd.jit(_clamped_slice_times, mesh=mesh, backend=backend)
     for k in (6, 1, -1):
         np.testing.assert_array_equal(f(x, np.int32(k), placed), _clamped_slice_times(x, np.int32(k), g))
+
+
+def _update_at(a, u, k):
+    return lax.dynamic_update_slice(a, u, (k, np.int32(0), np.int32(0)))
+
+
+def _update_inputs():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("y",))
+    a, u = np.arange(8, dtype=np.float32).reshape(4, 1, 2), np.full((1, 1, 1), -1, np.float32)
+    return mesh, a, u, jax.device_put(a, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("y")))
+
+
+@pytest.mark.xfail(strict=True, reason="XLA's SPMD partitioner clamps an out-of-range start of a dynamic update "
+                                       "slice per device, against its own piece (jax 0.10.2 and 0.12.1)")
+def test_xla_clamps_a_split_dynamic_update_slice_per_device():
+    """Found by the fuzzer's placed inputs (seed 97211, shrunk): start 4 of a [4, 1, 2]
+    operand split 2 ways along dim 0 is clamped to 3 (the update lands on row 3) by eager
+    jax and gspmd; jax.jit leaves the operand unchanged."""
+    _, a, u, placed = _update_inputs()
+    np.testing.assert_array_equal(jax.jit(_update_at)(placed, u, np.int32(4)), _update_at(a, u, np.int32(4)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_out_of_range_update_of_a_split_operand(backend):
+    mesh, a, u, placed = _update_inputs()
+    f = gspmd.jit(_update_at, mesh=mesh, backend=backend)
+    for k in (4, 3, 1, -1):
+        np.testing.assert_array_equal(f(placed, u, np.int32(k)), _update_at(a, u, np.int32(k)))
