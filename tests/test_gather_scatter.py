@@ -485,8 +485,9 @@ def test_xla_clamps_a_sliced_clipping_gather_against_the_slice():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_clipping_gather_split_over_the_devices(backend):
-    mesh = gspmd.Mesh(np.arange(6).reshape(3, 2), ("x", "y"))
+@pytest.mark.parametrize("devices", [6, 4])   # 6 columns split evenly, then 2, 2, 2, 0
+def test_a_clipping_gather_split_over_the_devices(backend, devices):
+    mesh = gspmd.Mesh(np.arange(devices).reshape(-1, 2), ("x", "y"))
     f = lambda a, k: gspmd.mesh_split(_rows_cut_at(a, k), mesh, [None, ("y", "x")])
     a = np.arange(14, dtype=np.float32).reshape(2, 7)
     for k in (8, 1, 0, -3):
