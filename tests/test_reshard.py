@@ -1,5 +1,6 @@
 """Resharding between any two layouts of a value, and the collective each classic
 transition must produce."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -255,6 +256,43 @@ def test_the_lower_bound_the_partitioner_prunes_with_never_exceeds_the_plan(case
     src, dst = gspmd.Sharding.from_mesh(src_mesh, src_map, shape), gspmd.Sharding.from_mesh(dst_mesh, dst_map, shape)
     hw = cm.profile(hardware)
     assert cm.rounded(cm.at_least(src, dst, shape, 4, hw)) <= cm.rounded(rs.cost(src, dst, shape, 4, hw))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(reshard_cases(), st.sampled_from([None, BYTES_RECEIVED, "a100"]))
+def test_the_quick_cost_is_the_searched_cost_where_one_collective_does_it(case, hardware):
+    """Completion and the partition rules price hypothetical layouts without searching:
+    never below the searched plan, and equal to it where the searched plan is a single
+    collective (a gather, one all-to-all, one exchange), maybe with a cut."""
+    src_mesh, src_map, dst_mesh, dst_map, shape = case
+    src, dst = gspmd.Sharding.from_mesh(src_mesh, src_map, shape), gspmd.Sharding.from_mesh(dst_mesh, dst_map, shape)
+    hw = cm.profile(hardware)
+    searched, quick = cm.rounded(rs.cost(src, dst, shape, 4, hw)), cm.rounded(rs.quick_cost(src, dst, shape, 4, hw))
+    assert quick >= searched
+    collectives = [s for s in rs.plan(src, dst, shape, 4, hw) if not isinstance(s, SliceStep)]
+    if len(collectives) == 1 and type(collectives[0]) in (GatherStep, AllToAllStep, ExchangeStep):
+        assert quick == searched, (src, dst, shape, rs.plan(src, dst, shape, 4, hw))
+
+
+def test_only_the_reshards_a_program_runs_are_searched(monkeypatch):
+    """Choosing layouts (completion's conflicts, the candidate layouts of dots and
+    element-wise ops) prices many reshards that never run; only those that
+    run are searched for their cheapest plan (a search costs milliseconds even on 8
+    devices)."""
+    searched, ran = set(), set()
+    search, reshard = rs._search, rs.reshard
+    monkeypatch.setattr(rs, "_search", lambda src, dst, shape, *a: searched.add((src, dst, shape)) or search(src, dst, shape, *a))
+    monkeypatch.setattr(rs, "reshard", lambda ctx, pv, dst: ran.add((pv.sharding, dst, tuple(pv.shape))) or reshard(ctx, pv, dst))
+    rs._plan.cache_clear(), rs._cost.cache_clear()
+
+    def f(x, w1, w2):
+        x = gspmd.mesh_split(x, MESH, ["x", -1, "y"])
+        h = jnp.tanh(jnp.einsum("bsd,df->bsf", x, gspmd.mesh_split(w1, MESH, ["y", "x"])))
+        return jnp.einsum("bsf,fd->bsd", h, gspmd.mesh_split(w2, MESH, ["x", "y"])).sum()
+    rng = np.random.RandomState(0)
+    args = [rng.standard_normal(s).astype(np.float32) for s in [(4, 6, 16), (16, 24), (24, 16)]]
+    gspmd.jit(jax.grad(f, argnums=(1, 2))).lower(*args)
+    assert searched and searched <= ran
 
 
 @pytest.mark.parametrize("hardware, src_mesh, src_map, dst_mesh, dst_map, shape", [

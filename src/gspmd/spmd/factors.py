@@ -319,7 +319,7 @@ def _cheapest_space(factors: tuple[Factor, ...], operands: tuple[_Tensor, ...], 
     def key(c: Sharding, price: Callable) -> tuple:
         seconds = _cost(factors, c, operands, outputs, targets, hw, price)
         return rounded(seconds), c.order_key(), seconds
-    best, (*_, seconds) = _cheapest(list(merged), lambda c: key(c, at_least), lambda c: key(c, rs.cost))
+    best, (*_, seconds) = _cheapest(list(merged), lambda c: key(c, at_least), lambda c: key(c, rs.quick_cost))
     return best, seconds
 
 
@@ -381,7 +381,7 @@ def run(ctx: DeviceContext, instr: Instr, factors: Sequence[Factor], space: Shar
 
 def _combine_partials(ctx, pv: PartitionedValue, space, red, reducer, target) -> PartitionedValue:
     groups = groups_along(space, red)
-    d, _ = _combine_plan(space, red, pv.sharding, target, pv.shape, pv.dtype.itemsize, ctx.hardware)
+    d, _ = _combine_plan(space, red, pv.sharding, target, pv.shape, pv.dtype.itemsize, ctx.hardware, rs.quick_cost)
     if d is not None:
         y = ctx.reduce_scatter(pv.local, d, groups, reducer, Why.PARTIAL_RESULTS, "reduce-scatter")
         return PartitionedValue(y, _scattered(space, red, pv.sharding, pv.shape)[d], pv.shape)

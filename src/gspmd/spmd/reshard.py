@@ -33,7 +33,7 @@ EXPANDING_WORK = 25600  # up to EXPANDING_WORK / devices of them from 256 device
 # trying): 128 on 8 devices, 32 on 16, none from 128 on, where the direct gathers stand
 # and planning at paper scale stays seconds.
 IMPROVING_WORK = 8192
-SEARCHED_UP_TO = 64      # devices up to which completion prices conflicts with the searched plan
+ONE_COLLECTIVE_UP_TO = 64   # devices up to which plans without a search include one all-to-all or exchange
 ALL_FACTORS_UP_TO = 16   # tiles of a split up to which every divisor is a factor to try
 
 
@@ -164,9 +164,19 @@ def _plan(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int, h
     if 0 in shape:   # nothing to move
         return (MakeEmptyStep(dst),)
     # The direct gathers are usually the plan; the search, bounded by them, looks for a
-    # cheaper one (an all-to-all that turns a slow ring into faster sub-rings, say).
+    # cheaper one (an all-to-all that turns a slow ring into faster sub-rings, say). The
+    # one-collective plans quick_cost prices are taken where the search, comparing
+    # exchanges by an upper bound of their cost, passed one by: what completion and the
+    # partition rules price is never below what runs.
     direct = _direct(src, dst, shape, itemsize, hw)
-    return _label_fallbacks(_search(src, dst, shape, itemsize, hw, direct), src, dst)
+    found = _search(src, dst, shape, itemsize, hw, direct)
+    return _label_fallbacks(_cheapest_plan([found] + _one_collective(src, dst, shape), src, shape, itemsize, hw),
+                            src, dst)
+
+
+def _cheapest_plan(plans: list[tuple], src: Sharding, shape: tuple[int, ...], itemsize: int, hw: cm.Hardware) -> tuple:
+    """The cheapest of `plans`, the first of those that cost the same."""
+    return min(plans, key=lambda steps: rounded(_chain_cost(steps, src, shape, itemsize, hw)))
 
 
 def _direct(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int, hw: cm.Hardware) -> Optional[tuple]:
@@ -315,11 +325,11 @@ def _cost(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int, h
 
 def quick_cost(src: Sharding, dst: Sharding, shape: Sequence[int], itemsize: int, hw: cm.Hardware) -> Cost:
     """What resharding takes, for comparing many hypothetical layouts (completion's
-    conflicts): `cost` up to SEARCHED_UP_TO devices; beyond, where one search takes
-    seconds, the cheapest plan found without searching (a cut, the direct gathers, or
-    gathering to the finest common split and cutting) -- never below `cost`."""
-    if src.num_devices <= SEARCHED_UP_TO:
-        return cost(src, dst, shape, itemsize, hw)
+    conflicts, the partition rules' candidate layouts), without searching: the cheapest
+    of a cut, the direct gathers, gathering to the finest common split and cutting, and
+    the one-collective plans (a single all-to-all or exchange) -- never below `cost`,
+    equal to it where one collective does it. A search costs milliseconds even on 8
+    devices, and most of the reshards priced never run; those that run are searched."""
     return _quick_cost(src, dst, tuple(shape), itemsize, hw)
 
 
@@ -327,7 +337,26 @@ def quick_cost(src: Sharding, dst: Sharding, shape: Sequence[int], itemsize: int
 def _quick_cost(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int, hw: cm.Hardware) -> Cost:
     if src == dst or 0 in shape:
         return FREE
-    return _chain_cost(_settle(src, dst, shape, itemsize, hw, [((), src)]), src, shape, itemsize, hw)
+    plans = [_settle(src, dst, shape, itemsize, hw, [((), src)])] + _one_collective(src, dst, shape)
+    return _chain_cost(_cheapest_plan(plans, src, shape, itemsize, hw), src, shape, itemsize, hw)
+
+
+def _one_collective(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> list[tuple]:
+    """The plans of one collective a search tries first beside the gathers: each
+    all-to-all (of one move or several) that lands on dst (or on a layout dst's split
+    refines, then cut) and the exchange of pieces from their holders; none beyond
+    ONE_COLLECTIVE_UP_TO devices (large meshes plan on the gathers alone, in seconds)."""
+    if src.num_devices > ONE_COLLECTIVE_UP_TO:
+        return []
+    plans = []
+    for step in _all_to_alls(src, dst, shape):
+        if step.target == dst:
+            plans.append((step,))
+        elif subdivides(dst, step.target, shape):
+            plans.append((step, SliceStep(dst)))
+    if (t := transfers(src, dst, shape)) is not None and t.rounds() <= MAX_ROUNDS:
+        plans.append((ExchangeStep(dst),))
+    return plans
 
 
 def _chain_cost(steps, src: Sharding, shape, itemsize: int, hw: cm.Hardware) -> Cost:
