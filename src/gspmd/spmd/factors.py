@@ -212,12 +212,12 @@ def _scattered(space: Sharding, red: list[int], out: Sharding, shape) -> dict[in
 
 
 def _combine_plan(space: Sharding, red: list[int], out: Sharding, target: Sharding, shape,
-                  itemsize: int, hw: cm.Hardware, reshard: Callable = rs.cost) -> tuple[Optional[int], Cost]:
+                  itemsize: int, hw: cm.Hardware, reshard: Callable) -> tuple[Optional[int], Cost]:
     """How to combine partial results on their way to `target`: a reduce-scatter along
     some dim (then a reshard) or an all-reduce (dim None, then a reshard), whichever
     costs less; at equal cost, the reduce-scatter that lands on the target, then the
-    all-reduce, then the first dim, on `hw`. `reshard` prices the reshards (at_least: a
-    lower bound of the cost)."""
+    all-reduce, then the first dim, on `hw`. `reshard` prices the reshards (quick_cost;
+    at_least: a lower bound of the cost)."""
     groups = groups_along(space, red)
     local_bytes = math.prod(out.shard_shape(shape)) * itemsize
     options = [(None, cm.collective_seconds(cm.Pattern.ALL_REDUCE, local_bytes, groups, space.num_devices, hw), out)]
