@@ -1,5 +1,6 @@
 """dot_general under any combination of operand and result shardings, vs one device."""
 import string
+from collections import Counter
 
 import jax.numpy as jnp
 import numpy as np
@@ -102,3 +103,31 @@ def test_conflicting_operands_reshard_the_cheaper_one():
     # lhs is small (2 x 16), rhs large (16 x 64): move lhs, never gather rhs.
     out = collectives_of("bk,kn->bn", ["x", "y"], [-1, "x"], [-1, "x"], shapes=((2, 16), (16, 64)))
     assert all(nbytes <= 2 * 16 * 4 for _, nbytes in out), out
+
+
+def _projections(n: int):
+    """n projections of one activation whose model dim is split over "x", by weights split
+    (model over "y", heads over "x") as keras-hub's Llama lays them out: what runs."""
+    rng = np.random.RandomState(0)
+    act = rng.standard_normal((8, 16, 64)).astype(np.float32)
+    weights = [rng.standard_normal((64, 4, 16)).astype(np.float32) for _ in range(n)]
+
+    def f(a, *ws):
+        a = gspmd.mesh_split(a, MESH, [-1, -1, "x"])
+        return [gspmd.mesh_split(jnp.einsum("bsm,mhd->bshd", a, gspmd.mesh_split(w, MESH, ["y", "x", -1])),
+                                 MESH, [-1, -1, "x", -1]) for w in ws]
+
+    partitioned = gspmd.jit(f, mesh=MESH)
+    for got, w in zip(partitioned(act, *weights), weights):
+        np.testing.assert_allclose(got, np.einsum("bsm,mhd->bshd", act, w), rtol=1e-4, atol=1e-4)
+    return Counter(c.kind for c in partitioned.lower(act, *weights).report().collectives)
+
+
+def test_projections_of_one_activation_share_its_reshard():
+    # Alone, a projection moves its weight (gathered over "y", moved to the model dim over
+    # "x") rather than the larger activation. Q, K and V of one activation share its
+    # reshard (made once: common-subexpression elimination), so between them they move it
+    # once, over "x" to the weights' model split, and no weight moves: XLA's choice.
+    assert _projections(1)["all-to-all"] == 1
+    kinds = _projections(3)
+    assert kinds == Counter({"all-reduce": 3, "all-gather": 1}), kinds

@@ -4,7 +4,7 @@ the passes after partitioning (passes.AFTER_PARTITION) then rewrite."""
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
@@ -43,8 +43,10 @@ def _partition(program: Program, num_devices: int, hw: cm.Hardware, in_layouts: 
             return _partition(sub, num_devices, hw, ins, outs, subgroups)
         return _partition(sub, region_subgroups.shape[1], hw, ins, outs, region_subgroups)
 
+    sharers = _sharers(program)
     ctx = DeviceContext(b, num_devices, partition_subprogram=partition_subprogram, partitioned=env.__getitem__,
-                        subgroups=subgroups, hardware=hw, tidy=partial(passes.run, pipeline=passes.AFTER_PARTITION))
+                        subgroups=subgroups, hardware=hw, tidy=partial(passes.run, pipeline=passes.AFTER_PARTITION),
+                        sharers=sharers)
     for p, layout in zip(program.params, in_layouts):
         local = b.param(layout.shard_shape(p.shape), p.dtype, hint=p.name)
         local.sharding = layout
@@ -57,7 +59,7 @@ def _partition(program: Program, num_devices: int, hw: cm.Hardware, in_layouts: 
         b.origin, b.source = _describe(instr), instr.source
         b.recomputed = instr.recomputed
         operands = [env[o] for o in instr.operands]
-        key = _replay_key(instr, operands)
+        key = _replay_key(instr, operands, sharers)
         results = replays.replay(key, b, operands)
         if results is None:
             start = len(spmd.instrs)
@@ -144,14 +146,38 @@ class _Replays:
         return [PartitionedValue(copies.get(pv.local, pv.local), pv.sharding, pv.shape) for pv in results]
 
 
-def _replay_key(instr: Instr, operands: list[PartitionedValue]) -> Optional[tuple]:
+def _sharers(program: Program) -> Callable[[Instr], tuple[int, ...]]:
+    """sharers(instr): per operand of `instr`, how many ops alike read that value there
+    (instr among them): the same opcode and attributes on operands and results laid out
+    alike. Such ops (the Q, K and V projections of one activation) take the same layouts
+    for the same reasons, and resharding the operand is paid once for all of them:
+    common-subexpression elimination keeps one copy of the reshard."""
+    counts: dict[tuple, int] = {}
+    keys: dict[int, list[tuple]] = {}     # id(instr) -> its operands' keys
+    for instr in program.instrs:
+        alike = (instr.opcode, attrs_key(instr), tuple(o.sharding for o in instr.operands),
+                 tuple(o.sharding for o in instr.outputs))
+        keys[id(instr)] = [(id(o), t, alike) for t, o in enumerate(instr.operands)]
+        for key in keys[id(instr)]:
+            counts[key] = counts.get(key, 0) + 1
+
+    def sharers(instr: Instr) -> tuple[int, ...]:
+        if id(instr) not in keys:      # an op a rule made: alone
+            return (1,) * len(instr.operands)
+        return tuple(counts[key] for key in keys[id(instr)])
+    return sharers
+
+
+def _replay_key(instr: Instr, operands: list[PartitionedValue],
+                sharers: Callable[[Instr], tuple[int, ...]]) -> Optional[tuple]:
     """What the common factor rule reads of `instr` and its operands (which operands are
-    one value, too); None where the op has a rule of its own."""
+    one value, too, and how many ops share their reshards); None where the op has a rule
+    of its own."""
     rule = ops.lookup(instr.opcode).rule
     if rule.partition is not None or rule.factors is None:
         return None
     locals_ = [pv.local for pv in operands]
     return (instr.opcode, attrs_key(instr),
             tuple((pv.sharding, pv.shape, pv.local.shape, pv.dtype, locals_.index(pv.local)) for pv in operands),
-            tuple((o.shape, o.dtype, o.sharding) for o in instr.outputs))
+            tuple((o.shape, o.dtype, o.sharding) for o in instr.outputs), sharers(instr))
 

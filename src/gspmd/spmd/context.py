@@ -7,7 +7,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from gspmd.ir import Builder, Program, Value, emit
+from gspmd.ir import Builder, Instr, Program, Value, emit
 from gspmd.ir.emit import INDEX_DTYPE
 from gspmd.ir.reducer import Reducer
 from gspmd.spmd.cost import DEFAULT, Hardware
@@ -38,12 +38,15 @@ class DeviceContext:
                  partition_subprogram: Optional[PartitionSubprogram] = None,
                  partitioned: Optional[Callable[[Value], object]] = None,
                  subgroups: Optional[np.ndarray] = None, hardware: Hardware = DEFAULT,
-                 tidy: Callable[[Program], Program] = lambda program: program):
+                 tidy: Callable[[Program], Program] = lambda program: program,
+                 sharers: Callable[[Instr], tuple[int, ...]] = lambda instr: (1,) * len(instr.operands)):
         """The driver's hooks: partition_subprogram partitions loop bodies and conditions;
         partitioned(value) is the PartitionedValue of any value already partitioned (for
         rules that look through their operands' producers); tidy runs the passes every
         per-device program gets again, on one a rule rewrote after it was made. `hardware`
-        is what the rules' choices (reshard plans, layouts) are priced on."""
+        is what the rules' choices (reshard plans, layouts) are priced on; sharers(instr),
+        per operand, how many ops alike (instr itself among them) reshard that operand alike
+        and so share what it costs (see partitioner._sharers)."""
         self.b = builder
         self.hardware = hardware
         self.num_devices = num_devices
@@ -55,6 +58,7 @@ class DeviceContext:
         self.partition_subprogram = partition_subprogram
         self.partitioned = partitioned
         self.tidy = tidy
+        self.sharers = sharers
 
     def real_groups(self, groups) -> np.ndarray:
         """Groups of virtual devices as groups of real devices, in every subgroup."""

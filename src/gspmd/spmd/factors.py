@@ -265,39 +265,44 @@ def partition(ctx: DeviceContext, instr: Instr, factors: Sequence[Factor],
     locally, combine partial results, reshard to the targets. `pinned`, a factor-space
     layout, is merged first into every candidate: the op's local code relies on those
     splits (convolution spatial dims after halo exchange)."""
-    space = choose_space(instr, factors, operands, targets, ctx.hardware, pinned)
+    space = choose_space(instr, factors, operands, targets, ctx.hardware, pinned, shared=ctx.sharers(instr))
     return run(ctx, instr, factors, space, operands, targets, emit_local)
 
 
 def choose_space(instr: Instr, factors: Sequence[Factor], operands: Sequence[PartitionedValue],
                  targets: Sequence[Sharding], hw: cm.Hardware, pinned: Optional[Sharding] = None,
-                 candidates: Sequence[Sharding] = ()) -> Sharding:
+                 candidates: Sequence[Sharding] = (), shared: Sequence[int] = ()) -> Sharding:
     """The cheapest factor-space layout on `hw` among those each tensor's layout
-    suggests and the given `candidates`."""
-    return cheapest_space(instr, factors, operands, targets, hw, pinned, candidates)[0]
+    suggests and the given `candidates`; `shared`, per operand, how many ops alike share
+    what resharding it takes (DeviceContext.sharers)."""
+    return cheapest_space(instr, factors, operands, targets, hw, pinned, candidates, shared)[0]
 
 
 def cheapest_space(instr: Instr, factors: Sequence[Factor], operands: Sequence[PartitionedValue],
                    targets: Sequence[Sharding], hw: cm.Hardware, pinned: Optional[Sharding] = None,
-                   candidates: Sequence[Sharding] = ()) -> tuple[Sharding, Cost]:
+                   candidates: Sequence[Sharding] = (), shared: Sequence[int] = ()) -> tuple[Sharding, Cost]:
     """choose_space's layout, with what it costs."""
-    return _cheapest_space(tuple(factors), _described(operands), _described(instr.outputs, with_layout=False),
-                           tuple(targets), pinned, tuple(candidates), hw)
+    return _cheapest_space(tuple(factors), _described(operands, shared=shared),
+                           _described(instr.outputs, with_layout=False), tuple(targets), pinned, tuple(candidates), hw)
 
 
 class _Tensor(NamedTuple):
-    """What choosing and pricing a layout reads of a value (layout None: the op's results)."""
+    """What choosing and pricing a layout reads of a value (layout None: the op's results;
+    shared: how many ops alike share what resharding it takes, see DeviceContext.sharers)."""
     sharding: Optional[Sharding]
     shape: tuple[int, ...]
     itemsize: int
+    shared: int = 1
 
     @property
     def rank(self) -> int:
         return len(self.shape)
 
 
-def _described(values: Sequence, with_layout: bool = True) -> tuple[_Tensor, ...]:
-    return tuple(_Tensor(v.sharding if with_layout else None, tuple(v.shape), v.dtype.itemsize) for v in values)
+def _described(values: Sequence, with_layout: bool = True, shared: Sequence[int] = ()) -> tuple[_Tensor, ...]:
+    shared = shared or (1,) * len(values)
+    return tuple(_Tensor(v.sharding if with_layout else None, tuple(v.shape), v.dtype.itemsize, n)
+                 for v, n in zip(values, shared))
 
 
 @functools.lru_cache(maxsize=16384)
@@ -341,7 +346,7 @@ def cost(factors: Sequence[Factor], space: Sharding, operands: Sequence[Partitio
 
 def _cost(factors: Sequence[Factor], space: Sharding, operands: Sequence[_Tensor], outputs: Sequence[_Tensor],
           targets: Sequence[Sharding], hw: cm.Hardware, reshard: Callable) -> Cost:
-    costs = [reshard(o.sharding, tensor_layout(factors, t, space, o.rank), o.shape, o.itemsize, hw)
+    costs = [reshard(o.sharding, tensor_layout(factors, t, space, o.rank), o.shape, o.itemsize, hw) / o.shared
              for t, o in enumerate(operands)]
     red = _reduce_factors(factors, space)
     for j, (out, target) in enumerate(zip(outputs, targets)):
