@@ -3,6 +3,7 @@ partition rule for per-device code; the result is one program for all devices, w
 the passes after partitioning (passes.AFTER_PARTITION) then rewrite."""
 from __future__ import annotations
 
+from collections import Counter
 from functools import partial
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
@@ -151,21 +152,29 @@ def _sharers(program: Program) -> Callable[[Instr], tuple[int, ...]]:
     (instr among them): the same opcode and attributes on operands and results laid out
     alike. Such ops (the Q, K and V projections of one activation) take the same layouts
     for the same reasons, and resharding the operand is paid once for all of them:
-    common-subexpression elimination keeps one copy of the reshard."""
-    counts: dict[tuple, int] = {}
-    keys: dict[int, list[tuple]] = {}     # id(instr) -> its operands' keys
+    common-subexpression elimination keeps one copy of the reshard. Counted for the ops
+    the common factor rule partitions, the only ones that ask."""
+    readers = Counter(id(o) for instr in program.instrs for o in instr.operands)
+    counts: Counter = Counter()
+    keys: dict[int, dict[int, tuple]] = {}     # id(instr) -> {operand read by others too: its key}
     for instr in program.instrs:
-        alike = (instr.opcode, attrs_key(instr), tuple(o.sharding for o in instr.operands),
-                 tuple(o.sharding for o in instr.outputs))
-        keys[id(instr)] = [(id(o), t, alike) for t, o in enumerate(instr.operands)]
-        for key in keys[id(instr)]:
-            counts[key] = counts.get(key, 0) + 1
+        shared = [t for t, o in enumerate(instr.operands) if readers[id(o)] > 1]
+        if shared and _common_rule(instr):
+            alike = (instr.opcode, attrs_key(instr), tuple(o.sharding for o in instr.operands),
+                     tuple(o.sharding for o in instr.outputs))
+            keys[id(instr)] = {t: (id(instr.operands[t]), t, alike) for t in shared}
+            counts.update(keys[id(instr)].values())
 
     def sharers(instr: Instr) -> tuple[int, ...]:
-        if id(instr) not in keys:      # an op a rule made: alone
-            return (1,) * len(instr.operands)
-        return tuple(counts[key] for key in keys[id(instr)])
+        mine = keys.get(id(instr), {})
+        return tuple(counts[mine[t]] if t in mine else 1 for t in range(len(instr.operands)))
     return sharers
+
+
+def _common_rule(instr: Instr) -> bool:
+    """Does the common factor rule partition `instr` (no rule of its own)?"""
+    rule = ops.lookup(instr.opcode).rule
+    return rule.partition is None and rule.factors is not None
 
 
 def _replay_key(instr: Instr, operands: list[PartitionedValue],
@@ -173,8 +182,7 @@ def _replay_key(instr: Instr, operands: list[PartitionedValue],
     """What the common factor rule reads of `instr` and its operands (which operands are
     one value, too, and how many ops share their reshards); None where the op has a rule
     of its own."""
-    rule = ops.lookup(instr.opcode).rule
-    if rule.partition is not None or rule.factors is None:
+    if not _common_rule(instr):
         return None
     locals_ = [pv.local for pv in operands]
     return (instr.opcode, attrs_key(instr),
