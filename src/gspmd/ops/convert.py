@@ -203,13 +203,16 @@ class LowerContext:
         self.run = run
         self.ids = ids
         self.row_major = row_major   # the program has a kernel that takes only row-major layouts
+        self._axis_size: Optional[int] = None
 
     def axis_index(self):
         """This device's position in the mesh."""
         return lax.axis_index(self.axis)
 
     def axis_size(self) -> int:
-        return lax.axis_size(self.axis)
+        if self._axis_size is None:     # lax.axis_size binds a psum each time it is asked
+            self._axis_size = lax.axis_size(self.axis)
+        return self._axis_size
 
     def device_id(self):
         """This device's id (partition-id)."""
