@@ -105,19 +105,20 @@ def test_conflicting_operands_reshard_the_cheaper_one():
     assert all(nbytes <= 2 * 16 * 4 for _, nbytes in out), out
 
 
-def _projections(n: int):
+def _projections(n: int, model: int = 64, heads: int = 4, backend: str = "sim"):
     """n projections of one activation whose model dim is split over "x", by weights split
-    (model over "y", heads over "x") as keras-hub's Llama lays them out: what runs."""
+    (model over "y", heads over "x") as keras-hub's Llama lays them out, equal to one
+    device's: the collectives that run."""
     rng = np.random.RandomState(0)
-    act = rng.standard_normal((8, 16, 64)).astype(np.float32)
-    weights = [rng.standard_normal((64, 4, 16)).astype(np.float32) for _ in range(n)]
+    act = rng.standard_normal((8, 16, model)).astype(np.float32)
+    weights = [rng.standard_normal((model, heads, 16)).astype(np.float32) for _ in range(n)]
 
     def f(a, *ws):
         a = gspmd.mesh_split(a, MESH, [-1, -1, "x"])
         return [gspmd.mesh_split(jnp.einsum("bsm,mhd->bshd", a, gspmd.mesh_split(w, MESH, ["y", "x", -1])),
                                  MESH, [-1, -1, "x", -1]) for w in ws]
 
-    partitioned = gspmd.jit(f, mesh=MESH)
+    partitioned = gspmd.jit(f, mesh=MESH, backend=backend)
     for got, w in zip(partitioned(act, *weights), weights):
         np.testing.assert_allclose(got, np.einsum("bsm,mhd->bshd", act, w), rtol=1e-4, atol=1e-4)
     return Counter(c.kind for c in partitioned.lower(act, *weights).report().collectives)
@@ -130,4 +131,12 @@ def test_projections_of_one_activation_share_its_reshard():
     # once, over "x" to the weights' model split, and no weight moves: XLA's choice.
     assert _projections(1)["all-to-all"] == 1
     kinds = _projections(3)
+    assert kinds == Counter({"all-reduce": 3, "all-gather": 1}), kinds
+
+
+@pytest.mark.parametrize("backend", ["sim", "jax"])
+def test_projections_sharing_a_reshard_over_dims_that_do_not_divide(backend):
+    # A model dim of 62 over "y" (4) and "x" (2), 3 heads over "x": padded shards, and
+    # still the activation moved once for all three.
+    kinds = _projections(3, model=62, heads=3, backend=backend)
     assert kinds == Counter({"all-reduce": 3, "all-gather": 1}), kinds
